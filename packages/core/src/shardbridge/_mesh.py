@@ -1,0 +1,242 @@
+"""Parallel dimensions and the one DeviceMesh every shardbridge component shares.
+
+[Note: mesh axes]
+
+The world is one 4-D mesh, outermost first::
+
+    (dp_replicate, dp_shard, cp, tp)
+
+Every axis exists even when its degree is 1, so code never branches on "is there a tp
+axis". Flattened axes name the groups users need::
+
+    dp          = dp_replicate x dp_shard        data loading: ranks that see different batches
+    dp_shard_cp = dp_shard x cp                  FSDP sharding
+    dp_cp       = dp_replicate x dp_shard x cp   loss / gradient reduction
+    weight      = dp_shard x cp x tp             every rank holding a different piece of a weight:
+                                                 the amax group of per-tensor FP8 scaling
+                                                 (excludes dp_replicate: replicas hold equal pieces)
+
+Example, world 8 = dp_replicate 2 x dp_shard 2 x tp 2 (cp 1)::
+
+    rank:          0  1  2  3  4  5  6  7
+    dp_replicate:  0  0  0  0  1  1  1  1
+    dp_shard:      0  0  1  1  0  0  1  1
+    tp:            0  1  0  1  0  1  0  1
+    weight group of rank 0: {0, 1, 2, 3}     dp group of rank 0: {0, 2, 4, 6}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MESH_AXES", "FLATTENED_AXES", "ParallelDims", "ParallelMesh"]
+
+#: The axes of the full mesh, outermost first.
+MESH_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
+
+#: Flattened axes and the mesh axes they combine.
+FLATTENED_AXES: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "weight": ("dp_shard", "cp", "tp"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Degrees of the parallel axes; their product is the world size.
+
+    Example:
+        >>> dims = ParallelDims(dp_shard=-1, tp=2).resolve(world_size=8)
+        >>> dims.dp_shard
+        4
+    """
+
+    dp_replicate: int = 1
+    """Replicas of the sharded model (the outer axis of HSDP). 1 = no replication."""
+
+    dp_shard: int = -1
+    """Ranks one FSDP shard group spans. -1 = whatever the other axes leave of the world."""
+
+    cp: int = 1
+    """Context-parallel degree (sequence split). 1 = off. Folded into FSDP sharding."""
+
+    tp: int = 1
+    """Tensor-parallel degree. 1 = off."""
+
+    def __post_init__(self) -> None:
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+            if name == "dp_shard" and value == -1:
+                continue
+            if value < 1:
+                hint = " (only dp_shard may be -1, meaning 'the rest')" if value == -1 else ""
+                raise ValueError(f"{name}({value}) must be >= 1{hint}; set {name}=1 to turn it off")
+
+    @property
+    def is_resolved(self) -> bool:
+        """True when no degree is -1."""
+        return self.dp_shard != -1
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """Fill ``dp_shard=-1`` and check that the degrees multiply to ``world_size``.
+
+        Args:
+            world_size: number of ranks.
+
+        Returns:
+            A resolved copy (no -1).
+
+        Raises:
+            ValueError: the degrees do not fit the world size; the message says what to set.
+
+        Example:
+            >>> ParallelDims(dp_replicate=2, tp=2).resolve(8).dp_shard
+            2
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size({world_size}) must be >= 1")
+        others = self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            if world_size % others != 0:
+                raise ValueError(
+                    f"dp_replicate({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) = {others} "
+                    f"does not divide world_size({world_size}); choose degrees whose product divides it"
+                )
+            return dataclasses.replace(self, dp_shard=world_size // others)
+        product = others * self.dp_shard
+        if product != world_size:
+            raise ValueError(
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) "
+                f"* tp({self.tp}) = {product} != world_size({world_size}); "
+                "set dp_shard=-1 to infer it"
+            )
+        return self
+
+    def degree(self, axis: str) -> int:
+        """Degree of a mesh axis or of a flattened axis (product of its parts)."""
+        self._require_resolved()
+        if axis in MESH_AXES:
+            return getattr(self, axis)
+        if axis in FLATTENED_AXES:
+            return math.prod(getattr(self, a) for a in FLATTENED_AXES[axis])
+        raise ValueError(f"unknown axis {axis!r}; known axes: {', '.join(MESH_AXES + tuple(FLATTENED_AXES))}")
+
+    @property
+    def world_size(self) -> int:
+        """Product of all degrees."""
+        self._require_resolved()
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Whether parameters are sharded or replicated over a data-parallel axis."""
+        return self.degree("dp_cp") > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        """Whether FSDP runs as HSDP (replicas of a sharded model)."""
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        """Whether tensor parallelism is on."""
+        return self.tp > 1
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The full mesh shape in :data:`MESH_AXES` order."""
+        self._require_resolved()
+        return tuple(getattr(self, a) for a in MESH_AXES)
+
+    def build_mesh(self, device_type: str = "cpu", *, world_size: int | None = None) -> ParallelMesh:
+        """Build the full DeviceMesh and all named sub-meshes.
+
+        Needs an initialised default process group. A -1 degree is resolved against
+        ``world_size`` (default: the process group's world size).
+
+        Args:
+            device_type: "cpu" (gloo) or "cuda" (nccl).
+            world_size: override for the world size used to resolve -1.
+
+        Example:
+            >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
+            >>> pm["weight"].size(), pm["dp"].size()  # doctest: +SKIP
+            (4, 2)
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ParallelDims.build_mesh needs an initialised process group; "
+                "call torch.distributed.init_process_group first (torchrun sets the env)"
+            )
+        actual_world = dist.get_world_size()
+        dims = self.resolve(world_size or actual_world)
+        if dims.world_size != actual_world:
+            raise ValueError(
+                f"ParallelDims world size {dims.world_size} != process group world size {actual_world}; "
+                "set dp_shard=-1 to infer it"
+            )
+        mesh = init_device_mesh(device_type, dims.mesh_shape(), mesh_dim_names=MESH_AXES)
+        axes = {axis: mesh[axis] for axis in MESH_AXES}
+        # Keep the flattened meshes ourselves: slicing a flattened dim from the root mesh
+        # is deprecated in torch >= 2.11.
+        for name, parts in FLATTENED_AXES.items():
+            axes[name] = mesh[parts]._flatten(name)
+        return ParallelMesh(dims=dims, mesh=mesh, axes=axes)
+
+    def _require_resolved(self) -> None:
+        if not self.is_resolved:
+            raise ValueError("dp_shard is -1; call resolve(world_size) first")
+
+    def __str__(self) -> str:
+        return ", ".join(f"{a}={getattr(self, a)}" for a in MESH_AXES)
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The full 4-D DeviceMesh plus named access to every axis.
+
+    ``pm["tp"]``, ``pm.tp``, ``pm["dp_shard_cp"]``, ``pm["weight"]`` ... return 1-D meshes
+    (size 1 for degree-1 axes). ``pm.fsdp_mesh`` is the mesh ``fully_shard`` takes.
+    Built by :meth:`ParallelDims.build_mesh`.
+    """
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+    axes: dict[str, DeviceMesh]
+
+    def __getitem__(self, axis: str) -> DeviceMesh:
+        try:
+            return self.axes[axis]
+        except KeyError:
+            raise KeyError(f"unknown axis {axis!r}; known axes: {', '.join(self.axes)}") from None
+
+    def __getattr__(self, axis: str) -> DeviceMesh:
+        if axis in MESH_AXES or axis in FLATTENED_AXES:
+            return self[axis]
+        raise AttributeError(axis)
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """``dp_shard_cp`` for FSDP, or the 2-D ``(dp_replicate, dp_shard_cp)`` mesh for HSDP."""
+        if not self.dims.hsdp_enabled:
+            return self["dp_shard_cp"]
+        # dp_cp = (dp_replicate, dp_shard, cp) flattened; unflattening it reuses its groups.
+        return self["dp_cp"]._unflatten(
+            0, (self.dims.dp_replicate, self.dims.degree("dp_shard_cp")), ("dp_replicate", "dp_shard_cp")
+        )
+
+    def coordinate(self) -> dict[str, int]:
+        """This rank's coordinate on every axis, flattened ones included."""
+        return {axis: mesh.get_local_rank() for axis, mesh in self.axes.items()}

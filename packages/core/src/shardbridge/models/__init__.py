@@ -1,0 +1,1 @@
+"""shardbridge.models."""

@@ -1,0 +1,179 @@
+"""ParallelDims / ParallelMesh: tier 1 (validation), tier 2 (fake process group, up to 64
+ranks) and tier 3 (real gloo)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from shardbridge import FLATTENED_AXES, MESH_AXES, ParallelDims
+from shardbridge.testing import run_distributed
+
+# ---------------------------------------------------------------- tier 1: validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 0}, r"tp\(0\) must be >= 1; set tp=1 to turn it off"),
+        ({"dp_replicate": -1}, r"dp_replicate\(-1\) must be >= 1 \(only dp_shard may be -1"),
+        ({"cp": -2}, r"cp\(-2\) must be >= 1"),
+        ({"dp_shard": 0}, r"dp_shard\(0\) must be >= 1"),
+        ({"tp": 2.0}, r"tp must be an int, got 2.0"),
+        ({"tp": True}, r"tp must be an int"),
+    ],
+)
+def test_bad_degrees_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs)
+
+
+def test_product_must_match_world_size():
+    with pytest.raises(ValueError, match=r"dp_shard\(3\) \* cp\(2\) \* tp\(2\) = 12 != world_size\(8\); set dp_shard=-1"):
+        ParallelDims(dp_shard=3, cp=2, tp=2).resolve(8)
+    with pytest.raises(ValueError, match=r"= 3 does not divide world_size\(8\)"):
+        ParallelDims(tp=3).resolve(8)
+
+
+def test_resolve_fills_the_rest():
+    dims = ParallelDims(dp_replicate=2, tp=2).resolve(16)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (2, 4, 1, 2)
+    assert dims.world_size == 16
+    assert dims.degree("weight") == 8 and dims.degree("dp") == 8 and dims.degree("dp_cp") == 8
+    assert dims.hsdp_enabled and dims.tp_enabled and dims.fsdp_enabled
+    assert not ParallelDims(tp=4).resolve(4).fsdp_enabled
+    with pytest.raises(ValueError, match="call resolve"):
+        ParallelDims().world_size
+    with pytest.raises(ValueError, match="unknown axis 'pp'"):
+        ParallelDims().resolve(1).degree("pp")
+
+
+# ---------------------------------------------------------------- tier 2: fake process group
+
+
+@pytest.fixture
+def fake_world():
+    created = []
+
+    def init(world_size, rank):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        created.append(True)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _expected_groups(dims, rank):
+    """Oracle: the ranks of each axis' group, from index arithmetic on the row-major mesh."""
+    shape = dims.mesh_shape()
+    coords = dict(zip(MESH_AXES, _unravel(rank, shape)))
+    groups = {}
+    for name, parts in [(a, (a,)) for a in MESH_AXES] + list(FLATTENED_AXES.items()):
+        members = []
+        for r in range(math.prod(shape)):
+            c = dict(zip(MESH_AXES, _unravel(r, shape)))
+            if all(c[a] == coords[a] for a in MESH_AXES if a not in parts):
+                members.append(r)
+        groups[name] = members
+    return groups
+
+
+def _unravel(rank, shape):
+    out = []
+    for size in reversed(shape):
+        out.append(rank % size)
+        rank //= size
+    return tuple(reversed(out))
+
+
+_LAYOUTS = [
+    dict(zip(MESH_AXES, d))
+    for d in itertools.product([1, 2], [1, 2, 4], [1, 2], [1, 2, 4])
+    if math.prod(d) <= 64
+] + [dict(dp_replicate=2, dp_shard=4, cp=2, tp=4), dict(dp_replicate=1, dp_shard=8, cp=1, tp=8)]
+
+
+@pytest.mark.parametrize("layout", _LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_every_axis_on_fake_world(fake_world, layout):
+    dims = ParallelDims(**layout).resolve(math.prod(layout.values()))
+    world = dims.world_size
+    for rank in sorted({0, world - 1, world // 2}):
+        fake_world(world, rank)
+        pm = dims.build_mesh("cpu")
+        expected = _expected_groups(dims, rank)
+        for axis, members in expected.items():
+            mesh = pm[axis]
+            assert mesh.ndim == 1
+            assert mesh.mesh.tolist() == members, (axis, rank)
+            assert mesh.get_local_rank() == members.index(rank)
+        fsdp = pm.fsdp_mesh
+        if dims.hsdp_enabled:
+            assert fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+            assert fsdp.mesh.flatten().tolist() == expected["dp_cp"]
+            assert fsdp["dp_shard_cp"].mesh.tolist() == expected["dp_shard_cp"]
+        else:
+            assert fsdp.mesh.tolist() == expected["dp_shard_cp"]
+
+
+def test_dp_shard_inferred_at_64(fake_world):
+    fake_world(64, 63)
+    pm = ParallelDims(dp_replicate=2, cp=2, tp=2).build_mesh("cpu")
+    assert pm.dims.dp_shard == 8
+    assert pm["weight"].size() == 32 and pm["dp"].size() == 16 and pm["dp_cp"].size() == 32
+    assert pm.coordinate() == {
+        "dp_replicate": 1, "dp_shard": 7, "cp": 1, "tp": 1,
+        "dp": 15, "dp_shard_cp": 15, "dp_cp": 31, "weight": 31,
+    }
+
+
+def test_mesh_world_mismatch_is_a_value_error(fake_world):
+    fake_world(8, 0)
+    with pytest.raises(ValueError, match=r"= 4 != world_size\(8\)"):
+        ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")
+
+
+def test_unknown_axis(fake_world):
+    fake_world(4, 0)
+    pm = ParallelDims(tp=2).build_mesh("cpu")
+    with pytest.raises(KeyError, match="unknown axis 'pp'"):
+        pm["pp"]
+
+
+def test_build_mesh_needs_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ParallelDims().build_mesh("cpu")
+
+
+# ---------------------------------------------------------------- tier 3: real gloo
+
+
+def _sum_over_axes(layout):
+    dims = ParallelDims(**layout)
+    pm = dims.build_mesh("cpu")
+    rank = dist.get_rank()
+    out = {}
+    for axis in MESH_AXES + tuple(FLATTENED_AXES):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=pm[axis].get_group())
+        out[axis] = t.item()
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(dp_shard=-1), dict(dp_shard=2, tp=2), dict(dp_replicate=2, tp=2), dict(tp=4), dict(dp_shard=2, cp=2)],
+    ids=str,
+)
+def test_groups_reduce_over_the_right_ranks_on_gloo(layout):
+    sums = run_distributed(_sum_over_axes, layout, world_size=4)
+    dims = ParallelDims(**layout).resolve(4)
+    for rank, got in enumerate(sums):
+        expected = _expected_groups(dims, rank)
+        assert got == {axis: float(sum(members)) for axis, members in expected.items()}

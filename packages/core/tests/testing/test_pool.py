@@ -1,0 +1,82 @@
+"""Tier 3: the gloo worker pool itself (results, rank-tagged failures, hangs, rebuilds)."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardbridge.testing import DistributedTestFailure, run_distributed
+
+
+def _rank_times(x):
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank() * x, t.item(), torch.get_num_threads(), dist.get_backend()
+
+
+def _fail_on_rank(bad_rank):
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"boom on {bad_rank}")
+    return dist.get_rank()
+
+
+def _hang_on_rank(bad_rank):
+    if dist.get_rank() != bad_rank:
+        dist.all_reduce(torch.ones(1))  # bad_rank never joins
+    return dist.get_rank()
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+
+
+def _pid():
+    import os
+
+    return os.getpid()
+
+
+def test_results_are_per_rank_and_collectives_work():
+    out = run_distributed(_rank_times, 10, world_size=4)
+    assert [o[0] for o in out] == [0, 10, 20, 30]
+    assert all(o[1] == 1 + 2 + 3 + 4 for o in out)
+    assert all(o[2] == 1 for o in out)
+    assert all(o[3] == "gloo" for o in out)
+
+
+def test_pool_is_persistent():
+    first = run_distributed(_pid, world_size=2)
+    assert run_distributed(_pid, world_size=2) == first
+    assert len(set(first)) == 2
+
+
+def test_failure_names_rank_and_pool_is_rebuilt():
+    before = run_distributed(_pid, world_size=2)
+    with pytest.raises(DistributedTestFailure, match=r"(?s)failed on 1 of 2 ranks.*rank 1 ---.*boom on 1"):
+        run_distributed(_fail_on_rank, 1, world_size=2)
+    after = run_distributed(_pid, world_size=2)
+    assert set(after).isdisjoint(before)
+
+
+def test_mismatched_collective_becomes_an_error_not_a_hang():
+    # The process-group timeout (3 s here, 30 s by default) fails the stuck rank; the call's
+    # own timeout (60 s) is never reached.
+    start = time.monotonic()
+    with pytest.raises(DistributedTestFailure, match=r"(?s)rank 1 ---.*(Timed out|timeout|Connection closed)"):
+        run_distributed(_hang_on_rank, 0, world_size=2, timeout=60, pg_timeout=3)
+    assert time.monotonic() - start < 30
+    assert run_distributed(_rank_times, 1, world_size=2, pg_timeout=3)[1][0] == 1
+
+
+def test_call_timeout():
+    with pytest.raises(DistributedTestFailure, match=r"did not answer within 1 s"):
+        run_distributed(_sleep, 5, world_size=2, timeout=1)
+
+
+def test_rejects_local_functions():
+    def local():
+        return 1
+
+    with pytest.raises(ValueError, match="module-level function"):
+        run_distributed(local, world_size=2)

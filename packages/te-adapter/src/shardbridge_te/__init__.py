@@ -1,0 +1,1 @@
+"""Adapter package (see the README beside src/)."""
