@@ -1,0 +1,54 @@
+"""nox sessions: the core without extras, each adapter with its extra, lint and benchmarks.
+
+Every session installs torch FIRST (``TORCH`` below, a local CPU wheel on the team's machines):
+a package whose requirement admits a newer torch would otherwise pull a multi-GB CUDA build.
+Run ``nox -l`` to list sessions, ``nox -s core`` to run one.
+"""
+
+import os
+
+import nox
+
+nox.options.sessions = ["core", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = f"torch=={os.environ.get('SHARDBRIDGE_TORCH', '2.13.0')}"
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _install(session, extras="test"):
+    session.install(TORCH)
+    session.install(TORCH, "-e", f".[{extras}]")
+
+
+@nox.session(python="3.11")
+def core(session):
+    """The core library and integration tests, no host framework installed."""
+    _install(session)
+    session.run("python", "-m", "pytest", "packages/core/tests", "integration_tests", *session.posargs, env=ENV)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("adapter,extra", [("hf-adapter", "hf"), ("megatron-fsdp-adapter", "megatron")])
+def adapter(session, adapter, extra):
+    """One adapter's tests with its extra installed (the TE adapter's CPU tier needs no TE)."""
+    _install(session, f"{extra},test")
+    tests = f"packages/{adapter}/tests"
+    if not any(name.startswith("test_") for name in os.listdir(tests)):
+        session.skip(f"{adapter} has no tests yet")
+    session.run("python", "-m", "pytest", tests, *session.posargs, env=ENV)
+
+
+@nox.session(python="3.11")
+def lint(session):
+    """ruff over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", "packages", "tools", "integration_tests", "noxfile.py")
+
+
+@nox.session(python="3.11")
+def bench(session):
+    """The benchmarks in tools/bench (ratios measured side by side in one run)."""
+    _install(session)
+    for script in ("bench_step.py", "bench_checkpoint.py", "bench_export.py"):
+        session.run("python", f"tools/bench/{script}", *session.posargs, env=ENV)

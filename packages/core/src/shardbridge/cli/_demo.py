@@ -1,0 +1,436 @@
+"""shardbridge demo: the whole life of a sharded training run, on local gloo processes.
+
+  1. train the reference Llama with FSDP2 x TP (layout A) on synthetic data;
+  2. save a DCP checkpoint (atomic, portable, fused params stored as components);
+  3. reload it into layout B and into a single process, with freshly initialised models;
+  4. check every model and optimizer tensor bit-exact against the trained model AND against
+     torch's own ``dcp_to_torch_save`` of the checkpoint (an independent reader);
+  5. export Hugging Face-style safetensors and check them too;
+  6. print losses, step time, bytes all-gathered per step, checkpoint size and throughput,
+     and the layout picture of one weight.
+
+Exit code 0 = every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "run_demo"]
+
+_MODELS = ("tiny", "small")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``shardbridge demo``."""
+    a = parser.add_argument_group("training layout (A)")
+    a.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default 1)")
+    a.add_argument("--dp-shard", type=int, default=2, help="FSDP shard degree (default 2)")
+    a.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    b = parser.add_argument_group("reload layout (B)")
+    b.add_argument("--reload-dp-replicate", type=int, default=1, help="default 1")
+    b.add_argument("--reload-dp-shard", type=int, default=4, help="default 4")
+    b.add_argument("--reload-tp", type=int, default=1, help="default 1")
+    m = parser.add_argument_group("model and data")
+    m.add_argument("--model", choices=_MODELS, default="tiny", help="reference model size (default tiny)")
+    m.add_argument(
+        "--vocab-size", type=int, default=None, help="override the vocab size, e.g. 250 (does not divide tp*dp)"
+    )
+    m.add_argument("--intermediate-size", type=int, default=None, help="override the SwiGLU width")
+    m.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    m.add_argument("--batch-size", type=int, default=8, help="global batch size (default 8)")
+    m.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default 32)")
+    m.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    m.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
+    parser.add_argument("--out", default="shardbridge-demo", help="output directory (default ./shardbridge-demo)")
+    parser.add_argument("--keep", action="store_true", help="keep an existing output directory's checkpoints")
+    parser.set_defaults(func=run_demo)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Everything a demo phase needs, picklable for the worker processes."""
+
+    layout: dict[str, int]
+    reload_layout: dict[str, int]
+    model: str
+    model_overrides: dict[str, int]
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    seed: int
+    out: str
+
+    @property
+    def world_size(self) -> int:
+        return _world(self.layout)
+
+    @property
+    def reload_world_size(self) -> int:
+        return _world(self.reload_layout)
+
+    @property
+    def checkpoint_root(self) -> str:
+        return os.path.join(self.out, "checkpoints")
+
+    def llama_config(self):
+        from shardbridge.models import LlamaConfig
+
+        # 8 query heads over 4 kv heads: grouped-query attention that tp=1, 2 and 4 all split.
+        defaults = {"tiny": {"num_heads": 8, "num_kv_heads": 4}, "small": {}}[self.model]
+        return getattr(LlamaConfig, self.model)(**{**defaults, **self.model_overrides})
+
+
+def _world(layout: dict[str, int]) -> int:
+    return layout["dp_replicate"] * layout["dp_shard"] * layout["tp"]
+
+
+def _config_from_args(args: argparse.Namespace) -> DemoConfig:
+    from shardbridge import ParallelDims
+
+    layout = {"dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard, "tp": args.tp}
+    reload_layout = {"dp_replicate": args.reload_dp_replicate, "dp_shard": args.reload_dp_shard, "tp": args.reload_tp}
+    for prefix, lay in (("--", layout), ("--reload-", reload_layout)):
+        for key, value in lay.items():
+            if value < 1:
+                raise ValueError(f"{prefix}{key.replace('_', '-')}={value} must be >= 1")
+        ParallelDims(**lay)  # validates the degrees
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    dp = layout["dp_replicate"] * layout["dp_shard"]
+    if args.batch_size % dp:
+        raise ValueError(
+            f"--batch-size={args.batch_size} does not divide over dp_replicate*dp_shard={dp}; "
+            f"use a multiple of {dp}"
+        )
+    if _world(layout) > 8 or _world(reload_layout) > 8:
+        print("note: more than 8 gloo processes on a small machine is slow", file=sys.stderr)
+    overrides = {k: v for k, v in (("vocab_size", args.vocab_size), ("intermediate_size", args.intermediate_size)) if v}
+    cfg = DemoConfig(
+        layout=layout,
+        reload_layout=reload_layout,
+        model=args.model,
+        model_overrides=overrides,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        seed=args.seed,
+        out=os.path.abspath(args.out),
+    )
+    cfg.llama_config()  # validates the model overrides before any process starts
+    return cfg
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo; return 0 when every check passed, 1 otherwise."""
+    from shardbridge.testing import WorkerPool
+
+    cfg = _config_from_args(args)
+    out = Path(cfg.out)
+    if out.exists() and not args.keep:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print(f"shardbridge demo: {cfg.model} Llama, layout A {_fmt(cfg.layout)} -> layout B {_fmt(cfg.reload_layout)}")
+    print(f"  starting {cfg.world_size} gloo processes ...", flush=True)
+    pools: dict[int, WorkerPool] = {}
+
+    def pool(world: int) -> WorkerPool:
+        if world not in pools:
+            pools[world] = WorkerPool(world)
+        return pools[world]
+
+    try:
+        train = pool(cfg.world_size).run(_train_phase, (cfg,), {}, timeout=3600)[0]
+        _print_training(cfg, train)
+        print(f"  reloading into layout B {_fmt(cfg.reload_layout)} on {cfg.reload_world_size} processes ...")
+        reload_b = pool(cfg.reload_world_size).run(_reload_phase, (cfg, cfg.reload_layout), {}, timeout=3600)[0]
+        print("  reloading into a single process ...")
+        single = pool(1).run(_reload_phase, (cfg, {"dp_replicate": 1, "dp_shard": 1, "tp": 1}), {}, timeout=3600)[0]
+    finally:
+        for p in pools.values():
+            p.close()
+    export = _export_phase(cfg, train["checkpoint"])
+    return _print_summary(cfg, train, reload_b, single, export)
+
+
+# ------------------------------------------------------------------ phases (run on every rank)
+
+
+def _build(cfg: DemoConfig, layout: dict[str, int], seed: int):
+    import torch
+
+    from shardbridge import MixedPrecisionPolicy, ParallelDims
+    from shardbridge.models import Llama, parallelize_llama
+
+    pm = ParallelDims(**layout).build_mesh("cpu")
+    model = Llama(cfg.llama_config(), seed=seed)
+    parallelize_llama(model, pm, MixedPrecisionPolicy.fp32())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    return pm, model, optimizer
+
+
+def _train_phase(cfg: DemoConfig) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from shardbridge import checkpoint
+    from shardbridge._comm_stats import count_collectives
+    from shardbridge.models import synthetic_batch
+
+    pm, model, optimizer = _build(cfg, cfg.layout, seed=cfg.seed)
+    llama = cfg.llama_config()
+    dp_rank, dp_size = pm["dp"].get_local_rank(), pm.dims.degree("dp")
+    losses, step_times, gathered, scattered = [], [], [], []
+    for step in range(cfg.steps):
+        tokens, labels = synthetic_batch(
+            llama, cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=step, dp_rank=dp_rank, dp_size=dp_size
+        )
+        dist.barrier()
+        start = time.perf_counter()
+        with count_collectives() as counts:
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - start)
+        gathered.append(counts.bytes["all_gather"])
+        scattered.append(counts.bytes["reduce_scatter"])
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, group=pm["dp"].get_group())
+        losses.append(global_loss.item() / dp_size)
+
+    ckpt_path = os.path.join(cfg.checkpoint_root, f"step-{cfg.steps:08d}")
+    dist.barrier()
+    start = time.perf_counter()
+    checkpoint.save(ckpt_path, model=model, optimizer=optimizer, step=cfg.steps, extra={"demo": True})
+    dist.barrier()
+    save_s = time.perf_counter() - start
+
+    reference = _full_components(model, optimizer, pm.dims.tp)
+    picture = _layout_picture(model, pm)
+    if dist.get_rank() == 0:
+        torch.save(reference, os.path.join(cfg.out, "reference.pt"))
+    return {
+        "losses": losses,
+        "step_times": step_times,
+        "all_gather_bytes": gathered,
+        "reduce_scatter_bytes": scattered,
+        "save_s": save_s,
+        "checkpoint": ckpt_path,
+        "picture": picture,
+        "num_params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _reload_phase(cfg: DemoConfig, layout: dict[str, int]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from shardbridge import checkpoint
+
+    # A different seed: values that survive the load can only have come from the checkpoint.
+    pm, model, optimizer = _build(cfg, layout, seed=cfg.seed + 1)
+    path = checkpoint.latest(cfg.checkpoint_root)
+    dist.barrier()
+    start = time.perf_counter()
+    state = checkpoint.load(path, model=model, optimizer=optimizer)
+    dist.barrier()
+    load_s = time.perf_counter() - start
+
+    got = _full_components(model, optimizer, pm.dims.tp)
+    result: dict[str, Any] = {"load_s": load_s, "step": state.step, "layout": layout}
+    if dist.get_rank() == 0:
+        reference = torch.load(os.path.join(cfg.out, "reference.pt"), weights_only=True)
+        oracle = _dcp_oracle(cfg, str(path))
+        result["vs_trained"] = _compare(reference, got)
+        result["vs_dcp_to_torch_save"] = _compare(oracle, {k: v for k, v in got.items() if k in oracle})
+        result["oracle_keys_missing"] = sorted(set(got) - set(oracle))[:5]
+    return result
+
+
+def _dcp_oracle(cfg: DemoConfig, path: str) -> dict[str, Any]:
+    """torch's own reader: ``dcp_to_torch_save`` of the checkpoint, flattened to our keys."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = os.path.join(cfg.out, "dcp_to_torch_save.pt")
+    if not os.path.exists(target):
+        dcp_to_torch_save(path, target)
+    return _flatten(torch.load(target, weights_only=True))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+    elif isinstance(tree, torch.Tensor):
+        out[prefix[:-1]] = tree
+    return out
+
+
+def _full_components(model, optimizer, tp_size: int) -> dict[str, Any]:
+    """Every model and optimizer tensor as a full tensor, fused params split into components.
+
+    The oracle side of the demo: built from ``DTensor.full_tensor()`` and ``split_fused``,
+    independent of the checkpoint's chunk machinery. Keys: ``model.<fqn>`` and
+    ``optim.state.<fqn>.<state>`` with fused FQNs replaced by their components'.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from shardbridge import fused_params, split_fused
+    from shardbridge.checkpoint import component_fqn
+
+    fused = fused_params(model)
+
+    def components(fqn: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+        spec = fused.get(fqn)
+        if spec is None:
+            return [(fqn, tensor)]
+        if tensor.dim() == 0:  # e.g. Adam's step: every component has the same one
+            return [(component_fqn(fqn, name), tensor) for name in spec.names]
+        return [(component_fqn(fqn, name), piece.clone()) for name, piece in split_fused(tensor, spec, tp_size).items()]
+
+    out: dict[str, Any] = {}
+    names = {param: fqn for fqn, param in model.named_parameters()}
+    for fqn, param in model.named_parameters():
+        out.update((f"model.{key}", t) for key, t in components(fqn, param.detach()))
+    for param, state in optimizer.state.items():
+        for state_name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out.update((f"optim.state.{key}.{state_name}", t) for key, t in components(names[param], value))
+    return out
+
+
+def _compare(expected: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    missing = sorted(set(expected) - set(got))
+    different = sorted(k for k in set(expected) & set(got) if not torch.equal(expected[k], got[k]))
+    return {"checked": len(set(expected) & set(got)), "missing": missing[:5], "different": different[:5]}
+
+
+def _layout_picture(model, pm) -> str:
+    from torch.distributed.tensor import DTensor
+
+    from shardbridge._layout import render_layout
+
+    for fqn, param in model.named_parameters():
+        if isinstance(param, DTensor) and fqn.endswith("feed_forward.gate_up.weight"):
+            mesh = param.device_mesh
+            header = f"{fqn}: global {tuple(param.shape)}, placements {tuple(param.placements)}"
+            return header + "\n" + render_layout(
+                tuple(param.shape), tuple(mesh.shape), tuple(param.placements), mesh_dim_names=mesh.mesh_dim_names
+            )
+    return "(no sharded gate_up weight in this layout)"
+
+
+# ------------------------------------------------------------------ export (this process)
+
+
+def _export_phase(cfg: DemoConfig, ckpt_path: str) -> dict[str, Any]:
+    import torch
+    from safetensors import safe_open
+
+    from shardbridge import checkpoint
+
+    out_dir = os.path.join(cfg.out, "hf")
+    start = time.perf_counter()
+    checkpoint.export_safetensors(ckpt_path, out_dir, progress=False)
+    export_s = time.perf_counter() - start
+    reference = torch.load(os.path.join(cfg.out, "reference.pt"), weights_only=True)
+    index = json.loads(Path(out_dir, "model.safetensors.index.json").read_text())
+    exported: dict[str, Any] = {}
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(os.path.join(out_dir, file), "pt") as f:
+            for key in f.keys():
+                exported[f"model.{key}"] = f.get_tensor(key)
+    model_ref = {k: v for k, v in reference.items() if k.startswith("model.")}
+    return {"export_s": export_s, "files": len(set(index["weight_map"].values())), "check": _compare(model_ref, exported)}
+
+
+# ------------------------------------------------------------------ report
+
+
+def _fmt(layout: dict[str, int]) -> str:
+    return " x ".join(f"{k}={v}" for k, v in layout.items() if v > 1) or "single process"
+
+
+def _print_training(cfg: DemoConfig, train: dict[str, Any]) -> None:
+    losses = train["losses"]
+    print(f"  trained {cfg.steps} steps ({train['num_params']:,} parameters on rank 0)")
+    per_line = 10
+    for i in range(0, len(losses), per_line):
+        chunk = " ".join(f"{x:.4f}" for x in losses[i : i + per_line])
+        print(f"    loss[{i:3d}:] {chunk}")
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _print_summary(cfg, train, reload_b, single, export) -> int:
+    size = _dir_bytes(train["checkpoint"])
+    steady = train["step_times"][1:] or train["step_times"]
+    mb = size / 1e6
+    rows = [
+        ("loss first -> last", f"{train['losses'][0]:.4f} -> {train['losses'][-1]:.4f}"),
+        ("step time (median, after step 0)", f"{statistics.median(steady) * 1e3:.1f} ms"),
+        ("all-gathered per step (rank 0)", f"{statistics.median(train['all_gather_bytes']) / 1e6:.3f} MB"),
+        ("reduce-scattered per step (rank 0)", f"{statistics.median(train['reduce_scatter_bytes']) / 1e6:.3f} MB"),
+        ("checkpoint size", f"{mb:.2f} MB  ({train['checkpoint']})"),
+        ("save", f"{train['save_s']:.2f} s  ({mb / train['save_s']:.1f} MB/s)"),
+        (f"load into {_fmt(reload_b['layout'])}", f"{reload_b['load_s']:.2f} s  ({mb / reload_b['load_s']:.1f} MB/s)"),
+        ("load into single process", f"{single['load_s']:.2f} s  ({mb / single['load_s']:.1f} MB/s)"),
+        ("export safetensors", f"{export['export_s']:.2f} s, {export['files']} file(s)"),
+    ]
+    print("\nsummary")
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+
+    print("\nchecks (bit-exact, torch.equal)")
+    ok = True
+    checks = [
+        (f"layout B {_fmt(reload_b['layout'])} vs trained model", reload_b["vs_trained"]),
+        (f"layout B {_fmt(reload_b['layout'])} vs dcp_to_torch_save", reload_b["vs_dcp_to_torch_save"]),
+        ("single process vs trained model", single["vs_trained"]),
+        ("single process vs dcp_to_torch_save", single["vs_dcp_to_torch_save"]),
+        ("exported safetensors vs trained model", export["check"]),
+    ]
+    for name, check in checks:
+        good = not check["missing"] and not check["different"] and check["checked"] > 0
+        ok &= good
+        detail = "" if good else f"  missing={check['missing']} different={check['different']}"
+        print(f"  [{'ok' if good else 'FAIL'}] {name}: {check['checked']} tensors{detail}")
+    for name, result in (("layout B", reload_b), ("single process", single)):
+        if result["step"] != cfg.steps:
+            ok = False
+            print(f"  [FAIL] {name} restored step {result['step']} != {cfg.steps}")
+        if result["oracle_keys_missing"]:
+            ok = False
+            print(f"  [FAIL] {name}: dcp_to_torch_save lacks {result['oracle_keys_missing']}")
+
+    print(f"\nlayout of one weight in layout A ({_fmt(cfg.layout)}):")
+    print(train["picture"])
+    print(f"\n{'all checks passed' if ok else 'SOME CHECKS FAILED'}; outputs in {cfg.out}")
+    return 0 if ok else 1
