@@ -1,0 +1,248 @@
+"""Which modules become FSDP2 units, and how they are wrapped.
+
+Public: :class:`SupportsFSDPUnits`, :data:`FSDPUnit`, :func:`apply_fsdp`, :func:`fsdp_unit_params`.
+
+[Note: FSDP units]
+~~~~~~~~~~~~~~~~~~
+One ``fully_shard`` call = one unit = one all-gather and one reduce-scatter per step. For a
+decoder-only transformer (forward order, top to bottom)::
+
+    unit 0        tok_embeddings            reshard after forward: yes
+    unit 1..L     layers[i], one each       reshard after forward: yes
+    unit L+1      [norm, output]  (grouped) reshard after forward: NO, backward starts here
+    root          the model                 manages what is left (rope buffers; ideally no params)
+
+``[norm, output]`` are grouped because they run back to back; wrapping ``norm`` with the
+root would all-gather it with the embeddings at the start of forward (torchtune's question,
+answered by ``fully_shard(list)``). The last unit is kept unsharded after forward because
+backward needs it first: resharding it only to re-all-gather it at once wastes a collective.
+The root is wrapped last and should manage as little as possible: everything it manages is
+all-gathered at the start of forward and kept until backward ends. With tied embeddings the
+embedding shares its weight with ``output`` and joins that last unit instead.
+
+[Note: FSDP over a degree-1 data-parallel axis]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+When ``dp_shard_cp`` has size 1 (a world of only TP), :func:`apply_fsdp` still calls
+``fully_shard`` over the size-1 mesh instead of skipping it: the all-gather and
+reduce-scatter become copies, but the mixed-precision policy still applies (param_dtype
+casts, output casts) and every parameter is a DTensor on the same ``(dp, tp)`` mesh in every
+layout, so checkpoints and optimizers see one representation. torchtitan makes the same
+choice.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, Union, runtime_checkable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+if TYPE_CHECKING:
+    from shardbridge._mesh import ParallelMesh
+    from shardbridge._precision import MixedPrecisionPolicy
+
+__all__ = ["FSDPUnit", "SupportsFSDPUnits", "apply_fsdp", "fsdp_unit_params"]
+
+FSDPUnit = Union[nn.Module, Sequence[nn.Module]]
+"""One FSDP unit: a module, or several modules grouped into one ``fully_shard`` call."""
+
+
+@runtime_checkable
+class SupportsFSDPUnits(Protocol):
+    """A model that names its FSDP units.
+
+    ``fsdp_units()`` returns the units in forward order, the root excluded: each entry a
+    module or a list of modules grouped in one unit. A unit nested inside another must come
+    before it (``fully_shard`` runs bottom-up). See [Note: FSDP units].
+
+    Example:
+        >>> class Net(nn.Module):
+        ...     def fsdp_units(self):
+        ...         return [self.embed, *self.blocks, [self.norm, self.head]]
+    """
+
+    def fsdp_units(self) -> Sequence[FSDPUnit]: ...
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    policy: MixedPrecisionPolicy | None = None,
+    *,
+    units: Sequence[FSDPUnit] | None = None,
+    reshard_after_forward: bool | Literal["default"] = "default",
+    cpu_offload: bool = False,
+    gradient_divide_factor: float | None = None,
+) -> nn.Module:
+    """Wrap ``model`` in FSDP2 units over the data-parallel part of ``mesh``; root last.
+
+    The FSDP mesh is ``mesh.fsdp_mesh``: ``dp_shard_cp``, or ``(dp_replicate, dp_shard_cp)``
+    for HSDP. Parameters already tensor-parallel (DTensors on ``mesh["tp"]``) become 2-D/3-D
+    DTensors, e.g. ``(_StridedShard(0, sf=tp), Shard(0))``. See [Note: FSDP units] and
+    [Note: FSDP over a degree-1 data-parallel axis].
+
+    Args:
+        model: the model, in ``policy.main_params_dtype``, after tensor parallelism.
+        mesh: the :class:`~shardbridge.ParallelMesh` of the run.
+        policy: mixed precision. None = torch defaults (no casting, reduce in the params' dtype).
+        units: the units in forward order (see :class:`SupportsFSDPUnits`). None = ask
+            ``model.fsdp_units()``.
+        reshard_after_forward: "default" = every unit but the last reshards (the last is
+            needed first in backward); True = all units reshard; False = none do (more
+            memory, no all-gather in backward). The root never reshards.
+        cpu_offload: keep sharded params, grads and optimizer states on CPU
+            (``CPUOffloadPolicy``; memory is pinned only when the mesh is not on CPU).
+        gradient_divide_factor: divide summed gradients by this instead of the data-parallel
+            size (1.0 = sum). None = FSDP's default average. Forces sum-only collectives
+            (gloo has no PREMUL_SUM).
+
+    Returns:
+        ``model``, now an ``FSDPModule`` (wrapped in place).
+
+    Raises:
+        ValueError: bad units, a parameter not in ``policy.main_params_dtype``, or a bad
+            ``reshard_after_forward``; the message says what to change.
+
+    Example:
+        >>> pm = ParallelDims(dp_shard=-1).build_mesh("cpu")  # doctest: +SKIP
+        >>> apply_fsdp(model, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
+    """
+    if reshard_after_forward != "default" and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward!r} must be True, False or 'default'"
+        )
+    unit_list = _resolve_units(model, units)
+    if policy is not None:
+        _check_main_params_dtype(model, policy.main_params_dtype)
+        mp_policy = policy.to_fsdp2()
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+        mp_policy = TorchMixedPrecisionPolicy()
+    fsdp_mesh = mesh.fsdp_mesh
+    offload: OffloadPolicy = OffloadPolicy()
+    if cpu_offload:
+        offload = CPUOffloadPolicy(pin_memory=fsdp_mesh.device_type != "cpu")
+    common = dict(mesh=fsdp_mesh, mp_policy=mp_policy, offload_policy=offload)
+
+    for index, unit in enumerate(unit_list):
+        is_last = index == len(unit_list) - 1
+        reshard = reshard_after_forward if isinstance(reshard_after_forward, bool) else not is_last
+        fully_shard(list(unit) if len(unit) > 1 else unit[0], reshard_after_forward=reshard, **common)
+    # Root: reshard_after_forward=None lets FSDP keep it unsharded (it is needed first in backward).
+    fully_shard(model, **common)
+    _warn_if_root_manages_params(model, unit_list)
+
+    if gradient_divide_factor is not None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # gloo has no PREMUL_SUM: a custom divide factor must run as SUM + scaling.
+                module.set_force_sum_reduction_for_comms(True)
+                module.set_gradient_divide_factor(gradient_divide_factor)
+    return model
+
+
+def fsdp_unit_params(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Which parameters each FSDP unit of ``model`` manages, by FQN.
+
+    Keys name a unit by its modules' FQNs joined with "+" ("" is the root), in the order the
+    units were created; values are the FQNs of the parameters that unit all-gathers. Units
+    managing no parameters map to ``()``.
+
+    Example:
+        >>> fsdp_unit_params(model)  # doctest: +SKIP
+        {'tok_embeddings': ('tok_embeddings.weight',), ..., 'norm+output': ('norm.weight', 'output.weight'), '': ()}
+    """
+    names = {module: name for name, module in model.named_modules()}
+    param_names = {id(param): name for name, param in model.named_parameters()}  # first name of a tied param
+    out: dict[str, tuple[str, ...]] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        # FSDP2 (2.13) has no public accessor for a unit's modules and parameters.
+        state = module._get_fsdp_state()
+        if id(state) in seen:
+            continue
+        seen.add(id(state))
+        key = "+".join(names[m] for m in state._modules)
+        fqns: list[str] = []
+        for group in state._fsdp_param_groups:
+            fqns.extend(param_names[id(p.sharded_param)] for p in group.fsdp_params)
+        out[key] = tuple(fqns)
+    return out
+
+
+def _resolve_units(model: nn.Module, units: Sequence[FSDPUnit] | None) -> list[tuple[nn.Module, ...]]:
+    if units is None:
+        if not isinstance(model, SupportsFSDPUnits):
+            raise ValueError(
+                f"{type(model).__name__} does not name its FSDP units; pass units=[...] (modules or lists "
+                "of modules, in forward order) or give the model a fsdp_units() method"
+            )
+        units = model.fsdp_units()
+    names = {module: name for name, module in model.named_modules()}
+    resolved: list[tuple[nn.Module, ...]] = []
+    owner: dict[nn.Module, int] = {}
+    for index, unit in enumerate(units):
+        modules = (unit,) if isinstance(unit, nn.Module) else tuple(unit)
+        if not modules:
+            raise ValueError(f"units[{index}] is empty; give each unit at least one module")
+        for module in modules:
+            if not isinstance(module, nn.Module):
+                raise ValueError(f"units[{index}] contains {type(module).__name__}, not an nn.Module")
+            if module is model:
+                raise ValueError(f"units[{index}] is the model itself; the root is wrapped last, leave it out")
+            if module not in names:
+                raise ValueError(
+                    f"units[{index}] contains a {type(module).__name__} that is not a submodule of the model"
+                )
+            if module in owner:
+                raise ValueError(
+                    f"module {names[module]!r} appears in units[{owner[module]}] and units[{index}]; "
+                    "put each module in one unit"
+                )
+            owner[module] = index
+        resolved.append(modules)
+    # fully_shard claims every not-yet-claimed param below a module: inner units go first.
+    for index, modules in enumerate(resolved):
+        for module in modules:
+            for sub_name, sub in module.named_modules():
+                later = owner.get(sub)
+                if sub is not module and later is not None and later > index:
+                    raise ValueError(
+                        f"units[{index}] ({names[module]!r}) contains units[{later}] "
+                        f"({names[sub]!r}) but comes first; list nested units before the units containing them"
+                    )
+    return resolved
+
+
+def _check_main_params_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    wrong = [
+        (name, param.dtype)
+        for name, param in model.named_parameters()
+        if param.dtype.is_floating_point and param.dtype != dtype
+    ]
+    if wrong:
+        name, got = wrong[0]
+        raise ValueError(
+            f"parameter {name!r} has dtype {got} (and {len(wrong) - 1} more not in {dtype}), but "
+            f"policy.main_params_dtype={dtype}; torch FSDP2 keeps the sharded (optimizer) weights in "
+            f"the model's dtype, so convert the model before wrapping: model.to({dtype}), or set "
+            f"main_params_dtype=main_grads_dtype={got}"
+        )
+
+
+def _warn_if_root_manages_params(model: nn.Module, units: list[tuple[nn.Module, ...]]) -> None:
+    claimed = {id(p) for unit in units for module in unit for p in module.parameters()}
+    left = [name for name, p in model.named_parameters() if id(p) not in claimed]
+    if left:
+        warnings.warn(
+            f"the FSDP root manages {len(left)} parameter(s) no unit claims ({left[:3]}...): they are "
+            "all-gathered at the start of forward and kept until backward ends; add their modules to a unit",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,119 @@
+"""Apply tensor parallelism and FSDP2 to :class:`~shardbridge.models.Llama`.
+
+[Note: Llama TP plan]
+~~~~~~~~~~~~~~~~~~~~~
+::
+
+    tok_embeddings  weight Shard(0) (vocab rows)  in: Replicate ids  out: Partial -> Replicate
+    qkv, gate_up    weight Shard(0), FUSED        in: Replicate       out: local [q_j|k_j|v_j], [gate_j|up_j]
+    o_proj, down    weight Shard(1)               in: local Shard(-1) out: Partial -> Replicate
+    norms           replicated plain tensors (every TP rank computes the same values)
+    output          weight Shard(0) (vocab rows)  in: Replicate       out: Shard(-1) -> Replicate logits
+
+The fused weights go through ``shard_fused``: plain ``ColwiseParallel`` would chunk
+``[gate; up]`` by rows and hand TP rank 0 only gate rows. The vocab may be uneven over tp
+(250 over 4 -> 63, 63, 63, 61): embedding lookups mask the ids other ranks own, and the
+logits all-gather pads and unpads. Hidden dims are not: ``FusedSpec.check_tp`` requires
+``num_kv_heads % tp == 0`` and ``intermediate_size % tp == 0``, so the ``Shard(-1)``
+activations into ``o_proj``/``down`` are even and torch's ``RowwiseParallel`` (which
+assumes even shards when it wraps a local tensor) is right. Logits stay full-vocab so the
+loss is the same code in every layout; a loss-parallel cross entropy would save the
+all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from shardbridge._fused import FUSED_SPECS_ATTR, shard_fused
+from shardbridge._wrap import apply_fsdp
+from shardbridge.models._llama import Llama
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardbridge._mesh import ParallelMesh
+    from shardbridge._precision import MixedPrecisionPolicy
+
+__all__ = ["parallelize_llama"]
+
+
+def parallelize_llama(
+    model: Llama,
+    mesh: ParallelMesh,
+    policy: MixedPrecisionPolicy | None = None,
+    *,
+    compile: bool = False,
+) -> Llama:
+    """Tensor parallelism (when tp > 1), per-block compile (optional), then FSDP2 units.
+
+    Call on an initialised model (``init_weights`` done) whose parameters are identical on
+    every rank; call with the same arguments on every rank.
+
+    Args:
+        model: the model, in ``policy.main_params_dtype``.
+        mesh: the run's :class:`~shardbridge.ParallelMesh`.
+        policy: mixed precision for FSDP2; None = no casting.
+        compile: ``torch.compile`` each transformer block (before FSDP, as torchtitan).
+
+    Returns:
+        ``model``, parallelized in place.
+
+    Raises:
+        ValueError: ``num_kv_heads`` or ``intermediate_size`` not divisible by tp.
+
+    Example:
+        >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
+        >>> model = parallelize_llama(Llama(LlamaConfig.tiny()), pm)  # doctest: +SKIP
+    """
+    if mesh.dims.tp > 1:
+        _check_tp_divides(model, mesh.dims.tp)
+        apply_tp(model, mesh["tp"])
+    if compile:
+        for block in model.layers:
+            block.compile()
+    apply_fsdp(model, mesh, policy)
+    return model
+
+
+def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
+    """Shard ``model`` over the 1-D ``tp_mesh`` as in [Note: Llama TP plan]."""
+    plan: dict[str, ParallelStyle] = {
+        # Shard(0) vocab rows; Partial -> Replicate (all-reduce) of the looked-up rows.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # Shard(-1) -> Replicate: full-vocab logits on every TP rank.
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for index, block in enumerate(model.layers):
+        for linear in (block.attention.qkv, block.feed_forward.gate_up):
+            _shard_fused_weight(linear, tp_mesh)
+        prefix = f"layers.{index}"
+        plan[f"{prefix}.attention.qkv"] = ColwiseParallel()  # weight already Shard(0), fused
+        plan[f"{prefix}.attention.o_proj"] = RowwiseParallel()  # Partial -> Replicate
+        plan[f"{prefix}.feed_forward.gate_up"] = ColwiseParallel()
+        plan[f"{prefix}.feed_forward.down"] = RowwiseParallel()
+    parallelize_module(model, tp_mesh, plan)
+    if model.config.tie_word_embeddings:
+        # Both are Shard(0) over vocab rows; ColwiseParallel re-wrapped output's parameter.
+        model.output.weight = model.tok_embeddings.weight
+
+
+def _shard_fused_weight(linear: nn.Linear, tp_mesh: DeviceMesh) -> None:
+    spec = getattr(linear, FUSED_SPECS_ATTR)["weight"]
+    # plain [q; k; v] -> Shard(0) DTensor whose rank-j local is [q_j; k_j; v_j]
+    weight = shard_fused(linear.weight.detach(), spec, tp_mesh)
+    linear.weight = nn.Parameter(weight, requires_grad=linear.weight.requires_grad)
+
+
+def _check_tp_divides(model: Llama, tp: int) -> None:
+    cfg = model.config
+    for name, value in (("num_kv_heads", cfg.num_kv_heads), ("intermediate_size", cfg.intermediate_size)):
+        if value % tp:
+            raise ValueError(
+                f"LlamaConfig.{name}({value}) is not divisible by tp({tp}); tensor parallelism splits "
+                f"whole kv heads and SwiGLU rows, choose tp dividing {name}"
+            )
