@@ -19,6 +19,33 @@ __all__ += ["FLATTENED_AXES", "MESH_AXES", "ParallelDims", "ParallelMesh"]
 # --- end mesh -----------------------------------------------------------
 
 # --- layout -------------------------------------------------------------
+from shardbridge._layout import (
+    LayoutMismatch,
+    chunk_box,
+    dcp_chunk,
+    find_dcp_mismatches,
+    fsdp_chunk,
+    fsdp_placements,
+    fsdp_tp_chunk,
+    local_chunk,
+    parse_mesh,
+    parse_placements,
+    render_layout,
+)
+
+__all__ += [
+    "LayoutMismatch",
+    "chunk_box",
+    "dcp_chunk",
+    "find_dcp_mismatches",
+    "fsdp_chunk",
+    "fsdp_placements",
+    "fsdp_tp_chunk",
+    "local_chunk",
+    "parse_mesh",
+    "parse_placements",
+    "render_layout",
+]
 # --- end layout ---------------------------------------------------------
 
 # --- tp -----------------------------------------------------------------
@@ -58,7 +85,13 @@ __all__ += [
 # --- end fused ----------------------------------------------------------
 
 # --- precision ----------------------------------------------------------
+from shardbridge._precision import FP8Recipe, MixedPrecisionPolicy
+
+__all__ += ["FP8Recipe", "MixedPrecisionPolicy"]
 # --- end precision ------------------------------------------------------
 
 # --- wrap ---------------------------------------------------------------
+from shardbridge._wrap import FSDPUnit, SupportsFSDPUnits, apply_fsdp, fsdp_unit_params
+
+__all__ += ["FSDPUnit", "SupportsFSDPUnits", "apply_fsdp", "fsdp_unit_params"]
 # --- end wrap -----------------------------------------------------------

@@ -333,7 +333,7 @@ def synthetic_batch(
     dp_rank: int = 0,
     dp_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids and next-token labels, identical on every rank that asks the same.
+    """Token ids and next-token labels of a learnable synthetic language, identical on every rank.
 
     The global batch depends only on ``(config.vocab_size, batch_size, seq_len, seed,
     step)``; data-parallel rank ``dp_rank`` of ``dp_size`` gets rows
@@ -366,8 +366,14 @@ def synthetic_batch(
         )
     if seq_len > config.max_seq_len:
         raise ValueError(f"seq_len({seq_len}) > max_seq_len({config.max_seq_len})")
+    # A learnable "language": every token has one fixed successor (a random permutation drawn
+    # from ``seed``), so the loss can fall far below log(vocab_size) within a few dozen steps.
+    successor = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(seed))
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    data = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=gen)
+    columns = [torch.randint(0, config.vocab_size, (batch_size,), generator=gen)]
+    for _ in range(seq_len):
+        columns.append(successor[columns[-1]])
+    data = torch.stack(columns, dim=1)
     local = batch_size // dp_size
     data = data[dp_rank * local : (dp_rank + 1) * local]
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()

@@ -1,0 +1,1001 @@
+"""Layout algebra: which global index ranges each mesh coordinate holds.
+
+Pure functions of (global shape, mesh shape, placements, coordinate); no process group. This
+module is the oracle the rest of shardbridge is checked against. It answers three questions:
+
+- what a DTensor with these placements holds (:func:`local_chunk`, torch's ``distribute_tensor``
+  split, placement by placement);
+- what FSDP2 x TP actually stores (:func:`fsdp_tp_chunk`, :func:`fsdp_chunk`);
+- what DCP writes down for it (:func:`dcp_chunk`), and where that description is wrong
+  (:func:`find_dcp_mismatches`, :func:`render_layout`).
+
+Intervals are global index ranges ``(start, stop)`` per tensor dim, in local-tensor order,
+adjacent ranges merged; a dim on which a coordinate holds nothing has no intervals ``()``.
+Ranks are the row-major flattening of mesh coordinates (``init_device_mesh``'s default).
+
+[Note: strided sharding order]
+
+FSDP2 x TP shards right to left: TP first cuts the global tensor, then FSDP2 cuts dim 0 of the
+TP-local tensor with ``torch.chunk`` (``_fsdp_param.py``, ``_chunk_with_empty``). Colwise TP
+(``Shard(0)``) on mesh (dp_shard=4, tp=2), dim 0 of size 9::
+
+    TP pieces:  tp0 = rows [0, 5)    tp1 = rows [5, 9)
+    FSDP chunk: tp0 -> [0,2) [2,4) [4,5) -       tp1 -> [5,6) [6,7) [7,8) [8,9)
+    coordinate (3, 0) holds nothing, (3, 1) holds row 8
+
+FSDP2 records this as ``(_StridedShard(0, sf=2), Shard(0))``. DTensor reads placements left to
+right: ``_StridedShard._split_tensor`` gives dp rank i the pieces ``chunk(chunk(x, sf)[j], dp)[i]``
+for every j, concatenated, and the next ``Shard(0)`` cuts that concatenation with ``torch.chunk``
+again. That equals FSDP2's layout only when the pieces concatenated for a dp rank have equal
+sizes, which holds whenever dim 0 is divisible by tp. For dim 0 = 9 above the concatenation on
+dp rank 3 is just row 8, so the left-to-right reading puts row 8 on (3, 0) and nothing on
+(3, 1): the opposite of what FSDP2 stores. torch 2.13 is not consistent with itself here:
+``distribute_tensor`` and ``_compute_local_shape_and_global_offset`` (hence DCP) follow the
+left-to-right reading, while ``DTensor.full_tensor()`` reassembles FSDP2's layout correctly and
+raises on the left-to-right one. :func:`local_chunk` is the left-to-right reading;
+:func:`fsdp_chunk` is what FSDP2 holds and is the truth for FSDP2 parameters.
+
+[Note: what DCP describes]
+
+DCP writes one box per local tensor: sizes and the FIRST global offset per dim
+(``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``). A local tensor
+whose data is not one contiguous box in global coordinates, or whose box is not the one torch
+computes, is saved under a wrong description: ``dcp.save`` succeeds and the checkpoint cannot be
+read back, or is read back scrambled. An empty shard is described with size 0 at offset
+``global_shape[dim]``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+Interval = tuple[int, int]
+"""A global index range ``(start, stop)`` along one tensor dim."""
+
+DimIntervals = tuple[Interval, ...]
+"""The ordered, merged intervals a local tensor holds along one dim."""
+
+Chunk = tuple[DimIntervals, ...]
+"""Per tensor dim, the intervals a local tensor holds."""
+
+MismatchKind = Literal["empty_shard", "non_contiguous", "offset_mismatch"]
+ActualLayout = Literal["dtensor", "fsdp"] | Callable[[tuple[int, ...]], Chunk] | None
+
+_MAX_MESSAGES = 3  # render_layout: mismatch messages shown in full
+_FSDP_AXIS_NAMES = {2: ("dp_shard", "tp"), 3: ("dp_replicate", "dp_shard", "tp")}
+
+
+# --------------------------------------------------------------------------- intervals
+
+
+def _chunk_bounds(size: int, num_chunks: int, index: int) -> Interval:
+    """Local positions ``[lo, hi)`` of ``torch.chunk(x, num_chunks)[index]``, empty-filled."""
+    chunk_size = -(-size // num_chunks)
+    lo = min(chunk_size * index, size)
+    return lo, min(lo + chunk_size, size)
+
+
+def _length(intervals: DimIntervals) -> int:
+    return sum(stop - start for start, stop in intervals)
+
+
+def _append(out: list[Interval], start: int, stop: int) -> None:
+    if start >= stop:
+        return
+    if out and out[-1][1] == start:
+        out[-1] = (out[-1][0], stop)
+    else:
+        out.append((start, stop))
+
+
+def _take(intervals: DimIntervals, lo: int, hi: int) -> DimIntervals:
+    """The global intervals at local positions ``[lo, hi)`` of ``intervals``."""
+    out: list[Interval] = []
+    pos = 0
+    for start, stop in intervals:
+        length = stop - start
+        a, b = max(lo - pos, 0), min(hi - pos, length)
+        if a < b:
+            _append(out, start + a, start + b)
+        pos += length
+    return tuple(out)
+
+
+def _concat(pieces: Sequence[DimIntervals]) -> DimIntervals:
+    out: list[Interval] = []
+    for piece in pieces:
+        for start, stop in piece:
+            _append(out, start, stop)
+    return tuple(out)
+
+
+def _chunk_dim(intervals: DimIntervals, num_chunks: int, index: int) -> DimIntervals:
+    return _take(intervals, *_chunk_bounds(_length(intervals), num_chunks, index))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_layout(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]
+) -> tuple[Placement, ...]:
+    """Validate the inputs; return placements with non-negative dims."""
+    if any(int(s) < 0 for s in global_shape):
+        raise ValueError(f"global_shape {tuple(global_shape)} has a negative size; sizes must be >= 0")
+    if not mesh_shape or any(int(s) < 1 for s in mesh_shape):
+        raise ValueError(
+            f"mesh_shape {tuple(mesh_shape)} must be non-empty with every axis size >= 1, "
+            "e.g. (4, 2)"
+        )
+    if len(placements) != len(mesh_shape):
+        raise ValueError(
+            f"len(placements)={len(placements)} != len(mesh_shape)={len(mesh_shape)} for "
+            f"placements {tuple(placements)} and mesh_shape {tuple(mesh_shape)}; give one "
+            "placement per mesh axis"
+        )
+    ndim = len(global_shape)
+    out: list[Placement] = []
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            out.append(p)
+            continue
+        if isinstance(p, Partial):
+            raise ValueError(
+                f"placements[{mesh_dim}]={p!r} is a pending reduction, not a storage layout; "
+                "use Shard, _StridedShard or Replicate"
+            )
+        if not isinstance(p, (Shard, _StridedShard)):
+            raise ValueError(
+                f"placements[{mesh_dim}]={p!r} is not supported; use Shard, _StridedShard or Replicate"
+            )
+        dim = p.dim + ndim if p.dim < 0 else p.dim
+        if not 0 <= dim < ndim:
+            raise ValueError(
+                f"placements[{mesh_dim}]={p!r} shards dim {p.dim} of a {ndim}-d tensor "
+                f"{tuple(global_shape)}; use a dim in [0, {ndim})"
+            )
+        if isinstance(p, _StridedShard):
+            sf = int(p.split_factor)
+            if sf < 1:
+                raise ValueError(f"placements[{mesh_dim}]={p!r} has split_factor {sf}; it must be >= 1")
+            out.append(_StridedShard(dim, split_factor=sf))
+        else:
+            out.append(Shard(dim))
+    return tuple(out)
+
+
+def _check_coordinate(mesh_shape: Sequence[int], coordinate: Sequence[int]) -> tuple[int, ...]:
+    coordinate = tuple(int(c) for c in coordinate)
+    if len(coordinate) != len(mesh_shape) or not all(
+        0 <= c < s for c, s in zip(coordinate, mesh_shape)
+    ):
+        raise ValueError(
+            f"coordinate {coordinate} is not in mesh_shape {tuple(mesh_shape)}; give one index "
+            "per mesh axis with 0 <= index < axis size"
+        )
+    return coordinate
+
+
+# --------------------------------------------------------------------------- what is held
+
+
+def _local_chunk(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
+    coordinate: Sequence[int],
+) -> Chunk:
+    held: list[DimIntervals] = [((0, s),) if s else () for s in global_shape]
+    for num_chunks, p, index in zip(mesh_shape, placements, coordinate):
+        if isinstance(p, _StridedShard):
+            # Replicate -> _StridedShard: chunk into split_factor pieces, chunk each piece
+            # over the mesh axis, keep piece index `index` of each. See [Note: strided sharding order]
+            pieces = [_chunk_dim(held[p.dim], int(p.split_factor), j) for j in range(int(p.split_factor))]
+            held[p.dim] = _concat([_chunk_dim(piece, num_chunks, index) for piece in pieces])
+        elif isinstance(p, Shard):
+            held[p.dim] = _chunk_dim(held[p.dim], num_chunks, index)
+    return tuple(held)
+
+
+def local_chunk(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coordinate: Sequence[int],
+) -> Chunk:
+    """Return the global intervals a DTensor's local tensor holds at ``coordinate``.
+
+    This is torch 2.13's ``distribute_tensor`` split, read left to right: ``Shard(d)`` cuts the
+    current local tensor with ``torch.chunk`` (trailing chunks may be short or empty) and
+    ``_StridedShard(d, split_factor=sf)`` follows ``_StridedShard._split_tensor``. For uneven
+    shapes this is NOT what FSDP2 x TP stores under the same placements; use :func:`fsdp_chunk`
+    for FSDP2 parameters. See [Note: strided sharding order].
+
+    Args:
+        global_shape: Shape of the global tensor.
+        mesh_shape: Size of each mesh axis.
+        placements: One ``Shard``, ``_StridedShard`` or ``Replicate`` per mesh axis.
+        coordinate: Index of the local tensor on each mesh axis.
+
+    Returns:
+        Per tensor dim, the ordered ``(start, stop)`` intervals held, adjacent ones merged;
+        ``()`` where the local tensor is empty along that dim.
+
+    Raises:
+        ValueError: If the placements do not fit the shapes, or the coordinate is off the mesh.
+
+    Example:
+        >>> local_chunk((9, 4), (2,), [Shard(0)], (1,))
+        (((5, 9),), ((0, 4),))
+        >>> local_chunk((8,), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)], (1, 0))
+        (((2, 4),),)
+    """
+    placements = _check_layout(global_shape, mesh_shape, placements)
+    coordinate = _check_coordinate(mesh_shape, coordinate)
+    return _local_chunk(global_shape, mesh_shape, placements, coordinate)
+
+
+def fsdp_tp_chunk(
+    global_shape: Sequence[int],
+    *,
+    tp_dim: int | None,
+    tp_size: int,
+    tp_rank: int,
+    dp_size: int,
+    dp_rank: int,
+) -> Chunk:
+    """Return the global intervals FSDP2 x TP stores on one rank.
+
+    TP takes ``torch.chunk(x, tp_size, dim=tp_dim)[tp_rank]`` (``tp_dim=None``: TP replicates
+    the parameter); ``fully_shard`` then takes ``torch.chunk(tp_local, dp_size, dim=0)[dp_rank]``
+    (``_chunk_with_empty`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``). This is
+    the truth for FSDP2 parameters where :func:`local_chunk` disagrees.
+    See [Note: strided sharding order].
+
+    Args:
+        global_shape: Shape of the global parameter.
+        tp_dim: Tensor dim TP shards (0 = colwise, 1 = rowwise), or None for replicated.
+        tp_size: Size of the tp axis.
+        tp_rank: Index on the tp axis.
+        dp_size: Size of the FSDP sharding axis (dp_shard, or dp_shard_cp).
+        dp_rank: Index on the FSDP sharding axis.
+
+    Returns:
+        Per tensor dim, the intervals held, as in :func:`local_chunk`.
+
+    Raises:
+        ValueError: If a size, rank or dim is out of range.
+
+    Example:
+        >>> fsdp_tp_chunk((9, 16), tp_dim=0, tp_size=2, tp_rank=1, dp_size=4, dp_rank=3)
+        (((8, 9),), ((0, 16),))
+    """
+    ndim = len(global_shape)
+    if ndim == 0 or (tp_dim is not None and not 0 <= tp_dim < ndim):
+        raise ValueError(
+            f"tp_dim={tp_dim} is not a dim of {tuple(global_shape)}; use a dim in [0, {ndim}) "
+            "or None for a TP-replicated parameter"
+        )
+    for name, size, rank in (("tp", tp_size, tp_rank), ("dp", dp_size, dp_rank)):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(
+                f"{name}_size={size}, {name}_rank={rank}: need {name}_size >= 1 and "
+                f"0 <= {name}_rank < {name}_size"
+            )
+    held: list[DimIntervals] = [((0, s),) if s else () for s in global_shape]
+    if tp_dim is not None:
+        held[tp_dim] = _chunk_dim(held[tp_dim], tp_size, tp_rank)  # Replicate -> Shard(tp_dim)
+    held[0] = _chunk_dim(held[0], dp_size, dp_rank)  # FSDP: torch.chunk of the TP-local dim 0
+    return tuple(held)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _FsdpAxes:
+    """Mesh axes of an FSDP2 x TP placement list, as ``fully_shard`` builds it."""
+
+    dp_mesh_dim: int
+    tp_mesh_dim: int | None
+    tp_dim: int | None
+
+
+def _fsdp_axes(mesh_shape: Sequence[int], placements: Sequence[Placement]) -> _FsdpAxes | None:
+    """Recognise the placements FSDP2 builds (``_init_sharding_spec_tp``); None otherwise.
+
+    ``(Shard(0),)``; ``(dp, tp)``; HSDP ``(Replicate(), dp, tp)``; where tp is ``Replicate()``
+    or ``Shard(d)`` and dp is ``_StridedShard(0, sf=tp_size)`` when tp is ``Shard(0)`` over more
+    than one rank, else ``Shard(0)``. ``(Replicate(), Shard(0))`` reads as HSDP without TP (DDP
+    with colwise TP stores the same).
+    """
+    ps = tuple(placements)
+    if ps == (Shard(0),):
+        return _FsdpAxes(dp_mesh_dim=0, tp_mesh_dim=None, tp_dim=None)
+    if ps == (Replicate(), Shard(0)):
+        return _FsdpAxes(dp_mesh_dim=1, tp_mesh_dim=None, tp_dim=None)
+    if len(ps) == 3 and isinstance(ps[0], Replicate):
+        offset, ps = 1, ps[1:]
+    elif len(ps) == 2:
+        offset = 0
+    else:
+        return None
+    dp, tp = ps
+    tp_size = mesh_shape[offset + 1]
+    if isinstance(tp, Replicate):
+        tp_dim = None
+    elif isinstance(tp, Shard) and not isinstance(tp, _StridedShard):
+        tp_dim = tp.dim
+    else:
+        return None
+    if tp_dim == 0 and tp_size > 1:
+        expected: Placement = _StridedShard(0, split_factor=tp_size)
+    else:
+        expected = Shard(0)
+    if dp != expected:
+        return None
+    return _FsdpAxes(dp_mesh_dim=offset, tp_mesh_dim=offset + 1, tp_dim=tp_dim)
+
+
+def fsdp_placements(
+    *, tp_dim: int | None, tp_size: int, dp_replicate: bool = False
+) -> tuple[Placement, ...]:
+    """Return the placements ``fully_shard`` gives a TP parameter.
+
+    Args:
+        tp_dim: Tensor dim TP shards (0 = colwise, 1 = rowwise), or None for replicated.
+        tp_size: Size of the tp axis.
+        dp_replicate: Prepend ``Replicate()`` for HSDP.
+
+    Returns:
+        ``(dp_shard, tp)`` placements, or ``(dp_replicate, dp_shard, tp)`` for HSDP.
+
+    Example:
+        >>> fsdp_placements(tp_dim=0, tp_size=2)
+        (_StridedShard(dim=0, sf=2), Shard(dim=0))
+    """
+    tp: Placement = Replicate() if tp_dim is None else Shard(tp_dim)
+    dp: Placement = _StridedShard(0, split_factor=tp_size) if tp_dim == 0 and tp_size > 1 else Shard(0)
+    return ((Replicate(),) if dp_replicate else ()) + (dp, tp)
+
+
+def fsdp_chunk(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coordinate: Sequence[int],
+) -> Chunk:
+    """Return the global intervals FSDP2 stores at ``coordinate`` for FSDP2's own placements.
+
+    Reads the placements ``fully_shard`` builds (see :func:`fsdp_placements`; plain FSDP
+    ``(Shard(0),)`` and HSDP without TP ``(Replicate(), Shard(0))`` too) and applies
+    :func:`fsdp_tp_chunk`. Agrees with :func:`local_chunk` whenever the TP pieces are equal
+    (dim 0 divisible by tp for colwise); differs for uneven colwise shapes.
+    See [Note: strided sharding order].
+
+    Args:
+        global_shape: Shape of the global parameter.
+        mesh_shape: Size of each mesh axis, e.g. ``(dp_shard, tp)``.
+        placements: The parameter's placements.
+        coordinate: Index of the rank on each mesh axis.
+
+    Returns:
+        Per tensor dim, the intervals held, as in :func:`local_chunk`.
+
+    Raises:
+        ValueError: If the placements are not ones FSDP2 builds.
+
+    Example:
+        >>> fsdp_chunk((9, 16), (4, 2), fsdp_placements(tp_dim=0, tp_size=2), (3, 0))
+        ((), ((0, 16),))
+    """
+    placements = _check_layout(global_shape, mesh_shape, placements)
+    coordinate = _check_coordinate(mesh_shape, coordinate)
+    return _fsdp_chunk(global_shape, mesh_shape, _require_fsdp_axes(mesh_shape, placements), coordinate)
+
+
+def _require_fsdp_axes(mesh_shape: Sequence[int], placements: Sequence[Placement]) -> _FsdpAxes:
+    axes = _fsdp_axes(mesh_shape, placements)
+    if axes is None:
+        raise ValueError(
+            f"placements {tuple(placements)} on mesh_shape {tuple(mesh_shape)} are not ones "
+            "fully_shard builds; expected e.g. (_StridedShard(0, sf=tp), Shard(0)) colwise, "
+            "(Shard(0), Shard(1)) rowwise, (Shard(0), Replicate()), or HSDP (Replicate(), ...); "
+            "use local_chunk for other DTensors"
+        )
+    return axes
+
+
+def _fsdp_chunk(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], axes: _FsdpAxes,
+    coordinate: Sequence[int],
+) -> Chunk:
+    tp = axes.tp_mesh_dim
+    return fsdp_tp_chunk(
+        global_shape,
+        tp_dim=axes.tp_dim,
+        tp_size=1 if tp is None else mesh_shape[tp],
+        tp_rank=0 if tp is None else coordinate[tp],
+        dp_size=mesh_shape[axes.dp_mesh_dim],
+        dp_rank=coordinate[axes.dp_mesh_dim],
+    )
+
+
+# --------------------------------------------------------------------------- what DCP writes
+
+
+def dcp_chunk(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coordinate: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Return the box DCP writes for ``coordinate``: ``(sizes, offsets)``.
+
+    A thin wrapper over torch's private
+    ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``, which
+    ``DTensor.__create_write_items__`` uses. See [Note: what DCP describes].
+
+    Args:
+        global_shape: Shape of the global tensor.
+        mesh_shape: Size of each mesh axis.
+        placements: One placement per mesh axis.
+        coordinate: Index on each mesh axis.
+
+    Returns:
+        The local sizes and the first global offset per tensor dim.
+
+    Example:
+        >>> dcp_chunk((9, 16), (4, 2), fsdp_placements(tp_dim=0, tp_size=2), (3, 0))
+        ((1, 16), (8, 0))
+    """
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    placements = _check_layout(global_shape, mesh_shape, placements)
+    coordinate = _check_coordinate(mesh_shape, coordinate)
+    sizes, offsets = _compute_local_shape_and_global_offset(
+        tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements)
+    )
+    return tuple(int(s) for s in sizes), tuple(int(o) for o in offsets)
+
+
+def chunk_box(global_shape: Sequence[int], chunk: Chunk) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Return ``(sizes, offsets)`` of ``chunk`` if it is one box, else None.
+
+    Uses DCP's conventions: an empty dim has size 0 at offset ``global_shape[dim]``.
+
+    Example:
+        >>> chunk_box((9, 16), (((2, 4),), ((0, 16),)))
+        ((2, 16), (2, 0))
+        >>> chunk_box((9,), (((0, 2), (5, 6)),)) is None
+        True
+    """
+    if any(len(iv) > 1 for iv in chunk):
+        return None
+    sizes = tuple(iv[0][1] - iv[0][0] if iv else 0 for iv in chunk)
+    offsets = tuple(iv[0][0] if iv else size for iv, size in zip(chunk, global_shape))
+    return sizes, offsets
+
+
+# --------------------------------------------------------------------------- mismatches
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutMismatch:
+    """One mesh coordinate whose checkpoint description or TP shard is wrong.
+
+    Attributes:
+        coordinate: The mesh coordinate.
+        rank: The row-major rank of ``coordinate``.
+        kind: ``"empty_shard"``: the TP-local piece is empty (FSDP2 backward crashes);
+            ``"non_contiguous"``: the local data is several ranges, which one DCP box cannot
+            describe; ``"offset_mismatch"``: one box, but not the one DCP describes.
+        actual: Per tensor dim, the intervals the coordinate holds.
+        described: ``(sizes, offsets)`` that DCP writes for it.
+        message: Why, and what to change.
+    """
+
+    coordinate: tuple[int, ...]
+    rank: int
+    kind: MismatchKind
+    actual: Chunk
+    described: tuple[tuple[int, ...], tuple[int, ...]]
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _resolve_actual(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...],
+    actual: ActualLayout,
+) -> tuple[Callable[[tuple[int, ...]], Chunk], str]:
+    """Return the function coordinate -> held intervals, and who holds them (for messages)."""
+    if callable(actual):
+        return actual, "the local tensor"
+    axes = _fsdp_axes(mesh_shape, placements)
+    if actual == "fsdp" or (actual is None and axes is not None):
+        axes = _require_fsdp_axes(mesh_shape, placements)
+        return (lambda c: _fsdp_chunk(global_shape, mesh_shape, axes, c)), "FSDP2"
+    if actual in (None, "dtensor"):
+        return (lambda c: _local_chunk(global_shape, mesh_shape, placements, c)), "the DTensor"
+    raise ValueError(
+        f"actual={actual!r} is not a layout; use None (FSDP2's layout for FSDP2 placements, "
+        "else the DTensor's), 'fsdp', 'dtensor' or a function coordinate -> intervals"
+    )
+
+
+def _tp_mesh_dims(
+    mesh_shape: Sequence[int], placements: Sequence[Placement], mesh_dim_names: Sequence[str] | None
+) -> list[int]:
+    if mesh_dim_names is not None:
+        return [i for i, name in enumerate(mesh_dim_names) if name == "tp"]
+    axes = _fsdp_axes(mesh_shape, placements)
+    return [axes.tp_mesh_dim] if axes is not None and axes.tp_mesh_dim is not None else []
+
+
+def _raw_mismatches(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...],
+    held: Callable[[tuple[int, ...]], Chunk], tp_mesh_dims: Sequence[int],
+) -> list[tuple[tuple[int, ...], MismatchKind, Chunk, tuple[tuple[int, ...], tuple[int, ...]], int]]:
+    """(coordinate, kind, actual, described, tensor dim) for each bad coordinate, no messages."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    out = []
+    for coordinate in itertools.product(*(range(s) for s in mesh_shape)):
+        actual = held(coordinate)
+        sizes, offsets = _compute_local_shape_and_global_offset(
+            tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements)
+        )
+        described = (tuple(int(s) for s in sizes), tuple(int(o) for o in offsets))
+        box = chunk_box(global_shape, actual)
+        # TP cuts the global tensor before FSDP2 does: the TP piece is a torch.chunk of it
+        empty_dims = [
+            p.dim for m in tp_mesh_dims
+            if isinstance(p := placements[m], Shard)
+            and len(set(_chunk_bounds(global_shape[p.dim], mesh_shape[m], coordinate[m]))) == 1
+        ]
+        if empty_dims:
+            out.append((coordinate, "empty_shard", actual, described, empty_dims[0]))
+        elif box is None:
+            dim = next(d for d, iv in enumerate(actual) if len(iv) > 1)
+            out.append((coordinate, "non_contiguous", actual, described, dim))
+        elif not _same_box(box, described):
+            dim = next(d for d in range(len(global_shape)) if _dim_box(box, d) != _dim_box(described, d))
+            out.append((coordinate, "offset_mismatch", actual, described, dim))
+    return out
+
+
+def _dim_box(box: tuple[tuple[int, ...], tuple[int, ...]], dim: int) -> tuple[int, int]:
+    return box[0][dim], box[1][dim]
+
+
+def _same_box(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    # Zero-volume boxes carry no data; their offsets do not matter to DCP.
+    if a[0] == b[0] and 0 in a[0]:
+        return True
+    return a == b
+
+
+def find_dcp_mismatches(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    *,
+    actual: ActualLayout = None,
+    mesh_dim_names: Sequence[str] | None = None,
+) -> list[LayoutMismatch]:
+    """Return every coordinate whose data DCP would describe wrongly, or whose TP piece is empty.
+
+    For each coordinate, compares the intervals held (built here, see ``actual``) with the box
+    torch's ``_compute_local_shape_and_global_offset`` gives DCP. Reports, at most once per
+    coordinate and in this order of precedence: an empty TP piece along a dim a ``tp`` axis
+    shards (FSDP2 backward crashes on it), data that is not one contiguous box, and a box that
+    differs from DCP's. An empty list means ``dcp.save`` writes a checkpoint that reads back.
+    See [Note: what DCP describes].
+
+    Args:
+        global_shape: Shape of the global tensor.
+        mesh_shape: Size of each mesh axis.
+        placements: One placement per mesh axis.
+        actual: What the local tensors hold. None: FSDP2's layout (:func:`fsdp_chunk`) when the
+            placements are ones ``fully_shard`` builds, else the DTensor's
+            (:func:`local_chunk`). ``"fsdp"`` / ``"dtensor"`` force one; a function
+            coordinate -> intervals supplies any other.
+        mesh_dim_names: Names of the mesh axes, for messages; the axis named ``"tp"`` is the
+            one checked for empty pieces. None: FSDP2 placements read as ``(dp_shard, tp)`` or
+            ``(dp_replicate, dp_shard, tp)``; other placements have no tp axis.
+
+    Returns:
+        One :class:`LayoutMismatch` per bad coordinate, in row-major order.
+
+    Example:
+        >>> bad = find_dcp_mismatches((9, 16), (4, 2), [_StridedShard(0, split_factor=2), Shard(0)])
+        >>> [(m.coordinate, m.kind) for m in bad]
+        [((3, 0), 'offset_mismatch'), ((3, 1), 'offset_mismatch')]
+    """
+    placements = _check_layout(global_shape, mesh_shape, placements)
+    names = _axis_names(mesh_shape, placements, mesh_dim_names)
+    held, holder = _resolve_actual(global_shape, mesh_shape, placements, actual)
+    tp_dims = _tp_mesh_dims(mesh_shape, placements, mesh_dim_names)
+    raw = _raw_mismatches(global_shape, mesh_shape, placements, held, tp_dims)
+    fixes: dict[tuple[MismatchKind, int], str] = {}
+    out = []
+    for coordinate, kind, chunk, described, dim in raw:
+        if (kind, dim) not in fixes:
+            fixes[(kind, dim)] = _fix_hint(global_shape, mesh_shape, placements, names, actual, kind, dim)
+        where = f"coordinate {coordinate} (rank {_rank(mesh_shape, coordinate)})"
+        if kind == "empty_shard":
+            why = f"{where}: its TP piece of dim {dim} is empty"
+        elif kind == "non_contiguous":
+            why = (
+                f"{where}: {holder} holds dim {dim} indices {_fmt_intervals(chunk[dim])}, "
+                f"{len(chunk[dim])} separate ranges, but DCP keeps one offset per dim and "
+                f"describes {_fmt_box(described)}"
+            )
+        else:
+            shape = tuple(_length(iv) for iv in chunk)
+            held_text = f"dim {dim} indices {_fmt_intervals(chunk[dim])}" if chunk[dim] else f"nothing of dim {dim}"
+            why = f"{where}: {holder} holds {held_text} (local shape {shape}) but DCP describes {_fmt_box(described)}"
+        out.append(
+            LayoutMismatch(
+                coordinate=coordinate, rank=_rank(mesh_shape, coordinate), kind=kind,
+                actual=chunk, described=described, message=f"{why}; {fixes[(kind, dim)]}",
+            )
+        )
+    return out
+
+
+def _fix_hint(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...],
+    names: Sequence[str], actual: ActualLayout, kind: MismatchKind, dim: int,
+) -> str:
+    """What to change, proven by rebuilding the layout with the suggested size."""
+    size = global_shape[dim]
+    sharding = [m for m, p in enumerate(placements) if not isinstance(p, Replicate) and p.dim == dim]
+    axes_text = " x ".join(_axis_label(names, mesh_shape, m) for m in sharding)
+    if kind == "empty_shard":
+        tp = [m for m in sharding if names[m] == "tp"] or sharding
+        num = mesh_shape[tp[0]]
+        return (
+            f"dim {dim} of size {size} over {_axis_label(names, mesh_shape, tp[0])} gives an empty "
+            f"TP piece, which crashes FSDP2 backward (_chunk_cat expects non-empty tensor); "
+            f"make dim {dim} divisible by {num} or use a smaller tp"
+        )
+    repair = "save with shardbridge.checkpoint, which repairs it"
+    if callable(actual):
+        return f"make each local tensor the box dcp_chunk gives its coordinate, or {repair}"
+    found = _proven_divisor(global_shape, mesh_shape, placements, names, actual, dim)
+    if found is None:
+        return (
+            f"dim {dim} over {axes_text} interleaves pieces for every size of dim {dim}; "
+            f"redistribute to Shard/Replicate placements before saving, or {repair}"
+        )
+    divisor, label = found
+    lower, upper = size // divisor * divisor, (size // divisor + 1) * divisor
+    examples = f"{lower} or {upper}" if lower else f"{upper}"
+    held_by = "FSDP shards of uneven TP pieces" if _fsdp_axes(mesh_shape, placements) else "uneven pieces"
+    return (
+        f"dim {dim} of size {size} over {axes_text} gives {held_by}; make dim {dim} divisible "
+        f"by {label} (e.g. {examples}) or {repair}"
+    )
+
+
+def _proven_divisor(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...],
+    names: Sequence[str], actual: Literal["dtensor", "fsdp"] | None, dim: int,
+) -> tuple[int, str] | None:
+    """First candidate d such that sizes d, 2d, 3d of ``dim`` give no mismatch on it; and its label.
+
+    Candidates: the tp size when FSDP2's TP shards ``dim``, the product of the mesh axes
+    sharding ``dim``, and that product times the split factors.
+    """
+    sharding = [m for m, p in enumerate(placements) if not isinstance(p, Replicate) and p.dim == dim]
+    split = math.prod(int(placements[m].split_factor) for m in sharding if isinstance(placements[m], _StridedShard))
+    product = math.prod(mesh_shape[m] for m in sharding)
+    named = not any(names[m].startswith("mesh dim") for m in sharding)
+    label = "*".join(names[m] for m in sharding) + f"={product}" if named else f"{product}"
+    candidates = [(product, label), (product * split, f"{product * split}")]
+    axes = _fsdp_axes(mesh_shape, placements)
+    if axes is not None and axes.tp_dim == dim and axes.tp_mesh_dim is not None:
+        tp = mesh_shape[axes.tp_mesh_dim]
+        candidates.insert(0, (tp, f"{names[axes.tp_mesh_dim]}={tp}"))
+    for divisor, label in candidates:
+        ok = True
+        for k in (1, 2, 3):
+            shape = list(global_shape)
+            shape[dim] = divisor * k
+            held, _ = _resolve_actual(shape, mesh_shape, placements, actual)
+            bad = _raw_mismatches(shape, mesh_shape, placements, held, [])
+            ok = ok and not any(d == dim for *_, d in bad)
+        if ok:
+            return divisor, label
+    return None
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _rank(mesh_shape: Sequence[int], coordinate: Sequence[int]) -> int:
+    rank = 0
+    for size, index in zip(mesh_shape, coordinate):
+        rank = rank * size + index
+    return rank
+
+
+def _axis_names(
+    mesh_shape: Sequence[int], placements: Sequence[Placement], mesh_dim_names: Sequence[str] | None
+) -> tuple[str, ...]:
+    if mesh_dim_names is not None:
+        if len(mesh_dim_names) != len(mesh_shape):
+            raise ValueError(
+                f"mesh_dim_names {tuple(mesh_dim_names)} has {len(mesh_dim_names)} names for "
+                f"mesh_shape {tuple(mesh_shape)}; give one name per mesh axis"
+            )
+        return tuple(mesh_dim_names)
+    if _fsdp_axes(mesh_shape, placements) is not None and len(mesh_shape) in _FSDP_AXIS_NAMES:
+        return _FSDP_AXIS_NAMES[len(mesh_shape)]
+    return tuple(f"mesh dim {i}" for i in range(len(mesh_shape)))
+
+
+def _axis_label(names: Sequence[str], mesh_shape: Sequence[int], mesh_dim: int) -> str:
+    name = names[mesh_dim]
+    if name.startswith("mesh dim"):
+        return f"{name} (size {mesh_shape[mesh_dim]})"
+    return f"{name}={mesh_shape[mesh_dim]}"
+
+
+def _fmt_intervals(intervals: DimIntervals) -> str:
+    return " ".join(f"[{a}, {b})" for a, b in intervals) if intervals else "-"
+
+
+def _fmt_box(box: tuple[tuple[int, ...], tuple[int, ...]] | None) -> str:
+    if box is None:
+        return "several boxes"
+    sizes, offsets = box
+    return f"size {sizes} at offset {offsets}"
+
+
+def _bar(intervals: DimIntervals, size: int, width: int) -> str:
+    """One character per bucket of ``size / width`` indices: '#' held, '.' not."""
+    cells = min(size, width)
+    out = []
+    for cell in range(cells):
+        lo, hi = cell * size // cells, (cell + 1) * size // cells
+        out.append("#" if any(a < hi and lo < b for a, b in intervals) else ".")
+    return "".join(out)
+
+
+def render_layout(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+    dim: int = 0,
+    actual: ActualLayout = None,
+    width: int = 64,
+) -> str:
+    """Draw who holds what along one tensor dim, and what DCP describes, in ASCII.
+
+    Two parts: one row per run of indices of ``dim`` with the same owners, and one row per rank
+    with its coordinate, a bar of the indices it holds, its intervals, DCP's box and a ``!``
+    where they differ (see :func:`find_dcp_mismatches`).
+
+    Args:
+        global_shape: Shape of the global tensor.
+        mesh_shape: Size of each mesh axis.
+        placements: One placement per mesh axis.
+        mesh_dim_names: Names of the mesh axes for the header.
+        dim: Tensor dim to draw.
+        actual: What the local tensors hold, as in :func:`find_dcp_mismatches`.
+        width: Most characters in a bar; longer dims are drawn in buckets.
+
+    Returns:
+        The picture, lines joined with newlines.
+
+    Example:
+        >>> print(render_layout((6, 4), (2,), [Shard(0)], mesh_dim_names=("dp_shard",)))
+        tensor (6, 4) on mesh dp_shard=2
+        placements [Shard(dim=0)]; held by: FSDP2
+        <BLANKLINE>
+        dim 0 (size 6): owners of each index range
+          [0, 3)  (0,)
+          [3, 6)  (1,)
+        <BLANKLINE>
+        rank  coordinate    held    intervals / DCP box
+           0  (0,)          ###...  [0, 3) / size 3 at 0
+           1  (1,)          ...###  [3, 6) / size 3 at 3
+    """
+    placements = _check_layout(global_shape, mesh_shape, placements)
+    if not 0 <= dim < len(global_shape):
+        raise ValueError(f"dim={dim} is not a dim of {tuple(global_shape)}; use 0 <= dim < {len(global_shape)}")
+    names = _axis_names(mesh_shape, placements, mesh_dim_names)
+    held, holder = _resolve_actual(global_shape, mesh_shape, placements, actual)
+    bad = {m.coordinate: m for m in find_dcp_mismatches(
+        global_shape, mesh_shape, placements, actual=actual, mesh_dim_names=mesh_dim_names)}
+    coords = list(itertools.product(*(range(s) for s in mesh_shape)))
+    chunks = {c: held(c) for c in coords}
+    size = global_shape[dim]
+
+    if names[0].startswith("mesh dim"):
+        mesh_text = str(tuple(mesh_shape))
+    else:
+        mesh_text = " x ".join(_axis_label(names, mesh_shape, m) for m in range(len(mesh_shape)))
+    lines = [
+        f"tensor {tuple(global_shape)} on mesh {mesh_text}",
+        f"placements {list(placements)}; held by: {holder}",
+        "",
+        f"dim {dim} (size {size}): owners of each index range",
+    ]
+    cuts = sorted({0, size} | {x for c in coords for iv in chunks[c][dim] for x in iv})
+    runs: list[tuple[int, int, str]] = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        owners = " ".join(
+            str(c).replace(" ", "") for c in coords if any(a <= lo and hi <= b for a, b in chunks[c][dim])
+        )
+        if runs and runs[-1][2] == owners and runs[-1][1] == lo:
+            runs[-1] = (runs[-1][0], hi, owners)
+        else:
+            runs.append((lo, hi, owners))
+    span = max((len(f"[{lo}, {hi})") for lo, hi, _ in runs), default=6)
+    lines += [f"  {f'[{lo}, {hi})':<{span}}  {owners or '(nobody)'}" for lo, hi, owners in runs]
+
+    bar_width = min(size, width)
+    header = f"{'rank':>4}  {'coordinate':<12}  {'held':<{max(bar_width, 4)}}  intervals / DCP box"
+    lines += ["", header]
+    for c in coords:
+        rank = _rank(mesh_shape, c)
+        mark = "!" if c in bad else " "
+        box = dcp_chunk(global_shape, mesh_shape, placements, c)
+        lines.append(
+            f"{rank:>4}{mark} {str(c).replace(' ', ''):<12}  {_bar(chunks[c][dim], size, width):<{max(bar_width, 4)}}  "
+            f"{_fmt_intervals(chunks[c][dim])} / size {box[0][dim]} at {box[1][dim]}"
+        )
+    if bad:
+        shown = list(bad.values())[:_MAX_MESSAGES]
+        lines += ["", "! = DCP describes a different box than the data held:"]
+        lines += [f"  {m.message}" for m in shown]
+        if len(bad) > len(shown):
+            lines.append(f"  ... and {len(bad) - len(shown)} more (see find_dcp_mismatches)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- parsing
+
+_PLACEMENT_SYNTAX = (
+    "R | Replicate() | S(d) | Shard(d) | Shard(dim=d) | SS(d,sf) | _S(d,sf) | "
+    "_StridedShard(d,sf=n) | _StridedShard(dim=d,split_factor=n), comma-separated, "
+    "e.g. 'SS(0,2),S(0)'"
+)
+_PLACEMENT_RE = re.compile(r"^([A-Za-z_]+)\s*(?:\((.*)\))?$")
+
+
+def _split_top_level(text: str) -> list[str]:
+    tokens, depth, current = [], 0, []
+    for ch in text:
+        if ch == "," and depth == 0:
+            tokens.append("".join(current).strip())
+            current = []
+            continue
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        current.append(ch)
+    tokens.append("".join(current).strip())
+    return tokens
+
+
+def _strip_brackets(text: str) -> str:
+    """Drop one pair of brackets around the whole list: ``[...]`` or ``(...)``."""
+    if text[:1] == "[" and text[-1:] == "]":
+        return text[1:-1]
+    if text[:1] == "(" and text[-1:] == ")":
+        depth = 0
+        for i, ch in enumerate(text):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return text[1:-1] if i == len(text) - 1 else text
+    return text
+
+
+def _parse_args(token: str, args_text: str, names: Sequence[str]) -> dict[str, int]:
+    """Parse ``'0, sf=2'`` against positional ``names`` (aliases: dim, sf/split_factor)."""
+    values: dict[str, int] = {}
+    args = [a.strip() for a in args_text.split(",")] if args_text.strip() else []
+    for position, arg in enumerate(args):
+        key, _, value = arg.rpartition("=")
+        key = key.strip() or (names[position] if position < len(names) else "?")
+        key = {"split_factor": "sf"}.get(key, key)
+        if key not in names or key in values or not re.fullmatch(r"-?\d+", value.strip()):
+            raise ValueError(
+                f"bad placement token {token!r}: cannot read argument {arg!r}; syntax: {_PLACEMENT_SYNTAX}"
+            )
+        values[key] = int(value)
+    if set(values) != set(names):
+        raise ValueError(f"bad placement token {token!r}: needs {', '.join(names)}; syntax: {_PLACEMENT_SYNTAX}")
+    return values
+
+
+def parse_placements(text: str) -> list[Placement]:
+    """Parse a placement list as written on the command line or printed by torch.
+
+    Args:
+        text: Comma-separated placements, optionally wrapped in ``()`` or ``[]``:
+            ``R``/``Replicate()``, ``S(d)``/``Shard(d)``/``Shard(dim=d)``, and
+            ``SS(d,sf)``/``_S(d, sf)``/``_StridedShard(d, sf=n)``/``_StridedShard(dim=d,
+            split_factor=n)``.
+
+    Returns:
+        The placements, one per mesh axis.
+
+    Raises:
+        ValueError: Naming the bad token and showing the valid syntax.
+
+    Example:
+        >>> parse_placements("SS(0,2),S(0)")
+        [_StridedShard(dim=0, sf=2), Shard(dim=0)]
+        >>> parse_placements("(Replicate(), Shard(dim=1))")
+        [Replicate(), Shard(dim=1)]
+    """
+    body = _strip_brackets(text.strip())
+    tokens = _split_top_level(body)
+    if len(tokens) > 1 and tokens[-1] == "":  # a 1-tuple's trailing comma: "(Replicate(),)"
+        tokens.pop()
+    out: list[Placement] = []
+    for token in tokens:
+        match = _PLACEMENT_RE.match(token)
+        kind = match.group(1) if match else None
+        args = match.group(2) if match and match.group(2) is not None else ""
+        if kind in ("R", "Replicate") and not args.strip():
+            out.append(Replicate())
+        elif kind in ("S", "Shard"):
+            out.append(Shard(_parse_args(token, args, ("dim",))["dim"]))
+        elif kind in ("SS", "_S", "_StridedShard", "StridedShard"):
+            values = _parse_args(token, args, ("dim", "sf"))
+            if values["sf"] < 1:
+                raise ValueError(
+                    f"bad placement token {token!r}: split factor must be >= 1; syntax: {_PLACEMENT_SYNTAX}"
+                )
+            out.append(_StridedShard(values["dim"], split_factor=values["sf"]))
+        else:
+            raise ValueError(f"bad placement token {token!r} in {text!r}; syntax: {_PLACEMENT_SYNTAX}")
+    return out
+
+
+def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """Parse a mesh as ``name=size`` pairs or bare sizes.
+
+    Args:
+        text: ``"dp_shard=4,tp=2"`` (named) or ``"4,2"`` / ``"4x2"`` (unnamed); items are
+            separated by ``,`` or ``x``.
+
+    Returns:
+        ``(shape, names)``; ``names`` is None for bare sizes.
+
+    Raises:
+        ValueError: Naming the bad token and showing the valid syntax.
+
+    Example:
+        >>> parse_mesh("dp_shard=4,tp=2")
+        ((4, 2), ('dp_shard', 'tp'))
+        >>> parse_mesh("4x2")
+        ((4, 2), None)
+    """
+    syntax = "name=size pairs like 'dp_shard=4,tp=2', or sizes like '4,2' or '4x2'"
+    items = [t.strip() for t in re.split(r",|\s+x\s+|(?<=\d)x(?=\d)", text.strip())]
+    shape: list[int] = []
+    names: list[str] = []
+    for item in items:
+        match = re.fullmatch(r"(?:([A-Za-z_]\w*)\s*=\s*)?(\d+)", item)
+        if match is None or int(match.group(2)) < 1:
+            raise ValueError(f"bad mesh token {item!r} in {text!r}; use {syntax} (sizes >= 1)")
+        if match.group(1):
+            names.append(match.group(1))
+        shape.append(int(match.group(2)))
+    if names and len(names) != len(shape):
+        raise ValueError(f"mesh {text!r} mixes named and bare sizes; use {syntax}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh {text!r} repeats an axis name; use {syntax} with distinct names")
+    return tuple(shape), (tuple(names) if names else None)
