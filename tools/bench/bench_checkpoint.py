@@ -29,7 +29,6 @@ def _model_config():
 
 def _build(layout):
     import torch
-
     from shardbridge import ParallelDims
     from shardbridge.models import Llama, parallelize_llama, synthetic_batch
 
@@ -71,7 +70,6 @@ def _timed(fn):
 def _worker(root: str, rounds: int):
     import torch
     import torch.distributed as dist
-
     from shardbridge import checkpoint
 
     rank = dist.get_rank()
@@ -89,15 +87,15 @@ def _worker(root: str, rounds: int):
         local = _local_state(model, opt)
         raw_file = os.path.join(raw, f"rank{rank}.pt")
         contenders = [
-            ("save", lambda: checkpoint.save(ckpt, model=model, optimizer=opt, step=r)),
-            ("torch.save", lambda: torch.save(local, raw_file)),
+            ("save", lambda ckpt=ckpt, r=r: checkpoint.save(ckpt, model=model, optimizer=opt, step=r)),
+            ("torch.save", lambda local=local, raw_file=raw_file: torch.save(local, raw_file)),
         ]
         for name, fn in contenders if r % 2 == 0 else reversed(contenders):
             times[name].append(_timed(fn))
         loads = [
-            ("load same", lambda: checkpoint.load(ckpt, model=model_a, optimizer=opt_a)),
-            ("load other", lambda: checkpoint.load(ckpt, model=model_b, optimizer=opt_b)),
-            ("torch.load", lambda: torch.load(raw_file, weights_only=True)),
+            ("load same", lambda ckpt=ckpt: checkpoint.load(ckpt, model=model_a, optimizer=opt_a)),
+            ("load other", lambda ckpt=ckpt: checkpoint.load(ckpt, model=model_b, optimizer=opt_b)),
+            ("torch.load", lambda raw_file=raw_file: torch.load(raw_file, weights_only=True)),
         ]
         for name, fn in loads if r % 2 == 0 else reversed(loads):
             times[name].append(_timed(fn))

@@ -77,7 +77,6 @@ def _worker(layout: dict[str, int], steps: int, batch: int, seq: int) -> dict[st
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-
     from shardbridge import ParallelDims
     from shardbridge.models import Llama, parallelize_llama, synthetic_batch
 

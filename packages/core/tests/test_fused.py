@@ -10,8 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
-
 from shardbridge import (
     FUSED_SPECS_ATTR,
     FusedSpec,
@@ -22,6 +20,7 @@ from shardbridge import (
     split_local,
     tp_local_fused,
 )
+from torch import nn
 
 # -- oracle ----------------------------------------------------------------------------------
 
@@ -233,7 +232,7 @@ def test_upstream_formula_wrong_on_plain_local_shard_ours_right():
     upstream_wrong = upstream_fixed_ok = 0
     for j in range(tp):
         tp_local = torch.cat([gate.chunk(tp)[j], up.chunk(tp)[j]])
-        gate_j, up_j = gate.chunk(tp)[j].reshape(-1), up.chunk(tp)[j].reshape(-1)
+        gate_j = gate.chunk(tp)[j].reshape(-1)
         row, flat = 0, 0
         for shard in tp_local.chunk(dp):  # plain-tensor optimizer state shard (e.g. exp_avg)
             fsdp_slice = slice(flat, flat + shard.numel())

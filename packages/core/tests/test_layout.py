@@ -16,15 +16,10 @@ import math
 import re
 
 import pytest
+import shardbridge
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from torch import nn
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
-
-import shardbridge
 from shardbridge import (
     LayoutMismatch,
     chunk_box,
@@ -39,6 +34,10 @@ from shardbridge import (
     render_layout,
 )
 from shardbridge.testing import run_distributed
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KNOWLEDGE_CASE = ((9, 16), (4, 2), [_StridedShard(0, split_factor=2), Shard(0)])
@@ -427,10 +426,11 @@ def test_validation_errors():
 def test_docstring_examples():
     import doctest
 
-    from shardbridge import _layout
+    from shardbridge import _layout, _layout_text
 
-    result = doctest.testmod(_layout, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 10 and result.failed == 0
+    for module in (_layout, _layout_text):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted >= 3 and result.failed == 0, module.__name__
 
 
 def test_public_names():

@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-
 from shardbridge import FLATTENED_AXES, MESH_AXES, ParallelDims
 from shardbridge.testing import run_distributed
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 # ---------------------------------------------------------------- tier 1: validation
 
@@ -46,7 +45,7 @@ def test_resolve_fills_the_rest():
     assert dims.hsdp_enabled and dims.tp_enabled and dims.fsdp_enabled
     assert not ParallelDims(tp=4).resolve(4).fsdp_enabled
     with pytest.raises(ValueError, match="call resolve"):
-        ParallelDims().world_size
+        _ = ParallelDims().world_size
     with pytest.raises(ValueError, match="unknown axis 'pp'"):
         ParallelDims().resolve(1).degree("pp")
 

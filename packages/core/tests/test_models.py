@@ -10,12 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
-
 from shardbridge import ParallelDims, fsdp_unit_params, split_fused
 from shardbridge._fused import fused_params
 from shardbridge.models import Llama, LlamaConfig, ParamTP, parallelize_llama, synthetic_batch
 from shardbridge.testing import run_distributed
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 STEPS = 3
 BATCH = 4  # global
@@ -128,7 +127,7 @@ def test_fsdp_units_cover_every_parameter():
 # -- tier 3: parallelize_llama vs the single-process oracle ----------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(cfg: LlamaConfig):
     """Losses, first-step gradients and final params of the single-process model (global batch)."""
     model = Llama(cfg, seed=0)

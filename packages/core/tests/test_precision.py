@@ -6,12 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
 from shardbridge import FP8Recipe, MixedPrecisionPolicy, ParallelDims, apply_fsdp
 from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
 from shardbridge.testing import run_distributed
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 # -- tier 1 ------------------------------------------------------------------------------------
 

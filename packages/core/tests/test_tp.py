@@ -13,10 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-
 from shardbridge import (
     FusedSpec,
     TPMode,
@@ -30,6 +26,9 @@ from shardbridge import (
     tp_placements,
 )
 from shardbridge.testing import run_distributed
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 WORLD = 4
 

@@ -6,21 +6,21 @@ Training numerics against the single-process oracle live in test_models.py.
 import pytest
 import torch
 import torch.nn.functional as F
+from shardbridge import ParallelDims, SupportsFSDPUnits, apply_fsdp, fsdp_unit_params
+from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
+from shardbridge.testing import run_distributed
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-
-from shardbridge import ParallelDims, SupportsFSDPUnits, apply_fsdp, fsdp_unit_params
-from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
-from shardbridge.testing import run_distributed
 
 
 def _mesh(**dims):
     return ParallelDims(**dims).build_mesh("cpu")
 
 
-def _step(model, pm, cfg=LlamaConfig.tiny()):
+def _step(model, pm, cfg=None):
+    cfg = cfg or LlamaConfig.tiny()
     tokens, labels = synthetic_batch(cfg, 4, 8, dp_rank=pm["dp"].get_local_rank(), dp_size=pm["dp"].size())
     loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
     loss.backward()

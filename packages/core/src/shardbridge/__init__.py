@@ -8,53 +8,6 @@ implementation details; ``shardbridge.checkpoint``, ``shardbridge.models`` and
 ``shardbridge.testing`` are public subpackages with their own ``__all__``.
 """
 
-__version__ = "0.1.0"
-
-__all__: list[str] = ["__version__"]
-
-# --- mesh ---------------------------------------------------------------
-from shardbridge._mesh import FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
-
-__all__ += ["FLATTENED_AXES", "MESH_AXES", "ParallelDims", "ParallelMesh"]
-# --- end mesh -----------------------------------------------------------
-
-# --- layout -------------------------------------------------------------
-from shardbridge._layout import (
-    LayoutMismatch,
-    chunk_box,
-    dcp_chunk,
-    find_dcp_mismatches,
-    fsdp_chunk,
-    fsdp_placements,
-    fsdp_tp_chunk,
-    local_chunk,
-    parse_mesh,
-    parse_placements,
-    render_layout,
-)
-
-__all__ += [
-    "LayoutMismatch",
-    "chunk_box",
-    "dcp_chunk",
-    "find_dcp_mismatches",
-    "fsdp_chunk",
-    "fsdp_placements",
-    "fsdp_tp_chunk",
-    "local_chunk",
-    "parse_mesh",
-    "parse_placements",
-    "render_layout",
-]
-# --- end layout ---------------------------------------------------------
-
-# --- tp -----------------------------------------------------------------
-from shardbridge._tp import TPMode, convert_module_params, local_view, to_dtensor_param, tp_placements
-
-__all__ += ["TPMode", "convert_module_params", "local_view", "to_dtensor_param", "tp_placements"]
-# --- end tp -------------------------------------------------------------
-
-# --- fused --------------------------------------------------------------
 from shardbridge._fused import (
     FUSED_SPECS_ATTR,
     ComponentPiece,
@@ -68,8 +21,46 @@ from shardbridge._fused import (
     split_local,
     tp_local_fused,
 )
+from shardbridge._layout import (
+    LayoutMismatch,
+    chunk_box,
+    dcp_chunk,
+    find_dcp_mismatches,
+    fsdp_chunk,
+    fsdp_placements,
+    fsdp_tp_chunk,
+    local_chunk,
+)
+from shardbridge._layout_text import parse_mesh, parse_placements, render_layout
+from shardbridge._mesh import FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
+from shardbridge._precision import FP8Recipe, MixedPrecisionPolicy
+from shardbridge._tp import TPMode, convert_module_params, local_view, to_dtensor_param, tp_placements
+from shardbridge._wrap import FSDPUnit, SupportsFSDPUnits, apply_fsdp, fsdp_unit_params
 
-__all__ += [
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "FLATTENED_AXES",
+    "MESH_AXES",
+    "ParallelDims",
+    "ParallelMesh",
+    "LayoutMismatch",
+    "chunk_box",
+    "dcp_chunk",
+    "find_dcp_mismatches",
+    "fsdp_chunk",
+    "fsdp_placements",
+    "fsdp_tp_chunk",
+    "local_chunk",
+    "parse_mesh",
+    "parse_placements",
+    "render_layout",
+    "TPMode",
+    "convert_module_params",
+    "local_view",
+    "to_dtensor_param",
+    "tp_placements",
     "FUSED_SPECS_ATTR",
     "ComponentPiece",
     "FusedSegment",
@@ -81,17 +72,10 @@ __all__ += [
     "split_fused",
     "split_local",
     "tp_local_fused",
+    "FP8Recipe",
+    "MixedPrecisionPolicy",
+    "FSDPUnit",
+    "SupportsFSDPUnits",
+    "apply_fsdp",
+    "fsdp_unit_params",
 ]
-# --- end fused ----------------------------------------------------------
-
-# --- precision ----------------------------------------------------------
-from shardbridge._precision import FP8Recipe, MixedPrecisionPolicy
-
-__all__ += ["FP8Recipe", "MixedPrecisionPolicy"]
-# --- end precision ------------------------------------------------------
-
-# --- wrap ---------------------------------------------------------------
-from shardbridge._wrap import FSDPUnit, SupportsFSDPUnits, apply_fsdp, fsdp_unit_params
-
-__all__ += ["FSDPUnit", "SupportsFSDPUnits", "apply_fsdp", "fsdp_unit_params"]
-# --- end wrap -----------------------------------------------------------

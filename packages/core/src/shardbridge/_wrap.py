@@ -210,7 +210,7 @@ def _resolve_units(model: nn.Module, units: Sequence[FSDPUnit] | None) -> list[t
     # fully_shard claims every not-yet-claimed param below a module: inner units go first.
     for index, modules in enumerate(resolved):
         for module in modules:
-            for sub_name, sub in module.named_modules():
+            for _, sub in module.named_modules():
                 later = owner.get(sub)
                 if sub is not module and later is not None and later > index:
                     raise ValueError(

@@ -352,7 +352,7 @@ def _compare(expected: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
 def _layout_picture(model, pm) -> str:
     from torch.distributed.tensor import DTensor
 
-    from shardbridge._layout import render_layout
+    from shardbridge._layout_text import render_layout
 
     for fqn, param in model.named_parameters():
         if isinstance(param, DTensor) and fqn.endswith("feed_forward.gate_up.weight"):

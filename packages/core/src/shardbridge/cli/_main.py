@@ -76,17 +76,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_layout(args: argparse.Namespace) -> int:
-    from shardbridge import _layout
+    from shardbridge import _layout, _layout_text
 
     shape = _parse_shape(args.shape)
-    mesh_shape, mesh_names = _layout.parse_mesh(args.mesh)
-    placements = _layout.parse_placements(args.placements)
+    mesh_shape, mesh_names = _layout_text.parse_mesh(args.mesh)
+    placements = _layout_text.parse_placements(args.placements)
     if len(placements) != len(mesh_shape):
         raise ValueError(
             f"--placements has {len(placements)} entries but --mesh has {len(mesh_shape)} axes; "
             "give one placement per mesh axis"
         )
-    print(_layout.render_layout(shape, mesh_shape, placements, mesh_dim_names=mesh_names, dim=args.dim))
+    print(_layout_text.render_layout(shape, mesh_shape, placements, mesh_dim_names=mesh_names, dim=args.dim))
     mismatches = _layout.find_dcp_mismatches(shape, mesh_shape, placements)
     if mismatches:
         # render_layout has already explained each one (the '!' rows).
