@@ -1,1 +1,42 @@
-"""shardbridge.checkpoint."""
+"""shardbridge.checkpoint: portable, atomic DCP checkpoints that reshard across layouts.
+
+Save on every rank of any layout (FSDP2, HSDP, TP, their products, one process), load into
+any other, export to Hugging Face safetensors::
+
+    from shardbridge import checkpoint
+
+    checkpoint.save(checkpoint.step_dir(root, step), model=model, optimizer=opt, step=step)
+    state = checkpoint.load_latest(root, model=model, optimizer=opt)   # None if no checkpoint
+    checkpoint.export_safetensors(checkpoint.latest(root), "hf_out", dtype="bfloat16")
+    print(checkpoint.inspect(checkpoint.latest(root)))
+
+What a checkpoint directory holds: [Note: checkpoint format] in ``_manifest.py``. How a half-
+written one is never taken for good: [Note: atomic commit] in ``_commit.py``. How layouts DCP
+describes wrongly are repaired: [Note: DCP layout repair] in ``_state.py``. How fused
+parameters are named: [Note: component names] in ``_state.py``.
+
+Public: the names in ``__all__``. The ``_``-prefixed modules (the chunk objects handed to DCP,
+the planners, the manifest schema, the collective helpers) are not public.
+"""
+
+from shardbridge.checkpoint._commit import latest, step_dir
+from shardbridge.checkpoint._export import NameMap, export_safetensors
+from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
+from shardbridge.checkpoint._load import TrainState, load, load_latest
+from shardbridge.checkpoint._save import save
+from shardbridge.checkpoint._state import component_fqn
+
+__all__ = [
+    "CheckpointInfo",
+    "NameMap",
+    "TensorInfo",
+    "TrainState",
+    "component_fqn",
+    "export_safetensors",
+    "inspect",
+    "latest",
+    "load",
+    "load_latest",
+    "save",
+    "step_dir",
+]

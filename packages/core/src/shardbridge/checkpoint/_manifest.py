@@ -1,0 +1,234 @@
+"""``shardbridge.json``: what a checkpoint directory holds besides DCP's files.
+
+[Note: checkpoint format]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+::
+
+    <root>/step-00000100/            one committed checkpoint (see _commit.py)
+        .metadata                    DCP metadata (pickled torch DCP dataclasses only)
+        __0_0.distcp, __1_0.distcp   DCP data: plain tensors, primitives (torch.save)
+        rng/rank-00000.pt ...        per-rank RNG states: {"cpu": uint8 tensor,
+                                     "cuda": uint8 tensor (only when CUDA is available)}
+        shardbridge.json             this manifest; written last, atomically
+
+DCP keys are ``model.<fqn>`` for model tensors and ``optim.<key>`` for the optimizer in
+torch's flattened form (``optim.state.<fqn>.exp_avg``, ``optim.param_groups.<fqn>.lr``).
+FQNs are the model's own (no FSDP / compile prefixes). A fused parameter is stored as its
+components under component FQNs (see [Note: component names] in ``_state.py``), in
+component-global coordinates, for its optimizer states too. Every tensor is a plain tensor:
+``dcp_to_torch_save`` + ``torch.load(weights_only=True)`` reads a checkpoint without
+shardbridge installed.
+
+The manifest (JSON object, ASCII) has::
+
+    format            "shardbridge.checkpoint"
+    format_version    1 (readers refuse newer versions)
+    step              int or null
+    world_size        ranks that wrote the checkpoint
+    torch_version, shardbridge_version, created (UTC ISO 8601)
+    has_optimizer     whether optim.* keys exist
+    layout            {"parallel_dims": {dp_replicate, dp_shard, cp, tp} or null,
+                       "mesh_axes": {axis name: size} seen on the DTensors,
+                       "tensors": {state-dict key: {"mesh": {axis: size}, "placements": [str],
+                                                   "stored_as": "dtensor" | "repaired" |
+                                                   "components" | "plain"}}}
+    fused             {fused fqn: {"dim", "tp_size", "components": [{"name", "size", "fqn"}]}}
+    rng               {"world_size", "files": "rng/rank-{rank:05d}.pt"}
+    extra             the user's JSON dict
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "Manifest",
+    "RNG_PATTERN",
+    "check_json_extra",
+    "read_manifest",
+    "rng_file",
+    "write_manifest",
+]
+
+MANIFEST_NAME = "shardbridge.json"
+FORMAT_NAME = "shardbridge.checkpoint"
+FORMAT_VERSION = 1
+DCP_METADATA_NAME = ".metadata"
+RNG_PATTERN = "rng/rank-{rank:05d}.pt"
+"""Per-rank RNG file, relative to the checkpoint directory."""
+
+
+def rng_file(rank: int) -> str:
+    """Path of ``rank``'s RNG file relative to the checkpoint directory."""
+    return RNG_PATTERN.format(rank=rank)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The parsed ``shardbridge.json`` of one checkpoint. See [Note: checkpoint format]."""
+
+    step: int | None
+    """Training step given to ``save``; None when none was given."""
+    world_size: int
+    """Number of ranks that wrote the checkpoint."""
+    has_optimizer: bool
+    """Whether optimizer state (``optim.*`` keys) was saved."""
+    layout: dict[str, Any] = field(default_factory=dict)
+    """Parallel layout of the saving run (see the module note)."""
+    fused: dict[str, Any] = field(default_factory=dict)
+    """Fused parameters stored as components: fused fqn -> dim, tp_size, components."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """User extras (JSON)."""
+    rng: dict[str, Any] = field(default_factory=dict)
+    """Where the per-rank RNG files are."""
+    torch_version: str = ""
+    """torch version of the saving run."""
+    shardbridge_version: str = ""
+    """shardbridge version of the saving run."""
+    created: str = ""
+    """UTC time of the save, ISO 8601."""
+    format_version: int = FORMAT_VERSION
+    """Format version (1)."""
+
+    def to_json(self) -> str:
+        """The manifest as JSON text (ASCII, sorted keys, indented)."""
+        data = {"format": FORMAT_NAME, **asdict(self)}
+        return json.dumps(data, indent=1, sort_keys=True, ensure_ascii=True, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> Manifest:
+        """Parse and validate; ValueError naming ``where`` and what is wrong."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{where} is not valid JSON ({exc}); the save that wrote it did not finish. "
+                "Use shardbridge.checkpoint.latest(root) to find the newest complete checkpoint"
+            ) from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise ValueError(f'{where} is not a shardbridge checkpoint manifest (no "format": {FORMAT_NAME!r})')
+        version = data.get("format_version")
+        if not isinstance(version, int) or version < 1:
+            raise ValueError(f"{where} has an invalid format_version {version!r}")
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"{where} has format_version {version}, newer than this shardbridge reads "
+                f"({FORMAT_VERSION}); upgrade shardbridge"
+            )
+        kinds = {
+            "step": (int, type(None)),
+            "world_size": int,
+            "has_optimizer": bool,
+            "layout": dict,
+            "fused": dict,
+            "extra": dict,
+            "rng": dict,
+            "torch_version": str,
+            "shardbridge_version": str,
+            "created": str,
+        }
+        for key, kind in kinds.items():
+            if key not in data or not isinstance(data[key], kind):
+                raise ValueError(f"{where} is missing {key!r} or it has the wrong type; the manifest is damaged")
+        return cls(**{k: data[k] for k in (*kinds, "format_version")})
+
+
+def utc_now() -> str:
+    """Current UTC time, ISO 8601 with seconds."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def check_json_extra(extra: Any, where: str = "extra") -> None:
+    """Raise ValueError naming the first key of ``extra`` that JSON cannot hold exactly.
+
+    Allowed: dict with str keys, list, tuple (stored as a list), str, int, finite float,
+    bool, None.
+
+    Example:
+        >>> check_json_extra({"lr": 0.1, "tags": ["a"]})
+        >>> check_json_extra({"bad": {1, 2}})
+        Traceback (most recent call last):
+        ...
+        ValueError: extra['bad'] is a set, which JSON cannot store; pass only dict/list/str/int/float/bool/None (e.g. convert tensors with .tolist())
+    """
+    fix = "pass only dict/list/str/int/float/bool/None (e.g. convert tensors with .tolist())"
+    if isinstance(extra, dict):
+        for key, value in extra.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where} has a key {key!r} of type {type(key).__name__}; JSON keys must be str")
+            check_json_extra(value, f"{where}[{key!r}]")
+    elif isinstance(extra, (list, tuple)):
+        for i, value in enumerate(extra):
+            check_json_extra(value, f"{where}[{i}]")
+    elif isinstance(extra, float):
+        if extra != extra or extra in (float("inf"), float("-inf")):
+            raise ValueError(f"{where} is {extra}, which strict JSON cannot store; {fix}")
+    elif extra is not None and not isinstance(extra, (str, int, bool)):
+        raise ValueError(f"{where} is a {type(extra).__name__}, which JSON cannot store; {fix}")
+
+
+def read_manifest(checkpoint_dir: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``<checkpoint_dir>/shardbridge.json``.
+
+    Raises:
+        ValueError: the directory does not exist, is not a shardbridge checkpoint, or its
+            manifest is truncated / invalid / from a newer format. The message says what to do.
+    """
+    path = Path(checkpoint_dir)
+    if not path.exists():
+        raise ValueError(
+            f"checkpoint path {str(path)!r} does not exist; pass a directory written by "
+            "shardbridge.checkpoint.save (latest(root) returns the newest one)"
+        )
+    if not path.is_dir():
+        raise ValueError(f"checkpoint path {str(path)!r} is a file; pass the checkpoint directory")
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        hint = (
+            "it looks like a plain DCP checkpoint: read it with torch.distributed.checkpoint.load"
+            if (path / DCP_METADATA_NAME).is_file()
+            else "pass a directory written by shardbridge.checkpoint.save"
+        )
+        raise ValueError(f"{str(path)!r} is not a shardbridge checkpoint (no {MANIFEST_NAME}); {hint}")
+    manifest = Manifest.from_json(manifest_path.read_text(encoding="utf-8", errors="replace"), str(manifest_path))
+    if not (path / DCP_METADATA_NAME).is_file():
+        raise ValueError(f"{str(path)!r} has {MANIFEST_NAME} but no DCP {DCP_METADATA_NAME}; the checkpoint is damaged")
+    return manifest
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames inside it are durable (POSIX; no-op elsewhere)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file, fsync, rename (atomic on POSIX)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(checkpoint_dir: Path, manifest: Manifest) -> None:
+    """Write ``shardbridge.json`` atomically and durably into ``checkpoint_dir``."""
+    write_file_durably(checkpoint_dir / MANIFEST_NAME, manifest.to_json().encode("ascii"))
+    fsync_dir(checkpoint_dir)

@@ -1,0 +1,127 @@
+"""Atomic commit and ``latest`` ([Note: atomic commit]): a half-written checkpoint is never taken."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from ckpt_helpers import LAYOUTS, Mlp, build
+from shardbridge import checkpoint as ck
+from shardbridge.checkpoint import _commit, _save
+from shardbridge.checkpoint._manifest import MANIFEST_NAME
+from shardbridge.testing import run_distributed
+
+
+def test_step_dir_names_and_validates():
+    assert ck.step_dir("/r", 7).name == "step-00000007"
+    with pytest.raises(ValueError, match="step=-1 must be an int >= 0"):
+        ck.step_dir("/r", -1)
+
+
+def test_latest_is_none_for_missing_or_empty_root(tmp_path):
+    assert ck.latest(tmp_path / "missing") is None
+    assert ck.latest(tmp_path) is None
+
+
+def test_latest_picks_highest_step_and_skips_incomplete(tmp_path, caplog):
+    for step in (2, 10, 9):
+        ck.save(ck.step_dir(tmp_path, step), model=Mlp(), step=step)
+    assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 10)
+
+    # A crashed save leaves only a hidden temporary directory: never considered.
+    shutil.copytree(ck.step_dir(tmp_path, 10), tmp_path / ".step-00000011.tmp-0123456789ab")
+    # A truncated manifest (and one that is not JSON at all): skipped with a warning.
+    shutil.copytree(ck.step_dir(tmp_path, 10), tmp_path / "step-00000012")
+    manifest = tmp_path / "step-00000012" / MANIFEST_NAME
+    manifest.write_text(manifest.read_text()[:40])
+    # A directory without a manifest (someone else's): ignored.
+    (tmp_path / "step-00000013").mkdir()
+    with caplog.at_level("WARNING", logger="shardbridge.checkpoint"):
+        assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 10)
+    assert "step-00000012" in caplog.text and "not valid JSON" in caplog.text
+
+    with pytest.raises(ValueError, match="is not valid JSON.*did not finish.*latest"):
+        ck.load(tmp_path / "step-00000012", model=Mlp())
+
+
+def test_existing_checkpoint_needs_overwrite(tmp_path):
+    path = ck.step_dir(tmp_path, 1)
+    ck.save(path, model=Mlp(), step=1)
+    with pytest.raises(ValueError, match="already exists; pass overwrite=True"):
+        ck.save(path, model=Mlp(), step=1)
+    ck.save(path, model=Mlp(), step=2, overwrite=True)
+    assert ck.inspect(path).step == 2
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no .tmp / .old left behind
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="refusing to overwrite.*not a shardbridge checkpoint"):
+        ck.save(tmp_path / "data", model=Mlp(), overwrite=True)
+    assert (tmp_path / "data" / "keep.txt").exists()
+
+
+def test_stale_temporary_directories_are_deleted_by_the_next_save(tmp_path):
+    stale = tmp_path / ".step-00000005.tmp-0123456789ab"
+    fresh = tmp_path / ".step-00000006.tmp-ba9876543210"
+    stale.mkdir()
+    fresh.mkdir()
+    old = _commit._RUN_START - 3600
+    os.utime(stale, (old, old))
+    ck.save(ck.step_dir(tmp_path, 7), model=Mlp())
+    assert not stale.exists()
+    assert fresh.exists()  # newer than this run: may belong to a save in progress
+
+
+def _interrupted(root: str):
+    """Save step 1, then crash step 2 between writing and renaming (commit raises)."""
+    model, opt = build(LAYOUTS["fsdp2_tp2"])
+    ck.save(ck.step_dir(root, 1), model=model, optimizer=opt, step=1)
+    real = _save.commit
+
+    def crash(*args, **kwargs):
+        raise OSError("simulated crash before rename")
+
+    _save.commit = crash
+    try:
+        ck.save(ck.step_dir(root, 2), model=model, optimizer=opt, step=2)
+        outcome = "saved"
+    except Exception as exc:  # noqa: BLE001
+        outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        _save.commit = real
+    dist.barrier()
+    return outcome, str(ck.latest(root)), sorted(os.listdir(root))
+
+
+def test_interrupted_save_leaves_latest_at_previous_checkpoint(tmp_path):
+    results = run_distributed(_interrupted, str(tmp_path), world_size=4)
+    for outcome, latest, listing in results:
+        assert "simulated crash before rename" in outcome  # every rank raises: no hang
+        assert latest == str(ck.step_dir(tmp_path, 1))
+        assert listing == ["step-00000001"]  # the temporary directory was removed
+
+
+_DIE_BEFORE_RENAME = """
+import os, sys, torch
+from shardbridge import checkpoint as ck
+from shardbridge.checkpoint import _save
+_save.commit = lambda *args, **kwargs: os._exit(3)  # the process dies before the rename
+ck.save(ck.step_dir(sys.argv[1], 2), model=torch.nn.Linear(3, 3), step=2)
+"""
+
+
+def test_process_death_before_rename_is_never_taken(tmp_path):
+    ck.save(ck.step_dir(tmp_path, 1), model=torch.nn.Linear(3, 3), step=1)
+    proc = subprocess.run([sys.executable, "-c", _DIE_BEFORE_RENAME, str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stderr
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".step-00000002.tmp-")]
+    assert len(leftovers) == 1  # DCP files written, never renamed
+    assert (tmp_path / leftovers[0] / ".metadata").exists()
+    assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 1)

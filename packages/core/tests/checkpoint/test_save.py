@@ -1,0 +1,110 @@
+"""``save``: argument checks, the manifest, and the portable format (readable by torch alone)."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state
+from shardbridge import checkpoint as ck
+from shardbridge._mesh import ParallelDims
+from shardbridge.checkpoint._manifest import MANIFEST_NAME
+from shardbridge.testing import run_distributed
+from torch import nn
+
+
+def test_extra_that_is_not_json_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"extra\['loader'\]\['state'\] is a Tensor.*\.tolist\(\)"):
+        ck.save(tmp_path / "c", model=Mlp(), extra={"loader": {"state": torch.ones(2)}})
+    with pytest.raises(ValueError, match="extra must be a dict"):
+        ck.save(tmp_path / "c", model=Mlp(), extra=[1])
+    with pytest.raises(ValueError, match="step=-3 must be an int >= 0 or None"):
+        ck.save(tmp_path / "c", model=Mlp(), step=-3)
+    with pytest.raises(ValueError, match="on_bad_layout='fix' must be 'repair' or 'error'"):
+        ck.save(tmp_path / "c", model=Mlp(), on_bad_layout="fix")
+    assert not (tmp_path / "c").exists() and list(tmp_path.iterdir()) == []
+
+
+def _save_fused(root: str):
+    model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True)
+    ck.save(f"{root}/c", model=model, optimizer=opt, step=9, parallel_dims=ParallelDims(dp_shard=2, tp=2))
+    return full_state(model, opt)
+
+
+@pytest.fixture(scope="module")
+def fused_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("portable")
+    want = run_distributed(_save_fused, str(root), world_size=4)[0]
+    return root / "c", want
+
+
+def test_manifest_records_the_run(fused_ckpt):
+    path, _ = fused_ckpt
+    m = json.loads((path / MANIFEST_NAME).read_text())
+    assert m["step"] == 9 and m["world_size"] == 4 and m["has_optimizer"] and m["torch_version"] == torch.__version__
+    assert m["layout"]["parallel_dims"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert m["layout"]["mesh_axes"] == {"dp_shard_cp": 2, "tp": 2}
+    assert m["layout"]["tensors"]["up.weight"] == {
+        "mesh": {"dp_shard_cp": 2, "tp": 2},
+        "placements": ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+        "stored_as": "dtensor",
+    }
+    assert m["layout"]["tensors"]["gate_up.weight"]["stored_as"] == "components"
+    assert m["fused"]["gate_up.weight"] == {
+        "dim": 0,
+        "tp_size": 2,
+        "components": [
+            {"name": "gate_proj", "size": 4, "fqn": "gate_proj.weight"},
+            {"name": "up_proj", "size": 4, "fqn": "up_proj.weight"},
+        ],
+    }
+
+
+_TORCH_ONLY = """
+import sys
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+sd = torch.load(sys.argv[2], weights_only=True)
+assert not [m for m in sys.modules if m.startswith("shardbridge")]
+print(sorted(sd), len(sd["model"]), len(sd["optim"]))
+"""
+
+
+def test_checkpoint_loads_with_torch_alone_and_weights_only(fused_ckpt, tmp_path):
+    path, want = fused_ckpt
+    out = tmp_path / "full.pt"
+    proc = subprocess.run([sys.executable, "-c", _TORCH_ONLY, str(path), str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("['model', 'optim']")
+    sd = torch.load(out, weights_only=True)
+    got = {f"model.{k}": v for k, v in sd["model"].items()}
+    got.update({f"optim.{k}": v for k, v in sd["optim"].items() if k.startswith("state.")})
+    assert_equal_states(got, want)
+    assert sd["optim"]["param_groups.up.weight.lr"] == 0.01
+
+
+def test_metadata_pickles_only_torch_classes(fused_ckpt):
+    path, _ = fused_ckpt
+    seen = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.add(module)
+            return super().find_class(module, name)
+
+    Recorder(io.BytesIO((path / ".metadata").read_bytes())).load()
+    assert all(m.startswith("torch") or m in ("builtins", "collections", "pathlib") for m in seen), seen
+    assert not any(m.startswith("shardbridge") for m in seen)
+
+
+def test_saving_does_not_touch_the_model(tmp_path):
+    model = nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ck.save(tmp_path / "c", model=model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
