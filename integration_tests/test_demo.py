@@ -18,8 +18,16 @@ LAYOUTS = {
     "dp_replicate=2 x tp=2 -> dp_shard=4": ["--dp-replicate", "2", "--dp-shard", "1", "--tp", "2"],
     "tp=4 -> dp_shard=4": ["--dp-shard", "1", "--tp", "4"],
     "uneven vocab 250 and SwiGLU 200, dp_shard=2 x tp=2 -> dp_replicate=2 x tp=2": [
-        "--vocab-size", "250", "--intermediate-size", "200",
-        "--reload-dp-replicate", "2", "--reload-dp-shard", "1", "--reload-tp", "2",
+        "--vocab-size",
+        "250",
+        "--intermediate-size",
+        "200",
+        "--reload-dp-replicate",
+        "2",
+        "--reload-dp-shard",
+        "1",
+        "--reload-tp",
+        "2",
     ],
 }
 

@@ -4,8 +4,9 @@ On 4 gloo ranks (layout A = dp_shard=2 x tp=2) a model with AdamW state is saved
 ``shardbridge.checkpoint.save`` and, as the baseline, every rank ``torch.save``s exactly its own
 local shards (model + optimizer) to the same disk. Then the checkpoint is loaded back into the
 same layout, and into a different one (dp_shard=4), against ``torch.load`` of the per-rank files.
-Rounds alternate between the contenders; the table shows medians and ratios (1.00 = as fast as
-torch.save / torch.load; > 1 = slower).
+Plain torch DCP (get_state_dict + dcp.save / dcp.load + set_state_dict) runs alongside, so
+the table separates DCP's own cost from shardbridge's. Rounds alternate between the
+contenders; the table shows medians and ratios (1.00 = as fast as torch.save / torch.load).
 
     python tools/bench/bench_checkpoint.py [--rounds 3] [--dir /tmp/sb-bench]
 """
@@ -19,6 +20,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+import torch.distributed.checkpoint as dcp
 
 
 def _model_config():
@@ -35,7 +38,9 @@ def _build(layout):
     pm = ParallelDims(**layout).build_mesh("cpu")
     model = parallelize_llama(Llama(_model_config(), seed=0), pm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens, labels = synthetic_batch(model.config, 4, 16, dp_rank=pm["dp"].get_local_rank(), dp_size=pm.dims.degree("dp"))
+    tokens, labels = synthetic_batch(
+        model.config, 4, 16, dp_rank=pm["dp"].get_local_rank(), dp_size=pm.dims.degree("dp")
+    )
     torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
     opt.step()
     opt.zero_grad()
@@ -55,6 +60,22 @@ def _local_state(model, opt):
         for key, value in s.items():
             state[f"optim.{names[p]}.{key}"] = local(value)
     return state
+
+
+def _dcp_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _dcp_load(model, opt, path):
+    """Plain torch DCP, the way its docs show it: get_state_dict, dcp.load, set_state_dict."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(model, opt)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _timed(fn):
@@ -78,7 +99,7 @@ def _worker(root: str, rounds: int):
     model, opt = _build(a)
     model_a, opt_a = _build(a)
     model_b, opt_b = _build(b)
-    times = {k: [] for k in ("save", "torch.save", "load same", "load other", "torch.load")}
+    times = {k: [] for k in ("save", "torch.save", "dcp.save", "load same", "load other", "torch.load", "dcp.load")}
     sizes = {}
     for r in range(rounds):
         ckpt = os.path.join(root, f"sb-{r}")
@@ -86,9 +107,11 @@ def _worker(root: str, rounds: int):
         os.makedirs(raw, exist_ok=True)
         local = _local_state(model, opt)
         raw_file = os.path.join(raw, f"rank{rank}.pt")
+        dcp_dir = os.path.join(root, f"dcp-{r}")
         contenders = [
             ("save", lambda ckpt=ckpt, r=r: checkpoint.save(ckpt, model=model, optimizer=opt, step=r)),
             ("torch.save", lambda local=local, raw_file=raw_file: torch.save(local, raw_file)),
+            ("dcp.save", lambda dcp_dir=dcp_dir: dcp.save(_dcp_state(model, opt), checkpoint_id=dcp_dir)),
         ]
         for name, fn in contenders if r % 2 == 0 else reversed(contenders):
             times[name].append(_timed(fn))
@@ -96,6 +119,7 @@ def _worker(root: str, rounds: int):
             ("load same", lambda ckpt=ckpt: checkpoint.load(ckpt, model=model_a, optimizer=opt_a)),
             ("load other", lambda ckpt=ckpt: checkpoint.load(ckpt, model=model_b, optimizer=opt_b)),
             ("torch.load", lambda raw_file=raw_file: torch.load(raw_file, weights_only=True)),
+            ("dcp.load", lambda dcp_dir=dcp_dir: _dcp_load(model_a, opt_a, dcp_dir)),
         ]
         for name, fn in loads if r % 2 == 0 else reversed(loads):
             times[name].append(_timed(fn))
@@ -103,8 +127,8 @@ def _worker(root: str, rounds: int):
             sizes = {"checkpoint": _dir_bytes(ckpt), "torch.save": _dir_bytes(raw)}
         dist.barrier()
         if rank == 0:
-            shutil.rmtree(ckpt)
-            shutil.rmtree(raw)
+            for path in (ckpt, raw, dcp_dir):
+                shutil.rmtree(path)
         dist.barrier()
     return {"times": times, "sizes": sizes}
 
@@ -138,14 +162,17 @@ def main(argv=None) -> int:
     print(f"{'operation':<36} {'seconds':>8} {'MB/s':>8} {'ratio':>7}")
     rows = [
         ("torch.save (per-rank local shards)", t["torch.save"], None),
+        ("torch DCP save (get_state_dict)", t["dcp.save"], t["dcp.save"] / t["torch.save"]),
         ("shardbridge save", t["save"], t["save"] / t["torch.save"]),
         ("torch.load (per-rank local shards)", t["torch.load"], None),
+        ("torch DCP load (+set_state_dict)", t["dcp.load"], t["dcp.load"] / t["torch.load"]),
         ("shardbridge load, same layout", t["load same"], t["load same"] / t["torch.load"]),
         ("shardbridge load, dp_shard=4", t["load other"], t["load other"] / t["torch.load"]),
     ]
     for name, sec, ratio in rows:
         print(f"{name:<36} {sec:>8.3f} {mb / sec:>8.1f} {'' if ratio is None else f'{ratio:.2f}':>7}")
-    print(f"\nload into a different layout / same layout: {t['load other'] / t['load same']:.2f}")
+    print(f"\nshardbridge / torch DCP: save {t['save'] / t['dcp.save']:.2f}, load {t['load same'] / t['dcp.load']:.2f}")
+    print(f"load into a different layout / same layout: {t['load other'] / t['load same']:.2f}")
     return 0
 
 

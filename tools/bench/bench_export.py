@@ -57,8 +57,12 @@ def main(argv=None) -> int:
         ckpt = os.path.join(root, "ckpt")
         # Save in a child process too, so this process never holds the model.
         subprocess.run(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-             f"import bench_export as b; b._save({ckpt!r}, {args.vocab_size}, {args.dim}, {args.layers})"],
+            [
+                sys.executable,
+                "-c",
+                f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+                f"import bench_export as b; b._save({ckpt!r}, {args.vocab_size}, {args.dim}, {args.layers})",
+            ],
             check=True,
         )
         info = checkpoint.inspect(ckpt)
@@ -66,7 +70,9 @@ def main(argv=None) -> int:
         total = info.model_bytes
         out = subprocess.run(
             [sys.executable, "-c", _CHILD, ckpt, os.path.join(root, "hf"), args.max_shard_size],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         )
         result = json.loads(out.stdout.strip().splitlines()[-1])
     finally:

@@ -26,7 +26,8 @@ LAYOUTS = {
 def _model_config():
     from shardbridge.models import LlamaConfig
 
-    return LlamaConfig.tiny(vocab_size=2048, dim=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=704, max_seq_len=256
+    return LlamaConfig.tiny(
+        vocab_size=2048, dim=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=704, max_seq_len=256
     )
 
 
@@ -123,7 +124,9 @@ def main(argv=None) -> int:
 
     from shardbridge.testing import WorkerPool
 
-    print(f"model: {_model_config()}\nbatch {args.batch_size} x seq {args.seq_len}, {args.steps} timed steps each, alternating\n")
+    print(
+        f"model: {_model_config()}\nbatch {args.batch_size} x seq {args.seq_len}, {args.steps} timed steps each, alternating\n"
+    )
     rows = []
     pool = WorkerPool(4)
     try:

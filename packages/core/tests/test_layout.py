@@ -204,7 +204,8 @@ def test_fsdp_chunk_tiles_and_agrees_with_dtensor_when_tp_pieces_are_equal(case)
     tp = mesh_shape[-1]
     _assert_tiles(shape, mesh_shape, placements, lambda c: fsdp_chunk(shape, mesh_shape, placements, c))
     differs = [
-        c for c in _coords(mesh_shape)
+        c
+        for c in _coords(mesh_shape)
         if fsdp_chunk(shape, mesh_shape, placements, c) != local_chunk(shape, mesh_shape, placements, c)
     ]
     if tp_dim != 0 or shape[0] % tp == 0:
@@ -229,7 +230,8 @@ def test_knowledge_case_is_reported_with_the_fix():
     shape, mesh_shape, placements = KNOWLEDGE_CASE
     mismatches = find_dcp_mismatches(shape, mesh_shape, placements)
     oracle_wrong = [
-        c for c in _coords(mesh_shape)
+        c
+        for c in _coords(mesh_shape)
         if tuple(_torch_fsdp_tp(shape, 0, 2, c[1], 4, c[0]).shape) != _torch_box(shape, mesh_shape, placements, c)[0]
     ]
     assert oracle_wrong and [m.coordinate for m in mismatches] == oracle_wrong
@@ -261,7 +263,8 @@ def test_fsdp_and_torch_split_disagree_for_uneven_colwise():
     FSDP2 layout is reported."""
     shape, mesh_shape, placements = KNOWLEDGE_CASE
     differ = [
-        c for c in _coords(mesh_shape)
+        c
+        for c in _coords(mesh_shape)
         if not torch.equal(_torch_split(shape, mesh_shape, placements, c), _torch_fsdp_tp(shape, 0, 2, c[1], 4, c[0]))
     ]
     assert differ == [m.coordinate for m in find_dcp_mismatches(*KNOWLEDGE_CASE, actual="fsdp")]
@@ -434,8 +437,19 @@ def test_docstring_examples():
 
 
 def test_public_names():
-    for name in ["LayoutMismatch", "local_chunk", "fsdp_tp_chunk", "fsdp_chunk", "fsdp_placements",
-                 "dcp_chunk", "chunk_box", "find_dcp_mismatches", "render_layout", "parse_placements", "parse_mesh"]:
+    for name in [
+        "LayoutMismatch",
+        "local_chunk",
+        "fsdp_tp_chunk",
+        "fsdp_chunk",
+        "fsdp_placements",
+        "dcp_chunk",
+        "chunk_box",
+        "find_dcp_mismatches",
+        "render_layout",
+        "parse_placements",
+        "parse_mesh",
+    ]:
         assert name in shardbridge.__all__ and getattr(shardbridge, name).__doc__
 
 
@@ -451,7 +465,7 @@ def _fsdp_locals(cases):
 
     out = []
     for in_features, out_features, style, mesh_shape in cases:
-        names = ("dp_replicate", "dp_shard", "tp")[-len(mesh_shape):] if style != "fsdp" else ("dp_shard",)
+        names = ("dp_replicate", "dp_shard", "tp")[-len(mesh_shape) :] if style != "fsdp" else ("dp_shard",)
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         model = nn.Linear(in_features, out_features)
         with torch.no_grad():  # values = global flat indices
@@ -464,11 +478,17 @@ def _fsdp_locals(cases):
         fully_shard(model, mesh=dp_mesh)
         for name, param in model.named_parameters():
             full = param.full_tensor()
-            out.append((
-                (in_features, out_features, style, mesh_shape, name), tuple(param.shape), repr(param.placements),
-                tuple(param.device_mesh.shape), tuple(param.device_mesh.get_coordinate()),
-                param.to_local().detach().long(), torch.equal(full, _arange(tuple(param.shape)).float()),
-            ))
+            out.append(
+                (
+                    (in_features, out_features, style, mesh_shape, name),
+                    tuple(param.shape),
+                    repr(param.placements),
+                    tuple(param.device_mesh.shape),
+                    tuple(param.device_mesh.get_coordinate()),
+                    param.to_local().detach().long(),
+                    torch.equal(full, _arange(tuple(param.shape)).float()),
+                )
+            )
         dist.barrier()
     return out
 
@@ -531,7 +551,9 @@ def test_fsdp_tp_holds_what_the_algebra_predicts():
     assert all(  # dp_shard=2 is too small to hit [Note: strided sharding order], whatever the size
         fsdp_chunk((n, 4), (2, tp), fsdp_placements(tp_dim=0, tp_size=tp), c)
         == local_chunk((n, 4), (2, tp), fsdp_placements(tp_dim=0, tp_size=tp), c)
-        for n in range(1, 33) for tp in (2, 3, 4) for c in _coords((2, tp))
+        for n in range(1, 33)
+        for tp in (2, 3, 4)
+        for c in _coords((2, tp))
     )
 
 

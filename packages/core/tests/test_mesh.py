@@ -31,7 +31,9 @@ def test_bad_degrees_name_the_field(kwargs, message):
 
 
 def test_product_must_match_world_size():
-    with pytest.raises(ValueError, match=r"dp_shard\(3\) \* cp\(2\) \* tp\(2\) = 12 != world_size\(8\); set dp_shard=-1"):
+    with pytest.raises(
+        ValueError, match=r"dp_shard\(3\) \* cp\(2\) \* tp\(2\) = 12 != world_size\(8\); set dp_shard=-1"
+    ):
         ParallelDims(dp_shard=3, cp=2, tp=2).resolve(8)
     with pytest.raises(ValueError, match=r"= 3 does not divide world_size\(8\)"):
         ParallelDims(tp=3).resolve(8)
@@ -92,9 +94,7 @@ def _unravel(rank, shape):
 
 
 _LAYOUTS = [
-    dict(zip(MESH_AXES, d))
-    for d in itertools.product([1, 2], [1, 2, 4], [1, 2], [1, 2, 4])
-    if math.prod(d) <= 64
+    dict(zip(MESH_AXES, d)) for d in itertools.product([1, 2], [1, 2, 4], [1, 2], [1, 2, 4]) if math.prod(d) <= 64
 ] + [dict(dp_replicate=2, dp_shard=4, cp=2, tp=4), dict(dp_replicate=1, dp_shard=8, cp=1, tp=8)]
 
 
@@ -126,8 +126,14 @@ def test_dp_shard_inferred_at_64(fake_world):
     assert pm.dims.dp_shard == 8
     assert pm["weight"].size() == 32 and pm["dp"].size() == 16 and pm["dp_cp"].size() == 32
     assert pm.coordinate() == {
-        "dp_replicate": 1, "dp_shard": 7, "cp": 1, "tp": 1,
-        "dp": 15, "dp_shard_cp": 15, "dp_cp": 31, "weight": 31,
+        "dp_replicate": 1,
+        "dp_shard": 7,
+        "cp": 1,
+        "tp": 1,
+        "dp": 15,
+        "dp_shard_cp": 15,
+        "dp_cp": 31,
+        "weight": 31,
     }
 
 

@@ -146,6 +146,11 @@ def _reference(cfg: LlamaConfig):
     return losses, grads, _components({n: p.detach() for n, p in model.named_parameters()}, fused, tp=1)
 
 
+def _full(t):
+    """The global tensor of a DTensor; a plain (replicated) tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _components(params, fused, tp):
     out = {}
     for name, value in params.items():
@@ -169,14 +174,17 @@ def _train_layout(dims: dict, cfg: LlamaConfig):
         loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
         loss.backward()
         if step == 0:  # AdamW is blind to a wrong gradient scale; check the gradients themselves
-            grads = _components({n: p.grad.full_tensor() for n, p in model.named_parameters()}, fused, pm.dims.tp)
+            grads = _components({n: _full(p.grad) for n, p in model.named_parameters()}, fused, pm.dims.tp)
         opt.step()
         opt.zero_grad()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, group=pm["dp"].get_group())  # equal slices: mean of means
         losses.append(global_loss.item() / dp_size)
-    placements = {n: (p.placements, p.device_mesh.mesh_dim_names) for n, p in model.named_parameters()}
-    final = _components({n: p.full_tensor() for n, p in model.named_parameters()}, fused, pm.dims.tp)
+    placements = {
+        n: (p.placements, p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else ((), ())
+        for n, p in model.named_parameters()
+    }
+    final = _components({n: _full(p.detach()) for n, p in model.named_parameters()}, fused, pm.dims.tp)
     if dist.get_rank() != 0:
         return losses
     return losses, grads, final, placements, fsdp_unit_params(model)
@@ -208,11 +216,15 @@ def test_training_matches_single_process_reference(layout):
         msg = lambda m, n=name: f"{n}: {m}"  # noqa: E731
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7, msg=msg)
         torch.testing.assert_close(final[name], ref_final[name], rtol=1e-5, atol=1e-5, msg=msg)
-    assert len(units) == cfg.num_layers + 3  # embeddings, blocks, [norm, output], root
+    data_parallel = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1) > 1
+    # embeddings, blocks, [norm, output], root -- or no FSDP at all without data parallelism
+    assert len(units) == (cfg.num_layers + 3 if data_parallel else 0)
     for name, plan in Llama(cfg).tp_plan().items():  # the plan as data matches what was built
         param_placements, mesh_dims = placements[name]
         if dims.get("tp", 1) > 1 and plan.placement != Replicate():
             assert mesh_dims[-1] == "tp" and param_placements[-1] == plan.placement, name
+        elif not data_parallel:
+            assert param_placements == (), name  # a replicated plain tensor
         else:
             assert "tp" not in mesh_dims, name
 

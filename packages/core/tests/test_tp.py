@@ -311,4 +311,3 @@ def _fused_roundtrip(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_shard_fused_full_tensor_split_recovers_components(tp):
     assert run_distributed(_fused_roundtrip, tp, world_size=WORLD) == [True] * WORLD
-

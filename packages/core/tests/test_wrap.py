@@ -159,9 +159,7 @@ def test_fsdp_tp_and_hsdp_placements():
 
 def _grad(divide_factor, cpu_offload):
     pm = _mesh(dp_shard=4)
-    model = apply_fsdp(
-        Llama(LlamaConfig.tiny()), pm, gradient_divide_factor=divide_factor, cpu_offload=cpu_offload
-    )
+    model = apply_fsdp(Llama(LlamaConfig.tiny()), pm, gradient_divide_factor=divide_factor, cpu_offload=cpu_offload)
     offload = model.layers[0]._get_fsdp_state()._fsdp_param_group.offload_policy
     loss = _step(model, pm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -183,16 +181,54 @@ def test_cpu_offload_on_cpu_does_not_pin():
     torch.testing.assert_close(grad, reference)
 
 
-def _world_of_tp():
+def _world_of_tp(policy_name):
+    from shardbridge import MixedPrecisionPolicy
+
     pm = _mesh(dp_shard=1, tp=4)
     cfg = LlamaConfig.tiny(num_kv_heads=4)
-    model = parallelize_llama(Llama(cfg), pm)
+    policy = None if policy_name is None else MixedPrecisionPolicy.from_name(policy_name)
+    model = parallelize_llama(Llama(cfg), pm, policy)
     _step(model, pm, cfg)
     weight = model.layers[0].feed_forward.gate_up.weight
     return isinstance(model, FSDPModule), weight.placements, tuple(weight.device_mesh.mesh_dim_names)
 
 
-def test_degree_one_dp_still_shards_over_a_size_one_mesh():
-    is_fsdp, placements, dims = run_distributed(_world_of_tp, world_size=4)[0]
+def test_degree_one_dp_skips_fsdp_unless_the_policy_casts():
+    # Nothing to shard or reduce, nothing to cast: plain TP DTensors, no FSDP copies per step.
+    for policy_name in (None, "fp32"):
+        is_fsdp, placements, dims = run_distributed(_world_of_tp, policy_name, world_size=4)[0]
+        assert not is_fsdp and dims == ("tp",) and placements == (Shard(0),)
+    # bf16 compute: the policy only takes effect through FSDP2, so it shards over the size-1 mesh.
+    is_fsdp, placements, dims = run_distributed(_world_of_tp, "bf16", world_size=4)[0]
     assert is_fsdp and dims == ("dp_shard_cp", "tp")
     assert placements == (_StridedShard(0, split_factor=4), Shard(0))
+
+
+def _empty_tp_piece():
+    import torch.nn as nn
+    from shardbridge import ParallelDims, apply_fsdp
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    pm = ParallelDims(tp=4).build_mesh("cpu")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 3)  # 3 rows over tp=4: torch.chunk leaves rank 3 empty
+
+        def fsdp_units(self):
+            return [self.proj]
+
+    net = parallelize_module(Net(), pm["tp"], {"proj": ColwiseParallel()})
+    try:
+        apply_fsdp(net, pm)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_empty_tp_piece_is_refused_on_every_rank():
+    messages = run_distributed(_empty_tp_piece, world_size=4)
+    assert all(
+        m is not None and "'proj.weight' of shape (3, 8)" in m and "empty tensor-parallel piece" in m for m in messages
+    )

@@ -166,8 +166,7 @@ class FusedSpec:
         (_, q), (k_name, k), (v_name, v) = self.components
         if k != v:
             raise ValueError(
-                f"QKV sizes {k_name}={k} and {v_name}={v} differ; k and v must both be "
-                "num_kv_heads * head_dim"
+                f"QKV sizes {k_name}={k} and {v_name}={v} differ; k and v must both be num_kv_heads * head_dim"
             )
         if (q // self.head_dim) % (k // self.head_dim):
             raise ValueError(
@@ -367,16 +366,13 @@ def merge_fused(components: Mapping[str, torch.Tensor], spec: FusedSpec, tp_size
         shape = components[name].shape
         if len(shape) <= spec.dim or shape[spec.dim] != size:
             raise ValueError(
-                f"component {name!r} has shape {tuple(shape)}; FusedSpec expects size {size} along "
-                f"dim {spec.dim}"
+                f"component {name!r} has shape {tuple(shape)}; FusedSpec expects size {size} along dim {spec.dim}"
             )
     parts = [components[s.name].narrow(spec.dim, s.component_start, s.length) for s in spec.segments(tp_size)]
     return torch.cat(parts, dim=spec.dim)
 
 
-def split_local(
-    local: torch.Tensor, spec: FusedSpec, tp_size: int, global_offset: int
-) -> list[ComponentPiece]:
+def split_local(local: torch.Tensor, spec: FusedSpec, tp_size: int, global_offset: int) -> list[ComponentPiece]:
     """Views of a contiguous local shard of a fused tensor, one per component segment it touches.
 
     ``local`` holds items ``[global_offset, global_offset + local.shape[dim])`` of the fused
@@ -516,4 +512,3 @@ def fused_params(model: nn.Module) -> dict[str, FusedSpec]:
             if fqn in fqns:
                 out[fqn] = spec
     return out
-

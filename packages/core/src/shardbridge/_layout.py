@@ -130,10 +130,7 @@ def _check_layout(
     if any(int(s) < 0 for s in global_shape):
         raise ValueError(f"global_shape {tuple(global_shape)} has a negative size; sizes must be >= 0")
     if not mesh_shape or any(int(s) < 1 for s in mesh_shape):
-        raise ValueError(
-            f"mesh_shape {tuple(mesh_shape)} must be non-empty with every axis size >= 1, "
-            "e.g. (4, 2)"
-        )
+        raise ValueError(f"mesh_shape {tuple(mesh_shape)} must be non-empty with every axis size >= 1, e.g. (4, 2)")
     if len(placements) != len(mesh_shape):
         raise ValueError(
             f"len(placements)={len(placements)} != len(mesh_shape)={len(mesh_shape)} for "
@@ -152,9 +149,7 @@ def _check_layout(
                 "use Shard, _StridedShard or Replicate"
             )
         if not isinstance(p, (Shard, _StridedShard)):
-            raise ValueError(
-                f"placements[{mesh_dim}]={p!r} is not supported; use Shard, _StridedShard or Replicate"
-            )
+            raise ValueError(f"placements[{mesh_dim}]={p!r} is not supported; use Shard, _StridedShard or Replicate")
         dim = p.dim + ndim if p.dim < 0 else p.dim
         if not 0 <= dim < ndim:
             raise ValueError(
@@ -173,9 +168,7 @@ def _check_layout(
 
 def _check_coordinate(mesh_shape: Sequence[int], coordinate: Sequence[int]) -> tuple[int, ...]:
     coordinate = tuple(int(c) for c in coordinate)
-    if len(coordinate) != len(mesh_shape) or not all(
-        0 <= c < s for c, s in zip(coordinate, mesh_shape)
-    ):
+    if len(coordinate) != len(mesh_shape) or not all(0 <= c < s for c, s in zip(coordinate, mesh_shape)):
         raise ValueError(
             f"coordinate {coordinate} is not in mesh_shape {tuple(mesh_shape)}; give one index "
             "per mesh axis with 0 <= index < axis size"
@@ -187,7 +180,9 @@ def _check_coordinate(mesh_shape: Sequence[int], coordinate: Sequence[int]) -> t
 
 
 def _local_chunk(
-    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
     coordinate: Sequence[int],
 ) -> Chunk:
     held: list[DimIntervals] = [((0, s),) if s else () for s in global_shape]
@@ -284,8 +279,7 @@ def fsdp_tp_chunk(
     for name, size, rank in (("tp", tp_size, tp_rank), ("dp", dp_size, dp_rank)):
         if size < 1 or not 0 <= rank < size:
             raise ValueError(
-                f"{name}_size={size}, {name}_rank={rank}: need {name}_size >= 1 and "
-                f"0 <= {name}_rank < {name}_size"
+                f"{name}_size={size}, {name}_rank={rank}: need {name}_size >= 1 and 0 <= {name}_rank < {name}_size"
             )
     held: list[DimIntervals] = [((0, s),) if s else () for s in global_shape]
     if tp_dim is not None:
@@ -339,9 +333,7 @@ def _fsdp_axes(mesh_shape: Sequence[int], placements: Sequence[Placement]) -> _F
     return _FsdpAxes(dp_mesh_dim=offset, tp_mesh_dim=offset + 1, tp_dim=tp_dim)
 
 
-def fsdp_placements(
-    *, tp_dim: int | None, tp_size: int, dp_replicate: bool = False
-) -> tuple[Placement, ...]:
+def fsdp_placements(*, tp_dim: int | None, tp_size: int, dp_replicate: bool = False) -> tuple[Placement, ...]:
     """Return the placements ``fully_shard`` gives a TP parameter.
 
     Args:
@@ -409,7 +401,9 @@ def _require_fsdp_axes(mesh_shape: Sequence[int], placements: Sequence[Placement
 
 
 def _fsdp_chunk(
-    global_shape: Sequence[int], mesh_shape: Sequence[int], axes: _FsdpAxes,
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    axes: _FsdpAxes,
     coordinate: Sequence[int],
 ) -> Chunk:
     tp = axes.tp_mesh_dim
@@ -494,6 +488,7 @@ class LayoutMismatch:
             describe; ``"offset_mismatch"``: one box, but not the one DCP describes.
         actual: Per tensor dim, the intervals the coordinate holds.
         described: ``(sizes, offsets)`` that DCP writes for it.
+        reason: Why, without the fix (for callers that apply their own fix).
         message: Why, and what to change.
     """
 
@@ -502,6 +497,7 @@ class LayoutMismatch:
     kind: MismatchKind
     actual: Chunk
     described: tuple[tuple[int, ...], tuple[int, ...]]
+    reason: str
     message: str
 
     def __str__(self) -> str:
@@ -509,7 +505,9 @@ class LayoutMismatch:
 
 
 def _resolve_actual(
-    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...],
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: tuple[Placement, ...],
     actual: ActualLayout,
 ) -> tuple[Callable[[tuple[int, ...]], Chunk], str]:
     """Return the function coordinate -> held intervals, and who holds them (for messages)."""
@@ -537,8 +535,11 @@ def _tp_mesh_dims(
 
 
 def _raw_mismatches(
-    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...],
-    held: Callable[[tuple[int, ...]], Chunk], tp_mesh_dims: Sequence[int],
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: tuple[Placement, ...],
+    held: Callable[[tuple[int, ...]], Chunk],
+    tp_mesh_dims: Sequence[int],
 ) -> list[tuple[tuple[int, ...], MismatchKind, Chunk, tuple[tuple[int, ...], tuple[int, ...]], int]]:
     """(coordinate, kind, actual, described, tensor dim) for each bad coordinate, no messages."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -553,7 +554,8 @@ def _raw_mismatches(
         box = chunk_box(global_shape, actual)
         # TP cuts the global tensor before FSDP2 does: the TP piece is a torch.chunk of it
         empty_dims = [
-            p.dim for m in tp_mesh_dims
+            p.dim
+            for m in tp_mesh_dims
             if isinstance(p := placements[m], Shard)
             and len(set(_chunk_bounds(global_shape[p.dim], mesh_shape[m], coordinate[m]))) == 1
         ]
@@ -641,16 +643,26 @@ def find_dcp_mismatches(
             why = f"{where}: {holder} holds {held_text} (local shape {shape}) but DCP describes {_fmt_box(described)}"
         out.append(
             LayoutMismatch(
-                coordinate=coordinate, rank=_rank(mesh_shape, coordinate), kind=kind,
-                actual=chunk, described=described, message=f"{why}; {fixes[(kind, dim)]}",
+                coordinate=coordinate,
+                rank=_rank(mesh_shape, coordinate),
+                kind=kind,
+                actual=chunk,
+                described=described,
+                reason=why,
+                message=f"{why}; {fixes[(kind, dim)]}",
             )
         )
     return out
 
 
 def _fix_hint(
-    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...],
-    names: Sequence[str], actual: ActualLayout, kind: MismatchKind, dim: int,
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: tuple[Placement, ...],
+    names: Sequence[str],
+    actual: ActualLayout,
+    kind: MismatchKind,
+    dim: int,
 ) -> str:
     """What to change, proven by rebuilding the layout with the suggested size."""
     size = global_shape[dim]
@@ -684,8 +696,12 @@ def _fix_hint(
 
 
 def _proven_divisor(
-    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...],
-    names: Sequence[str], actual: Literal["dtensor", "fsdp"] | None, dim: int,
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: tuple[Placement, ...],
+    names: Sequence[str],
+    actual: Literal["dtensor", "fsdp"] | None,
+    dim: int,
 ) -> tuple[int, str] | None:
     """First candidate d such that sizes d, 2d, 3d of ``dim`` give no mismatch on it; and its label.
 

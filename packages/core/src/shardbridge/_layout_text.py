@@ -89,8 +89,10 @@ def render_layout(
         raise ValueError(f"dim={dim} is not a dim of {tuple(global_shape)}; use 0 <= dim < {len(global_shape)}")
     names = _axis_names(mesh_shape, placements, mesh_dim_names)
     held, holder = _resolve_actual(global_shape, mesh_shape, placements, actual)
-    bad = {m.coordinate: m for m in find_dcp_mismatches(
-        global_shape, mesh_shape, placements, actual=actual, mesh_dim_names=mesh_dim_names)}
+    bad = {
+        m.coordinate: m
+        for m in find_dcp_mismatches(global_shape, mesh_shape, placements, actual=actual, mesh_dim_names=mesh_dim_names)
+    }
     coords = list(itertools.product(*(range(s) for s in mesh_shape)))
     chunks = {c: held(c) for c in coords}
     size = global_shape[dim]

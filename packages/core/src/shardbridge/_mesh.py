@@ -157,15 +157,14 @@ class ParallelDims:
         self._require_resolved()
         return tuple(getattr(self, a) for a in MESH_AXES)
 
-    def build_mesh(self, device_type: str = "cpu", *, world_size: int | None = None) -> ParallelMesh:
+    def build_mesh(self, device_type: str = "cpu") -> ParallelMesh:
         """Build the full DeviceMesh and all named sub-meshes.
 
-        Needs an initialised default process group. A -1 degree is resolved against
-        ``world_size`` (default: the process group's world size).
+        Needs an initialised default process group; ``dp_shard=-1`` is resolved against its
+        world size.
 
         Args:
             device_type: "cpu" (gloo) or "cuda" (nccl).
-            world_size: override for the world size used to resolve -1.
 
         Example:
             >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
@@ -180,13 +179,7 @@ class ParallelDims:
                 "ParallelDims.build_mesh needs an initialised process group; "
                 "call torch.distributed.init_process_group first (torchrun sets the env)"
             )
-        actual_world = dist.get_world_size()
-        dims = self.resolve(world_size or actual_world)
-        if dims.world_size != actual_world:
-            raise ValueError(
-                f"ParallelDims world size {dims.world_size} != process group world size {actual_world}; "
-                "set dp_shard=-1 to infer it"
-            )
+        dims = self.resolve(dist.get_world_size())
         mesh = init_device_mesh(device_type, dims.mesh_shape(), mesh_dim_names=MESH_AXES)
         axes = {axis: mesh[axis] for axis in MESH_AXES}
         # Keep the flattened meshes ourselves: slicing a flattened dim from the root mesh

@@ -65,9 +65,7 @@ def _mode(mode: TPMode | str) -> TPMode:
     try:
         return TPMode(mode)
     except ValueError:
-        raise ValueError(
-            f"TP mode {mode!r} is not one of {[m.value for m in TPMode]} (or 'replicated')"
-        ) from None
+        raise ValueError(f"TP mode {mode!r} is not one of {[m.value for m in TPMode]} (or 'replicated')") from None
 
 
 def tp_placements(mode: TPMode | str) -> tuple[Placement]:
@@ -236,9 +234,7 @@ def convert_module_params(
     global_shapes = dict(global_shapes or {})
     unknown = set(global_shapes) - set(modes)
     if unknown:
-        raise ValueError(
-            f"global_shapes names {sorted(unknown)} are not in modes {list(modes)}; give a mode for each"
-        )
+        raise ValueError(f"global_shapes names {sorted(unknown)} are not in modes {list(modes)}; give a mode for each")
     for name, mode in modes.items():
         owner_name, _, param_name = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module

@@ -123,7 +123,7 @@ def load_latest(
 
     Example:
         >>> state = load_latest("/shared/ckpt", model=model, optimizer=opt)  # doctest: +SKIP
-        >>> start_step = 0 if state is None else state.step + 1  # doctest: +SKIP
+        >>> start_step = 0 if state is None or state.step is None else state.step + 1  # doctest: +SKIP
     """
     path = _dist.broadcast_from_rank0(latest(root) if _dist.rank() == 0 else None)
     if path is None:

@@ -174,7 +174,7 @@ def _verdict(
             if m.kind != "empty_shard"
         ]
         if mismatches:
-            detail = mismatches[0].message
+            detail = mismatches[0].reason
     return _LayoutVerdict(bad=bad, non_contiguous=non_contiguous, detail=detail)
 
 

@@ -111,8 +111,7 @@ def _config_from_args(args: argparse.Namespace) -> DemoConfig:
     dp = layout["dp_replicate"] * layout["dp_shard"]
     if args.batch_size % dp:
         raise ValueError(
-            f"--batch-size={args.batch_size} does not divide over dp_replicate*dp_shard={dp}; "
-            f"use a multiple of {dp}"
+            f"--batch-size={args.batch_size} does not divide over dp_replicate*dp_shard={dp}; use a multiple of {dp}"
         )
     if _world(layout) > 8 or _world(reload_layout) > 8:
         print("note: more than 8 gloo processes on a small machine is slow", file=sys.stderr)
@@ -358,8 +357,12 @@ def _layout_picture(model, pm) -> str:
         if isinstance(param, DTensor) and fqn.endswith("feed_forward.gate_up.weight"):
             mesh = param.device_mesh
             header = f"{fqn}: global {tuple(param.shape)}, placements {tuple(param.placements)}"
-            return header + "\n" + render_layout(
-                tuple(param.shape), tuple(mesh.shape), tuple(param.placements), mesh_dim_names=mesh.mesh_dim_names
+            return (
+                header
+                + "\n"
+                + render_layout(
+                    tuple(param.shape), tuple(mesh.shape), tuple(param.placements), mesh_dim_names=mesh.mesh_dim_names
+                )
             )
     return "(no sharded gate_up weight in this layout)"
 
@@ -385,7 +388,11 @@ def _export_phase(cfg: DemoConfig, ckpt_path: str) -> dict[str, Any]:
             for key in f.keys():
                 exported[f"model.{key}"] = f.get_tensor(key)
     model_ref = {k: v for k, v in reference.items() if k.startswith("model.")}
-    return {"export_s": export_s, "files": len(set(index["weight_map"].values())), "check": _compare(model_ref, exported)}
+    return {
+        "export_s": export_s,
+        "files": len(set(index["weight_map"].values())),
+        "check": _compare(model_ref, exported),
+    }
 
 
 # ------------------------------------------------------------------ report

@@ -52,9 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_p = ckpt_sub.add_parser("inspect", help="list the tensors, layout and size of a checkpoint")
     inspect_p.add_argument("path", help="a checkpoint directory (or a root: its latest checkpoint)")
     inspect_p.set_defaults(func=_run_ckpt_inspect)
-    export_p = ckpt_sub.add_parser(
-        "export", help="stream a checkpoint into Hugging Face-style sharded safetensors"
-    )
+    export_p = ckpt_sub.add_parser("export", help="stream a checkpoint into Hugging Face-style sharded safetensors")
     export_p.add_argument("path", help="a checkpoint directory (or a root: its latest checkpoint)")
     export_p.add_argument("out_dir", help="output folder (created)")
     export_p.add_argument("--max-shard-size", default="2GB", help="e.g. 500MB, 2GB (default 2GB)")
@@ -97,13 +95,10 @@ def _run_layout(args: argparse.Namespace) -> int:
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"--shape {text!r} is not a list of integers; write e.g. 9,16") from None
-    if not shape or any(s < 0 for s in shape):
-        raise ValueError(f"--shape {text!r} must be non-negative integers, e.g. 9,16")
-    return shape
+    parts = [part.strip() for part in text.replace("x", ",").split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise ValueError(f"--shape {text!r} is not a list of non-negative integers; write e.g. 9,16 or 9x16")
+    return tuple(int(part) for part in parts)
 
 
 def _run_ckpt_inspect(args: argparse.Namespace) -> int:

@@ -212,10 +212,16 @@ class WorkerPool:
             return [results[r] for r in range(self.world_size)]
         self.close(force=True)
         lines = [f"{name} failed on {len(errors)} of {self.world_size} ranks"]
-        if pending:
-            lines[0] += f"; ranks {sorted(pending.values())} did not answer within {timeout:.0f} s"
-            if not errors:
-                lines[0] += " (a hang: a collective some ranks never reached?)"
+        if pending and errors:
+            lines[0] += (
+                f"; ranks {sorted(pending.values())} were still running {_ERROR_GRACE_S:.0f} s after the first "
+                "failure (probably waiting in a collective the failed rank never reached)"
+            )
+        elif pending:
+            lines[0] += (
+                f"; ranks {sorted(pending.values())} did not answer within {timeout:.0f} s "
+                "(a hang: a collective some ranks never reached?)"
+            )
         for rank in sorted(errors):
             lines.append(f"--- rank {rank} ---\n{errors[rank].rstrip()}")
         raise DistributedTestFailure("\n".join(lines))
