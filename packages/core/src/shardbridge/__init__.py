@@ -8,6 +8,15 @@ implementation details; ``shardbridge.checkpoint``, ``shardbridge.models`` and
 ``shardbridge.testing`` are public subpackages with their own ``__all__``.
 """
 
+from shardbridge._fp8 import (
+    FP8_DTYPES,
+    Uint8AllGather,
+    is_fp8_tensor,
+    plain_state_dict,
+    register_fp8_tensor_type,
+    to_plain,
+    use_uint8_all_gather,
+)
 from shardbridge._fused import (
     FUSED_SPECS_ATTR,
     ComponentPiece,
@@ -73,6 +82,13 @@ __all__ = [
     "split_local",
     "tp_local_fused",
     "FP8Recipe",
+    "FP8_DTYPES",
+    "Uint8AllGather",
+    "is_fp8_tensor",
+    "plain_state_dict",
+    "register_fp8_tensor_type",
+    "to_plain",
+    "use_uint8_all_gather",
     "MixedPrecisionPolicy",
     "FSDPUnit",
     "SupportsFSDPUnits",

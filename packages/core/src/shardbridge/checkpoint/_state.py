@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from shardbridge._fp8 import plain_state_dict
 from shardbridge._fused import FusedSpec, fused_params, split_local
 from shardbridge._layout import Chunk, chunk_box, dcp_chunk, find_dcp_mismatches, fsdp_chunk, local_chunk
 from shardbridge.checkpoint._chunks import LocalChunks
@@ -341,9 +342,11 @@ def _split_optim_key(key: str, param_fqns: set[str]) -> tuple[str, str, str] | N
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """torch's state dicts, FP8 subclasses made plain. See [Note: portable FP8 checkpoints]."""
     if optimizer is None:
-        return get_model_state_dict(model, options=_OPTIONS), None
-    return get_state_dict(model, optimizer, options=_OPTIONS)
+        return plain_state_dict(get_model_state_dict(model, options=_OPTIONS)), None
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    return plain_state_dict(model_sd), plain_state_dict(optim_sd)
 
 
 def _normalised_fused(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, FusedSpec]:
