@@ -374,11 +374,11 @@ def _export_phase(cfg: DemoConfig, ckpt_path: str) -> dict[str, Any]:
     import torch
     from safetensors import safe_open
 
-    from shardbridge import checkpoint
+    from shardbridge.models import export_hf_llama, hf_llama_name
 
     out_dir = os.path.join(cfg.out, "hf")
     start = time.perf_counter()
-    checkpoint.export_safetensors(ckpt_path, out_dir, progress=False)
+    export_hf_llama(ckpt_path, out_dir, cfg.llama_config(), progress=False)
     export_s = time.perf_counter() - start
     reference = torch.load(os.path.join(cfg.out, "reference.pt"), weights_only=True)
     index = json.loads(Path(out_dir, "model.safetensors.index.json").read_text())
@@ -386,8 +386,8 @@ def _export_phase(cfg: DemoConfig, ckpt_path: str) -> dict[str, Any]:
     for file in sorted(set(index["weight_map"].values())):
         with safe_open(os.path.join(out_dir, file), "pt") as f:
             for key in f.keys():
-                exported[f"model.{key}"] = f.get_tensor(key)
-    model_ref = {k: v for k, v in reference.items() if k.startswith("model.")}
+                exported[key] = f.get_tensor(key)
+    model_ref = {hf_llama_name(k.removeprefix("model.")): v for k, v in reference.items() if k.startswith("model.")}
     return {
         "export_s": export_s,
         "files": len(set(index["weight_map"].values())),
