@@ -29,9 +29,15 @@ def core(session):
 
 
 @nox.session(python="3.11")
-@nox.parametrize("adapter,extra", [("hf-adapter", "hf"), ("megatron-fsdp-adapter", "megatron")])
+@nox.parametrize(
+    "adapter,extra", [("hf-adapter", "hf"), ("megatron-fsdp-adapter", "megatron"), ("te-adapter", "test")]
+)
 def adapter(session, adapter, extra):
-    """One adapter's tests with its extra installed (the TE adapter's CPU tier needs no TE)."""
+    """One adapter's tests with its extra installed.
+
+    The TE adapter's CPU tiers need no TE install: the structural tier fetches TE's pure-Python
+    wheel into a cache on first use (docs/te.md).
+    """
     _install(session, f"{extra},test")
     tests = f"packages/{adapter}/tests"
     if not any(name.startswith("test_") for name in os.listdir(tests)):

@@ -1,1 +1,35 @@
-"""Adapter package (see the README beside src/)."""
+"""shardbridge_te: TransformerEngine modules under FSDP2 x TP with DCP checkpoints.
+
+``pip install "shardbridge[te]"``. One call gives every TE module (Linear, LayerNormLinear,
+LayerNormMLP, LayerNorm, RMSNorm, DotProductAttention, GroupedLinear, and those inside
+MultiheadAttention / TransformerLayer) DTensor TP parameters, the TP group and the ``weight``
+mesh as amax-reduction group; :func:`parallelize` also shards with FSDP2 and materializes.
+Checkpoints go through ``shardbridge.checkpoint`` (FP8 parameters saved as plain tensors,
+``_extra_state`` loadable at any layout). Guide: docs/te.md.
+
+Public: the names in ``__all__``. ``_``-prefixed modules are private; the placement table
+(``shardbridge_te._placements``) and patch plan (``shardbridge_te._patches``) import without TE.
+Importing this package does not import TE; the functions do (``ImportError`` with the install
+hint when it is missing).
+"""
+
+from shardbridge_te._apply import TEModuleState, set_device_mesh
+from shardbridge_te._checkpoint import register_te_fp8_types
+from shardbridge_te._compat import te_version
+from shardbridge_te._lifecycle import default_units, materialize, parallelize
+from shardbridge_te._patches import PATCHES, Patch, patch_plan
+from shardbridge_te._placements import tp_mode
+
+__all__ = [
+    "PATCHES",
+    "Patch",
+    "TEModuleState",
+    "default_units",
+    "materialize",
+    "parallelize",
+    "patch_plan",
+    "register_te_fp8_types",
+    "set_device_mesh",
+    "te_version",
+    "tp_mode",
+]

@@ -1,0 +1,269 @@
+"""``shard_model``: Megatron-FSDP over a shardbridge ParallelMesh, with upstream traps removed.
+
+[Note: what shard_model handles]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``megatron_fsdp.fully_shard(module, optimizer, ...)`` in 0.6.1 has side effects users trip on;
+``shard_model`` removes them or refuses the configuration up front::
+
+    upstream behaviour                                   shard_model
+    fully_shard_optimizer runs optimizer.step() on      runs it with lr=0, weight_decay=0 and resets
+                                                          "step" to 0:
+      zero grads (AdamW: weight decay moves the           weights, moments and bias correction are
+      weights, Adam's step becomes 1)                     those of a fresh optimizer
+    fully_shard rebuilds param_groups as ONE group       rebuilds the user's groups (hyperparameters
+      (custom groups, e.g. no weight decay, lost)         per group) over the distributed params
+    compute dtype = the module's dtype at wrap time      casts to policy.param_dtype, then writes the
+      (main weights start from bf16-rounded values)       full-precision originals into the main weights
+    after dcp.load, model.load_state_dict is needed      shardbridge_megatron_fsdp.load does it
+    average_in_collective=True without an expert mesh    ValueError (upstream: crash dividing by the
+                                                          size of a None group)
+    TP DTensor params with Shard(1) (row-parallel)       NotImplementedError: 0.6.1 reshapes local
+                                                          shards as (-1, *global_shape[1:])
+    gloo has no PREMUL_SUM                               gradient_reduce_div_fusion=False on gloo
+    CUDA-only calls                                      the CPU patch (_cpu_patch.py), CPU only
+
+Meshes: the ParallelMesh's full 4-D mesh is handed over with ``dp_shard_dim="dp_shard"``,
+``tp_dim="tp"`` and, for HSDP, ``dp_outer_dim="dp_replicate"`` plus the flattened ``dp`` group
+as ``hybrid_fsdp_group``. Context parallelism is not wired (cp must be 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+from shardbridge import MixedPrecisionPolicy, ParallelMesh
+from torch import distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from shardbridge_megatron_fsdp._compat import require_megatron_fsdp
+
+__all__ = ["OUTER_STRATEGIES", "STRATEGIES", "shard_model"]
+
+STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP sharding strategies (0..3): what is sharded over ``dp_shard``."""
+OUTER_STRATEGIES: tuple[str, ...] = ("no_shard", "optim")
+"""HSDP strategies over ``dp_replicate``: replicate, or also shard the optimizer state."""
+
+
+def _strategy(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(allowed):
+        return allowed[value]
+    if value in allowed:
+        return str(value)
+    raise ValueError(
+        f"{name}={value!r} is not a Megatron-FSDP strategy; choose one of {list(allowed)} (or 0..{len(allowed) - 1})"
+    )
+
+
+def _validate(
+    model: nn.Module, pm: ParallelMesh, strategy: str, outer_strategy: str | None, average_in_collective: bool
+) -> str | None:
+    if not isinstance(pm, ParallelMesh):
+        raise ValueError(
+            f"mesh must be a shardbridge.ParallelMesh (ParallelDims(...).build_mesh(device)), got {type(pm).__name__}"
+        )
+    dims = pm.dims
+    if dims.cp > 1:
+        raise NotImplementedError(
+            f"cp={dims.cp}: context parallelism is not wired to Megatron-FSDP by shardbridge yet; use cp=1 "
+            "(dp_shard, dp_replicate and tp are supported)"
+        )
+    if average_in_collective:
+        raise ValueError(
+            "average_in_collective=True needs an expert-parallel mesh in megatron-fsdp 0.6.1 (it divides by "
+            "the expert data-parallel group size, which is None without one, and crashes); set "
+            "average_in_collective=False: gradients are then scaled by 1/dp before a SUM reduction (same result)"
+        )
+    if dims.dp_replicate == 1:
+        if outer_strategy is not None:
+            raise ValueError(
+                f"outer_strategy={outer_strategy!r} needs HSDP (dp_replicate > 1), but dp_replicate=1; "
+                "set outer_strategy=None or build the mesh with dp_replicate > 1"
+            )
+    else:
+        outer_strategy = _strategy("outer_strategy", outer_strategy or "no_shard", OUTER_STRATEGIES)
+        if outer_strategy == "optim" and strategy != "optim_grads_params":
+            raise ValueError(
+                f"outer_strategy='optim' shards the optimizer over dp_replicate and needs "
+                f"strategy='optim_grads_params' over dp_shard, got strategy={strategy!r}; set "
+                "strategy='optim_grads_params' or outer_strategy='no_shard'"
+            )
+    for fqn, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        bad = [p for p in param.placements if isinstance(p, Shard) and p.dim != 0]
+        if bad:
+            raise NotImplementedError(
+                f"parameter {fqn!r} is a TP DTensor with placements {tuple(param.placements)}; megatron-fsdp "
+                "0.6.1 supports TP parameters sharded on dim 0 only (it views local shards as "
+                "(-1, *global_shape[1:])). Use column-parallel (Shard(0)) layers, e.g. "
+                "ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate()) instead of RowwiseParallel"
+            )
+        if param.device_mesh.mesh_dim_names != ("tp",):
+            raise ValueError(
+                f"parameter {fqn!r} is a DTensor on mesh {param.device_mesh.mesh_dim_names}; before shard_model "
+                "parameters may only be tensor-parallel, on mesh['tp'] of the same ParallelMesh"
+            )
+    return outer_strategy
+
+
+@contextlib.contextmanager
+def _quiet_device_warning(active: bool) -> Iterator[None]:
+    # MegatronFSDP.__init__ warns that "cpu" is not "cuda:<current_device>" on every rank; on a
+    # CPU run that is the intent, not a misconfiguration.
+    logger = logging.getLogger("megatron_fsdp.megatron_fsdp")
+    old = logger.level
+    if active:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
+def _full_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full-precision global values (item coordinates for TP DTensors) by FQN."""
+    out = {}
+    with torch.no_grad():
+        for fqn, p in model.named_parameters():
+            out[fqn] = p.full_tensor().clone() if isinstance(p, DTensor) else p.detach().clone()
+    return out
+
+
+def shard_model(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    mesh: ParallelMesh,
+    policy: MixedPrecisionPolicy | None = None,
+    *,
+    strategy: str | int = "optim_grads_params",
+    outer_strategy: str | int | None = None,
+    unit_modules: Sequence[type[nn.Module]] | None = None,
+    average_in_collective: bool = False,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Shard ``model`` (and its optimizer) with Megatron-FSDP over a shardbridge mesh.
+
+    Call on every rank with the same arguments, on a model whose parameters are equal on
+    every rank (tensor-parallel ones already DTensors on ``mesh["tp"]``, sharded on dim 0) and
+    an optimizer built over ``model.parameters()`` (any param groups). See
+    [Note: what shard_model handles] for what differs from ``megatron_fsdp.fully_shard``.
+
+    Args:
+        model: the module to shard (in ``policy.main_params_dtype``, usually fp32).
+        optimizer: its optimizer, or None (then only the model is sharded).
+        mesh: the run's :class:`~shardbridge.ParallelMesh` (cp must be 1).
+        policy: mixed precision (see ``_precision.py``); None = fp32.
+        strategy: what is sharded over ``dp_shard``: one of :data:`STRATEGIES` or 0..3.
+        outer_strategy: HSDP over ``dp_replicate`` (dp_replicate > 1 only): "no_shard"
+            (default) or "optim" (needs strategy "optim_grads_params"). None = no HSDP.
+        unit_modules: module classes that become FSDP units; None = the classes of
+            ``model.layers`` entries when the model has ``layers``, else none (one unit).
+        average_in_collective: must be False (see the error it raises).
+
+    Returns:
+        ``(MegatronFSDP module, optimizer)``; the optimizer is the same object, now over the
+        distributed parameters. Train with ``loss.backward(); optimizer.step();
+        optimizer.zero_grad()``.
+
+    Raises:
+        ValueError / NotImplementedError: configurations megatron-fsdp 0.6.1 cannot run
+            (named with the fix).
+
+    Example:
+        >>> pm = ParallelDims(dp_shard=-1).build_mesh("cpu")  # doctest: +SKIP
+        >>> model = Llama(LlamaConfig.tiny())  # doctest: +SKIP
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
+        >>> model, opt = shard_model(model, opt, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
+    """
+    from shardbridge_megatron_fsdp import _cpu_patch
+    from shardbridge_megatron_fsdp._checkpoint import dist_params
+    from shardbridge_megatron_fsdp._precision import to_megatron_policy
+
+    policy = MixedPrecisionPolicy.fp32() if policy is None else policy
+    strategy = _strategy("strategy", strategy, STRATEGIES)
+    outer_strategy = _validate(model, mesh, strategy, outer_strategy, average_in_collective)
+    mp_policy = to_megatron_policy(policy)
+    mfsdp = require_megatron_fsdp()
+    on_cpu = mesh.mesh.device_type == "cpu"
+    patched = _cpu_patch.install() if on_cpu else False
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    # 1. Remember the optimizer's groups by FQN (fully_shard would merge them into one).
+    names = {id(p): fqn for fqn, p in model.named_parameters()}
+    groups = []
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            groups.append(({k: v for k, v in group.items() if k != "params"}, [names[id(p)] for p in group["params"]]))
+    # 2. Compute dtype: Megatron-FSDP computes in the module's dtype at wrap time.
+    originals = None
+    if policy.param_dtype is not None:
+        originals = _full_values(model)
+        model.to(policy.param_dtype)
+    if unit_modules is None:
+        layers = getattr(model, "layers", None)
+        unit_modules = sorted({type(m) for m in layers}, key=lambda t: t.__qualname__) if layers is not None else []
+    hsdp = {}
+    if outer_strategy is not None:
+        hsdp = {
+            "dp_outer_dim": "dp_replicate",
+            "hybrid_fsdp_group": mesh["dp"].get_group(),
+            "outer_dp_sharding_strategy": outer_strategy,
+        }
+    # 3. Wrap.
+    with _quiet_device_warning(patched):
+        wrapped = mfsdp.fully_shard_model(
+            model,
+            device_mesh=mesh.mesh,
+            dp_shard_dim="dp_shard",
+            tp_dim="tp",
+            fsdp_unit_modules=list(unit_modules),
+            zero_dp_strategy=strategy,
+            device=device,
+            mixed_precision_policy=mp_policy,
+            sync_model_each_microbatch=True,
+            **hsdp,
+        )
+    if "nccl" not in dist.get_backend(mesh["dp_shard"].get_group()):
+        # gloo has no PREMUL_SUM: scale, then SUM (Megatron-FSDP's own fallback path).
+        wrapped.ddp_config.gradient_reduce_div_fusion = False
+    wrapped._replace_param_with_distributed_if_needed()
+    params = dist_params(wrapped)
+    # 4. Main weights from the full-precision originals (see [Note: Megatron-FSDP precision]).
+    if originals is not None:
+        with torch.no_grad():
+            for dp in params:
+                if dp.local.numel():
+                    box = tuple(slice(o, o + s) for o, s in zip(dp.offsets, dp.local.shape))
+                    dp.local.copy_(originals[dp.fqn][box])
+        del originals
+        wrapped.install_optimized_model_weights()
+    if optimizer is None:
+        return wrapped, None
+    # 5. The user's param groups over the distributed params; the zero-gradient step with lr=0.
+    by_name = {dp.fqn: dp.param for dp in params}
+    optimizer.param_groups.clear()
+    optimizer.state.clear()
+    for hyper, fqns in groups:
+        # "params" first: fully_shard_optimizer reads the first key of param_groups[0] as the params.
+        optimizer.add_param_group({"params": [by_name[f] for f in fqns], **hyper})
+    # lr=0 keeps the weights; weight_decay=0 keeps decay out of the states (SGD would put
+    # weight_decay * p into its momentum buffer on a zero gradient).
+    neutral = {"lr": 0.0, "weight_decay": 0.0}
+    saved = [{k: g[k] for k in neutral if k in g} for g in optimizer.param_groups]
+    for g, old in zip(optimizer.param_groups, saved):
+        for k in old:
+            g[k] = torch.zeros_like(g[k]) if isinstance(g[k], torch.Tensor) else neutral[k]
+    mfsdp.fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=True)
+    for g, old in zip(optimizer.param_groups, saved):
+        g.update(old)
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
+    return wrapped, optimizer

@@ -1,0 +1,60 @@
+"""TransformerEngine version probes: the only place the adapter imports TE.
+
+Everything TE-specific is looked up here, once (cached), so the rest of the adapter asks
+"which TE is this and what does it have" instead of scattering ``try: import`` blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from types import ModuleType
+
+__all__ = ["INSTALL_HINT", "parse_version", "te_pytorch", "te_version"]
+
+INSTALL_HINT = 'pip install "shardbridge[te]"'
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"2.20.2"`` / ``"2.8.0.dev0+abc"`` -> ``(2, 20, 2)`` / ``(2, 8, 0)``.
+
+    Example:
+        >>> parse_version("2.20.2+cu12")
+        (2, 20, 2)
+    """
+    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise ValueError(f"TransformerEngine version {text!r} is not of the form MAJOR.MINOR[.PATCH]")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+@functools.cache
+def te_pytorch() -> ModuleType:
+    """``transformer_engine.pytorch``, imported once.
+
+    Raises:
+        ImportError: TE (with its PyTorch extension) is not importable; the message carries
+            the install hint and TE's own error.
+    """
+    try:
+        return importlib.import_module("transformer_engine.pytorch")
+    except ImportError as err:  # includes a missing transformer_engine_torch extension
+        raise ImportError(
+            f"shardbridge_te needs TransformerEngine with its PyTorch extension: {INSTALL_HINT} "
+            f"(on a machine with CUDA; see docs/te.md). Import failed with: {err}"
+        ) from err
+
+
+@functools.cache
+def te_version() -> tuple[int, int, int]:
+    """The installed TE version as a tuple (imports TE)."""
+    te = te_pytorch()
+    root = importlib.import_module("transformer_engine")
+    text = getattr(root, "__version__", None) or getattr(te, "__version__", None)
+    if text is None:
+        from importlib import metadata
+
+        text = metadata.version("transformer_engine")
+    return parse_version(str(text))

@@ -1,0 +1,202 @@
+"""The TE + FSDP2 call order, done for the user: meta -> set_device_mesh -> fully_shard -> materialize.
+
+[Note: TE lifecycle]
+~~~~~~~~~~~~~~~~~~~~
+FP8 parameters (``quantized_model_init``) are quantized in TE's ``reset_parameters``, and the
+quantizer needs the final local shard and the amax group, so the order is fixed (TE PR #2713)::
+
+    with torch.device("meta"): model = build()      no memory, no kernels
+    set_device_mesh(model, mesh)                     TP DTensors (meta), amax group, TP group
+    apply_fsdp(model, mesh, policy, units)           FSDP2 shards the (meta) DTensors
+    materialize(model, mesh)                         to_empty(device) -> init each local shard
+                                                      -> quantize FP8 weights (weight-mesh amax)
+                                                      -> FSDP2 re-reads swapped parameters
+
+TE 2.x's own ``reset_parameters`` materializes on a hard-coded ``device="cuda"`` and takes
+the amax group from a mesh axis that must be named "shard"; :func:`materialize` does neither
+(patch ``reset_parameters`` in ``shardbridge_te._patches``). Values are initialized on each
+rank's LOCAL shard with TE's ``init_method`` (TE's behaviour), so they depend on the layout;
+load a checkpoint for layout-independent values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from shardbridge import FSDPUnit, MixedPrecisionPolicy, ParallelMesh, apply_fsdp
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from shardbridge_te._apply import set_device_mesh, te_modules
+from shardbridge_te._compat import te_pytorch
+
+__all__ = ["default_units", "materialize", "parallelize"]
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The outermost TE modules below the root, in model order: one FSDP unit each.
+
+    A TransformerLayer is one unit; its LayerNormLinear/LayerNormMLP are not units of their own.
+    """
+    units: list[nn.Module] = []
+    unit_names: list[str] = []
+    for fqn, module, _kind in te_modules(model):
+        if module is model or any(fqn.startswith(f"{u}.") for u in unit_names):
+            continue
+        if any(p is not None for p in module.parameters()):
+            units.append(module)
+            unit_names.append(fqn)
+    return units
+
+
+def _has_meta(model: nn.Module) -> bool:
+    for p in model.parameters():
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if local.is_meta:
+            return True
+    return False
+
+
+def _init_te_module(module: nn.Module, device: torch.device) -> bool:
+    """Initialize one TE module's parameters in place, quantizing FP8 weights; True if any was swapped."""
+    swapped = False
+    for name, param in list(module.named_parameters(recurse=False)):
+        meta = getattr(module, "param_init_meta", {}).get(name)
+        if meta is None:
+            continue
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        with torch.no_grad():
+            tracker = meta.get_rng_state_tracker
+            if tracker is not None and device.type == "cuda":
+                name_ = getattr(module, "rng_tracker_name", None)
+                with tracker().fork(name_) if name_ else tracker().fork():
+                    meta.init_fn(local)
+            else:
+                meta.init_fn(local)
+        if getattr(module, "primary_weights_in_fp8", False) and meta.fp8_meta_index is not None:
+            _quantize_param(module, name, param, meta.fp8_meta_index)
+            swapped = True
+    return swapped
+
+
+def _quantize_param(module: nn.Module, name: str, param: nn.Parameter, index: int) -> None:
+    """TE's reset_parameters quantization step, with the weight-mesh amax group (GPU-only path)."""
+    te = te_pytorch()
+    group = getattr(module, "_shardbridge_amax_group", None)
+    quantizer = module.quantizers["scaling_fwd"][index]
+    if quantizer is None:
+        raise RuntimeError(f"{type(module).__name__}.{name}: weight quantizer not initialized (quantized_model_init?)")
+    quantizer.set_usage(rowwise=True, columnwise=torch.is_grad_enabled())
+    quantizer.internal = False
+    current = tuple(getattr(te, n) for n in ("Float8CurrentScalingQuantizer", "NVFP4Quantizer") if hasattr(te, n))
+    if group is not None and current and isinstance(quantizer, current):
+        quantizer.amax_reduction_group = group  # the weight mesh, whatever its axes are named
+        quantizer.with_amax_reduction = True
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    quantized = quantizer(local)
+    if group is not None:
+        quantized._shardbridge_amax_group = group  # kept through FSDP all-gathers (_patches)
+        if current and isinstance(quantizer, current):
+            quantized.amax_reduction_group = group
+    if isinstance(param, DTensor):
+        quantized = DTensor.from_local(
+            quantized, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    module.module_setattr(name, nn.Parameter(quantized, requires_grad=param.requires_grad))
+
+
+def _refresh_fsdp_params(model: nn.Module) -> None:
+    # FSDP2 keeps a reference to each sharded parameter; after a swap it must re-read (and
+    # re-pad) them, as its own _apply does. Private API, torch 2.6-2.13.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.reset_sharded_param()
+
+
+def materialize(model: nn.Module, mesh: ParallelMesh, *, device: torch.device | str | None = None) -> nn.Module:
+    """Allocate meta parameters on ``device`` and initialize them; FP8 weights get quantized.
+
+    Call after :func:`set_device_mesh` and ``apply_fsdp``. See [Note: TE lifecycle].
+
+    Args:
+        model: the model (any mix of TE and torch modules).
+        mesh: the run's mesh (its device type is the default ``device``).
+        device: where parameters live; None = ``mesh["weight"].device_type`` (``"cuda"`` ->
+            the current CUDA device).
+
+    Returns:
+        ``model``.
+
+    Example:
+        >>> materialize(model, pm)  # doctest: +SKIP
+    """
+    if device is None:
+        device = mesh["weight"].device_type
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if _has_meta(model):
+        model.to_empty(device=device)  # FSDPModule._apply re-reads its sharded params
+    te = te_pytorch()
+    base = te.module.base.TransformerEngineBaseModule
+    te_ids = {id(m) for _fqn, m, _kind in te_modules(model)}
+    swapped = False
+    for module in model.modules():
+        if isinstance(module, base):
+            swapped |= _init_te_module(module, device)
+        elif hasattr(module, "reset_parameters") and (
+            id(module) in te_ids or any(p is not None for p in module._parameters.values())
+        ):
+            module.reset_parameters()  # TE LayerNorm/RMSNorm (ops) and torch modules: in place
+    if swapped:
+        _refresh_fsdp_params(model)
+    return model
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    policy: MixedPrecisionPolicy | None = None,
+    *,
+    units: Sequence[FSDPUnit] | None = None,
+    global_shapes: Mapping[str, Sequence[int]] | None = None,
+    device: torch.device | str | None = None,
+    reshard_after_forward: bool | Literal["default"] = "default",
+    **fsdp_kwargs: Any,
+) -> nn.Module:
+    """The whole lifecycle in one call: TP DTensors + amax group, FSDP2 units, materialize.
+
+    Args:
+        model: built with TE modules, ideally on ``torch.device("meta")``.
+        mesh: the run's :class:`~shardbridge.ParallelMesh`.
+        policy: mixed precision for FSDP2 (None = no casting).
+        units: FSDP units; None = :func:`default_units` (each outermost TE module).
+        global_shapes: see :func:`set_device_mesh` (uneven TP pieces).
+        device: see :func:`materialize`.
+        reshard_after_forward, fsdp_kwargs: passed to :func:`shardbridge.apply_fsdp`.
+
+    Returns:
+        ``model``, wrapped in place.
+
+    Example:
+        >>> pm = ParallelDims(dp_shard=-1, tp=2).build_mesh("cuda")  # doctest: +SKIP
+        >>> with torch.device("meta"), te.quantized_model_init(recipe=Float8CurrentScaling()):  # doctest: +SKIP
+        ...     model = MyTEModel(tp_size=2)
+        >>> parallelize(model, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
+    """
+    set_device_mesh(model, mesh, global_shapes=global_shapes)
+    apply_fsdp(
+        model,
+        mesh,
+        policy,
+        units=default_units(model) if units is None else units,
+        reshard_after_forward=reshard_after_forward,
+        **fsdp_kwargs,
+    )
+    return materialize(model, mesh, device=device)

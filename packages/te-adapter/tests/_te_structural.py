@@ -1,0 +1,360 @@
+"""STRUCTURAL TIER support: TransformerEngine's real Python code on a CPU machine, kernels absent.
+
+TEST SUPPORT ONLY. Nothing in ``shardbridge_te`` imports this module; it is never on the
+adapter's runtime path.
+
+[Note: the structural tier]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+TransformerEngine cannot be installed on a CPU machine: ``transformer_engine.pytorch`` needs the
+compiled extension ``transformer_engine_torch`` (an sdist that builds only against CUDA), and
+``transformer_engine.common`` loads libtransformer_engine.so, cuDNN, nvrtc and curand with ctypes.
+The Python code of its modules (``Linear``, ``LayerNormMLP``, ``TransformerLayer``, ...) ships
+in the pure-Python wheel ``transformer_engine-2.20.2-py3-none-any.whl`` (1.2 MB). This module:
+
+1. ``ensure_te_sources()``: ``pip download --no-deps transformer_engine==2.20.2`` into a cache
+   directory and extracts ``transformer_engine/**.py`` and its dist-info plus the pure-Python
+   packages TE's import needs and the system may lack (onnxscript, onnx: ``IMPORT_DEPS``, with
+   ``pip install --no-deps --target <cache>/deps``), once; later runs reuse the cache;
+2. ``import_te()``: imports TE from there with
+   * ``NVTE_PROJECT_BUILDING=1`` (TE's own switch for building from source: ``common/__init__``
+     skips every ctypes load), and
+   * ``transformer_engine_torch`` replaced by :data:`STAND_IN`, a module named
+     ``shardbridge_te_structural_stand_in``: the enums TE reads at import time with the values of
+     TE's C headers, and every kernel a function that raises
+     ``RuntimeError("structural tier: kernel <name> not available")``;
+3. ``cuda_construction(device)``: a context manager that makes ``torch.cuda.is_available()``
+   true while TE modules are CONSTRUCTED (``TransformerEngineBaseModule.__init__`` raises
+   "TransformerEngine needs CUDA." otherwise, even on meta) and maps TE's hard-coded
+   ``device="cuda"`` to ``device`` (meta).
+
+What this tier can show: module structure (parameter names, shapes, TP placements), the adapter's
+DTensor conversion, FSDP2 sharding of TE modules, DCP round trips of values. What it cannot:
+anything a kernel computes (forward/backward numerics, FP8 quantization, amax reductions). A
+test that reaches a kernel fails with the message above, never with a wrong number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import types
+import warnings
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+TE_VERSION = "2.20.2"
+CACHE_ENV = "SHARDBRIDGE_TE_CACHE"
+STAND_IN_NAME = "shardbridge_te_structural_stand_in"
+# Pure-Python imports of transformer_engine.pytorch that the system Python may lack
+# (export.py imports onnxscript, pytorch/triton/* import triton at module level). Installed with --no-deps into <cache>/deps,
+# which goes to the END of sys.path so the system's numpy/torch always win.
+IMPORT_DEPS = (
+    "onnxscript==0.7.2",
+    "onnx==1.23.2",
+    "onnx_ir==1.1.0",
+    "ml_dtypes==0.6.0",
+    "protobuf==7.36.2",
+    "triton==3.9.0",
+)
+
+
+def cache_dir() -> Path:
+    """Where the extracted TE sources live: ``$SHARDBRIDGE_TE_CACHE`` or ``~/.cache/shardbridge/te-2.20.2``."""
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return Path(root)
+    return Path.home() / ".cache" / "shardbridge" / f"te-{TE_VERSION}"
+
+
+def _wanted(name: str) -> bool:
+    if name.startswith("transformer_engine-") and ".dist-info/" in name:
+        return True  # metadata.version("transformer_engine") reads it
+    if not name.endswith(".py"):
+        return False
+    return name == "transformer_engine/__init__.py" or name.startswith(
+        ("transformer_engine/common/", "transformer_engine/pytorch/", "transformer_engine/debug/")
+    )
+
+
+def ensure_te_sources() -> dict[str, float | int | str]:
+    """Download (once) and extract TE's Python sources; returns what it measured.
+
+    Returns:
+        ``{"path", "download_s", "wheel_bytes", "extracted_files", "extracted_bytes", "cached"}``.
+
+    Raises:
+        RuntimeError: pip could not download the wheel (no registry access); the message has pip's output.
+    """
+    root = cache_dir()
+    marker = root / ".complete"
+    if marker.exists():
+        files = list((root / "transformer_engine").rglob("*.py"))
+        return {
+            "path": str(root),
+            "download_s": 0.0,
+            "wheel_bytes": int(marker.read_text().strip() or 0),
+            "extracted_files": len(files),
+            "extracted_bytes": sum(p.stat().st_size for p in files),
+            "cached": "yes",
+        }
+    tmp = root.with_name(root.name + ".download")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+         f"transformer_engine=={TE_VERSION}", "-d", str(tmp), "-q"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    download_s = time.perf_counter() - t0
+    wheels = list(tmp.glob("transformer_engine-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise RuntimeError(
+            f"structural tier: `pip download --no-deps transformer_engine=={TE_VERSION}` failed "
+            f"(rc={proc.returncode}); the TE structural tests need the registry once, then use {root}.\n"
+            f"{proc.stdout}\n{proc.stderr}"
+        )
+    staged = root.with_name(root.name + ".staged")
+    shutil.rmtree(staged, ignore_errors=True)
+    with zipfile.ZipFile(wheels[0]) as zf:
+        for name in zf.namelist():
+            if _wanted(name):
+                zf.extract(name, staged)
+    wheel_bytes = wheels[0].stat().st_size
+    t1 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
+         "--target", str(staged / "deps"), *IMPORT_DEPS],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    download_s += time.perf_counter() - t1
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"structural tier: `pip install --no-deps --target ... {' '.join(IMPORT_DEPS)}` failed "
+            f"(rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
+    (staged / ".complete").write_text(str(wheel_bytes))
+    shutil.rmtree(root, ignore_errors=True)
+    staged.rename(root)  # atomic for concurrent runs: either the old dir or the complete new one
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = list((root / "transformer_engine").rglob("*.py"))
+    return {
+        "path": str(root),
+        "download_s": round(download_s, 2),
+        "wheel_bytes": wheel_bytes,
+        "extracted_files": len(files),
+        "extracted_bytes": sum(p.stat().st_size for p in files),
+        "deps_bytes": sum(p.stat().st_size for p in (root / "deps").rglob("*") if p.is_file()),
+        "cached": "no",
+    }
+
+
+# --------------------------------------------------------------------------- the stand-in
+
+
+class _Kernel:
+    """A compiled-extension function: raises when called, so no test can take a fake number."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        raise RuntimeError(f"structural tier: kernel {self._name} not available")
+
+    def __getattr__(self, attr: str) -> _Kernel:  # tex.layernorm.default (torch.ops style)
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Kernel(f"{self._name}.{attr}")
+
+    def __repr__(self) -> str:
+        return f"<structural stand-in kernel {self._name}>"
+
+
+class _StandInClass:
+    """A compiled-extension class (CommOverlap, ...): constructing it is a kernel call."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"structural tier: kernel {type(self).__name__} not available")
+
+
+def _enum(name: str, members: dict[str, int]) -> type[enum.IntEnum]:
+    return enum.IntEnum(name, members, module=STAND_IN_NAME)
+
+
+# Values from TE 2.20.2's C headers (transformer_engine.h, fused_attn.h, activation.h, in the
+# transformer_engine_cu12 wheel) and
+# pytorch/csrc/common.h (FP8FwdTensors / FP8BwdTensors: quantizer slots).
+_ENUMS: dict[str, dict[str, int]] = {
+    "DType": {
+        # the members the pybind enum exposes (constants.py asserts the set)
+        "kByte": 0, "kInt32": 2, "kFloat32": 4, "kFloat16": 5, "kBFloat16": 6, "kFloat8E4M3": 7,
+        "kFloat8E5M2": 8, "kFloat4E2M1": 10,
+    },
+    "FP8FwdTensors": {
+        "GEMM1_INPUT": 0, "GEMM1_WEIGHT": 1, "GEMM1_OUTPUT": 2, "GEMM2_INPUT": 3, "GEMM2_WEIGHT": 4,
+        "GEMM2_OUTPUT": 5, "GEMM3_INPUT": 6, "GEMM3_WEIGHT": 7, "GEMM3_OUTPUT": 8,
+    },
+    "FP8BwdTensors": {
+        "GRAD_OUTPUT1": 0, "GRAD_INPUT1": 1, "GRAD_OUTPUT2": 2, "GRAD_INPUT2": 3,
+        "GRAD_OUTPUT3": 4, "GRAD_INPUT3": 5,
+    },
+    "NVTEScalingMode": {
+        "NVTE_DELAYED_TENSOR_SCALING": 0, "NVTE_MXFP8_1D_SCALING": 1, "NVTE_BLOCK_SCALING_1D": 2,
+        "NVTE_BLOCK_SCALING_2D": 3, "NVTE_NVFP4_1D_SCALING": 4, "NVTE_INVALID_SCALING": 100,
+    },
+    "NVTE_QKV_Format": {
+        "NVTE_SBHD": 0, "NVTE_BSHD": 1, "NVTE_THD": 2, "NVTE_BSHD_2SBHD": 3, "NVTE_SBHD_2BSHD": 4,
+        "NVTE_THD_2BSHD": 5, "NVTE_THD_2SBHD": 6, "NVTE_BHSD": 7, "NVTE_QKV_Format_NOT_SET": 8,
+    },
+    "NVTE_QKV_Layout": {
+        "NVTE_SB3HD": 0, "NVTE_SBH3D": 1, "NVTE_SBHD_SB2HD": 2, "NVTE_SBHD_SBH2D": 3, "NVTE_SBHD_SBHD_SBHD": 4,
+        "NVTE_BS3HD": 5, "NVTE_BSH3D": 6, "NVTE_BSHD_BS2HD": 7, "NVTE_BSHD_BSH2D": 8, "NVTE_BSHD_BSHD_BSHD": 9,
+        "NVTE_T3HD": 10, "NVTE_TH3D": 11, "NVTE_THD_T2HD": 12, "NVTE_THD_TH2D": 13, "NVTE_THD_THD_THD": 14,
+        "NVTE_SBHD_BSHD_BSHD": 15, "NVTE_BSHD_SBHD_SBHD": 16, "NVTE_THD_BSHD_BSHD": 17, "NVTE_THD_SBHD_SBHD": 18,
+        "NVTE_Paged_KV_BSHD_BSHD_BSHD": 19, "NVTE_Paged_KV_BSHD_SBHD_SBHD": 20, "NVTE_Paged_KV_SBHD_BSHD_BSHD": 21,
+        "NVTE_Paged_KV_SBHD_SBHD_SBHD": 22, "NVTE_Paged_KV_THD_BSHD_BSHD": 23, "NVTE_Paged_KV_THD_SBHD_SBHD": 24,
+        "NVTE_BHSD_BHSD_BHSD": 25, "NVTE_QKV_Layout_NOT_SET": 26,
+    },
+    "NVTE_QKV_Layout_Group": {
+        "NVTE_3HD": 0, "NVTE_H3D": 1, "NVTE_HD_2HD": 2, "NVTE_HD_H2D": 3, "NVTE_HD_HD_HD": 4,
+        "NVTE_Paged_KV_HD_HD_HD": 5, "NVTE_SD_SD_SD": 6,
+    },
+    "NVTE_Bias_Type": {"NVTE_NO_BIAS": 0, "NVTE_PRE_SCALE_BIAS": 1, "NVTE_POST_SCALE_BIAS": 2, "NVTE_ALIBI": 3},
+    "NVTE_Mask_Type": {
+        "NVTE_NO_MASK": 0, "NVTE_PADDING_MASK": 1, "NVTE_CAUSAL_MASK": 2, "NVTE_PADDING_CAUSAL_MASK": 3,
+        "NVTE_CAUSAL_BOTTOM_RIGHT_MASK": 4, "NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK": 5,
+    },
+    "NVTE_Softmax_Type": {"NVTE_VANILLA_SOFTMAX": 0, "NVTE_OFF_BY_ONE_SOFTMAX": 1, "NVTE_LEARNABLE_SOFTMAX": 2},
+    "NVTE_Fused_Attn_Backend": {"NVTE_No_Backend": -1, "NVTE_F16_arbitrary_seqlen": 1, "NVTE_FP8": 2},
+    "NVTE_Activation_Type": {
+        "GELU": 0, "GEGLU": 1, "GLU": 2, "SILU": 3, "SWIGLU": 4, "RELU": 5, "REGLU": 6, "QGELU": 7,
+        "QGEGLU": 8, "SRELU": 9, "SREGLU": 10, "CLAMPED_SWIGLU": 11,
+    },
+    "CommOverlapType": {"RS": 0, "AG": 1},
+    "CommOverlapAlgo": {"BULK_OVERLAP_AG": 0, "BULK_OVERLAP_RS": 1},
+    "NVTERoutingMapFormat": {"NVTE_ROUTING_MAP_DENSE": 0},
+    "NVTEQBHistogramMode": {"NVTE_QB_HISTOGRAM_NONE": 0},
+}  # fmt: skip
+_CLASSES = ("CommOverlap", "CommOverlapP2P", "CommOverlapHelper", "CommOverlapCore", "CommOverlapP2PBase")
+
+
+def _make_stand_in() -> types.ModuleType:
+    mod = types.ModuleType(STAND_IN_NAME, "STRUCTURAL TIER stand-in for transformer_engine_torch (no kernels).")
+    for name, members in _ENUMS.items():
+        setattr(mod, name, _enum(name, members))
+    for name in _CLASSES:
+        setattr(mod, name, type(name, (_StandInClass,), {"__module__": STAND_IN_NAME}))
+
+    def __getattr__(name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Kernel(name)  # every other attribute is a kernel
+
+    mod.__getattr__ = __getattr__  # type: ignore[method-assign]
+    mod.get_cudnn_version = lambda: 91200  # read at import by version checks; 9.12.0
+    mod.is_structural_stand_in = True
+    return mod
+
+
+STAND_IN = _make_stand_in()
+
+
+# --------------------------------------------------------------------------- importing TE
+
+
+def _fake_is_available() -> bool:
+    return True
+
+
+class _CudaToDevice(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` in torch calls to ``device`` (TE hard-codes it, e.g. DPA's softmax_offset)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self._device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "cuda":
+            kwargs["device"] = self._device
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_construction(device: str = "meta") -> Iterator[None]:
+    """TE modules can be constructed inside this block; see [Note: the structural tier].
+
+    ``torch.cuda.is_available`` reports True, ``current_device`` 0, ``synchronize`` does
+    nothing, and torch calls with ``device="cuda"`` get ``device`` instead, only while the
+    block runs.
+    """
+    names = ("is_available", "current_device", "get_device_capability", "synchronize")
+    saved = {name: getattr(torch.cuda, name) for name in names}
+    torch.cuda.is_available = _fake_is_available
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.synchronize = lambda *a, **k: None  # TE's get/set_extra_state synchronize
+    try:
+        with _CudaToDevice(device):
+            yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+
+
+@contextlib.contextmanager
+def no_cuda_sync() -> Iterator[None]:
+    """``torch.cuda.synchronize`` does nothing inside (TE's get_extra_state calls it); nothing else changes."""
+    saved = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = saved
+
+
+_TE: types.ModuleType | None = None
+
+
+def import_te() -> types.ModuleType:
+    """``transformer_engine.pytorch`` (real Python code, stand-in extension). Cached per process."""
+    global _TE
+    if _TE is not None:
+        return _TE
+    info = ensure_te_sources()
+    path = info["path"]
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    deps = str(Path(path) / "deps")
+    if deps not in sys.path:
+        sys.path.append(deps)
+    os.environ["NVTE_PROJECT_BUILDING"] = "1"  # common/__init__: skip ctypes loads of CUDA libraries
+    os.environ.pop("NVTE_RELEASE_BUILD", None)
+    sys.modules["transformer_engine_torch"] = STAND_IN
+    with warnings.catch_warnings():
+        # transformer_engine/__init__ tries `from . import pytorch` with the REAL
+        # load_framework_extension first, which finds no .so and warns; the import below redoes it.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        common = importlib.import_module("transformer_engine.common")
+
+    def load_framework_extension(framework: str) -> None:
+        # The real one loads transformer_engine_torch*.so; the stand-in is already in sys.modules.
+        if framework != "torch":
+            raise ImportError(f"structural tier: only the torch extension is stood in, not {framework}")
+
+    common.load_framework_extension = load_framework_extension
+    with cuda_construction():
+        te = importlib.import_module("transformer_engine.pytorch")
+    _TE = te
+    return te

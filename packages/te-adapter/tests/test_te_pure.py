@@ -1,0 +1,139 @@
+"""Pure tier: everything of the adapter that needs no TE (placement table, patch plan, records)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import subprocess
+import sys
+
+import pytest
+from shardbridge import TPMode
+from shardbridge_te._checkpoint import (
+    EXTRA_STATE_FORMAT,
+    decode_extra_state,
+    encode_extra_state,
+    is_portable_extra_state,
+    recipe_from_record,
+    recipe_to_record,
+)
+from shardbridge_te._compat import parse_version
+from shardbridge_te._patches import MIN_VERSION, PATCHES, Patch, patch_plan
+from shardbridge_te._placements import MODULE_KINDS, param_kind, tp_mode
+
+C, R, N = TPMode.COLUMN, TPMode.ROW, TPMode.NONE
+
+
+@pytest.mark.parametrize(
+    "kind,mode,name,want",
+    [
+        ("Linear", "column", "weight", C), ("Linear", "column", "bias", C),
+        ("Linear", "row", "weight", R), ("Linear", "row", "bias", N),
+        ("Linear", None, "weight", N), ("Linear", "column", "query_weight", C),
+        ("LayerNormLinear", "column", "layer_norm_weight", N), ("LayerNormLinear", "row", "layer_norm_bias", C),
+        ("LayerNormMLP", None, "fc1_weight", C), ("LayerNormMLP", None, "fc1_bias", C),
+        ("LayerNormMLP", None, "fc2_weight", R), ("LayerNormMLP", None, "fc2_bias", N),
+        ("LayerNormMLP", None, "layer_norm_weight", N),
+        ("LayerNorm", None, "weight", N), ("RMSNorm", None, "weight", N),
+        ("DotProductAttention", None, "softmax_offset", C),
+        ("GroupedLinear", "column", "weight3", C), ("GroupedLinear", "row", "weight0", R),
+        ("GroupedLinear", "column", "bias1", C), ("GroupedLinear", "row", "bias1", N),
+    ],
+)  # fmt: skip
+def test_table(kind, mode, name, want) -> None:
+    assert tp_mode(kind, mode, True, name) is want
+
+
+@pytest.mark.parametrize("kind", MODULE_KINDS)
+def test_not_sharded_is_always_replicate(kind) -> None:
+    name = {"DotProductAttention": "softmax_offset", "LayerNormMLP": "fc1_weight"}.get(kind, "weight")
+    assert tp_mode(kind, None, False, name) is N
+
+
+def test_param_kind() -> None:
+    assert [param_kind(n) for n in ("weight", "bias12", "key_bias", "layer_norm_weight", "softmax_offset")] == [
+        "weight", "bias", "bias", "layer_norm", "other"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("Conv", None, True, "weight"), "no placement rule"),
+        (("Linear", "diagonal", True, "weight"), "parallel_mode"),
+        (("LayerNormMLP", None, True, "fc3_weight"), "fc3_weight"),
+        (("Linear", "column", True, "scale"), "neither a weight nor a bias"),
+        (("DotProductAttention", None, True, "weight"), "softmax_offset"),
+    ],
+)
+def test_table_errors(args, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        tp_mode(*args)
+
+
+def test_patch_plan_names_upstream_and_gates_versions() -> None:
+    assert all(("TE PR #" in p.covers or "TE #" in p.covers) for p in PATCHES)
+    assert [p.name for p in patch_plan((2, 20, 2))] == [p.name for p in PATCHES]
+    fixed = Patch(name="x", covers="TE #1", what="-", fixed_in=(2, 21, 0))
+    assert fixed.applies((2, 20, 9)) and not fixed.applies((2, 21, 0))
+    with pytest.raises(ValueError, match="older than the supported"):
+        patch_plan((MIN_VERSION[0], MIN_VERSION[1] - 1, 0))
+
+
+def test_parse_version() -> None:
+    assert parse_version("2.20.2") == (2, 20, 2)
+    assert parse_version("2.8.0.dev0+cu12") == (2, 8, 0)
+    assert parse_version("3.1") == (3, 1, 0)
+    with pytest.raises(ValueError, match="MAJOR.MINOR"):
+        parse_version("main")
+
+
+class Fmt(enum.Enum):
+    HYBRID = 2
+
+
+@dataclasses.dataclass
+class FakeRecipe:  # shaped like TE's DelayedScaling (a dataclass with an enum field)
+    margin: int = 0
+    fp8_format: Fmt = Fmt.HYBRID
+    amax_compute_algo: object = "max"
+
+
+def test_recipe_record_round_trip() -> None:
+    rec = recipe_to_record(FakeRecipe(margin=3))
+    assert rec == {
+        "class": "FakeRecipe",
+        "fields": {"margin": 3, "fp8_format": {"enum": "Fmt", "name": "HYBRID"}, "amax_compute_algo": "max"},
+    }
+    assert recipe_from_record(rec, sys.modules[__name__]) == FakeRecipe(margin=3)
+    with pytest.raises(ValueError, match="amax_compute_algo"):
+        recipe_to_record(FakeRecipe(amax_compute_algo=max))
+
+
+def test_extra_state_bytes_are_weights_only_and_tagged() -> None:
+    import torch
+
+    state = {"recipe": FakeRecipe(), "scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(4, 3),
+             "extra_fp8_variables": {"num_gemms": 1, "obj": object()}}  # fmt: skip
+    data = encode_extra_state(state)
+    assert isinstance(data, bytes) and is_portable_extra_state(data)
+    payload = decode_extra_state(data)
+    assert payload["format"] == EXTRA_STATE_FORMAT and payload["extra"] == {"num_gemms": 1}
+    assert torch.equal(payload["tensors"]["scale_fwd"], torch.ones(3))
+    assert not is_portable_extra_state(torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="not a shardbridge_te"):
+        import io
+
+        buf = io.BytesIO()
+        torch.save({"format": "other"}, buf)
+        decode_extra_state(buf.getvalue())
+
+
+def test_import_without_te_gives_install_hint() -> None:
+    code = (
+        "import shardbridge_te, sys\n"
+        "assert not any(m.startswith('transformer_engine') for m in sys.modules)\n"
+        "try:\n    shardbridge_te.te_version()\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert 'pip install "shardbridge[te]"' in out, out

@@ -1,0 +1,396 @@
+"""STRUCTURAL TIER: the adapter on TE 2.20.2's real Python module code, compiled extension stood in.
+
+Asserts structure only: placements, global shapes, names, FSDP2 sharding, DCP round trips of
+values (bit-exact, against ``full_tensor()`` taken before saving). Never numerics or FP8
+behaviour: no TE kernel runs here (the stand-in raises if one is called). See
+[Note: the structural tier] in ``_te_structural.py``. 4 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import types
+
+import pytest
+import torch
+from _te_models import CASES, UNEVEN_OUT, build, build_te_module
+from _te_structural import cuda_construction, import_te, no_cuda_sync
+from shardbridge import FusedSpec, ParallelDims, TPMode, split_fused, tp_placements
+from shardbridge.testing import run_distributed
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+FSDP2_TP2 = {"dp_shard": 2, "tp": 2}
+HSDP2_TP2 = {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
+TP4 = {"dp_shard": 1, "tp": 4}
+FSDP4 = {"dp_shard": 4}
+
+
+def _setup(kind: str, mode: str | None, dims: dict, seed: int, **kw):
+    import shardbridge_te
+
+    pm = ParallelDims(**dims).build_mesh("cpu")
+    # Same seed on every rank: replicated parameters must agree across TP ranks (on GPU, TE's
+    # CUDA RNG tracker sees to that; the structural tier initializes on CPU).
+    torch.manual_seed(seed)
+    model = build(kind, mode, pm.dims.tp, **kw.pop("build", {}))
+    shardbridge_te.parallelize(model, pm, **kw)
+    return pm, model
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def _structure(kind: str, mode: str | None, dims: dict) -> dict:
+    from shardbridge_te._apply import STATE_ATTR, te_modules
+
+    pm, model = _setup(kind, mode, dims, seed=0)
+    out = {"params": {}, "states": {}, "local_forward": []}
+    for fqn, p in model.named_parameters():
+        if not fqn.startswith("te."):
+            continue
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        assert not local.is_meta, f"{fqn} still on meta"
+        out["params"][fqn] = {
+            "shape": tuple(p.shape),
+            "placements": tuple(p.placements) if isinstance(p, DTensor) else None,
+            "mesh": tuple(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else None,
+            "full_shape": tuple(p.full_tensor().shape) if isinstance(p, DTensor) else tuple(p.shape),
+        }
+    for fqn, m, _k in te_modules(model):
+        state = getattr(m, STATE_ATTR, None)
+        if state is not None:
+            out["states"][fqn] = {n: mode_.value for n, mode_ in state.modes.items()}
+            if getattr(m.forward, "_shardbridge_local_forward", False):
+                out["local_forward"].append(fqn)
+    return out
+
+
+def _expected_tp_placement(mode: TPMode):
+    return tp_placements(mode)[0]
+
+
+@pytest.mark.parametrize("kind,mode", CASES, ids=[f"{k}-{m}" for k, m in CASES])
+def test_structure_fsdp2_x_tp2(kind: str, mode: str | None) -> None:
+    """Every module kind x parallel mode: TP placement from the table, FSDP2 in front, global shapes."""
+    results = run_distributed(_structure, kind, mode, FSDP2_TP2, world_size=4)
+    res = results[0]
+    assert all(r["params"].keys() == res["params"].keys() for r in results)
+    assert res["params"], "no TE parameters found"
+    tp_sharded_any = False
+    for fqn, info in res["params"].items():
+        owner, _, name = fqn.rpartition(".")
+        tp_mode = TPMode(res["states"][owner][name])
+        placements = info["placements"]
+        assert placements is not None and len(placements) == 2, (fqn, placements)
+        assert info["mesh"] == ("dp_shard_cp", "tp"), (fqn, info["mesh"])
+        assert placements[1] == _expected_tp_placement(tp_mode), (fqn, placements, tp_mode)
+        assert info["full_shape"] == info["shape"]
+        tp_sharded_any |= tp_mode is not TPMode.NONE
+        if tp_mode is TPMode.COLUMN:
+            assert placements[0].dim == 0 and type(placements[0]).__name__ == "_StridedShard", (fqn, placements)
+    # mode None never splits; a split mode splits something (the table's raison d'etre)
+    assert tp_sharded_any == (mode is not None), (kind, mode, res["states"])
+    if mode is not None:
+        assert res["local_forward"], "converted modules must hand TE local tensors"
+
+
+def test_placement_table_matches_upstream_examples() -> None:
+    """Spot checks of global shapes against the TE constructors' arguments (column/row/no-TP)."""
+    res = run_distributed(_structure, "TransformerLayer", "column", FSDP2_TP2, world_size=4)[0]["params"]
+    assert res["te.layernorm_mlp.fc1_weight"]["shape"] == (32, 16)
+    assert res["te.layernorm_mlp.fc2_weight"]["placements"][1] == Shard(1)
+    assert res["te.self_attention.proj.weight"]["placements"][1] == Shard(1)
+    assert res["te.self_attention.proj.bias"]["placements"][1] == Replicate()
+    assert res["te.self_attention.layernorm_qkv.query_weight"]["placements"][1] == Shard(0)
+
+
+def _hsdp_structure() -> dict:
+    pm, model = _setup("TransformerLayer", "column", HSDP2_TP2, seed=0)
+    w = model.te.layernorm_mlp.fc1_weight
+    return {"mesh": tuple(w.device_mesh.mesh_dim_names), "placements": tuple(w.placements)}
+
+
+def test_hsdp_mesh_structure() -> None:
+    res = run_distributed(_hsdp_structure, world_size=4)[0]
+    assert res["mesh"] == ("dp_replicate", "dp_shard_cp", "tp")
+    assert isinstance(res["placements"][0], Replicate) and res["placements"][2] == Shard(0)
+
+
+# --------------------------------------------------------------------------- checkpoints across layouts
+
+
+def _save(kind: str, mode: str | None, dims: dict, path: str, build_kw: dict | None = None, shapes=None) -> dict:
+    import shardbridge.checkpoint as ckpt
+
+    _pm, model = _setup(kind, mode, dims, seed=1, build=build_kw or {}, global_shapes=shapes)
+    full = _full(model)
+    ckpt.save(path, model=model, step=1)
+    return full
+
+
+def _load(kind: str, mode: str | None, dims: dict, path: str, build_kw: dict | None = None, shapes=None) -> dict:
+    import shardbridge.checkpoint as ckpt
+
+    _pm, model = _setup(kind, mode, dims, seed=123, build=build_kw or {}, global_shapes=shapes)
+    ckpt.load(path, model=model)
+    return _full(model)
+
+
+def _assert_equal(saved: dict, loaded: dict) -> None:
+    assert saved.keys() == loaded.keys(), (sorted(saved), sorted(loaded))
+    for k in saved:
+        assert saved[k].shape == loaded[k].shape, (k, saved[k].shape, loaded[k].shape)
+        assert torch.equal(saved[k], loaded[k]), k
+
+
+ROUNDTRIP = [c for c in CASES if c[1] is not None] + [("Linear", None), ("LayerNorm", None), ("RMSNorm", None)]
+
+
+@pytest.mark.parametrize("kind,mode", ROUNDTRIP, ids=[f"{k}-{m}" for k, m in ROUNDTRIP])
+def test_checkpoint_fsdp2_tp2_to_tp4_and_fsdp4(kind: str, mode: str | None, tmp_path) -> None:
+    """Saved at dp2 x tp2, loaded at tp4 and at dp4 (no TP): every value bit-exact."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save, kind, mode, FSDP2_TP2, path, world_size=4)[0]
+    for dims in (TP4, FSDP4):
+        loaded = run_distributed(_load, kind, mode, dims, path, world_size=4)
+        for r in loaded:
+            _assert_equal(saved, r)
+
+
+@pytest.mark.parametrize("kind", ["TransformerLayer", "GroupedLinear"])
+def test_checkpoint_hsdp_to_fsdp2_tp2(kind: str, tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save, kind, "column", HSDP2_TP2, path, world_size=4)[0]
+    loaded = run_distributed(_load, kind, "column", FSDP2_TP2, path, world_size=4)[0]
+    _assert_equal(saved, loaded)
+
+
+def test_checkpoint_swiglu_fc1_components_reshard(tmp_path) -> None:
+    """LayerNormMLP(swiglu): fc1 stored as gate/up components, so tp2 -> tp4 re-interleaves."""
+    import shardbridge.checkpoint as ckpt
+
+    path = str(tmp_path / "ckpt")
+    kw = {"activation": "swiglu"}
+    saved = run_distributed(_save, "LayerNormMLP", "column", FSDP2_TP2, path, kw, world_size=4)[0]
+    loaded = run_distributed(_load, "LayerNormMLP", "column", TP4, path, kw, world_size=4)[0]
+    # A fused full tensor is TP-interleaved ([g0; u0; g1; u1] at tp=2): compare components.
+    spec = {"fc1_weight": FusedSpec.nway({"g": 32, "u": 32}), "fc1_bias": FusedSpec.nway({"g": 32, "u": 32})}
+    for name, fused in spec.items():
+        a, b = split_fused(saved.pop(f"te.{name}"), fused, 2), split_fused(loaded.pop(f"te.{name}"), fused, 4)
+        assert all(torch.equal(a[c], b[c]) for c in ("g", "u")), name
+    _assert_equal(saved, loaded)
+    info = ckpt.inspect(path)
+    names = [t.name for t in info.tensors]
+    assert any("fc1_gate_weight" in n for n in names), names
+
+
+# --------------------------------------------------------------------------- uneven shapes
+
+
+def _uneven_shapes(tp: int, mode: str) -> dict:
+    return {"te.weight": (UNEVEN_OUT, 16) if mode == "column" else (16, UNEVEN_OUT)}
+
+
+def _build_uneven(mode: str, tp: int, rank: int):
+    """Rank's torch.chunk piece of a 30-wide Linear, built with tp_size=1 (TE refuses 30 / 4)."""
+    te = import_te()
+    sizes = [t.shape[0] for t in torch.arange(UNEVEN_OUT).chunk(tp)] + [0] * tp
+    local = sizes[rank]
+    with cuda_construction("meta"), torch.device("meta"):
+        if mode == "column":
+            return te.Linear(16, local, bias=False, parallel_mode="column", params_dtype=torch.float32)
+        return te.Linear(local, 16, bias=False, parallel_mode="row", params_dtype=torch.float32)
+
+
+def _uneven_save_or_load(mode: str, dims: dict, path: str, save: bool) -> dict:
+    import shardbridge.checkpoint as ckpt
+    import shardbridge_te
+    from _te_models import Holder
+
+    pm = ParallelDims(**dims).build_mesh("cpu")
+    tp = pm.dims.tp
+    torch.manual_seed(7 if save else 99)
+    if tp == 4:
+        module = _build_uneven(mode, tp, pm.coordinate()["tp"])
+        shapes = _uneven_shapes(tp, mode)
+    else:  # 30 divides by 2 (and 1): TE's own constructor splits it
+        module = build_te_module("Linear", mode, tp)
+        with cuda_construction("meta"), torch.device("meta"):
+            te = import_te()
+            out_in = (16, UNEVEN_OUT) if mode == "column" else (UNEVEN_OUT, 16)
+            module = te.Linear(
+                *out_in, bias=False, parallel_mode=mode if tp > 1 else None, tp_size=tp, params_dtype=torch.float32
+            )
+        shapes = None
+    with torch.device("meta"):
+        model = Holder(module, head=False)  # uneven local init draws rank-dependent RNG
+    shardbridge_te.parallelize(model, pm, global_shapes=shapes)
+    w = model.te.weight
+    info = {
+        "shape": tuple(w.shape),
+        "local": tuple(w._local_tensor.shape) if isinstance(w, DTensor) else tuple(w.shape),
+        "tp_size": model.te.tp_size,
+    }
+    if save:
+        full = _full(model)
+        ckpt.save(path, model=model, step=1)
+    else:
+        ckpt.load(path, model=model)
+        full = _full(model)
+    return {"info": info, "full": full}
+
+
+@pytest.mark.parametrize("mode", ["column", "row"])
+def test_uneven_30_over_tp4_roundtrip(mode: str, tmp_path) -> None:
+    """30 features over tp=4 ([8, 8, 8, 6]) saved at tp4, loaded at dp2 x tp2 (15/15 then 8/7 over dp) and dp4."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_uneven_save_or_load, mode, TP4, path, True, world_size=4)
+    dim = 0 if mode == "column" else 1
+    assert [r["info"]["local"][dim] for r in saved] == [8, 8, 8, 6]
+    assert all(r["info"]["tp_size"] == 4 for r in saved)
+    want = (UNEVEN_OUT, 16) if mode == "column" else (16, UNEVEN_OUT)
+    assert saved[0]["info"]["shape"] == want
+    for dims in (FSDP2_TP2, FSDP4):
+        loaded = run_distributed(_uneven_save_or_load, mode, dims, path, False, world_size=4)
+        for r in loaded:
+            _assert_equal(saved[0]["full"], r["full"])
+
+
+def _bad_global_shape() -> str:
+    import shardbridge_te
+
+    pm = ParallelDims(**TP4).build_mesh("cpu")
+    module = _build_uneven("column", 4, pm.coordinate()["tp"])
+    with torch.device("meta"):
+        from _te_models import Holder
+
+        model = Holder(module)
+    try:
+        shardbridge_te.set_device_mesh(model, pm, global_shapes={"te.weight": (32, 16)})
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_uneven_wrong_global_shape_is_refused() -> None:
+    msgs = run_distributed(_bad_global_shape, world_size=4)
+    # rank 3 holds 6 rows; torch.chunk of 32 over 4 gives 8 -> every rank's check is local
+    assert "torch.chunk" in msgs[3], msgs[3]
+
+
+def _tp_size_mismatch() -> str:
+    import shardbridge_te
+
+    pm = ParallelDims(**FSDP2_TP2).build_mesh("cpu")
+    model = build("Linear", "column", 4)  # built for tp=4, mesh has tp=2
+    try:
+        shardbridge_te.set_device_mesh(model, pm)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_module_built_for_other_tp_is_refused() -> None:
+    msg = run_distributed(_tp_size_mismatch, world_size=4)[0]
+    assert "tp_size=4" in msg and "tp=2" in msg, msg
+
+
+# --------------------------------------------------------------------------- _extra_state (TE #1860)
+
+
+def _fake_delayed_state(module, rank: int) -> None:
+    """Give a TE module DelayedScaling metadata as TE keeps it (values only; no kernel runs)."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    module.fp8_meta["recipe"] = DelayedScaling(amax_history_len=4)
+    module.fp8_meta["fp8_checkpoint"] = True
+    module.fp8_meta["num_gemms"] = 1  # set by init_fp8_metadata in a real forward
+    for d, n in (("fwd", 3), ("bwd", 2)):
+        module.fp8_meta[f"scaling_{d}"] = types.SimpleNamespace(
+            scale=torch.full((n,), 1.0 + rank), amax_history=torch.arange(4 * n, dtype=torch.float32).view(4, n) + rank
+        )
+    module.fp8_meta["rank_tag"] = "r" * (rank + 1)  # per-rank Python value: pickles differ in size
+
+
+def _extra_state_save(dims: dict, path: str, portable: bool) -> dict:
+    import shardbridge.checkpoint as ckpt
+    import torch.distributed as dist
+
+    pm, model = _setup("Linear", "column", dims, seed=0)
+    rank = dist.get_rank()
+    module = model.te
+    if not portable:  # undo the instance patch: TE's native uint8-pickle extra state
+        del module.get_extra_state, module.set_extra_state
+    _fake_delayed_state(module, rank)
+    with no_cuda_sync():
+        native = type(module).get_extra_state(module)
+    try:
+        with no_cuda_sync():  # not cuda_construction: DCP would then try CUDA streams
+            ckpt.save(path, model=model, step=1)
+        err = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        err = f"{type(e).__name__}: {e}"
+    return {"native_size": int(native.numel()), "error": err}
+
+
+def _extra_state_load(dims: dict, path: str) -> dict:
+    import shardbridge.checkpoint as ckpt
+
+    _pm, model = _setup("Linear", "column", dims, seed=5)
+    got = {}
+    module = model.te
+
+    def spy(state):
+        # What arrives at set_extra_state; TE's own FP8 rebuild (init_fp8_meta_tensors) needs
+        # a GPU and is exercised by the GPU tier only.
+        from shardbridge_te._checkpoint import decode_extra_state
+
+        got["payload"] = decode_extra_state(state)
+
+    module.set_extra_state = spy
+    ckpt.load(path, model=model)
+    tensors = got["payload"]["tensors"]
+    return {
+        "recipe": got["payload"]["recipe"],
+        "scale_fwd": tensors["scale_fwd"],
+        "amax_bwd": tensors["amax_history_bwd"],
+    }
+
+
+def test_extra_state_native_differs_per_rank_and_portable_loads_across_layouts(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    res = run_distributed(_extra_state_save, FSDP2_TP2, path, True, world_size=4)
+    sizes = [r["native_size"] for r in res]
+    assert len(set(sizes)) > 1, f"TE's native extra state should differ in size across ranks: {sizes}"
+    assert all(r["error"] is None for r in res), res
+    loaded = run_distributed(_extra_state_load, TP4, path, world_size=4)
+    # DCP stores the non-tensor once (one saving rank's copy, its dedup picks which): every
+    # loading rank gets that same, complete state.
+    src = int(loaded[0]["scale_fwd"][0].item()) - 1
+    assert src in range(4), loaded[0]["scale_fwd"]
+    for r in loaded:
+        assert r["recipe"]["class"] == "DelayedScaling" and r["recipe"]["fields"]["amax_history_len"] == 4
+        assert torch.equal(r["scale_fwd"], torch.full((3,), 1.0 + src)), r["scale_fwd"]
+        assert torch.equal(r["amax_bwd"], torch.arange(8, dtype=torch.float32).view(4, 2) + src)
+
+
+def test_extra_state_checkpoint_is_readable_with_torch_alone(tmp_path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = tmp_path / "ckpt"
+    run_distributed(_extra_state_save, FSDP2_TP2, str(path), True, world_size=4)
+    out = tmp_path / "full.pt"
+    dcp_to_torch_save(str(path), str(out))
+    sd = torch.load(out, weights_only=True)
+    flat = sd["model"] if "model" in sd else sd
+    key = next(k for k in flat if k.endswith("te._extra_state"))
+    payload = torch.load(io.BytesIO(flat[key]), weights_only=True)
+    assert payload["recipe"]["class"] == "DelayedScaling"
