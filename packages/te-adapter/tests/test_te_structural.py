@@ -394,3 +394,33 @@ def test_extra_state_checkpoint_is_readable_with_torch_alone(tmp_path) -> None:
     key = next(k for k in flat if k.endswith("te._extra_state"))
     payload = torch.load(io.BytesIO(flat[key]), weights_only=True)
     assert payload["recipe"]["class"] == "DelayedScaling"
+
+
+def _native_extra_state_round_trip(path: str) -> dict:
+    save = _extra_state_save(FSDP2_TP2, path, False)
+    if save["error"] is not None:
+        return {"stage": "save", "error": save["error"]}
+    try:
+        _extra_state_load_native(TP4, path)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"stage": "load", "error": f"{type(e).__name__}: {e}"}
+    return {"stage": "done", "error": None}
+
+
+def _extra_state_load_native(dims: dict, path: str) -> None:
+    import shardbridge.checkpoint as ckpt
+
+    _pm, model = _setup("Linear", "column", dims, seed=5)
+    module = model.te
+    del module.get_extra_state, module.set_extra_state
+    _fake_delayed_state(module, 0)
+    with no_cuda_sync():
+        ckpt.load(path, model=model)
+
+
+def test_native_extra_state_does_not_survive_dcp_without_the_patch(tmp_path) -> None:
+    """The control for TE #1860: TE's own per-rank uint8 pickle, with our patch undone, fails."""
+    res = run_distributed(_native_extra_state_round_trip, str(tmp_path / "ckpt"), world_size=4)
+    # TE pickles per-rank Python values into a uint8 tensor whose size differs by rank: DCP keeps
+    # one rank's size, and every other layout's model disagrees with it.
+    assert all(r["stage"] == "load" and "shape mismatch for 'model.te._extra_state'" in r["error"] for r in res), res
