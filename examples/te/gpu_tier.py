@@ -1,6 +1,11 @@
-"""GPU tier for shardbridge_te (NOT run in CI; needs >= 4 GPUs and TransformerEngine 2.x).
+"""GPU tier for shardbridge_te (NOT run in CI; needs a GPU and TransformerEngine 2.x).
 
 torchrun --nproc-per-node 4 examples/te/gpu_tier.py --recipe {none,current,delayed}
+torchrun --nproc-per-node 4 examples/te/gpu_tier.py --backend gloo   # 4 ranks sharing ONE GPU
+
+NCCL cannot put two ranks on one GPU; with ``--backend gloo`` the ranks share ``cuda:0`` (rank
+i uses device ``i % device_count``) and gloo moves the bytes, so a single-GPU machine runs
+the same dp2 x tp2 layout.
 
 Builds TransformerLayers on meta (FP8 parameters with --recipe current/delayed), runs
 shardbridge_te.parallelize at dp2 x tp2, trains 3 steps, saves a checkpoint, loads it at tp4 and
@@ -52,9 +57,10 @@ def full(model) -> dict[str, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", choices=["none", "current", "delayed"], default="none")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     args = parser.parse_args()
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(args.backend)
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     recipe = {"none": None, "current": Float8CurrentScaling(), "delayed": DelayedScaling()}[args.recipe]
     pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cuda")
     model = build(2, recipe)
