@@ -54,6 +54,30 @@ def reference(steps: int = STEPS, adam: bool = False) -> tuple[list[float], dict
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def reference_grads() -> dict[str, torch.Tensor]:
+    """Single-process fp32 gradients of the step-0 batch, by FQN."""
+    model = Llama(CFG, seed=0)
+    tokens, labels = synthetic_batch(CFG, BATCH, SEQ, step=0)
+    loss_fn(model(tokens), labels).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def local_grads(pm, model) -> dict[str, tuple[tuple[slice, ...], torch.Tensor]]:
+    """fqn -> (global box, local gradient) of the gradients the optimizer will read, for
+    the non-empty shards of this rank (tp=1 only: no fused-item reordering)."""
+    from shardbridge_megatron_fsdp._checkpoint import dist_params
+
+    assert pm.dims.tp == 1
+    out = {}
+    for dp in dist_params(model):
+        grad = dp.param.grad
+        if grad is None or not dp.local.numel():
+            continue
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        out[dp.fqn] = (tuple(slice(o, o + s) for o, s in zip(dp.offsets, dp.local.shape)), local.detach().clone())
+    return out
+
+
 def build(dims: dict, strategy: str, outer=None, policy: MixedPrecisionPolicy | None = None, adam: bool = False):
     """Llama (+ dim-0 TP) sharded by shard_model; returns (pm, model, opt)."""
     from shardbridge_megatron_fsdp import apply_llama_tp, shard_model

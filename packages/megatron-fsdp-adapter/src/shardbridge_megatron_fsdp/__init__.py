@@ -11,8 +11,10 @@ Public: the names in ``__all__``::
     cpu_patch() / install_cpu_patch()                  # CPU/gloo support for megatron-fsdp 0.6.x
     megatron_fsdp_version()
 
-Not public: ``_compat`` (version probes), ``_cpu_patch`` internals, ``_checkpoint``'s box
-helpers (``dist_params``, ``local_box``: used by tests and the benchmark).
+Not public: ``_compat`` (version probes), ``_cpu_patch`` internals, ``_checkpoint``'s
+provider and box helpers (``MegatronFSDPStateDicts``, the ``StateDictProvider`` that
+``save``/``load`` hand to ``shardbridge.checkpoint``; ``dist_params``, ``local_box``: used by
+tests and the benchmark).
 Importing this package does not import megatron_fsdp; the first call that needs it does
 (with an ImportError carrying the install hint when it is missing).
 """

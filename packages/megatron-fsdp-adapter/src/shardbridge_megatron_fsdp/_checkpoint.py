@@ -18,57 +18,40 @@ computed by gathering the local shapes along its shard order)::
     (0, 1)          14           rows 32..45
     (1, 1)          18           rows 46..63
 
-This module hands DCP exactly those boxes (:class:`~shardbridge.checkpoint._chunks.LocalChunks`,
-views into the live local tensors), under the keys the core uses (``model.<fqn>``,
-``optim.state.<fqn>.<state>``, ``optim.param_groups.<fqn>.<hyperparameter>``), with fused
-parameters split into their components by the core's ``split_local`` in global item
-coordinates (never from the local size: Megatron-LM #4423), for DTensor AND plain-tensor
-optimizer states alike. The manifest is the core's. So ``shardbridge.checkpoint.load`` reads
-these checkpoints into torch-FSDP2 models, and :func:`load` reads the core's checkpoints
-into Megatron-FSDP, across meshes, bit-exact.
+:func:`save` and :func:`load` are the core's ``shardbridge.checkpoint.save`` / ``load`` with a
+:class:`~shardbridge.checkpoint.StateDictProvider` (:class:`MegatronFSDPStateDicts`) that
+hands the core the distributed (main) parameters and their optimizer states under the
+user's FQNs, and those boxes as ``local_offsets``. The core writes them as explicit chunks
+(views into the live local tensors), splits fused parameters into their components in
+global item coordinates (never from the local size: Megatron-LM #4423), for DTensor AND
+plain-tensor optimizer states alike, and commits with its own manifest. So
+``shardbridge.checkpoint.load`` reads these checkpoints into torch-FSDP2 models, and
+:func:`load` reads the core's checkpoints into Megatron-FSDP, across meshes, bit-exact.
+After a load the provider writes non-tensor optimizer values back and copies the main
+weights into the compute weights (``install_optimized_model_weights``).
 
 Optimizer states of a parameter whose local shard is empty on this rank do not exist
-(Megatron-FSDP's optimizer never saw that piece); their keys are still described on every
-rank, with no boxes (tensors) or a throwaway scalar on load (``step``), so every rank checks
-the same keys.
+(Megatron-FSDP's optimizer never saw that piece). On save such a rank simply has no entry
+(another rank writes the value); on load every rank describes the same keys (agreed with one
+``all_gather_object``), with a throwaway tensor shaped like the (empty) local shard or a
+throwaway scalar (``step``), so every rank checks the same keys.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from shardbridge._fused import FusedSpec, fused_params
-from shardbridge.checkpoint import _dist
-from shardbridge.checkpoint._chunks import LoadPlanner, LocalChunks, SavePlanner
-from shardbridge.checkpoint._commit import commit, new_tmp_dir
-from shardbridge.checkpoint._load import TrainState, _check_compatible
-from shardbridge.checkpoint._manifest import check_json_extra, read_manifest
-from shardbridge.checkpoint._rng import restore_rng, save_rng
-from shardbridge.checkpoint._save import _manifest
-from shardbridge.checkpoint._state import (
-    MODEL_KEY,
-    OPTIM_KEY,
-    PortableState,
-    _fused_pieces,
-    _fused_tp_size,
-    _placements_record,
-    component_fqn,
-)
+from shardbridge import FusedSpec, fused_params
+from shardbridge import checkpoint as core
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DistParam", "dist_params", "load", "local_box", "save"]
-
-Pieces = list[tuple[tuple[int, ...], torch.Tensor]]
+__all__ = ["DistParam", "MegatronFSDPStateDicts", "dist_params", "load", "local_box", "save"]
 
 
 @dataclass(frozen=True)
@@ -91,14 +74,6 @@ class DistParam:
     @property
     def local(self) -> torch.Tensor:
         return self.param._local_tensor
-
-    def pieces(self, local: torch.Tensor) -> dict[str, Pieces]:
-        """``{key-suffix: pieces}``: ``{"": [...]}`` for a plain param, one entry per component
-        (``{component: [...]}``) for a fused one. ``local`` is shaped like this rank's shard."""
-        if self.spec is None:
-            return {"": [(self.offsets, local)] if local.numel() else []}
-        box = (tuple(local.shape), self.offsets)
-        return _fused_pieces(self.spec, local, box, _fused_tp_size(self.fqn, self.param, self.spec))
 
 
 def _mfsdp(model: nn.Module) -> Any:
@@ -143,27 +118,17 @@ def dist_params(model: nn.Module) -> list[DistParam]:
     return out
 
 
-def _names(dp: DistParam) -> dict[str, str]:
-    """key-suffix (see DistParam.pieces) -> stored FQN."""
-    if dp.spec is None:
-        return {"": dp.fqn}
-    return {name: component_fqn(dp.fqn, name) for name in dp.spec.names}
-
-
-def _shard_like(dp: DistParam, value: Any) -> torch.Tensor | None:
-    """The local tensor of an optimizer state shaped like the parameter's shard, else None.
+def _shard_like(dp: DistParam, value: Any) -> bool:
+    """Whether an optimizer state is shaped like the parameter's shard.
 
     DTensor states (torch optimizers on DTensor params) and plain local tensors (fused
-    optimizers such as TE's FusedAdam) both qualify; see [Note: item coordinates] in the
-    core's ``_fused.py`` for why plain ones must not be split by their own size.
+    optimizers such as TE's FusedAdam) both qualify; the core places both at the
+    parameter's box (see [Note: item coordinates] in the core's ``_fused.py`` for why plain
+    ones must not be split by their own size).
     """
     if isinstance(value, DTensor):
-        if tuple(value.shape) == dp.shape and tuple(value._local_tensor.shape) == tuple(dp.local.shape):
-            return value._local_tensor.detach()
-        return None
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(dp.local.shape):
-        return value.detach()
-    return None
+        return tuple(value.shape) == dp.shape and tuple(value._local_tensor.shape) == tuple(dp.local.shape)
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(dp.local.shape)
 
 
 def _state_keys(optimizer: torch.optim.Optimizer, params: list[DistParam]) -> dict[str, dict[str, bool]]:
@@ -171,8 +136,8 @@ def _state_keys(optimizer: torch.optim.Optimizer, params: list[DistParam]) -> di
     local: dict[str, dict[str, bool]] = {}
     for dp in params:
         state = optimizer.state.get(dp.param, {})
-        local[dp.fqn] = {k: _shard_like(dp, v) is not None for k, v in state.items()}
-    if not _dist.is_distributed():
+        local[dp.fqn] = {k: _shard_like(dp, v) for k, v in state.items()}
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return local
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
@@ -185,76 +150,82 @@ def _state_keys(optimizer: torch.optim.Optimizer, params: list[DistParam]) -> di
     return merged
 
 
-@dataclass
-class _Built:
-    dcp_state: dict[str, dict[str, Any]]
-    tensors: dict[str, dict[str, Any]]
-    fused: dict[str, dict[str, Any]]
-    scalars: list[tuple[DistParam, str, str]]
-    """(param, state key, DCP key) of scalar states loaded into throwaway or live tensors."""
-    groups: list[tuple[dict[str, Any], str, str]]
-    """(param group, hyperparameter, DCP key) for non-tensor values DCP replaces on load."""
+class MegatronFSDPStateDicts:
+    """The :class:`~shardbridge.checkpoint.StateDictProvider` of a MegatronFSDP model.
 
+    State dicts of the distributed (main) parameters and their optimizer states under the
+    user's FQNs, each parameter's box from Megatron-FSDP's chunk metadata, and after a load
+    the non-tensor optimizer values written back and the main weights installed into the
+    compute weights. See [Note: Megatron-FSDP state as boxes].
 
-def _build(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_load: bool) -> _Built:
-    params = dist_params(model)
-    model_state: dict[str, Any] = {}
-    built = _Built({MODEL_KEY: model_state}, {}, {}, [], [])
-    for dp in params:
-        pieces = dp.pieces(dp.local.detach())
-        for suffix, name in _names(dp).items():
-            shape = dp.shape if dp.spec is None else tuple(dp.spec.component_shape(suffix, dp.shape))
-            model_state[name] = LocalChunks(shape, pieces[suffix])
-        built.tensors[dp.fqn] = _placements_record(dp.param, "repaired" if dp.spec is None else "components")
-        if dp.spec is not None:
-            built.fused[dp.fqn] = {
-                "dim": dp.spec.dim,
-                "tp_size": _fused_tp_size(dp.fqn, dp.param, dp.spec),
-                "components": [{"name": n, "size": s, "fqn": component_fqn(dp.fqn, n)} for n, s in dp.spec.components],
-            }
-    if optimizer is None:
-        return built
-    optim_state: dict[str, Any] = {}
-    built.dcp_state[OPTIM_KEY] = optim_state
-    keys = _state_keys(optimizer, params)
-    for dp in params:
-        state = optimizer.state.get(dp.param, {})
-        for key, shard_shaped in keys[dp.fqn].items():
-            value = state.get(key)
-            if shard_shaped:
-                local = _shard_like(dp, value) if value is not None else None
-                pieces = dp.pieces(local) if local is not None else {s: [] for s in _names(dp)}
-                for suffix, name in _names(dp).items():
-                    shape = dp.shape if dp.spec is None else tuple(dp.spec.component_shape(suffix, dp.shape))
-                    optim_state[f"state.{name}.{key}"] = LocalChunks(shape, pieces[suffix])
-                continue
-            for name in _names(dp).values():
-                dcp_key = f"state.{name}.{key}"
-                if value is None and not for_load:
-                    continue  # some other rank holds this state; it writes the value
-                if value is None:
-                    optim_state[dcp_key] = torch.zeros(())  # throwaway: this rank has no state here
-                elif isinstance(value, torch.Tensor):
-                    optim_state[dcp_key] = value.detach() if not for_load else value
-                    built.scalars.append((dp, key, dcp_key))
-                else:
-                    optim_state[dcp_key] = value
-                    built.scalars.append((dp, key, dcp_key))
-    by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    for dp in params:
-        group = by_param.get(id(dp.param))
-        if group is None:
-            raise ValueError(
-                f"parameter {dp.fqn!r} is not in any optimizer param group; build the optimizer over "
-                "model.parameters() before shard_model, or pass optimizer=None"
-            )
-        for hyper, value in group.items():
-            if hyper == "params":
-                continue
-            for name in _names(dp).values():
-                optim_state[f"param_groups.{name}.{hyper}"] = value
-                built.groups.append((group, hyper, f"param_groups.{name}.{hyper}"))
-    return built
+    Example:
+        >>> checkpoint.save(path, model=model, optimizer=opt,
+        ...                 state_dicts=MegatronFSDPStateDicts())  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._params: dict[str, DistParam] = {}
+
+    def state_dicts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_load: bool
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        params = dist_params(model)
+        self._params = {dp.fqn: dp for dp in params}
+        model_sd: dict[str, Any] = {dp.fqn: dp.param for dp in params}
+        if optimizer is None:
+            return model_sd, None
+        optim_sd: dict[str, Any] = {}
+        keys = _state_keys(optimizer, params) if for_load else None
+        for dp in params:
+            state = optimizer.state.get(dp.param, {})
+            for key, value in state.items():
+                optim_sd[f"state.{dp.fqn}.{key}"] = value
+            for key, shard_shaped in (keys or {}).get(dp.fqn, {}).items():
+                if key not in state:
+                    # Throwaway: this rank holds no state here (an empty shard).
+                    placeholder = torch.empty_like(dp.local) if shard_shaped else torch.zeros(())
+                    optim_sd[f"state.{dp.fqn}.{key}"] = placeholder
+        by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        for dp in params:
+            group = by_param.get(id(dp.param))
+            if group is None:
+                raise ValueError(
+                    f"parameter {dp.fqn!r} is not in any optimizer param group; build the optimizer over "
+                    "model.parameters() before shard_model, or pass optimizer=None"
+                )
+            for hyper, value in group.items():
+                if hyper != "params":
+                    optim_sd[f"param_groups.{dp.fqn}.{hyper}"] = value
+        return model_sd, optim_sd
+
+    def local_offsets(self, fqn: str, param: DTensor) -> tuple[int, ...] | None:
+        dp = self._params.get(fqn)
+        return dp.offsets if dp is not None and dp.param is param else None
+
+    def load_state_dicts(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_sd: dict[str, Any],
+        optim_sd: dict[str, Any] | None,
+        *,
+        strict: bool,
+    ) -> None:
+        if optimizer is not None:
+            assert optim_sd is not None
+            by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+            for dp in self._params.values():
+                state = optimizer.state.get(dp.param, {})
+                for key in state:
+                    value = optim_sd.get(f"state.{dp.fqn}.{key}")
+                    if value is not None and not isinstance(value, torch.Tensor):
+                        state[key] = value  # tensors were loaded in place
+                group = by_param[id(dp.param)]
+                for hyper in group:
+                    if hyper != "params" and f"param_groups.{dp.fqn}.{hyper}" in optim_sd:
+                        group[hyper] = optim_sd[f"param_groups.{dp.fqn}.{hyper}"]
+        # The loaded values sit in the main (optimizer) weights; forward uses the compute weights.
+        _mfsdp(model).install_optimized_model_weights()
 
 
 def save(
@@ -268,12 +239,12 @@ def save(
 ) -> Path:
     """Save a Megatron-FSDP model (and optimizer) as a shardbridge checkpoint. Call on every rank.
 
-    The checkpoint has the core's format (see ``shardbridge.checkpoint``): it loads with
-    ``shardbridge.checkpoint.load`` into torch-FSDP2 / TP / single-process models of any
-    layout, exports with ``shardbridge.checkpoint.export_safetensors``, and loads back into
-    Megatron-FSDP with :func:`load`. Fused parameters (registered with
-    ``shardbridge.register_fused``) are stored as their components. See
-    [Note: Megatron-FSDP state as boxes].
+    ``shardbridge.checkpoint.save`` with :class:`MegatronFSDPStateDicts`, so the checkpoint
+    has the core's format: it loads with ``shardbridge.checkpoint.load`` into torch-FSDP2 /
+    TP / single-process models of any layout, exports with
+    ``shardbridge.checkpoint.export_safetensors``, and loads back into Megatron-FSDP with
+    :func:`load`. Fused parameters (registered with ``shardbridge.register_fused``) are
+    stored as their components. See [Note: Megatron-FSDP state as boxes].
 
     Args:
         path: the checkpoint directory to create (e.g. ``shardbridge.checkpoint.step_dir``).
@@ -290,37 +261,16 @@ def save(
         >>> from shardbridge.checkpoint import step_dir
         >>> save(step_dir("/ckpt", 10), model=model, optimizer=opt, step=10)  # doctest: +SKIP
     """
-    final = Path(path)
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step={step!r} must be an int >= 0 or None")
-    extra = {} if extra is None else extra
-    if not isinstance(extra, dict):
-        raise ValueError(f"extra must be a dict of JSON values, got {type(extra).__name__}")
-    check_json_extra(extra)
-    rank, world_size = _dist.rank(), _dist.world_size()
-    built = _build(model, optimizer, for_load=False)
-    tmp = _dist.on_all_ranks(new_tmp_dir, final, overwrite=overwrite, only_rank0=True)
-    tmp = _dist.broadcast_from_rank0(tmp)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(
-                built.dcp_state,
-                storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                planner=SavePlanner(),
-                no_dist=not _dist.is_distributed(),
-            )
-        _dist.on_all_ranks(save_rng, tmp, rank)
-        core_state = PortableState(
-            dcp_state=built.dcp_state, model_sd={}, optim_sd=None, tensors=built.tensors, fused=built.fused
-        )
-        manifest = _manifest(core_state, step=step, extra=extra, world_size=world_size, parallel_dims=None)
-        _dist.on_all_ranks(commit, tmp, final, manifest, overwrite=overwrite, only_rank0=True)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    _mfsdp(model)
+    return core.save(
+        path,
+        model=model,
+        optimizer=optimizer,
+        step=step,
+        extra=extra,
+        overwrite=overwrite,
+        state_dicts=MegatronFSDPStateDicts(),
+    )
 
 
 def load(
@@ -330,14 +280,15 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
     rng: bool = True,
-) -> TrainState:
+) -> core.TrainState:
     """Load a shardbridge checkpoint (from Megatron-FSDP, torch FSDP2, TP, one process) into a
     Megatron-FSDP model, in place. Call on every rank.
 
-    Handles what a plain ``dcp.load`` leaves to the user: the loaded main weights are
-    copied into Megatron-FSDP's compute weights (``install_optimized_model_weights``; the
-    upstream recipe is ``model.load_state_dict`` after ``dcp.load``), and optimizer
-    hyperparameters are written back into the param groups.
+    ``shardbridge.checkpoint.load`` with :class:`MegatronFSDPStateDicts`, which also handles
+    what a plain ``dcp.load`` leaves to the user: the loaded main weights are copied into
+    Megatron-FSDP's compute weights (``install_optimized_model_weights``; the upstream recipe
+    is ``model.load_state_dict`` after ``dcp.load``), and optimizer hyperparameters are
+    written back into the param groups.
 
     Args:
         path: the checkpoint directory.
@@ -352,42 +303,7 @@ def load(
     Example:
         >>> state = load(latest("/ckpt"), model=model, optimizer=opt)  # doctest: +SKIP
     """
-    path = Path(path)
-    manifest = _dist.on_all_ranks(read_manifest, path)
-    assert manifest is not None
-    if optimizer is not None and not manifest.has_optimizer:
-        raise ValueError(
-            f"checkpoint {str(path)!r} has no optimizer state (it was saved with optimizer=None); "
-            "pass optimizer=None to load the model only"
-        )
-    built = _build(model, optimizer, for_load=True)
-    core_state = PortableState(dcp_state=built.dcp_state, model_sd={}, optim_sd=None)
-    _dist.on_all_ranks(_check_compatible, path, core_state, strict=strict)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(
-            built.dcp_state,
-            storage_reader=dcp.FileSystemReader(path),
-            planner=LoadPlanner(allow_partial_load=not strict),
-            no_dist=not _dist.is_distributed(),
-        )
-    if optimizer is not None:
-        optim_state = built.dcp_state[OPTIM_KEY]
-        for dp, key, dcp_key in built.scalars:
-            value = optim_state[dcp_key]
-            if not isinstance(value, torch.Tensor):
-                optimizer.state[dp.param][key] = value
-        for group, hyper, dcp_key in built.groups:
-            if dcp_key in optim_state:
-                group[hyper] = optim_state[dcp_key]
-    # The loaded values sit in the main (optimizer) weights; forward uses the compute weights.
-    _mfsdp(model).install_optimized_model_weights()
-    if rng:
-        _dist.on_all_ranks(restore_rng, path, _dist.rank(), _dist.world_size(), manifest.world_size)
-    return TrainState(step=manifest.step, extra=manifest.extra, path=path, world_size=manifest.world_size)
-
-
-def iter_local_values(model: nn.Module) -> Iterator[tuple[DistParam, torch.Tensor]]:
-    """(param, local tensor) pairs, for tests and the precision setup."""
-    for dp in dist_params(model):
-        yield dp, dp.local
+    _mfsdp(model)
+    return core.load(
+        path, model=model, optimizer=optimizer, strict=strict, rng=rng, state_dicts=MegatronFSDPStateDicts()
+    )

@@ -21,7 +21,7 @@ parallelized with the core plan (any layout) and back.
 
 from __future__ import annotations
 
-from shardbridge._fused import FUSED_SPECS_ATTR, shard_fused
+from shardbridge import FUSED_SPECS_ATTR, shard_fused
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard

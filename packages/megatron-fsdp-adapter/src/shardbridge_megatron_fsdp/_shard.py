@@ -20,6 +20,9 @@
     TP DTensor params with Shard(1) (row-parallel)       NotImplementedError: 0.6.1 reshapes local
                                                           shards as (-1, *global_shape[1:])
     gloo has no PREMUL_SUM                               gradient_reduce_div_fusion=False on gloo
+    HSDP outer_strategy="optim": the inner-DP gradient   copies the main gradient buffer's 1/dp
+      helper buffer is built without the 1/dp scaling     factor onto the helper buffer (see
+      factor, so gradients are SUMMED over dp (x dp)      [Note: HFSDP gradient scaling])
     CUDA-only calls                                      the CPU patch (_cpu_patch.py), CPU only
 
 Meshes: the ParallelMesh's full 4-D mesh is handed over with ``dp_shard_dim="dp_shard"``,
@@ -125,6 +128,38 @@ def _quiet_device_warning(active: bool) -> Iterator[None]:
         logger.setLevel(old)
 
 
+def _fix_hfsdp_gradient_scaling(wrapped: nn.Module) -> int:
+    """Give every HFSDP gradient helper buffer its main gradient buffer's scaling factor.
+
+    [Note: HFSDP gradient scaling]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    With ``outer_dp_sharding_strategy="optim"`` (HFSDP), megatron-fsdp 0.6.1 reduces gradients
+    through ``ParamGroup.hfsdp_helper_gbuf``, created by ``_create_hfsdp_helper_buffer`` from
+    the main gradient buffer, which copies everything except ``gradient_scaling_factor``
+    (None). ``gradient_reduce_preprocessing`` then skips the 1/dp pre-scale and the inner
+    reduce-scatter and the outer reduce-scatter both SUM: every gradient the optimizer sees
+    is dp_replicate * dp_shard times the mean (exactly 4.0 on 2 x 2, measured per parameter).
+    Adam hides it (scale-invariant up to eps); SGD, gradient clipping and anything
+    gradient-norm based do not. Plain HSDP (outer "no_shard") reduces through the main
+    gradient buffer and is right. Setting the helper's factor to the main buffer's
+    (1/dp world size, or None with per-token loss) makes the inner reduce-scatter pre-scale,
+    as every other path does; the outer reduction is already a plain SUM (AVG only with
+    average_in_collective, which shard_model refuses).
+
+    Returns:
+        How many helper buffers were fixed (0 without HFSDP, or once upstream copies it).
+    """
+    fixed = 0
+    for group in wrapped.param_and_grad_buffer.parameter_groups:
+        helper = getattr(group, "hfsdp_helper_gbuf", None)
+        main = group.main_grad_buffer
+        if helper is None or main is None or helper.gradient_scaling_factor == main.gradient_scaling_factor:
+            continue
+        helper.gradient_scaling_factor = main.gradient_scaling_factor
+        fixed += 1
+    return fixed
+
+
 def _full_values(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full-precision global values (item coordinates for TP DTensors) by FQN."""
     out = {}
@@ -167,7 +202,10 @@ def shard_model(
     Returns:
         ``(MegatronFSDP module, optimizer)``; the optimizer is the same object, now over the
         distributed parameters. Train with ``loss.backward(); optimizer.step();
-        optimizer.zero_grad()``.
+        optimizer.zero_grad()``. Gradients are reduced after every backward
+        (``sync_model_each_microbatch=True``): for several backwards per step with HSDP or
+        strategy "optim", use ``model.set_model_auto_sync(False)`` and ``model.no_sync()``
+        (docs/megatron-fsdp.md, "Gradient accumulation"), else the in-place reductions repeat.
 
     Raises:
         ValueError / NotImplementedError: configurations megatron-fsdp 0.6.1 cannot run
@@ -230,6 +268,8 @@ def shard_model(
     if "nccl" not in dist.get_backend(mesh["dp_shard"].get_group()):
         # gloo has no PREMUL_SUM: scale, then SUM (Megatron-FSDP's own fallback path).
         wrapped.ddp_config.gradient_reduce_div_fusion = False
+    # Upstream bug, any device: see [Note: HFSDP gradient scaling].
+    _fix_hfsdp_gradient_scaling(wrapped)
     wrapped._replace_param_with_distributed_if_needed()
     params = dist_params(wrapped)
     # 4. Main weights from the full-precision originals (see [Note: Megatron-FSDP precision]).

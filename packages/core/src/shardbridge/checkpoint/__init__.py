@@ -13,7 +13,9 @@ any other, export to Hugging Face safetensors::
 What a checkpoint directory holds: [Note: checkpoint format] in ``_manifest.py``. How a half-
 written one is never taken for good: [Note: atomic commit] in ``_commit.py``. How layouts DCP
 describes wrongly are repaired: [Note: DCP layout repair] in ``_state.py``. How fused
-parameters are named: [Note: component names] in ``_state.py``.
+parameters are named: [Note: component names] in ``_state.py``. How a framework whose
+DTensors' placements do not describe its data (Megatron-FSDP) plugs in its own state dicts
+and boxes: [Note: state-dict providers] in ``_provider.py`` (:class:`StateDictProvider`).
 
 Public: the names in ``__all__``. The ``_``-prefixed modules (the chunk objects handed to DCP,
 the planners, the manifest schema, the collective helpers) are not public.
@@ -23,12 +25,14 @@ from shardbridge.checkpoint._commit import latest, step_dir
 from shardbridge.checkpoint._export import NameMap, export_safetensors
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
 from shardbridge.checkpoint._load import TrainState, load, load_latest
+from shardbridge.checkpoint._provider import StateDictProvider
 from shardbridge.checkpoint._save import save
 from shardbridge.checkpoint._state import component_fqn
 
 __all__ = [
     "CheckpointInfo",
     "NameMap",
+    "StateDictProvider",
     "TensorInfo",
     "TrainState",
     "component_fqn",

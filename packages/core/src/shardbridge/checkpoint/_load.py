@@ -18,6 +18,7 @@ from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._chunks import LoadPlanner
 from shardbridge.checkpoint._commit import latest
 from shardbridge.checkpoint._manifest import read_manifest
+from shardbridge.checkpoint._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint._rng import restore_rng
 from shardbridge.checkpoint._state import MODEL_KEY, OPTIM_KEY, PortableState, build_portable_state, finish_load
 
@@ -52,6 +53,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
     rng: bool = True,
+    state_dicts: StateDictProvider | None = None,
 ) -> TrainState:
     """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``), in place.
 
@@ -71,6 +73,8 @@ def load(
             same; False loads the keys both have. Shapes must match either way.
         rng: restore the torch RNG states (each rank its own when the world size matches,
             else rank 0's on every rank, with a warning).
+        state_dicts: a framework's :class:`StateDictProvider`, as in :func:`save`; its
+            ``load_state_dicts`` runs after DCP instead of torch's ``set_state_dict``.
 
     Returns:
         The :class:`TrainState` (step, extra).
@@ -85,6 +89,7 @@ def load(
         100
     """
     path = Path(path)
+    check_provider(state_dicts)
     manifest = _dist.on_all_ranks(read_manifest, path)
     assert manifest is not None
     if optimizer is not None and not manifest.has_optimizer:
@@ -92,7 +97,9 @@ def load(
             f"checkpoint {str(path)!r} has no optimizer state (it was saved with optimizer=None); "
             "pass optimizer=None to load the model only"
         )
-    state = _dist.on_all_ranks(build_portable_state, model, optimizer, on_bad_layout="repair", log=False)
+    state = _dist.on_all_ranks(
+        build_portable_state, model, optimizer, on_bad_layout="repair", log=False, provider=state_dicts, for_load=True
+    )
     assert state is not None
     _dist.on_all_ranks(_check_compatible, path, state, strict=strict)
     with warnings.catch_warnings():
@@ -103,7 +110,7 @@ def load(
             planner=LoadPlanner(allow_partial_load=not strict),
             no_dist=not _dist.is_distributed(),
         )
-    _dist.on_all_ranks(finish_load, state, model, optimizer, strict=strict)
+    _dist.on_all_ranks(finish_load, state, model, optimizer, strict=strict, provider=state_dicts)
     if rng:
         _dist.on_all_ranks(restore_rng, path, _dist.rank(), _dist.world_size(), manifest.world_size)
     return TrainState(step=manifest.step, extra=manifest.extra, path=path, world_size=manifest.world_size)
@@ -116,6 +123,7 @@ def load_latest(
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
     rng: bool = True,
+    state_dicts: StateDictProvider | None = None,
 ) -> TrainState | None:
     """:func:`load` the newest complete checkpoint under ``root``; None (nothing loaded) if none.
 
@@ -128,7 +136,7 @@ def load_latest(
     path = _dist.broadcast_from_rank0(latest(root) if _dist.rank() == 0 else None)
     if path is None:
         return None
-    return load(path, model=model, optimizer=optimizer, strict=strict, rng=rng)
+    return load(path, model=model, optimizer=optimizer, strict=strict, rng=rng, state_dicts=state_dicts)
 
 
 def _names(keys: list[str]) -> str:

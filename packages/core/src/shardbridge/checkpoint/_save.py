@@ -19,6 +19,7 @@ from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._chunks import SavePlanner
 from shardbridge.checkpoint._commit import commit, new_tmp_dir
 from shardbridge.checkpoint._manifest import RNG_PATTERN, Manifest, check_json_extra, utc_now
+from shardbridge.checkpoint._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint._rng import save_rng
 from shardbridge.checkpoint._state import OPTIM_KEY, OnBadLayout, PortableState, build_portable_state
 
@@ -35,6 +36,7 @@ def save(
     overwrite: bool = False,
     on_bad_layout: OnBadLayout = "repair",
     parallel_dims: ParallelDims | None = None,
+    state_dicts: StateDictProvider | None = None,
 ) -> Path:
     """Save a checkpoint to the directory ``path``, atomically. Call on every rank.
 
@@ -58,6 +60,10 @@ def save(
             describes wrongly (logged once per tensor); "error" raises instead.
         parallel_dims: the run's :class:`~shardbridge.ParallelDims`, recorded in the manifest
             (optional; the mesh axes seen on the DTensors are always recorded).
+        state_dicts: a framework's :class:`StateDictProvider` (its own state dicts and the
+            true boxes of its DTensors' local tensors), for frameworks torch's
+            ``get_state_dict`` or the placements do not describe (Megatron-FSDP); None =
+            torch's. See [Note: state-dict providers] in ``_provider.py``.
 
     Returns:
         The committed checkpoint directory.
@@ -81,10 +87,13 @@ def save(
     check_json_extra(extra)
     if parallel_dims is not None and not isinstance(parallel_dims, ParallelDims):
         raise ValueError(f"parallel_dims must be a shardbridge.ParallelDims, got {type(parallel_dims).__name__}")
+    check_provider(state_dicts)
     rank, world_size = _dist.rank(), _dist.world_size()
 
     # 1. The portable state dict: layouts checked, fused params split.
-    state = _dist.on_all_ranks(build_portable_state, model, optimizer, on_bad_layout=on_bad_layout, log=rank == 0)
+    state = _dist.on_all_ranks(
+        build_portable_state, model, optimizer, on_bad_layout=on_bad_layout, log=rank == 0, provider=state_dicts
+    )
     assert state is not None
     # 2. Rank 0 creates the temporary directory.
     tmp = _dist.on_all_ranks(new_tmp_dir, final, overwrite=overwrite, only_rank0=True)

@@ -68,6 +68,7 @@ from shardbridge._fp8 import plain_state_dict
 from shardbridge._fused import FusedSpec, fused_params, split_local
 from shardbridge._layout import Chunk, chunk_box, dcp_chunk, find_dcp_mismatches, fsdp_chunk, local_chunk
 from shardbridge.checkpoint._chunks import LocalChunks
+from shardbridge.checkpoint._provider import StateDictProvider
 
 __all__ = ["OnBadLayout", "PortableState", "build_portable_state", "component_fqn", "finish_load"]
 
@@ -296,6 +297,18 @@ class _ParamInfo:
     local_shape: tuple[int, ...]
     dtensor: DTensor | None
     spec: FusedSpec | None
+    box: Box | None = None
+    """The local box a :class:`StateDictProvider` gave (None: from the placements)."""
+
+    def holds_like_param(self, value: DTensor) -> bool:
+        """Whether a DTensor state is laid out like the parameter (its box applies)."""
+        return tuple(value.shape) == self.shape and tuple(value._local_tensor.shape) == self.local_shape
+
+
+def _param_box(info: _ParamInfo) -> Box:
+    """This rank's box of the DTensor parameter: the provider's, else the layout algebra's."""
+    assert info.dtensor is not None
+    return info.box if info.box is not None else _local_box(info.fqn, info.dtensor)
 
 
 def _split_fused_value(info: _ParamInfo, value: Any) -> dict[str, LocalChunks] | None:
@@ -308,7 +321,7 @@ def _split_fused_value(info: _ParamInfo, value: Any) -> dict[str, LocalChunks] |
         if tuple(value.shape) != info.shape:
             return None
         # Always explicit boxes: DCP's own description of the fused tensor is never used.
-        box = _local_box(info.fqn, value)
+        box = info.box if info.box is not None and info.holds_like_param(value) else _local_box(info.fqn, value)
         local = value._local_tensor.detach()
         tp_size = _fused_tp_size(info.fqn, value, spec)
     elif tuple(value.shape) == info.shape:
@@ -317,7 +330,7 @@ def _split_fused_value(info: _ParamInfo, value: Any) -> dict[str, LocalChunks] |
         tp_size = 1 if info.dtensor is None else _fused_tp_size(info.fqn, info.dtensor, spec)
     elif info.dtensor is not None and tuple(value.shape) == info.local_shape:
         # A plain tensor holding exactly this rank's local shard of the DTensor param.
-        box = _local_box(info.fqn, info.dtensor)
+        box = _param_box(info)
         local, tp_size = value.detach(), _fused_tp_size(info.fqn, info.dtensor, spec)
     else:
         return None
@@ -377,6 +390,8 @@ def build_portable_state(
     *,
     on_bad_layout: OnBadLayout = "repair",
     log: bool = True,
+    provider: StateDictProvider | None = None,
+    for_load: bool = False,
 ) -> PortableState:
     """torch's state dicts of ``model``/``optimizer``, made portable for DCP.
 
@@ -385,6 +400,9 @@ def build_portable_state(
         optimizer: its optimizer, or None for the model only.
         on_bad_layout: "repair" or "error", see [Note: DCP layout repair].
         log: log each repaired tensor (once per process); rank 0 passes True.
+        provider: the framework's state dicts and local boxes instead of torch's (see
+            [Note: state-dict providers] in ``_provider.py``); None = torch's.
+        for_load: passed to ``provider.state_dicts``.
 
     Raises:
         ValueError: a layout DCP cannot describe (or any bad layout with "error"), a fused
@@ -392,7 +410,10 @@ def build_portable_state(
     """
     if on_bad_layout not in ("repair", "error"):
         raise ValueError(f"on_bad_layout={on_bad_layout!r} must be 'repair' or 'error'")
-    model_sd, optim_sd = _state_dicts(model, optimizer)
+    if provider is None:
+        model_sd, optim_sd = _state_dicts(model, optimizer)
+    else:
+        model_sd, optim_sd = provider.state_dicts(model, optimizer, for_load=for_load)
     fused = _normalised_fused(model, model_sd)
     for fqn, spec in fused.items():
         value = model_sd[fqn]
@@ -408,7 +429,8 @@ def build_portable_state(
         if isinstance(value, torch.Tensor):
             dt = value if isinstance(value, DTensor) else None
             local_shape = tuple(dt._local_tensor.shape) if dt is not None else tuple(value.shape)
-            params[fqn] = _ParamInfo(fqn, tuple(value.shape), local_shape, dt, fused.get(fqn))
+            box = _provided_box(provider, fqn, dt) if dt is not None and provider is not None else None
+            params[fqn] = _ParamInfo(fqn, tuple(value.shape), local_shape, dt, fused.get(fqn), box)
     state = PortableState(dcp_state={MODEL_KEY: {}}, model_sd=model_sd, optim_sd=optim_sd)
     _add_entries(state, MODEL_KEY, model_sd, params, lambda key: ("", key, ""), on_bad_layout, log)
     if optim_sd is not None:
@@ -424,6 +446,22 @@ def build_portable_state(
             "components": [{"name": n, "size": s, "fqn": component_fqn(fqn, n)} for n, s in spec.components],
         }
     return state
+
+
+def _provided_box(provider: StateDictProvider, fqn: str, t: DTensor) -> Box | None:
+    """The provider's box of ``t``'s local tensor, checked to fit in the global shape."""
+    offsets = provider.local_offsets(fqn, t)
+    if offsets is None:
+        return None
+    offsets = tuple(int(o) for o in offsets)
+    sizes = tuple(t._local_tensor.shape)
+    if len(offsets) != t.dim() or any(o < 0 or o + s > g for o, s, g in zip(offsets, sizes, t.shape)):
+        raise ValueError(
+            f"{_describe(fqn, t)}: local_offsets={offsets} from {type(provider).__name__} do not place the "
+            f"local tensor of shape {sizes} inside the global shape; return one offset per dim with "
+            "offset + local size <= global size (or None to use the placements)"
+        )
+    return sizes, offsets
 
 
 def _add_entries(
@@ -468,6 +506,9 @@ def _add_entries(
 
 def _plain_entry(key: str, value: Any, info: _ParamInfo | None, on_bad_layout: OnBadLayout, log: bool) -> Any:
     if isinstance(value, DTensor):
+        if info is not None and info.box is not None and info.holds_like_param(value):
+            # The provider's box (a parameter or a state laid out like it); placements unused.
+            return LocalChunks(info.shape, _boxed_pieces(value._local_tensor.detach(), info.box))
         repaired = _check_dtensor(key, value, on_bad_layout, log)
         return value if repaired is None else repaired
     if (
@@ -479,14 +520,20 @@ def _plain_entry(key: str, value: Any, info: _ParamInfo | None, on_bad_layout: O
     ):
         # A plain tensor holding this rank's local shard of a DTensor parameter (fused
         # optimizers keep states so): placed where the parameter's local shard is.
-        return LocalChunks(info.shape, _boxed_pieces(value.detach(), _local_box(info.fqn, info.dtensor)))
+        return LocalChunks(info.shape, _boxed_pieces(value.detach(), _param_box(info)))
     return value
 
 
 def finish_load(
-    state: PortableState, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, strict: bool
+    state: PortableState,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    strict: bool,
+    provider: StateDictProvider | None = None,
 ) -> None:
-    """After DCP filled ``state.dcp_state`` in place: copy aliased values back, set_state_dict."""
+    """After DCP filled ``state.dcp_state`` in place: copy aliased values back, then
+    set_state_dict (or the provider's ``load_state_dicts``)."""
     for (top, key), (src_top, src_key) in state.aliases.items():
         target = state.model_sd if top == MODEL_KEY else state.optim_sd
         value = state.dcp_state[src_top].get(src_key)
@@ -500,6 +547,9 @@ def finish_load(
         for key, value in state.dcp_state[top].items():
             if key in sd and not isinstance(value, (torch.Tensor, LocalChunks)):
                 sd[key] = value  # non-tensor values DCP replaced (param_groups entries)
+    if provider is not None:
+        provider.load_state_dicts(model, optimizer, state.model_sd, state.optim_sd, strict=strict)
+        return
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
     if optimizer is None:
         set_model_state_dict(model, state.model_sd, options=options)

@@ -1,0 +1,107 @@
+"""``StateDictProvider``: where a framework plugs its own state dicts into ``save`` / ``load``.
+
+[Note: state-dict providers]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+By default :func:`~shardbridge.checkpoint.save` and :func:`~shardbridge.checkpoint.load`
+read the model and optimizer through torch's ``get_state_dict`` / ``set_state_dict`` and
+take each DTensor's local box from its placements (repaired by the layout algebra, see
+[Note: DCP layout repair] in ``_state.py``). A framework whose parameters are not described
+by either passes a provider (``state_dicts=``) and keeps everything else of the core: the
+atomic commit, manifest, RNG states, key and shape checks, fused components, symmetric
+errors, and so the same on-disk format. A provider answers three questions::
+
+    state_dicts(model, optimizer, for_load)    torch's flattened format, keyed by the
+                                               user's FQNs: {fqn: tensor},
+                                               {"state.<fqn>.<key>": ..., "param_groups.<fqn>.<hp>": ...}
+    local_offsets(fqn, param)                  the GLOBAL offsets of a DTensor parameter's local
+                                               tensor, or None: its placements describe it
+    load_state_dicts(model, optimizer, ...)    after DCP filled the dicts: put back what is not
+                                               filled in place (non-tensor values, copies)
+
+Megatron-FSDP is the case this exists for: its DTensors' placements do not say where the
+local rows sit (its own chunk metadata does), and the optimizer steps "main" weights that
+must be copied into the compute weights after a load::
+
+    o_proj.weight (64, 64), mesh (dp_shard=2, tp=2)
+    rank   placements             local rows   local_offsets   DCP from placements
+    1      [Shard(0), Shard(0)]   18           (14, 0)         (16, 0)   <- wrong
+
+An offset given for a parameter is also used for its optimizer states shaped like it
+(DTensors with the same local shape, or plain tensors holding the local shard), and for its
+fused components. Tensors are loaded in place: return the live tensors (or views), not
+copies. ``for_load=True`` asks for the same keys on every rank (placeholders where a rank
+holds nothing, e.g. optimizer states of an empty shard), so key checks agree across ranks;
+on save a rank may omit what it does not hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["StateDictProvider", "check_provider"]
+
+
+@runtime_checkable
+class StateDictProvider(Protocol):
+    """A framework's own state dicts and local boxes for ``save`` / ``load``.
+
+    See [Note: state-dict providers]. Every method is called on every rank, in the same
+    order; collectives are allowed in :meth:`state_dicts` (not in the other two).
+
+    Example:
+        >>> class Shifted:  # a model whose one DTensor holds rows 2.. on every rank
+        ...     def state_dicts(self, model, optimizer, *, for_load):
+        ...         return dict(model.named_parameters()), None
+        ...     def local_offsets(self, fqn, param):
+        ...         return (2, 0)
+        ...     def load_state_dicts(self, model, optimizer, model_sd, optim_sd, *, strict):
+        ...         pass
+        >>> isinstance(Shifted(), StateDictProvider)
+        True
+    """
+
+    def state_dicts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_load: bool
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """``(model_sd, optim_sd)`` in torch's flattened format (optim_sd None without optimizer).
+
+        Args:
+            model: the model given to save / load.
+            optimizer: the optimizer given to save / load, or None.
+            for_load: True on load: every rank must return the same keys.
+        """
+        ...
+
+    def local_offsets(self, fqn: str, param: DTensor) -> Sequence[int] | None:
+        """Global offsets of ``param``'s local tensor (its size is the local shape), or None
+        when its placements describe it. Called once per DTensor of ``model_sd``."""
+        ...
+
+    def load_state_dicts(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_sd: dict[str, Any],
+        optim_sd: dict[str, Any] | None,
+        *,
+        strict: bool,
+    ) -> None:
+        """After DCP loaded into the dicts :meth:`state_dicts` returned: tensors are filled in
+        place, non-tensor values (``param_groups.*``, a float ``step``) are replaced in the
+        dicts; apply what the framework needs (the default calls torch's ``set_state_dict``)."""
+        ...
+
+
+def check_provider(provider: object) -> None:
+    """ValueError unless ``provider`` is None or implements :class:`StateDictProvider`."""
+    if provider is not None and not isinstance(provider, StateDictProvider):
+        raise ValueError(
+            f"state_dicts={type(provider).__name__} is not a StateDictProvider; implement state_dicts, "
+            "local_offsets and load_state_dicts (see shardbridge.checkpoint.StateDictProvider), or pass None "
+            "to use torch's get_state_dict / set_state_dict"
+        )
