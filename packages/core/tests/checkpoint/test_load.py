@@ -6,6 +6,7 @@ torch's ``dcp_to_torch_save`` of the written checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state
 from shardbridge import checkpoint as ck
+from shardbridge.checkpoint._manifest import MANIFEST_NAME
 from shardbridge.testing import run_distributed
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -254,3 +256,42 @@ def test_reference_llama_resumes_in_another_layout(tmp_path):
     assert {"model.layers.0.attention.k_proj.weight", "model.layers.0.feed_forward.up_proj.weight"} <= set(want)
     got = run_distributed(_llama, str(tmp_path), {"dp_shard": 4}, "load", 1, world_size=4)[0]
     assert_equal_states(got, want)
+
+
+def _trained_mlp(lr: float):
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.9))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
+def test_param_groups_are_one_item_and_format_1_still_loads(tmp_path, monkeypatch):
+    """[Note: packed param groups]: one DCP item for all hyperparameters; old checkpoints load."""
+    import torch.distributed.checkpoint as dcp
+    from shardbridge.checkpoint import _state
+
+    model, opt = _trained_mlp(lr=0.02)
+    ck.save(tmp_path / "v2", model=model, optimizer=opt, step=1)
+    keys = dcp.FileSystemReader(tmp_path / "v2").read_metadata().state_dict_metadata
+    assert [k for k in keys if k.startswith("optim.param_groups")] == ["optim.param_groups"]
+
+    # A format-1 checkpoint: every hyperparameter its own item, manifest version 1.
+    monkeypatch.setattr(_state, "_pack_param_groups", lambda state: None)
+    ck.save(tmp_path / "v1", model=model, optimizer=opt, step=1)
+    monkeypatch.undo()
+    manifest_path = tmp_path / "v1" / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "format_version": 1}))
+    keys = dcp.FileSystemReader(tmp_path / "v1").read_metadata().state_dict_metadata
+    assert "optim.param_groups.up.weight.lr" in keys and "optim.param_groups" not in keys
+
+    for version in ("v1", "v2"):
+        fresh, fresh_opt = _trained_mlp(lr=0.5)
+        ck.load(tmp_path / version, model=fresh, optimizer=fresh_opt)
+        assert fresh_opt.param_groups[0]["lr"] == 0.02 and fresh_opt.param_groups[0]["betas"] == (0.8, 0.9)
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            assert torch.equal(p, q)
+            assert torch.equal(opt.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])

@@ -86,7 +86,8 @@ def test_checkpoint_loads_with_torch_alone_and_weights_only(fused_ckpt, tmp_path
     got = {f"model.{k}": v for k, v in sd["model"].items()}
     got.update({f"optim.{k}": v for k, v in sd["optim"].items() if k.startswith("state.")})
     assert_equal_states(got, want)
-    assert sd["optim"]["param_groups.up.weight.lr"] == 0.01
+    # Hyperparameters: one packed entry of (key, value) pairs (format 2).
+    assert dict(sd["optim"]["param_groups"])["param_groups.up.weight.lr"] == 0.01
 
 
 def test_metadata_pickles_only_torch_classes(fused_ckpt):

@@ -20,7 +20,14 @@ from shardbridge.checkpoint._commit import latest
 from shardbridge.checkpoint._manifest import read_manifest
 from shardbridge.checkpoint._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint._rng import restore_rng
-from shardbridge.checkpoint._state import MODEL_KEY, OPTIM_KEY, PortableState, build_portable_state, finish_load
+from shardbridge.checkpoint._state import (
+    MODEL_KEY,
+    OPTIM_KEY,
+    PortableState,
+    build_portable_state,
+    finish_load,
+    unpack_param_groups,
+)
 
 __all__ = ["TrainState", "load", "load_latest"]
 
@@ -101,6 +108,8 @@ def load(
         build_portable_state, model, optimizer, on_bad_layout="repair", log=False, provider=state_dicts, for_load=True
     )
     assert state is not None
+    if manifest.format_version < 2:
+        unpack_param_groups(state)  # format 1 stored each param_groups entry alone
     _dist.on_all_ranks(_check_compatible, path, state, strict=strict)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

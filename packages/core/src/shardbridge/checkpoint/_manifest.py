@@ -12,7 +12,10 @@
         shardbridge.json             this manifest; written last, atomically
 
 DCP keys are ``model.<fqn>`` for model tensors and ``optim.<key>`` for the optimizer in
-torch's flattened form (``optim.state.<fqn>.exp_avg``, ``optim.param_groups.<fqn>.lr``).
+torch's flattened form (``optim.state.<fqn>.exp_avg``); the hyperparameters
+(``param_groups.<fqn>.lr`` ...) are one entry, ``optim.param_groups``, a list of (key, value)
+pairs since format 2 (format 1 stored each alone; both load, see [Note: packed param groups]
+in ``_state.py``).
 FQNs are the model's own (no FSDP / compile prefixes). A fused parameter is stored as its
 components under component FQNs (see [Note: component names] in ``_state.py``), in
 component-global coordinates, for its optimizer states too. Every tensor is a plain tensor:
@@ -22,7 +25,7 @@ shardbridge installed.
 The manifest (JSON object, ASCII) has::
 
     format            "shardbridge.checkpoint"
-    format_version    1 (readers refuse newer versions)
+    format_version    2 (readers refuse newer versions; 1 = param_groups unpacked)
     step              int or null
     world_size        ranks that wrote the checkpoint
     torch_version, shardbridge_version, created (UTC ISO 8601)
@@ -60,7 +63,7 @@ __all__ = [
 
 MANIFEST_NAME = "shardbridge.json"
 FORMAT_NAME = "shardbridge.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DCP_METADATA_NAME = ".metadata"
 RNG_PATTERN = "rng/rank-{rank:05d}.pt"
 """Per-rank RNG file, relative to the checkpoint directory."""
@@ -96,7 +99,7 @@ class Manifest:
     created: str = ""
     """UTC time of the save, ISO 8601."""
     format_version: int = FORMAT_VERSION
-    """Format version (1)."""
+    """Format version (2; 1 is still read)."""
 
     def to_json(self) -> str:
         """The manifest as JSON text (ASCII, sorted keys, indented)."""
