@@ -5,7 +5,8 @@ Run (CPU, gloo, 4 processes; on GPUs use --device cuda)::
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 examples/megatron_fsdp/train_llama.py --out /tmp/mfsdp_ckpt
 
 1. Megatron-FSDP (optim_grads_params over dp_shard=2, dim-0 TP over tp=2), bf16 compute with
-   bf16 gradient communication (fp32 main weights and grads), a few steps, checkpoint.
+   bf16 gradient communication (fp32 main weights and grads), a few steps (``--microbatches 2``:
+   gradient accumulation with ``shardbridge_megatron_fsdp.microbatches``), checkpoint.
 2. torch FSDP2 (the core's parallelize_llama, dp_shard=4) loads the checkpoint and checks
    the next loss against the Megatron-FSDP run's.
 """
@@ -21,9 +22,21 @@ from shardbridge import MixedPrecisionPolicy, ParallelDims, checkpoint
 from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
 
 
-def loss_of(model, cfg, pm, step):
+def loss_of(model, cfg, pm, step, microbatches=None):
+    """This rank's loss on the step's batch (backward run per microbatch when given)."""
     tokens, labels = synthetic_batch(cfg, 8, 32, step=step, dp_rank=pm["dp"].get_local_rank(), dp_size=pm["dp"].size())
-    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
+    if microbatches is None:
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
+    else:
+        # several backwards per optimizer step: each microbatch's forward and backward in its
+        # context (a plain loop of backwards is refused where it would give wrong gradients)
+        contexts = list(microbatches)
+        loss = torch.zeros(())
+        for x, y, ctx in zip(tokens.chunk(len(contexts)), labels.chunk(len(contexts)), contexts):
+            with ctx:
+                part = torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+                (part / len(contexts)).backward()
+            loss += part.detach() / len(contexts)
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=pm["dp"].get_group())
     return loss, mean.item() / pm["dp"].size()
@@ -34,11 +47,12 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/mfsdp_ckpt")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--microbatches", type=int, default=1, help="backwards per optimizer step")
     args = parser.parse_args()
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    from shardbridge_megatron_fsdp import apply_llama_tp, save, shard_model
+    from shardbridge_megatron_fsdp import apply_llama_tp, microbatches, save, shard_model
 
     cfg = LlamaConfig.tiny()
     rank0 = dist.get_rank() == 0
@@ -48,8 +62,11 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, opt = shard_model(model, opt, pm, MixedPrecisionPolicy.bf16_comm(), strategy="optim_grads_params")
     for step in range(args.steps):
-        loss, mean = loss_of(model, cfg, pm, step)
-        loss.backward()
+        if args.microbatches > 1:
+            _, mean = loss_of(model, cfg, pm, step, microbatches(model, args.microbatches))
+        else:
+            loss, mean = loss_of(model, cfg, pm, step)
+            loss.backward()
         opt.step()
         opt.zero_grad()
         if rank0:

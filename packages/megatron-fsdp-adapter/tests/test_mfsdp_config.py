@@ -82,17 +82,56 @@ def _errors() -> list[str]:
         shard_model(model, None, tp)
     except NotImplementedError as e:
         out.append(str(e))
+    # no FSDP unit with optim_grads_params: no `.layers`, and unit_modules matching nothing
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    for kw in ({}, {"unit_modules": [torch.nn.Conv1d]}):
+        try:
+            shard_model(plain, None, pm, strategy="optim_grads_params", **kw)
+        except ValueError as e:
+            out.append(str(e))
     return out
+
+
+def _upstream_unitless() -> str:
+    # the canary: what megatron-fsdp 0.6.1 does with the same model (shard_model's ValueError)
+    import megatron_fsdp
+    from shardbridge import ParallelDims
+    from shardbridge_megatron_fsdp._shard import _quiet_device_warning
+
+    pm = ParallelDims(dp_shard=4).build_mesh("cpu")
+    _cpu_patch.install()
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    try:
+        with _quiet_device_warning(True):
+            megatron_fsdp.fully_shard_model(
+                plain,
+                device_mesh=pm.mesh,
+                dp_shard_dim="dp_shard",
+                tp_dim="tp",
+                fsdp_unit_modules=[],
+                zero_dp_strategy="optim_grads_params",
+                device=torch.device("cpu"),
+            )
+    except ZeroDivisionError as e:
+        return type(e).__name__
+    return "no error"
 
 
 def test_clear_errors():
     messages = run_distributed(_errors, world_size=4)[0]
-    assert len(messages) == 5, messages
+    assert len(messages) == 7, messages
     assert "strategy='zero3' is not a Megatron-FSDP strategy" in messages[0]
     assert "average_in_collective=True" in messages[1] and "set average_in_collective=False" in messages[1]
     assert "needs HSDP (dp_replicate > 1)" in messages[2]
     assert "strategy='optim_grads_params'" in messages[3]
     assert "Shard(dim=1)" in messages[4] and "ColwiseParallel" in messages[4]
+    for m in messages[5:]:
+        assert "unit_modules=" in m and "Pass unit_modules=[YourBlock]" in m, m
+    assert "model.layers" in messages[5] and "['Conv1d']" in messages[6] and "model.layers" not in messages[6]
+
+
+def test_upstream_divides_by_zero_without_units():
+    assert run_distributed(_upstream_unitless, world_size=4) == ["ZeroDivisionError"] * 4
 
 
 def test_import_is_lazy():

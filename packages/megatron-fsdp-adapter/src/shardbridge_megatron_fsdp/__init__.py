@@ -4,6 +4,7 @@ shardbridge's mesh, precision policy and checkpoints. ``pip install "shardbridge
 Public: the names in ``__all__``::
 
     shard_model(model, optimizer, mesh, policy, strategy=..., outer_strategy=...)
+    microbatches(model, n)                             # contexts for gradient accumulation
     save(path, model=..., optimizer=..., step=...)     # the core's checkpoint format
     load(path, model=..., optimizer=...)               # from Megatron-FSDP or torch FSDP2 runs
     to_megatron_policy(policy)                         # MixedPrecisionPolicy lowering
@@ -19,6 +20,7 @@ Importing this package does not import megatron_fsdp; the first call that needs 
 (with an ImportError carrying the install hint when it is missing).
 """
 
+from shardbridge_megatron_fsdp._accumulate import microbatches
 from shardbridge_megatron_fsdp._checkpoint import load, save
 from shardbridge_megatron_fsdp._compat import megatron_fsdp_version
 from shardbridge_megatron_fsdp._cpu_patch import cpu_patch
@@ -35,6 +37,7 @@ __all__ = [
     "install_cpu_patch",
     "load",
     "megatron_fsdp_version",
+    "microbatches",
     "save",
     "shard_model",
     "to_megatron_policy",

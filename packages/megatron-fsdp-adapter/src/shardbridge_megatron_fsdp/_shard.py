@@ -20,6 +20,11 @@
     TP DTensor params with Shard(1) (row-parallel)       NotImplementedError: 0.6.1 reshapes local
                                                           shards as (-1, *global_shape[1:])
     gloo has no PREMUL_SUM                               gradient_reduce_div_fusion=False on gloo
+    optim_grads_params without FSDP units:               ValueError naming unit_modules
+      ZeroDivisionError in fully_shard_model
+    auto-sync: a 2nd backward before zero_grad re-       RuntimeError in the configurations where
+      reduces reduced gradients in place (HSDP or         it is wrong; microbatches(model, n) for
+      strategy "optim": silently wrong gradients)         accumulation (exact)
     HSDP outer_strategy="optim": the inner-DP gradient   copies the main gradient buffer's 1/dp
       helper buffer is built without the 1/dp scaling     factor onto the helper buffer (see
       factor, so gradients are SUMMED over dp (x dp)      [Note: HFSDP gradient scaling])
@@ -42,6 +47,7 @@ from torch import distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from shardbridge_megatron_fsdp._accumulate import accumulation_is_wrong, install_guard
 from shardbridge_megatron_fsdp._compat import require_megatron_fsdp
 
 __all__ = ["OUTER_STRATEGIES", "STRATEGIES", "shard_model"]
@@ -202,10 +208,12 @@ def shard_model(
     Returns:
         ``(MegatronFSDP module, optimizer)``; the optimizer is the same object, now over the
         distributed parameters. Train with ``loss.backward(); optimizer.step();
-        optimizer.zero_grad()``. Gradients are reduced after every backward
-        (``sync_model_each_microbatch=True``): for several backwards per step with HSDP or
-        strategy "optim", use ``model.set_model_auto_sync(False)`` and ``model.no_sync()``
-        (docs/megatron-fsdp.md, "Gradient accumulation"), else the in-place reductions repeat.
+        optimizer.zero_grad()``. Gradients are reduced and attached after every backward
+        (``sync_model_each_microbatch=True``). For several backwards per step run each in a
+        context of :func:`~shardbridge_megatron_fsdp.microbatches`; where the plain loop
+        would give wrong gradients (HSDP, or strategy "optim") a second backward
+        before ``optimizer.zero_grad()`` raises a RuntimeError saying so
+        (see [Note: accumulation under auto-sync]).
 
     Raises:
         ValueError / NotImplementedError: configurations megatron-fsdp 0.6.1 cannot run
@@ -230,6 +238,21 @@ def shard_model(
     patched = _cpu_patch.install() if on_cpu else False
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
 
+    given = unit_modules is not None
+    if unit_modules is None:
+        layers = getattr(model, "layers", None)
+        unit_modules = sorted({type(m) for m in layers}, key=lambda t: t.__qualname__) if layers is not None else []
+    unit_modules = list(unit_modules)
+    if strategy == "optim_grads_params" and not any(isinstance(m, tuple(unit_modules)) for m in model.modules()):
+        # megatron-fsdp 0.6.1 sizes its communication units as (elements in units) // (number
+        # of units): ZeroDivisionError in fully_shard_model without a unit.
+        raise ValueError(
+            f"unit_modules={[t.__name__ for t in unit_modules]} matches no submodule of the "
+            f"{type(model).__name__}{'' if given else ' (default: the classes of model.layers, which it lacks)'}; "
+            "strategy='optim_grads_params' needs at least one FSDP unit (megatron-fsdp 0.6.1 divides by "
+            "their count). Pass unit_modules=[YourBlock] (the repeated layer class) or use "
+            "strategy='optim_grads'"
+        )
     # 1. Remember the optimizer's groups by FQN (fully_shard would merge them into one).
     names = {id(p): fqn for fqn, p in model.named_parameters()}
     groups = []
@@ -241,9 +264,6 @@ def shard_model(
     if policy.param_dtype is not None:
         originals = _full_values(model)
         model.to(policy.param_dtype)
-    if unit_modules is None:
-        layers = getattr(model, "layers", None)
-        unit_modules = sorted({type(m) for m in layers}, key=lambda t: t.__qualname__) if layers is not None else []
     hsdp = {}
     if outer_strategy is not None:
         hsdp = {
@@ -258,7 +278,7 @@ def shard_model(
             device_mesh=mesh.mesh,
             dp_shard_dim="dp_shard",
             tp_dim="tp",
-            fsdp_unit_modules=list(unit_modules),
+            fsdp_unit_modules=unit_modules,
             zero_dp_strategy=strategy,
             device=device,
             mixed_precision_policy=mp_policy,
@@ -270,6 +290,8 @@ def shard_model(
         wrapped.ddp_config.gradient_reduce_div_fusion = False
     # Upstream bug, any device: see [Note: HFSDP gradient scaling].
     _fix_hfsdp_gradient_scaling(wrapped)
+    if accumulation_is_wrong(strategy, outer_strategy):
+        install_guard(wrapped, strategy, outer_strategy)
     wrapped._replace_param_with_distributed_if_needed()
     params = dist_params(wrapped)
     # 4. Main weights from the full-precision originals (see [Note: Megatron-FSDP precision]).
