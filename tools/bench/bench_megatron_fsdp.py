@@ -5,7 +5,7 @@ Prints, in one run on 4 gloo ranks (CPU; the ratios are what matter, not the abs
      per step, step time, and the bf16/fp32 ratios;
   2. Megatron-FSDP vs torch FSDP2 (core parallelize_llama) on the same model: step time ratio.
 
-    OMP_NUM_THREADS=1 python3 tools/bench/bench_megatron_fsdp.py [--small] [--steps 6]
+    OMP_NUM_THREADS=1 python3 tools/bench/bench_megatron_fsdp.py [--small] [--steps 6] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -71,14 +71,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="LlamaConfig.small (2 layers) instead of a tiny model")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating the order of the three runs")
     args = parser.parse_args()
-    res = {
-        k: run_distributed(_run, k, args.small, args.steps, world_size=4, timeout=600)[0]
-        for k in ("mfsdp_fp32comm", "mfsdp_bf16comm", "fsdp2")
-    }
+    kinds = ["mfsdp_fp32comm", "mfsdp_bf16comm", "fsdp2"]
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    grad_bytes: dict[str, dict[str, int]] = {}
+    for rnd in range(args.rounds):
+        # Alternate the order so slow drift of a shared machine does not favour one run.
+        for k in kinds if rnd % 2 == 0 else kinds[::-1]:
+            t, b = run_distributed(_run, k, args.small, args.steps, world_size=4, timeout=600)[0]
+            times[k].append(t)
+            grad_bytes[k] = b
+    res = {k: (sorted(times[k])[len(times[k]) // 2], grad_bytes[k]) for k in kinds}
     (t32, b32), (t16, b16), (tf, _) = res["mfsdp_fp32comm"], res["mfsdp_bf16comm"], res["fsdp2"]
     rs32, rs16 = b32.get("reduce_scatter", 0), b16.get("reduce_scatter", 0)
-    print("Megatron-FSDP optim_grads_params, 4 gloo ranks, per step (median of", args.steps, "steps)")
+    print(
+        f"Megatron-FSDP optim_grads_params, 4 gloo ranks, per step (median of {args.steps} steps; "
+        f"median over {args.rounds} rounds in alternating order)"
+    )
     print(f"{'':24}{'fp32 comm':>14}{'bf16 comm':>14}{'bf16/fp32':>11}")
     print(f"{'reduce-scatter bytes':24}{rs32:>14,}{rs16:>14,}{rs16 / max(rs32, 1):>11.3f}")
     print(

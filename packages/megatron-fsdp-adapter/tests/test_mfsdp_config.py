@@ -51,6 +51,29 @@ def test_cpu_patch_is_scoped_and_reversible():
         _cpu_patch.install()
 
 
+def _patch_outlives_context() -> tuple:
+    # shard_model inside a cpu_patch() context: the model calls the shims on every step, so the
+    # context must not take the patch away when it exits (without the pin this step dies with
+    # "Torch not compiled with CUDA enabled").
+    from mfsdp_helpers import build, train
+
+    with _cpu_patch.cpu_patch():
+        pm, model, opt = build({"dp_shard": 4}, "optim_grads_params")
+    losses = train(pm, model, opt, steps=1)
+    try:
+        _cpu_patch.uninstall()
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return _cpu_patch.installed(), len(losses), refused
+
+
+def test_cpu_patch_outlives_context_when_a_model_needs_it():
+    for installed, steps, refused in run_distributed(_patch_outlives_context, world_size=4, timeout=300):
+        assert installed and steps == 1
+        assert "pinned" in refused and "uninstall(force=True)" in refused
+
+
 def _errors() -> list[str]:
     from mfsdp_helpers import CFG
     from shardbridge import ParallelDims

@@ -28,6 +28,13 @@ reduces with SUM, its own non-NCCL path). See ``_shard.py``.
 
 Gates: megatron-fsdp in [0.6.1, 0.7) (``_compat.py``) and ``torch.cuda.is_available()`` is
 False. With CUDA, :func:`install` does nothing and returns False.
+
+Lifetime: a wrapped model calls the patched functions on every forward/backward (stream
+contexts around its collectives), not only while it is built. So
+:func:`~shardbridge_megatron_fsdp.shard_model` installs the patch *pinned*: it then stays for
+the process, a :func:`cpu_patch` context that exits afterwards leaves it in place (measured:
+without the pin, ``with cpu_patch(): shard_model(...)`` followed by a training step dies with
+"Torch not compiled with CUDA enabled"), and :func:`uninstall` refuses unless ``force=True``.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ _PATCHED_MODULES = (
 )
 _lock = threading.Lock()
 _saved: dict[str, object] = {}
+_pinned = False  # a model built by shard_model relies on the patch (see "Lifetime" above)
 
 
 class _HostStream:
@@ -160,8 +168,12 @@ def installed() -> bool:
     return bool(_saved)
 
 
-def install() -> bool:
+def install(*, pin: bool = False) -> bool:
     """Install the CPU patch (idempotent). See [Note: the CPU patch].
+
+    Args:
+        pin: keep it installed for the process (``shard_model`` pins: its models need it on
+            every step); a pinned patch outlives :func:`cpu_patch` contexts.
 
     Returns:
         True when the patch is active after the call, False when CUDA is available (then
@@ -174,11 +186,13 @@ def install() -> bool:
         >>> install()  # doctest: +SKIP
         True
     """
+    global _pinned
     megatron_fsdp_version()
     if torch.cuda.is_available():
         return False
     require_megatron_fsdp()
     with _lock:
+        _pinned = _pinned or pin
         if _saved:
             return True
         host = _host_torch()
@@ -192,11 +206,27 @@ def install() -> bool:
     return True
 
 
-def uninstall() -> None:
-    """Undo :func:`install` (a no-op when it is not installed)."""
+def uninstall(*, force: bool = False) -> None:
+    """Undo :func:`install` (a no-op when it is not installed).
+
+    Args:
+        force: also undo a pinned patch. Models built by ``shard_model`` in this process then
+            fail on their next step ("Torch not compiled with CUDA enabled").
+
+    Raises:
+        RuntimeError: the patch is pinned and ``force`` is False.
+    """
+    global _pinned
     with _lock:
         if not _saved:
             return
+        if _pinned and not force:
+            raise RuntimeError(
+                "the megatron-fsdp CPU patch is pinned: a model built by shard_model in this process calls "
+                "the patched functions on every step; call uninstall(force=True) only when no such model "
+                "will run again"
+            )
+        _pinned = False
         validate = _saved.pop("validate_uneven_dtensor")
         sys.modules["megatron_fsdp.param_and_grad_buffer"].validate_uneven_dtensor = validate
         for name, original in _saved.items():
@@ -206,7 +236,9 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def cpu_patch() -> Iterator[bool]:
-    """Context manager form: install on enter; on exit uninstall if this context installed it.
+    """Context manager form: install on enter; on exit uninstall if this context installed it
+    and nothing pinned it since (``shard_model`` inside the context pins it: its model needs the
+    patch after the context ends).
 
     Yields:
         Whether the patch is active (False on a CUDA machine).
@@ -220,5 +252,5 @@ def cpu_patch() -> Iterator[bool]:
     try:
         yield active
     finally:
-        if active and not was:
+        if active and not was and not _pinned:
             uninstall()

@@ -235,7 +235,7 @@ def shard_model(
     mp_policy = to_megatron_policy(policy)
     mfsdp = require_megatron_fsdp()
     on_cpu = mesh.mesh.device_type == "cpu"
-    patched = _cpu_patch.install() if on_cpu else False
+    patched = _cpu_patch.install(pin=True) if on_cpu else False
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
 
     given = unit_modules is not None
