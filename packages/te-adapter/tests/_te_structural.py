@@ -35,13 +35,16 @@ test that reaches a kernel fails with the message above, never with a wrong numb
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import enum
+import fcntl
 import importlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import types
 import warnings
@@ -86,77 +89,86 @@ def _wanted(name: str) -> bool:
     )
 
 
-def ensure_te_sources() -> dict[str, float | int | str]:
-    """Download (once) and extract TE's Python sources; returns what it measured.
-
-    Returns:
-        ``{"path", "download_s", "wheel_bytes", "extracted_files", "extracted_bytes", "cached"}``.
-
-    Raises:
-        RuntimeError: pip could not download the wheel (no registry access); the message has pip's output.
-    """
-    root = cache_dir()
-    marker = root / ".complete"
-    if marker.exists():
-        files = list((root / "transformer_engine").rglob("*.py"))
-        return {
-            "path": str(root),
-            "download_s": 0.0,
-            "wheel_bytes": int(marker.read_text().strip() or 0),
-            "extracted_files": len(files),
-            "extracted_bytes": sum(p.stat().st_size for p in files),
-            "cached": "yes",
-        }
-    tmp = root.with_name(root.name + ".download")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         f"transformer_engine=={TE_VERSION}", "-d", str(tmp), "-q"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    download_s = time.perf_counter() - t0
-    wheels = list(tmp.glob("transformer_engine-*.whl"))
-    if proc.returncode != 0 or not wheels:
-        raise RuntimeError(
-            f"structural tier: `pip download --no-deps transformer_engine=={TE_VERSION}` failed "
-            f"(rc={proc.returncode}); the TE structural tests need the registry once, then use {root}.\n"
-            f"{proc.stdout}\n{proc.stderr}"
-        )
-    staged = root.with_name(root.name + ".staged")
-    shutil.rmtree(staged, ignore_errors=True)
-    with zipfile.ZipFile(wheels[0]) as zf:
-        for name in zf.namelist():
-            if _wanted(name):
-                zf.extract(name, staged)
-    wheel_bytes = wheels[0].stat().st_size
-    t1 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
-         "--target", str(staged / "deps"), *IMPORT_DEPS],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    download_s += time.perf_counter() - t1
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"structural tier: `pip install --no-deps --target ... {' '.join(IMPORT_DEPS)}` failed "
-            f"(rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-        )
-    (staged / ".complete").write_text(str(wheel_bytes))
-    shutil.rmtree(root, ignore_errors=True)
-    staged.rename(root)  # atomic for concurrent runs: either the old dir or the complete new one
-    shutil.rmtree(tmp, ignore_errors=True)
+def _measure(root: Path, wheel_bytes: int) -> dict[str, float | int | str]:
     files = list((root / "transformer_engine").rglob("*.py"))
     return {
         "path": str(root),
-        "download_s": round(download_s, 2),
+        "download_s": 0.0,
         "wheel_bytes": wheel_bytes,
         "extracted_files": len(files),
         "extracted_bytes": sum(p.stat().st_size for p in files),
         "deps_bytes": sum(p.stat().st_size for p in (root / "deps").rglob("*") if p.is_file()),
-        "cached": "no",
+        "cached": "yes",
     }
+
+
+def _pip(args: list[str], what: str, root: Path) -> float:
+    """Run ``python -m pip <args>``; RuntimeError naming ``what`` failed (with pip's output) if it does."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"structural tier: `pip {' '.join(args[:2])} ... {what}` failed (rc={proc.returncode}). The TE "
+            f"structural tests need the package registry once per machine (then {root} is reused); check "
+            f"network / PIP_INDEX_URL, or copy a filled cache there ({CACHE_ENV} overrides the path).\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    return time.perf_counter() - t0
+
+
+def _download(root: Path, work: Path) -> dict[str, float | int | str]:
+    """Fill ``work`` (a private temp dir) with the sources and deps, then move it to ``root``."""
+    wheel_dir, staged = work / "wheel", work / "staged"
+    spec = f"transformer_engine=={TE_VERSION}"
+    download_s = _pip(["download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheel_dir), spec], spec, root)
+    wheels = list(wheel_dir.glob("transformer_engine-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"structural tier: pip downloaded no transformer_engine wheel into {wheel_dir}")
+    with zipfile.ZipFile(wheels[0]) as zf:
+        for name in zf.namelist():
+            if _wanted(name):
+                zf.extract(name, staged)
+    # Workers run with python -B (no .pyc written): compile once here so each pool start reads bytecode.
+    compileall.compile_dir(str(staged / "transformer_engine"), quiet=1)
+    wheel_bytes = wheels[0].stat().st_size
+    target = ["--target", str(staged / "deps")]
+    download_s += _pip(["install", "-q", "--no-deps", "--only-binary=:all:", *target, *IMPORT_DEPS],
+                       " ".join(IMPORT_DEPS), root)  # fmt: skip
+    (staged / ".complete").write_text(str(wheel_bytes))
+    shutil.rmtree(root, ignore_errors=True)  # a partial copy left by a killed run
+    staged.rename(root)  # same file system: atomic, readers see no half-filled cache
+    info = _measure(root, wheel_bytes)
+    info.update(download_s=round(download_s, 2), cached="no")
+    return info
+
+
+def ensure_te_sources() -> dict[str, float | int | str]:
+    """Download (once per machine) and extract TE's Python sources; returns what it measured.
+
+    Safe under concurrency (pytest-xdist workers, parallel CI jobs sharing a home): an
+    exclusive ``flock`` on ``<cache>.lock`` lets one process download while the others wait,
+    then see the complete cache. Each download works in its own temp dir next to the cache.
+
+    Returns:
+        ``{"path", "download_s", "wheel_bytes", "extracted_files", "extracted_bytes", "deps_bytes", "cached"}``.
+
+    Raises:
+        RuntimeError: pip could not download (registry unreachable); names the package and has pip's output.
+    """
+    root = cache_dir()
+    marker = root / ".complete"
+    if marker.exists():
+        return _measure(root, int(marker.read_text().strip() or 0))
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.with_name(root.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        if marker.exists():  # another process finished while we waited
+            return _measure(root, int(marker.read_text().strip() or 0))
+        work = Path(tempfile.mkdtemp(prefix=root.name + ".download-", dir=root.parent))
+        try:
+            return _download(root, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the stand-in

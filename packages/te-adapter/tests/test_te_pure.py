@@ -137,3 +137,32 @@ def test_import_without_te_gives_install_hint() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert 'pip install "shardbridge[te]"' in out, out
+
+
+class _PreAllGatherHost:
+    """A minimal class with TE 2.20.2's ``Float8Tensor.fsdp_pre_all_gather`` contract (float8_tensor.py:966:
+    with a mesh, the amax group becomes ``mesh.get_group()``; with None it is left alone). Not TE:
+    this tests only the wrapper's logic; the real class is patched on GPU."""
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        if mesh is not None:
+            self.amax_reduction_group = mesh
+        return ("gathered", mesh)
+
+
+def test_float8_pre_all_gather_patch_keeps_pinned_group_and_undoes() -> None:
+    from shardbridge_te._patches import patch_float8_pre_all_gather
+
+    original = _PreAllGatherHost.fsdp_pre_all_gather
+    undo = patch_float8_pre_all_gather(_PreAllGatherHost)
+    try:
+        assert patch_float8_pre_all_gather(_PreAllGatherHost)() is None  # second patch: no-op undo
+        free, pinned = _PreAllGatherHost(), _PreAllGatherHost()
+        pinned._shardbridge_amax_group = "weight-group"
+        assert free.fsdp_pre_all_gather("fsdp-mesh", 0, 0, None, None) == ("gathered", "fsdp-mesh")
+        assert free.amax_reduction_group == "fsdp-mesh"  # unpinned tensors: TE's behaviour unchanged
+        assert pinned.fsdp_pre_all_gather("fsdp-mesh", 0, 0, None, None) == ("gathered", None)
+        assert pinned.amax_reduction_group == "weight-group"
+    finally:
+        undo()
+    assert _PreAllGatherHost.fsdp_pre_all_gather is original

@@ -15,7 +15,7 @@ import pytest
 import torch
 from _te_models import CASES, UNEVEN_OUT, build, build_te_module
 from _te_structural import cuda_construction, import_te, no_cuda_sync
-from shardbridge import FusedSpec, ParallelDims, TPMode, split_fused, tp_placements
+from shardbridge import FusedSpec, ParallelDims, split_fused
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -49,79 +49,115 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 
 def _structure(kind: str, mode: str | None, dims: dict) -> dict:
+    import torch.distributed as dist
     from shardbridge_te._apply import STATE_ATTR, te_modules
 
     pm, model = _setup(kind, mode, dims, seed=0)
-    out = {"params": {}, "states": {}, "local_forward": []}
+    out = {"params": {}, "amax_ranks": {}, "local_forward": []}
     for fqn, p in model.named_parameters():
         if not fqn.startswith("te."):
             continue
         local = p._local_tensor if isinstance(p, DTensor) else p
         assert not local.is_meta, f"{fqn} still on meta"
-        out["params"][fqn] = {
+        out["params"][fqn[len("te.") :]] = {
             "shape": tuple(p.shape),
             "placements": tuple(p.placements) if isinstance(p, DTensor) else None,
             "mesh": tuple(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else None,
-            "full_shape": tuple(p.full_tensor().shape) if isinstance(p, DTensor) else tuple(p.shape),
         }
     for fqn, m, _k in te_modules(model):
         state = getattr(m, STATE_ATTR, None)
-        if state is not None:
-            out["states"][fqn] = {n: mode_.value for n, mode_ in state.modes.items()}
+        if state is not None and state.modes:
+            out["amax_ranks"][fqn] = dist.get_process_group_ranks(state.amax_group)
             if getattr(m.forward, "_shardbridge_local_forward", False):
                 out["local_forward"].append(fqn)
     return out
 
 
-def _expected_tp_placement(mode: TPMode):
-    return tp_placements(mode)[0]
+S0, S1, R = Shard(0), Shard(1), Replicate()
 
 
+def _expected(kind: str, mode: str | None) -> dict[str, tuple[object, tuple[int, ...]]]:
+    """``{param: (TP placement, global shape)}``, written from TE's constructors (HIDDEN 16, OUT/FFN 32,
+    4 heads, fuse_qkv_params=False), independent of the adapter's table."""
+    split = mode is not None
+
+    def tp(placement):  # no TP split -> Replicate
+        return placement if split else R
+
+    linear = {
+        "column": {"weight": (S0, (32, 16)), "bias": (S0, (32,))},
+        "row": {"weight": (S1, (32, 16)), "bias": (R, (32,))},
+        None: {"weight": (R, (32, 16)), "bias": (R, (32,))},
+    }
+    norm = {"layer_norm_weight": (R, (16,)), "layer_norm_bias": (R, (16,))}
+    mlp = {**norm, "fc1_weight": (tp(S0), (32, 16)), "fc1_bias": (tp(S0), (32,)),
+           "fc2_weight": (tp(S1), (16, 32)), "fc2_bias": (R, (16,))}  # fmt: skip
+    qkv = {f"{q}_{w}": (tp(S0), (16, 16) if w == "weight" else (16,))
+           for w in ("weight", "bias") for q in ("query", "key", "value")}  # fmt: skip
+    mha = {**{f"layernorm_qkv.{k}": v for k, v in {**norm, **qkv}.items()},
+           "proj.weight": (tp(S1), (16, 16)), "proj.bias": (R, (16,))}  # fmt: skip
+    return {
+        "Linear": lambda: linear[mode],
+        "LayerNormLinear": lambda: {**norm, **linear[mode]},
+        "LayerNormMLP": lambda: mlp,
+        "LayerNorm": lambda: {"weight": (R, (16,)), "bias": (R, (16,))},
+        "RMSNorm": lambda: {"weight": (R, (16,))},
+        "DotProductAttention": lambda: {"softmax_offset": (tp(S0), (4,))},
+        "MultiheadAttention": lambda: mha,
+        "TransformerLayer": lambda: {
+            **{f"self_attention.{k}": v for k, v in mha.items()},
+            **{f"layernorm_mlp.{k}": v for k, v in mlp.items()},
+        },
+        "GroupedLinear": lambda: {f"weight{i}": (linear[mode]["weight"][0], (32, 16)) for i in range(3)},
+    }[kind]()
+
+
+MESHES = {
+    # name: (dims, mesh axis names, weight-mesh ranks per rank: the amax group)
+    "fsdp2xtp2": (FSDP2_TP2, ("dp_shard_cp", "tp"), [[0, 1, 2, 3]] * 4),
+    "hsdp2xtp2": (HSDP2_TP2, ("dp_replicate", "dp_shard_cp", "tp"), [[0, 1], [0, 1], [2, 3], [2, 3]]),
+}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("kind,mode", CASES, ids=[f"{k}-{m}" for k, m in CASES])
-def test_structure_fsdp2_x_tp2(kind: str, mode: str | None) -> None:
-    """Every module kind x parallel mode: TP placement from the table, FSDP2 in front, global shapes."""
-    results = run_distributed(_structure, kind, mode, FSDP2_TP2, world_size=4)
-    res = results[0]
-    assert all(r["params"].keys() == res["params"].keys() for r in results)
-    assert res["params"], "no TE parameters found"
-    tp_sharded_any = False
-    for fqn, info in res["params"].items():
-        owner, _, name = fqn.rpartition(".")
-        tp_mode = TPMode(res["states"][owner][name])
-        placements = info["placements"]
-        assert placements is not None and len(placements) == 2, (fqn, placements)
-        assert info["mesh"] == ("dp_shard_cp", "tp"), (fqn, info["mesh"])
-        assert placements[1] == _expected_tp_placement(tp_mode), (fqn, placements, tp_mode)
-        assert info["full_shape"] == info["shape"]
-        tp_sharded_any |= tp_mode is not TPMode.NONE
-        if tp_mode is TPMode.COLUMN:
-            assert placements[0].dim == 0 and type(placements[0]).__name__ == "_StridedShard", (fqn, placements)
-    # mode None never splits; a split mode splits something (the table's raison d'etre)
-    assert tp_sharded_any == (mode is not None), (kind, mode, res["states"])
-    if mode is not None:
+def test_structure(kind: str, mode: str | None, mesh: str) -> None:
+    """Every module kind x parallel mode x (FSDP2, HSDP) mesh: names, global shapes and placements
+    against a hand-written table; the amax group is the weight mesh (axes not named "shard")."""
+    dims, axes, amax_ranks = MESHES[mesh]
+    results = run_distributed(_structure, kind, mode, dims, world_size=4)
+    want = _expected(kind, mode)
+    for rank, res in enumerate(results):
+        got = res["params"]
+        assert sorted(got) == sorted(want), (rank, sorted(got), sorted(want))
+        for name, (tp_placement, shape) in want.items():
+            info = got[name]
+            assert info["mesh"] == axes and info["shape"] == shape, (name, info)
+            *dp, tp = info["placements"]
+            assert tp == tp_placement, (name, info["placements"])
+            # FSDP2 shards dim 0 after TP: strided when TP already split dim 0
+            want_dp = "_StridedShard" if tp_placement == S0 else "Shard"
+            assert type(dp[-1]).__name__ == want_dp and dp[-1].dim == 0, (name, info["placements"])
+            assert all(p == R for p in dp[:-1]), (name, info["placements"])  # dp_replicate
+        assert res["amax_ranks"] and all(r == amax_ranks[rank] for r in res["amax_ranks"].values()), res
+        # tp > 1: even Replicate parameters are DTensors, so TE must get their local tensors
         assert res["local_forward"], "converted modules must hand TE local tensors"
 
 
-def test_placement_table_matches_upstream_examples() -> None:
-    """Spot checks of global shapes against the TE constructors' arguments (column/row/no-TP)."""
-    res = run_distributed(_structure, "TransformerLayer", "column", FSDP2_TP2, world_size=4)[0]["params"]
-    assert res["te.layernorm_mlp.fc1_weight"]["shape"] == (32, 16)
-    assert res["te.layernorm_mlp.fc2_weight"]["placements"][1] == Shard(1)
-    assert res["te.self_attention.proj.weight"]["placements"][1] == Shard(1)
-    assert res["te.self_attention.proj.bias"]["placements"][1] == Replicate()
-    assert res["te.self_attention.layernorm_qkv.query_weight"]["placements"][1] == Shard(0)
+def _materialize_keeps_real_values() -> bool:
+    import shardbridge_te
+
+    pm, model = _setup("TransformerLayer", "column", FSDP2_TP2, seed=3)
+    before = _full(model)
+    torch.manual_seed(4)  # a re-initialization would draw different values
+    shardbridge_te.materialize(model, pm)
+    after = _full(model)
+    return before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-def _hsdp_structure() -> dict:
-    pm, model = _setup("TransformerLayer", "column", HSDP2_TP2, seed=0)
-    w = model.te.layernorm_mlp.fc1_weight
-    return {"mesh": tuple(w.device_mesh.mesh_dim_names), "placements": tuple(w.placements)}
-
-
-def test_hsdp_mesh_structure() -> None:
-    res = run_distributed(_hsdp_structure, world_size=4)[0]
-    assert res["mesh"] == ("dp_replicate", "dp_shard_cp", "tp")
-    assert isinstance(res["placements"][0], Replicate) and res["placements"][2] == Shard(0)
+def test_materialize_initializes_only_meta_parameters() -> None:
+    """A second materialize (or one on a model with real/loaded weights) must not re-initialize."""
+    assert all(run_distributed(_materialize_keeps_real_values, world_size=4))
 
 
 # --------------------------------------------------------------------------- checkpoints across layouts
@@ -165,12 +201,40 @@ def test_checkpoint_fsdp2_tp2_to_tp4_and_fsdp4(kind: str, mode: str | None, tmp_
             _assert_equal(saved, r)
 
 
+HSDP2_DP2 = {"dp_replicate": 2, "dp_shard": 2}
+
+
+def _hsdp_no_tp_structure(kind: str) -> dict:
+    import torch.distributed as dist
+    from shardbridge_te._apply import STATE_ATTR
+
+    _pm, model = _setup(kind, "column", HSDP2_DP2, seed=0)
+    params = {n: (tuple(p.device_mesh.mesh_dim_names), tuple(p.placements)) for n, p in model.te.named_parameters()}
+    state = getattr(next(m for m in model.te.modules() if hasattr(m, STATE_ATTR)), STATE_ATTR)
+    return {"params": params, "amax_ranks": dist.get_process_group_ranks(state.amax_group)}
+
+
 @pytest.mark.parametrize("kind", ["TransformerLayer", "GroupedLinear"])
-def test_checkpoint_hsdp_to_fsdp2_tp2(kind: str, tmp_path) -> None:
+def test_structure_hsdp2_x_dp2_no_tp(kind: str) -> None:
+    """HSDP without TP (dp_replicate 2 x dp_shard 2): (Replicate, Shard(0)), amax group = one replica."""
+    res = run_distributed(_hsdp_no_tp_structure, kind, world_size=4)
+    for rank, r in enumerate(res):
+        assert r["params"] and all(v == (("dp_replicate", "dp_shard_cp"), (R, S0)) for v in r["params"].values()), r[
+            "params"
+        ]
+        assert r["amax_ranks"] == ([0, 1] if rank < 2 else [2, 3]), r["amax_ranks"]
+
+
+@pytest.mark.parametrize("src,dst", [("hsdp2xtp2", FSDP2_TP2), ("hsdp2xdp2", TP4)], ids=["to-fsdp2xtp2", "to-tp4"])
+@pytest.mark.parametrize("kind", ["TransformerLayer", "GroupedLinear"])
+def test_checkpoint_hsdp_to_other_layout(kind: str, src: str, dst: dict, tmp_path) -> None:
+    """Saved on an HSDP mesh (with TP, or 2 x 2 without), loaded at another layout bit-exact."""
     path = str(tmp_path / "ckpt")
-    saved = run_distributed(_save, kind, "column", HSDP2_TP2, path, world_size=4)[0]
-    loaded = run_distributed(_load, kind, "column", FSDP2_TP2, path, world_size=4)[0]
-    _assert_equal(saved, loaded)
+    src_dims = HSDP2_TP2 if src == "hsdp2xtp2" else HSDP2_DP2
+    saved = run_distributed(_save, kind, "column", src_dims, path, world_size=4)[0]
+    loaded = run_distributed(_load, kind, "column", dst, path, world_size=4)
+    for r in loaded:
+        _assert_equal(saved, r)
 
 
 def test_checkpoint_swiglu_fc1_components_reshard(tmp_path) -> None:

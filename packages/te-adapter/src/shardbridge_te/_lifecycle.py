@@ -13,8 +13,8 @@ quantizer needs the final local shard and the amax group, so the order is fixed 
                                                       -> FSDP2 re-reads swapped parameters
 
 TE 2.x's own ``reset_parameters`` materializes on a hard-coded ``device="cuda"`` and takes
-the amax group from a mesh axis that must be named "shard"; :func:`materialize` does neither
-(patch ``reset_parameters`` in ``shardbridge_te._patches``). Values are initialized on each
+the amax group from a mesh axis that must be named "shard"; :func:`materialize` replaces it
+(plan entry ``reset_parameters`` in ``shardbridge_te._patches``; TE's method is not called). Values are initialized on each
 rank's LOCAL shard with TE's ``init_method`` (TE's behaviour), so they depend on the layout;
 load a checkpoint for layout-independent values.
 """
@@ -52,20 +52,26 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _has_meta(model: nn.Module) -> bool:
-    for p in model.parameters():
-        local = p._local_tensor if isinstance(p, DTensor) else p
-        if local.is_meta:
-            return True
-    return False
+def _meta_params(model: nn.Module) -> dict[int, set[str]]:
+    """``{id(module): names of its own parameters still on meta}``: what materialize initializes."""
+    out: dict[int, set[str]] = {}
+    for module in model.modules():
+        names = {
+            name
+            for name, p in module._parameters.items()
+            if p is not None and (p._local_tensor if isinstance(p, DTensor) else p).is_meta
+        }
+        if names:
+            out[id(module)] = names
+    return out
 
 
-def _init_te_module(module: nn.Module, device: torch.device) -> bool:
-    """Initialize one TE module's parameters in place, quantizing FP8 weights; True if any was swapped."""
+def _init_te_module(module: nn.Module, names: set[str], device: torch.device) -> bool:
+    """Initialize ``names`` of one TE module in place, quantizing FP8 weights; True if any was swapped."""
     swapped = False
     for name, param in list(module.named_parameters(recurse=False)):
         meta = getattr(module, "param_init_meta", {}).get(name)
-        if meta is None:
+        if meta is None or name not in names:
             continue
         local = param._local_tensor if isinstance(param, DTensor) else param
         with torch.no_grad():
@@ -122,7 +128,9 @@ def _refresh_fsdp_params(model: nn.Module) -> None:
 def materialize(model: nn.Module, mesh: ParallelMesh, *, device: torch.device | str | None = None) -> nn.Module:
     """Allocate meta parameters on ``device`` and initialize them; FP8 weights get quantized.
 
-    Call after :func:`set_device_mesh` and ``apply_fsdp``. See [Note: TE lifecycle].
+    Call after :func:`set_device_mesh` and ``apply_fsdp``. See [Note: TE lifecycle]. Only
+    parameters still on ``meta`` are touched: a model built on a real device (or with loaded
+    weights) keeps its values, so calling this twice is harmless.
 
     Args:
         model: the model (any mix of TE and torch modules).
@@ -141,18 +149,18 @@ def materialize(model: nn.Module, mesh: ParallelMesh, *, device: torch.device | 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if _has_meta(model):
+    on_meta = _meta_params(model)  # only these are initialized: real (loaded) values are kept
+    if on_meta:
         model.to_empty(device=device)  # FSDPModule._apply re-reads its sharded params
-    te = te_pytorch()
-    base = te.module.base.TransformerEngineBaseModule
-    te_ids = {id(m) for _fqn, m, _kind in te_modules(model)}
+    base = te_pytorch().module.base.TransformerEngineBaseModule
     swapped = False
     for module in model.modules():
+        names = on_meta.get(id(module))
+        if not names:
+            continue
         if isinstance(module, base):
-            swapped |= _init_te_module(module, device)
-        elif hasattr(module, "reset_parameters") and (
-            id(module) in te_ids or any(p is not None for p in module._parameters.values())
-        ):
+            swapped |= _init_te_module(module, names, device)
+        elif hasattr(module, "reset_parameters"):
             module.reset_parameters()  # TE LayerNorm/RMSNorm (ops) and torch modules: in place
     if swapped:
         _refresh_fsdp_params(model)
