@@ -29,9 +29,7 @@ def core(session):
 
 
 @nox.session(python="3.11")
-@nox.parametrize(
-    "adapter,extra", [("hf-adapter", "hf"), ("megatron-fsdp-adapter", "megatron"), ("te-adapter", "test")]
-)
+@nox.parametrize("adapter,extra", [("hf-adapter", "hf"), ("megatron-fsdp-adapter", "megatron"), ("te-adapter", "test")])
 def adapter(session, adapter, extra):
     """One adapter's tests with its extra installed.
 
@@ -43,6 +41,28 @@ def adapter(session, adapter, extra):
     if not any(name.startswith("test_") for name in os.listdir(tests)):
         session.skip(f"{adapter} has no tests yet")
     session.run("python", "-m", "pytest", tests, *session.posargs, env=ENV)
+
+
+# transformers 5.0.x still has ReplicateParallel (upstream bug 1 appears in >= 5.1); accelerate
+# 1.10 is the oldest with ParallelismConfig. Newest pins move with releases.
+HF_MATRIX = [
+    ("5.0.0", "1.10.1"),
+    ("5.0.0", "1.15.0"),
+    ("5.23.0", "1.10.1"),
+    ("5.23.0", "1.15.0"),
+]
+
+
+@nox.session(python="3.11")
+@nox.parametrize("transformers,accelerate", HF_MATRIX)
+def hf_matrix(session, transformers, accelerate):
+    """The hf-adapter tests and its launcher integration tests against pinned transformers x accelerate."""
+    _install(session, "hf,fp8,test")
+    session.install(TORCH, f"transformers=={transformers}", f"accelerate=={accelerate}")
+    session.run(
+        "python", "-m", "pytest", "packages/hf-adapter/tests", "integration_tests/test_hf_launch.py",
+        *session.posargs, env=ENV,
+    )  # fmt: skip
 
 
 @nox.session(python="3.11")

@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--dim", type=int, default=0, help="tensor dim to draw (default 0)")
     layout.set_defaults(func=_run_layout)
 
+    # Listed for --help only: main() hands "launch ..." to shardbridge_hf before parsing.
+    sub.add_parser(
+        "launch",
+        help="validate an Accelerate config's fsdp_config.shardbridge block, then accelerate launch "
+        '(needs pip install "shardbridge[hf]"; see docs/hf.md)',
+    )
     ckpt = sub.add_parser("ckpt", help="inspect or export a shardbridge checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     inspect_p = ckpt_sub.add_parser("inspect", help="list the tensors, layout and size of a checkpoint")
@@ -64,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardbridge`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        return _launch(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -71,6 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"shardbridge {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def _launch(argv: list[str]) -> int:
+    """``shardbridge launch``: the hf adapter's launcher (validates, then ``accelerate launch``)."""
+    try:
+        from shardbridge_hf._launch import main as launch_main  # lazy: the core imports no adapter
+    except ImportError as err:
+        print(f'shardbridge launch: needs the hf adapter: pip install "shardbridge[hf]" ({err})', file=sys.stderr)
+        return 2
+    return int(launch_main(argv) or 0)
 
 
 def _run_layout(args: argparse.Namespace) -> int:

@@ -1,0 +1,317 @@
+"""``ShardbridgeAccelerator``: Accelerate's API, shardbridge's FSDP2 x TP underneath.
+
+[Note: what the subclass replaces]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+::
+
+    Accelerate 1.15                              ShardbridgeAccelerator
+    -------------------------------------------  ----------------------------------------------
+    state: FSDP only on GPU-like devices;        FSDP2 on CPU/gloo too (state set to FSDP after
+      CPU silently runs DDP (bug 4)                init, with our plugin, config and mesh)
+    ParallelismConfig mesh of the axes > 1       the core 4-D mesh (dp_replicate, dp_shard, cp,
+                                                   tp) handed to Accelerate as its device mesh:
+                                                   data loading by dp, same batch on tp ranks
+    _prepare_tp: imports ReplicateParallel,      _prepare_tp: no-op; TP from model.tp_plan on
+      removed in transformers >= 5.1 (bug 1)       pm["tp"] (bug 2: transformers ignores it)
+    fsdp2_prepare_model + load_full_state_dict   shardbridge_hf.parallelize: core apply_fsdp
+      (TP shards broadcast as full, bug 3)         units + MixedPrecisionPolicy, rank-0 weights
+    _prepare_te: no fp8_autocast (bug 5)         _te.apply_fp8_autocast + recipe from yaml (7)
+    _prepare_ao: hook on AcceleratedOptimizer    hook on the inner torch optimizer (bug 6)
+    save_state: pickles, layout-bound            shardbridge.checkpoint: portable, reshardable
+
+The model and its optimizer are prepared here; dataloaders and schedulers go through
+Accelerate's own ``prepare`` (which then sees the core mesh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from shardbridge import ParallelDims, ParallelMesh, checkpoint
+from torch import nn
+
+from shardbridge_hf import _checkpoint
+from shardbridge_hf._compat import require_accelerate
+from shardbridge_hf._config import HFConfig
+from shardbridge_hf._parallelize import parallelize
+
+require_accelerate()
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import PartialState  # noqa: E402
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
+
+__all__ = ["ShardbridgeAccelerator"]
+
+# Env that makes Accelerate's state pick FSDP / build its own ParallelismConfig; we set both up ourselves.
+_ACCELERATE_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
+
+
+class ShardbridgeAccelerator(Accelerator):
+    """An ``accelerate.Accelerator`` that trains with shardbridge's FSDP2 x TP (and HSDP).
+
+    Change one line of an Accelerate script (the import and the class); launch with
+    ``shardbridge-launch --config_file cfg.yaml train.py``. ``prepare(model, optimizer,
+    dataloader, scheduler)``, ``backward``, ``save_state``/``load_state`` keep their meaning.
+
+    Args:
+        config: the shardbridge config; None = the one ``shardbridge-launch`` passed in the
+            environment (or defaults).
+        parallel_dims: the degrees; None = ``config.dims``, else Accelerate's
+            ``parallelism_config`` (argument or ``PARALLELISM_CONFIG_*`` env), else FSDP
+            over all ranks.
+        tp_plan: overrides ``config.tp_plan`` ("auto" or ``{pattern: style}``).
+        cpu: train on CPU with gloo; None = ``config.use_cpu``, else when no GPU.
+        **kwargs: passed to ``accelerate.Accelerator`` (``gradient_accumulation_steps``,
+            ``project_dir``, ...). ``fsdp_plugin`` and ``mixed_precision="fp8"`` are refused:
+            the shardbridge block owns wrapping and precision.
+
+    Example:
+        >>> from shardbridge_hf import ShardbridgeAccelerator  # doctest: +SKIP
+        >>> accelerator = ShardbridgeAccelerator()  # doctest: +SKIP
+        >>> model, opt, dl = accelerator.prepare(model, opt, dl)  # doctest: +SKIP
+        >>> accelerator.save_state("ckpt/step-10")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        config: HFConfig | None = None,
+        parallel_dims: ParallelDims | None = None,
+        tp_plan: str | Mapping[str, Any] | None = None,
+        cpu: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        config = config or HFConfig.from_env() or HFConfig()
+        if tp_plan is not None:
+            import dataclasses
+
+            config = dataclasses.replace(config, tp_plan=tp_plan)
+        if kwargs.get("fsdp_plugin") is not None:
+            raise ValueError(
+                "ShardbridgeAccelerator(fsdp_plugin=...): wrapping is configured by fsdp_config.shardbridge; "
+                "drop the fsdp_plugin argument"
+            )
+        if kwargs.get("mixed_precision") == "fp8":
+            raise ValueError(
+                "mixed_precision='fp8': set fsdp_config.shardbridge.fp8.backend (torchao or te) instead and "
+                "mixed_precision to 'no' or 'bf16'"
+            )
+        accelerate_pc = kwargs.pop("parallelism_config", None)
+        if cpu is None:
+            cpu = config.use_cpu if config.use_cpu is not None else not torch.cuda.is_available()
+        # Accelerate's mixed precision would autocast forward; the FSDP2 policy casts instead.
+        kwargs["mixed_precision"] = "no"
+        with _without_env(_ACCELERATE_ENV):
+            super().__init__(*args, cpu=cpu, **kwargs)
+        self.shardbridge_config = config
+        self._sb_cpu = cpu
+        dims = parallel_dims or config.dims or _dims_from_accelerate(accelerate_pc)
+        self.parallel_mesh: ParallelMesh = dims.build_mesh("cpu" if cpu else self.device.type)
+        self._install_fsdp_state()
+        self._sb_model: nn.Module | None = None
+        self._sb_optimizer: Any = None
+
+    # -- state: FSDP2 everywhere, one mesh ----------------------------------------------------
+
+    def _install_fsdp_state(self) -> None:
+        """Make Accelerate's state say FSDP2 with the core mesh. Fixes upstream bug 4 on CPU."""
+        from accelerate.parallelism_config import ParallelismConfig
+
+        dims = self.parallel_mesh.dims
+        # Every size explicit: __post_init__ reads PARALLELISM_CONFIG_* env for the ones left None.
+        pc = ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=dims.tp, cp_size=dims.cp)
+        # Set after __post_init__: Accelerate refuses dp_replicate > 1 with dp_shard == 1 and
+        # tp > 1, which the core runs as HSDP over a size-1 shard axis.
+        pc.dp_replicate_size, pc.dp_shard_size = dims.dp_replicate, dims.dp_shard
+        # The core mesh names every axis (degree-1 ones too) as Accelerate does, so its data
+        # loader computes the same dp rank: rank // (cp * tp) over dp_replicate * dp_shard.
+        pc.device_mesh = self.parallel_mesh.mesh
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        self.state.distributed_type = DistributedType.FSDP
+        # AcceleratorState() re-copies PartialState's dict on every construction (e.g. inside
+        # AcceleratedOptimizer), which would silently turn FSDP back into MULTI_CPU / DDP.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        self.state.fsdp_plugin = plugin
+        self.state.parallelism_config = pc
+        self.state.device_mesh = self.parallel_mesh.mesh
+
+    # -- prepare ------------------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare the model (TP + FSDP2 via shardbridge) and its optimizer; the rest via Accelerate.
+
+        Pass the model and its optimizer in the same call (as FSDP2 requires). Objects may
+        come in any order; the results come back in the same order.
+        """
+        models = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)]
+        optimizers = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)]
+        if len(models) > 1:
+            raise ValueError("ShardbridgeAccelerator.prepare: pass one model (FSDP2 prepares one model per run)")
+        if bool(models) != bool(optimizers):
+            raise ValueError(
+                "ShardbridgeAccelerator.prepare: pass the model and its optimizer together, "
+                "e.g. prepare(model, optimizer, dataloader); the optimizer is rebuilt over the sharded parameters"
+            )
+        result = list(args)
+        if models:
+            model = args[models[0]]
+            self._sb_model = self._prepare_sb_model(model, [args[i] for i in optimizers])
+            result[models[0]] = self._sb_model
+            for i in optimizers:
+                result[i] = self.prepare_optimizer(args[i], device_placement=False)
+                self._sb_optimizer = result[i]
+            if self.shardbridge_config.fp8.backend == "torchao":
+                from shardbridge_hf import _fp8
+
+                for i in optimizers:
+                    _fp8.install_step_hook(result[i], self._sb_model)  # upstream bug 6
+        rest = [i for i in range(len(args)) if i not in models and i not in optimizers]
+        if rest:
+            prepared = super().prepare(*(args[i] for i in rest))
+            prepared = prepared if len(rest) > 1 else (prepared,)
+            for i, obj in zip(rest, prepared):
+                result[i] = obj
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _prepare_sb_model(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> nn.Module:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) not in names:
+                        raise ValueError(
+                            "the optimizer holds a parameter that is not the model's; build the optimizer from "
+                            "model.parameters() before prepare()"
+                        )
+        fqn_groups = [[[names[id(p)] for p in g["params"]] for g in opt.param_groups] for opt in optimizers]
+        device = torch.device("cpu") if self._sb_cpu else self.device
+        if not self._sb_cpu and any(not p.is_meta for p in model.parameters()):
+            model.to(device)
+        parallelize(model, self.parallel_mesh, self.shardbridge_config, device=device)
+        new = dict(model.named_parameters())
+        for opt, groups in zip(optimizers, fqn_groups):
+            for group, fqns in zip(opt.param_groups, groups):
+                group["params"] = [new[f] for f in fqns]
+            opt.state.clear()
+        self._models.append(model)
+        return model
+
+    def _prepare_tp(self, *args: Any) -> Any:
+        # Accelerate's version imports transformers' ReplicateParallel, removed in transformers
+        # >= 5.1 (upstream bug 1). TP is applied by shardbridge in prepare(); nothing to do here.
+        return args
+
+    # -- data / loss helpers ------------------------------------------------------------------
+
+    @property
+    def dp_mesh(self) -> Any:
+        """The mesh of ranks that see different batches (``dp_replicate x dp_shard``)."""
+        return self.parallel_mesh["dp"]
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of ``loss`` over the ``dp_cp`` mesh (for logging; TP ranks hold equal losses)."""
+        out = loss.detach().clone()
+        dist.all_reduce(out, group=self.parallel_mesh["dp_cp"].get_group())
+        return out / self.parallel_mesh.dims.degree("dp_cp")
+
+    def model_init_context(self) -> contextlib.AbstractContextManager:
+        """Build the model inside this for TE FP8 parameters (``fp8.fp8_params``); else a no-op."""
+        from shardbridge_hf import _te
+
+        return _te.model_init_context(self.shardbridge_config.fp8)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_state(
+        self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **kwargs: Any
+    ) -> str:
+        """Save model, optimizer, schedulers, RNG and ``self.step`` as a shardbridge checkpoint.
+
+        ``output_dir`` None = ``checkpoint.step_dir(project_dir/checkpoints, step)``. The
+        checkpoint loads into any layout (see [Note: what a save_state checkpoint holds]).
+        """
+        if output_dir is None:
+            if not self.project_dir:
+                raise ValueError("save_state(output_dir=None) needs Accelerator(project_dir=...); pass output_dir")
+            output_dir = checkpoint.step_dir(Path(self.project_dir) / "checkpoints", self.step)
+        model, optimizer = self._require_prepared("save_state")
+        cfg = self.shardbridge_config.checkpoint
+        path = _checkpoint.save_state(
+            output_dir,
+            model=model,
+            optimizer=optimizer,
+            schedulers=list(self._schedulers),
+            step=self.step,
+            on_bad_layout=cfg.on_bad_layout,
+            parallel_dims=self.parallel_mesh.dims,
+            overwrite=bool(kwargs.get("overwrite", False)),
+        )
+        return str(path)
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> int:
+        """Load a ``save_state`` checkpoint (any layout); restores ``self.step`` and returns it."""
+        if input_dir is None:
+            if not self.project_dir:
+                raise ValueError("load_state(input_dir=None) needs Accelerator(project_dir=...); pass input_dir")
+            input_dir = checkpoint.latest(Path(self.project_dir) / "checkpoints")
+            if input_dir is None:
+                raise ValueError(f"no checkpoint under {self.project_dir}/checkpoints")
+        model, optimizer = self._require_prepared("load_state")
+        self.step = _checkpoint.load_state(
+            input_dir,
+            model=model,
+            optimizer=optimizer,
+            schedulers=list(self._schedulers),
+            strict=kwargs.get("strict", True),
+        )
+        if self.shardbridge_config.fp8.backend == "torchao":
+            from shardbridge_hf import _fp8
+
+            _fp8.after_load(model)
+        return self.step
+
+    def export_pretrained(self, checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> str:
+        """Export a checkpoint to a ``from_pretrained`` folder (rank 0 writes; all ranks wait)."""
+        model, _ = self._require_prepared("export_pretrained")
+        if self.is_main_process:
+            _checkpoint.export_pretrained(
+                checkpoint_dir,
+                out_dir,
+                config=model.config,
+                dtype=self.shardbridge_config.checkpoint.export_dtype,
+                max_shard_size=self.shardbridge_config.checkpoint.max_shard_size,
+            )
+        self.wait_for_everyone()
+        return str(out_dir)
+
+    def _require_prepared(self, what: str) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        if self._sb_model is None:
+            raise ValueError(f"{what}: call prepare(model, optimizer, ...) first")
+        optimizer = self._sb_optimizer
+        inner = getattr(optimizer, "optimizer", optimizer)
+        return self._sb_model, inner
+
+
+def _dims_from_accelerate(pc: Any) -> ParallelDims:
+    if pc is not None:
+        return ParallelDims(dp_replicate=pc.dp_replicate_size, dp_shard=pc.dp_shard_size, cp=pc.cp_size, tp=pc.tp_size)
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        get = lambda key: int(os.environ.get(f"PARALLELISM_CONFIG_{key}_SIZE", "1"))  # noqa: E731
+        return ParallelDims(dp_replicate=get("DP_REPLICATE"), dp_shard=get("DP_SHARD"), cp=get("CP"), tp=get("TP"))
+    return ParallelDims()
+
+
+@contextlib.contextmanager
+def _without_env(names: tuple[str, ...]) -> Iterator[None]:
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

@@ -1,0 +1,175 @@
+"""Accelerate's ``save_state`` / ``load_state`` on the core checkpoint, and export to a HF folder.
+
+[Note: what a save_state checkpoint holds]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+One :func:`shardbridge.checkpoint.save` directory (atomic, portable, reshardable):
+
+    model.<fqn>, optim.state.<fqn>.<state>   DCP tensors (transformers' own FQNs)
+    rng/rank-*.pt                            each rank's torch RNG (core)
+    manifest extra["hf"]                     {"step": accelerator.step, "schedulers": [state_dict...],
+                                              "python_rng": ..., "numpy_rng": ..., "model_config": {...}}
+
+Accelerate's own format (``pytorch_model_fsdp_0/``, ``optimizer_0/``, pickled scheduler and
+RNG files) is not written: it pickles Python objects and cannot change layout for TP. The
+scheduler state is stored as JSON, which every torch LR scheduler's ``state_dict`` is (lambda
+functions are stored as None by torch itself). Python's and numpy's RNG are rank 0's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from shardbridge import checkpoint
+from torch import nn
+
+__all__ = ["export_pretrained", "load_state", "save_state"]
+
+_EXTRA_KEY = "hf"
+
+
+def save_state(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    schedulers: list[Any],
+    step: int,
+    on_bad_layout: str = "repair",
+    parallel_dims: Any = None,
+    overwrite: bool = False,
+) -> Path:
+    """Save model, optimizer, schedulers, RNG and step. Call on every rank.
+
+    Raises:
+        ValueError: a scheduler whose state is not JSON (the message names it).
+    """
+    scheduler_states = []
+    for index, scheduler in enumerate(schedulers):
+        state = scheduler.state_dict()
+        try:
+            json.dumps(state)
+        except TypeError as e:
+            raise ValueError(
+                f"scheduler {index} ({type(scheduler).__name__}) has a state_dict that is not JSON ({e}); shardbridge "
+                "checkpoints store scheduler state as JSON so they load without pickle: use a torch LR scheduler"
+            ) from None
+        scheduler_states.append(state)
+    import numpy as np
+
+    np_state = np.random.get_state()
+    config = getattr(model, "config", None)
+    extra = {
+        _EXTRA_KEY: {
+            "step": step,
+            "schedulers": scheduler_states,
+            "python_rng": _jsonable(random.getstate()),
+            "numpy_rng": [np_state[0], np_state[1].tolist(), *[_jsonable(x) for x in np_state[2:]]],
+            "model_config": None if config is None else config.to_diff_dict(),
+        }
+    }
+    return checkpoint.save(
+        path,
+        model=model,
+        optimizer=optimizer,
+        step=step,
+        extra=extra,
+        on_bad_layout=on_bad_layout,
+        parallel_dims=parallel_dims,
+        overwrite=overwrite,
+    )
+
+
+def load_state(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    schedulers: list[Any],
+    strict: bool = True,
+) -> int:
+    """Load what :func:`save_state` wrote, into any layout. Returns the saved step.
+
+    Raises:
+        ValueError: not a shardbridge checkpoint, keys / shapes that do not fit, or a
+            different number of schedulers than were saved.
+    """
+    state = checkpoint.load(path, model=model, optimizer=optimizer, strict=strict)
+    hf = state.extra.get(_EXTRA_KEY, {})
+    saved = hf.get("schedulers", [])
+    if len(saved) != len(schedulers):
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds {len(saved)} scheduler state(s) but {len(schedulers)} scheduler(s) "
+            "were prepared; prepare the same schedulers as the saving run"
+        )
+    for scheduler, sd in zip(schedulers, saved):
+        scheduler.load_state_dict(sd)
+    if "python_rng" in hf:
+        random.setstate(_tuplify(hf["python_rng"]))
+    if "numpy_rng" in hf:
+        import numpy as np
+
+        kind, keys, *rest = hf["numpy_rng"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    return int(hf.get("step", state.step or 0))
+
+
+def export_pretrained(
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    config: Any = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = "2GB",
+) -> Path:
+    """Write a folder ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. One process.
+
+    Args:
+        checkpoint_dir: a checkpoint written by ``save_state``.
+        out_dir: the output folder (safetensors shards + index + config.json).
+        config: the model's ``PretrainedConfig``; None = the one recorded in the checkpoint.
+        dtype: cast floating-point weights (e.g. "bfloat16"); None = as trained. Also
+            recorded as the config's ``dtype``.
+        max_shard_size: largest safetensors file.
+
+    Returns:
+        ``out_dir``.
+
+    Example:
+        >>> export_pretrained("ckpt/step-00000100", "hf_out", dtype="bfloat16")  # doctest: +SKIP
+        >>> AutoModelForCausalLM.from_pretrained("hf_out")  # doctest: +SKIP
+    """
+    out = Path(out_dir)
+    if config is None:
+        info = checkpoint.inspect(checkpoint_dir)
+        recorded = (info.extra or {}).get(_EXTRA_KEY, {}).get("model_config")
+        if recorded is None:
+            raise ValueError(f"checkpoint {str(checkpoint_dir)!r} records no model config; pass config=model.config")
+        from transformers import AutoConfig
+
+        recorded = dict(recorded)
+        model_type = recorded.pop("model_type")
+        config = AutoConfig.for_model(model_type, **recorded)
+    checkpoint.export_safetensors(
+        checkpoint_dir, out, name_map=None, dtype=dtype, max_shard_size=max_shard_size, progress=False
+    )
+    if dtype is not None:
+        config.dtype = str(dtype).replace("torch.", "")
+    config.save_pretrained(out)
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _tuplify(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_tuplify(v) for v in value)
+    return value

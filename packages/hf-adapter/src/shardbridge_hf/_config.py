@@ -1,0 +1,345 @@
+"""The shardbridge block of an Accelerate config file, validated into frozen configs.
+
+[Note: where the block lives in the yaml]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Accelerate 1.15 refuses unknown TOP-LEVEL keys of a config file ("had unknown keys"), has no
+plugin entry points, and a custom ``KwargsHandler`` raises ``KeyError``. Its ``fsdp_config``
+section, however, is copied key by key onto the launch arguments (``fsdp_config.x`` ->
+``args.fsdp_x``), and keys it does not know are dropped without error. So the block is
+namespaced under ``fsdp_config.shardbridge``::
+
+    distributed_type: FSDP
+    fsdp_config:
+      fsdp_version: 2
+      shardbridge:              # <- read by shardbridge-launch, ignored by accelerate
+        precision: bf16
+        fp8: {backend: torchao, recipe: tensorwise}
+        checkpoint: {export_dtype: bfloat16}
+    parallelism_config:
+      parallelism_config_dp_shard_size: 2
+      parallelism_config_tp_size: 2
+
+Accelerate's own loader (``load_config_from_file``) accepts this file (tested). Since the
+block never reaches the workers through Accelerate, the launcher validates it and hands it
+over as JSON in the environment variable :data:`ENV_VAR`, together with the parallel degrees
+and ``use_cpu``; :class:`~shardbridge_hf.ShardbridgeAccelerator` reads it there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from shardbridge import FP8Recipe, MixedPrecisionPolicy, ParallelDims
+
+__all__ = [
+    "BLOCK_KEY",
+    "ENV_VAR",
+    "CheckpointConfig",
+    "FP8Config",
+    "HFConfig",
+]
+
+#: Where the block sits in an Accelerate config file.
+BLOCK_KEY = "fsdp_config.shardbridge"
+#: Environment variable the launcher passes the validated config in (JSON).
+ENV_VAR = "SHARDBRIDGE_HF_CONFIG"
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Config:
+    """FP8 training: which backend, which recipe, and TransformerEngine's recipe knobs.
+
+    Example:
+        >>> FP8Config(backend="torchao").enabled
+        True
+    """
+
+    BACKENDS: ClassVar[tuple[str, ...]] = ("none", "torchao", "te")
+    AMAX_ALGOS: ClassVar[tuple[str, ...]] = ("max", "most_recent")
+    FORMATS: ClassVar[tuple[str, ...]] = ("HYBRID", "E4M3")
+
+    backend: str = "none"
+    """"none" = no FP8; "torchao" = torchao float8 with FP8 all-gather (CPU/gloo and GPU);
+    "te" = TransformerEngine (GPU only; the model's Linears must already be TE modules)."""
+
+    recipe: str = "tensorwise"
+    """Scaling recipe, see :class:`shardbridge.FP8Recipe`. torchao: "tensorwise" only;
+    te: "tensorwise" (Float8CurrentScaling) or "delayed" (DelayedScaling)."""
+
+    fp8_params: bool = False
+    """te only: keep the weights themselves in FP8 (``te.quantized_model_init``), so FSDP
+    all-gathers 1 byte per element. False = FP8 compute only."""
+
+    amax_history_length: int = 1024
+    """te "delayed" only: length of the amax history window (TE ``amax_history_len``)."""
+
+    amax_compute_algo: str = "most_recent"
+    """te "delayed" only: "max" or "most_recent" amax over the history."""
+
+    fp8_format: str = "HYBRID"
+    """te: "HYBRID" (E4M3 forward, E5M2 backward) or "E4M3"."""
+
+    margin: int = 0
+    """te "delayed" only: scaling-factor margin (powers of 2)."""
+
+    def __post_init__(self) -> None:
+        _one_of("fp8.backend", self.backend, self.BACKENDS)
+        _one_of("fp8.recipe", self.recipe, FP8Recipe.NAMES)
+        if self.backend == "torchao" and self.recipe != "tensorwise":
+            raise ValueError(
+                f"{BLOCK_KEY}.fp8.recipe={self.recipe!r} with backend torchao: only 'tensorwise' all-gathers "
+                "float8 under FSDP2; set recipe: tensorwise or backend: te"
+            )
+        if self.backend == "te" and self.recipe not in ("tensorwise", "delayed"):
+            raise ValueError(
+                f"{BLOCK_KEY}.fp8.recipe={self.recipe!r} with backend te: supported are 'tensorwise' and "
+                "'delayed'; choose one of them"
+            )
+        _bool("fp8.fp8_params", self.fp8_params)
+        if self.fp8_params and self.backend != "te":
+            raise ValueError(
+                f"{BLOCK_KEY}.fp8.fp8_params=true needs backend: te (torchao keeps high-precision weights and "
+                "all-gathers them in float8 anyway); set fp8_params: false"
+            )
+        _int("fp8.amax_history_length", self.amax_history_length, minimum=1)
+        _one_of("fp8.amax_compute_algo", self.amax_compute_algo, self.AMAX_ALGOS)
+        _one_of("fp8.fp8_format", self.fp8_format, self.FORMATS)
+        _int("fp8.margin", self.margin, minimum=0)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether FP8 is on."""
+        return self.backend != "none"
+
+    def te_recipe_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the TransformerEngine recipe (names TE reads).
+
+        Fixes upstream bug 7: Accelerate exports yaml ``fp8_config.amax_history_length`` /
+        ``amax_compute_algorithm`` under environment names ``TERecipeKwargs`` never reads.
+
+        Example:
+            >>> FP8Config(backend="te", recipe="delayed", amax_history_length=16).te_recipe_kwargs()["amax_history_len"]
+            16
+        """
+        if self.recipe == "delayed":
+            return {
+                "fp8_format": self.fp8_format,
+                "amax_history_len": self.amax_history_length,
+                "amax_compute_algo": self.amax_compute_algo,
+                "margin": self.margin,
+            }
+        return {"fp8_format": self.fp8_format}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """How ``save_state`` / ``load_state`` / export behave.
+
+    Example:
+        >>> CheckpointConfig(export_dtype="bfloat16").export_dtype
+        'bfloat16'
+    """
+
+    export_dtype: str | None = None
+    """dtype of exported safetensors ("bfloat16", "float32", "float16"); None = as trained."""
+
+    max_shard_size: str = "2GB"
+    """Largest exported safetensors file."""
+
+    on_bad_layout: str = "repair"
+    """"repair" or "error": what to do with DTensor layouts DCP would describe wrongly."""
+
+    def __post_init__(self) -> None:
+        if self.export_dtype is not None:
+            _one_of("checkpoint.export_dtype", self.export_dtype, ("bfloat16", "float32", "float16"))
+        if not isinstance(self.max_shard_size, (str, int)) or isinstance(self.max_shard_size, bool):
+            raise ValueError(f"{BLOCK_KEY}.checkpoint.max_shard_size={self.max_shard_size!r}: use e.g. '2GB'")
+        _one_of("checkpoint.on_bad_layout", self.on_bad_layout, ("repair", "error"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFConfig:
+    """Everything shardbridge adds to an Accelerate run: the validated yaml block.
+
+    Example:
+        >>> cfg = HFConfig.from_block({"precision": "bf16", "fp8": {"backend": "torchao"}})
+        >>> cfg.policy().param_dtype, cfg.fp8.backend
+        (torch.bfloat16, 'torchao')
+    """
+
+    precision: str | Mapping[str, str | None] = "fp32"
+    """A preset ("fp32", "bf16", "bf16_comm") or a mapping of the policy's dtypes:
+    ``{param_dtype, main_params_dtype, main_grads_dtype, grad_comm_dtype, output_dtype}``
+    (names as "bfloat16"/"bf16", None = default)."""
+
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """FP8 training (off by default)."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint and export options."""
+
+    tp_plan: str | Mapping[str, str] = "auto"
+    """"auto" = the model's own plan (``model.tp_plan``: ``base_model_tp_plan`` + its
+    ``_tp_plan``); or an explicit ``{module pattern: style}`` (``*`` matches a layer index)."""
+
+    reshard_after_forward: bool | str = "default"
+    """FSDP2: "default" (all units but the last), True, or False."""
+
+    sync_module_states: bool = True
+    """Broadcast rank 0's weights before sharding (ranks may have initialised differently)."""
+
+    dims: ParallelDims | None = None
+    """The parallel degrees (filled by the launcher from ``parallelism_config``). None = read
+    Accelerate's ``ParallelismConfig``."""
+
+    use_cpu: bool | None = None
+    """Train on CPU with gloo (filled by the launcher from ``use_cpu``). None = CPU when no GPU."""
+
+    PRECISION_FIELDS: ClassVar[tuple[str, ...]] = (
+        "param_dtype",
+        "main_params_dtype",
+        "main_grads_dtype",
+        "grad_comm_dtype",
+        "output_dtype",
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.precision, str):
+            _one_of("precision", self.precision, MixedPrecisionPolicy.PRESETS)
+        elif isinstance(self.precision, Mapping):
+            unknown = sorted(set(self.precision) - set(self.PRECISION_FIELDS))
+            if unknown:
+                raise ValueError(
+                    f"{BLOCK_KEY}.precision has unknown key(s) {unknown}; use {list(self.PRECISION_FIELDS)} "
+                    "or a preset name"
+                )
+            for key, value in self.precision.items():
+                if value is not None:
+                    _dtype(f"precision.{key}", value)
+        else:
+            raise ValueError(f"{BLOCK_KEY}.precision={self.precision!r}: use a preset name or a mapping of dtypes")
+        if not isinstance(self.fp8, FP8Config):
+            raise ValueError(f"{BLOCK_KEY}.fp8 must be a mapping, got {self.fp8!r}")
+        if isinstance(self.tp_plan, str):
+            if self.tp_plan != "auto":
+                raise ValueError(f"{BLOCK_KEY}.tp_plan={self.tp_plan!r}: use 'auto' or a mapping of module patterns")
+        elif not isinstance(self.tp_plan, Mapping):
+            raise ValueError(f"{BLOCK_KEY}.tp_plan must be 'auto' or a mapping, got {self.tp_plan!r}")
+        if self.reshard_after_forward != "default" and not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(
+                f"{BLOCK_KEY}.reshard_after_forward={self.reshard_after_forward!r}: use true, false or 'default'"
+            )
+        _bool("sync_module_states", self.sync_module_states)
+        if self.dims is not None and not isinstance(self.dims, ParallelDims):
+            raise ValueError(f"dims must be a shardbridge.ParallelDims, got {self.dims!r}")
+        # Building the policy validates the dtype combination (FSDP2 rules included).
+        self.policy()
+
+    def policy(self) -> MixedPrecisionPolicy:
+        """The core :class:`~shardbridge.MixedPrecisionPolicy` this config asks for.
+
+        Raises:
+            ValueError: a dtype combination torch FSDP2 cannot run; the message says which key.
+        """
+        if isinstance(self.precision, str):
+            policy = MixedPrecisionPolicy.from_name(self.precision)
+        else:
+            kwargs = {k: _dtype(f"precision.{k}", v) for k, v in self.precision.items() if v is not None}
+            try:
+                policy = MixedPrecisionPolicy(**kwargs)
+            except ValueError as e:
+                raise ValueError(f"{BLOCK_KEY}.precision: {e}") from None
+        if policy.main_grads_dtype != policy.main_params_dtype:
+            raise ValueError(
+                f"{BLOCK_KEY}.precision: main_grads_dtype={policy.main_grads_dtype} != main_params_dtype="
+                f"{policy.main_params_dtype}; torch FSDP2 keeps gradients in the parameters' dtype, set both equal"
+            )
+        return policy
+
+    # -- yaml block <-> config <-> JSON --------------------------------------------------------
+
+    @classmethod
+    def from_block(cls, block: Mapping[str, Any] | None, **overrides: Any) -> HFConfig:
+        """Validate the yaml block (a mapping, as ``yaml.safe_load`` gives it).
+
+        Raises:
+            ValueError: unknown keys or bad values, naming the yaml key and the fix.
+        """
+        block = dict(block or {})
+        known = {f.name for f in dataclasses.fields(cls)} - {"dims", "use_cpu"}
+        unknown = sorted(set(block) - known)
+        if unknown:
+            raise ValueError(f"{BLOCK_KEY} has unknown key(s) {unknown}; known keys: {sorted(known)}")
+        for name, sub in (("fp8", FP8Config), ("checkpoint", CheckpointConfig)):
+            value = block.get(name)
+            if value is None:
+                block.pop(name, None)
+                continue
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{BLOCK_KEY}.{name} must be a mapping, got {value!r}")
+            sub_known = {f.name for f in dataclasses.fields(sub)}
+            sub_unknown = sorted(set(value) - sub_known)
+            if sub_unknown:
+                raise ValueError(
+                    f"{BLOCK_KEY}.{name} has unknown key(s) {sub_unknown}; known keys: {sorted(sub_known)}"
+                )
+            block[name] = sub(**value)
+        return cls(**block, **overrides)
+
+    def to_json(self) -> str:
+        """JSON for :data:`ENV_VAR` (round-trips through :meth:`from_json`)."""
+        data = dataclasses.asdict(self)
+        data["dims"] = None if self.dims is None else dataclasses.asdict(self.dims)
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> HFConfig:
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        dims = data.pop("dims", None)
+        use_cpu = data.pop("use_cpu", None)
+        return cls.from_block(data, dims=None if dims is None else ParallelDims(**dims), use_cpu=use_cpu)
+
+    @classmethod
+    def from_env(cls) -> HFConfig | None:
+        """The config the launcher put in :data:`ENV_VAR`, or None. (The worker-side edge.)"""
+        text = os.environ.get(ENV_VAR)
+        return None if not text else cls.from_json(text)
+
+
+def _dtype(key: str, value: Any) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if not isinstance(value, str) or value.lower() not in _DTYPES:
+        raise ValueError(f"{BLOCK_KEY}.{key}={value!r} is not a dtype; use one of {sorted(_DTYPES)}")
+    return _DTYPES[value.lower()]
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{BLOCK_KEY}.{key}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def _bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{BLOCK_KEY}.{key}={value!r} must be true or false")
+
+
+def _int(key: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{BLOCK_KEY}.{key}={value!r} must be an int >= {minimum}")

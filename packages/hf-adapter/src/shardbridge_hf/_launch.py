@@ -1,0 +1,187 @@
+"""``shardbridge-launch``: validate the shardbridge block, then hand over to ``accelerate launch``.
+
+::
+
+    shardbridge-launch --config_file cfg.yaml train.py --lr 1e-3      # same flags as accelerate launch
+    shardbridge launch --config_file cfg.yaml train.py                # the same, from the core CLI
+
+Steps: parse the arguments with Accelerate's own ``launch`` parser; read the config file with
+Accelerate's own loader (so whatever it rejects is rejected the same way); validate the
+``fsdp_config.shardbridge`` block and its consistency with the rest of the file (FSDP2, the
+parallelism sizes, the process count) BEFORE any process starts; put the validated config in
+the environment (:data:`~shardbridge_hf.ENV_VAR`, JSON); call Accelerate's ``launch_command``.
+See [Note: where the block lives in the yaml] in ``_config.py``.
+
+On CPU (``use_cpu: true``) Accelerate still starts the workers with torchrun (its FSDP
+launcher); each worker's ``ShardbridgeAccelerator`` then initialises gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardbridge import ParallelDims
+
+from shardbridge_hf._compat import require_accelerate
+from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig
+
+__all__ = ["LaunchPlan", "main", "read_config_file"]
+
+# Accelerate exports fp8_config keys as ACCELERATE_FP8_<KEY>; TERecipeKwargs reads other names
+# for these two (upstream bug 7). We translate them into the block instead.
+_ACCELERATE_FP8_ALIASES = {
+    "amax_history_length": "amax_history_length",
+    "amax_history_len": "amax_history_length",
+    "amax_compute_algorithm": "amax_compute_algo",
+    "amax_compute_algo": "amax_compute_algo",
+    "fp8_format": "fp8_format",
+    "margin": "margin",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
+    """What a config file asks for, validated.
+
+    Example:
+        >>> plan = read_config_file("examples/hf/cpu_fsdp2_tp2.yaml")  # doctest: +SKIP
+        >>> plan.dims.tp, plan.config.fp8.backend  # doctest: +SKIP
+        (2, 'none')
+    """
+
+    config: HFConfig
+    """The shardbridge block, with ``dims`` and ``use_cpu`` filled in."""
+    dims: ParallelDims
+    """The parallel degrees from ``parallelism_config`` (resolved against num_processes)."""
+    num_processes: int
+    """Total number of processes the file asks for."""
+
+
+def read_config_file(path: str | os.PathLike[str]) -> LaunchPlan:
+    """Read and validate an Accelerate config file with a shardbridge block.
+
+    Raises:
+        ValueError: naming the yaml key and the fix: not FSDP2, ``mixed_precision: fp8``,
+            sizes that do not multiply to ``num_processes``, a bad shardbridge key.
+        NotImplementedError: ``parallelism_config_cp_size > 1`` (context parallel).
+    """
+    require_accelerate()
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cluster = load_config_from_file(str(path))
+    where = f"config file {str(path)!r}"
+    distributed_type = getattr(cluster.distributed_type, "value", cluster.distributed_type)
+    if distributed_type != "FSDP":
+        raise ValueError(f"{where}: distributed_type={distributed_type!r}; set distributed_type: FSDP")
+    fsdp = dict(cluster.fsdp_config or {})
+    if str(fsdp.get("fsdp_version", "1")) != "2":
+        raise ValueError(f"{where}: fsdp_config.fsdp_version={fsdp.get('fsdp_version')!r}; set fsdp_version: 2")
+    block = dict(fsdp.get("shardbridge") or {})
+    mixed = cluster.mixed_precision or "no"
+    if mixed == "fp8":
+        raise ValueError(
+            f"{where}: mixed_precision: fp8 runs Accelerate's own FP8 path, which breaks under FSDP2 x TP; set "
+            f"mixed_precision: 'no' (or bf16) and {BLOCK_KEY}.fp8.backend: torchao (or te)"
+        )
+    if mixed == "fp16":
+        raise ValueError(f"{where}: mixed_precision: fp16 is not supported under FSDP2 here; use bf16")
+    if mixed == "bf16":
+        if "precision" not in block:
+            block["precision"] = "bf16"
+        elif block["precision"] == "fp32":
+            raise ValueError(
+                f"{where}: mixed_precision: bf16 but {BLOCK_KEY}.precision: fp32; make them agree (the shardbridge "
+                "block wins when mixed_precision is 'no')"
+            )
+    _merge_accelerate_fp8(cluster.fp8_config or {}, block, where)
+    num_processes = int(cluster.num_processes)
+    pc = dict(cluster.parallelism_config or {})
+
+    def size(name: str) -> int:
+        value = pc.get(f"parallelism_config_{name}_size", 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: parallelism_config_{name}_size={value!r} must be an int >= 1")
+        return value
+
+    dims = ParallelDims(dp_replicate=size("dp_replicate"), dp_shard=size("dp_shard"), cp=size("cp"), tp=size("tp"))
+    if "parallelism_config_dp_shard_size" not in pc:
+        dims = dataclasses.replace(dims, dp_shard=-1)
+    try:
+        dims = dims.resolve(num_processes)
+    except ValueError as e:
+        raise ValueError(
+            f"{where}: parallelism_config sizes do not fit num_processes={num_processes}: {e} "
+            "(set parallelism_config_dp_shard_size, or num_processes)"
+        ) from None
+    if dims.cp > 1:
+        raise NotImplementedError(
+            f"{where}: parallelism_config_cp_size={dims.cp}: context parallelism is not supported by shardbridge_hf "
+            "yet; use dp_replicate, dp_shard and tp"
+        )
+    config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
+    return LaunchPlan(config=config, dims=dims, num_processes=num_processes)
+
+
+def _merge_accelerate_fp8(fp8_config: dict[str, Any], block: dict[str, Any], where: str) -> None:
+    known = {k: v for k, v in fp8_config.items() if k in _ACCELERATE_FP8_ALIASES}
+    if not known:
+        return
+    fp8 = dict(block.get("fp8") or {})
+    for key, value in known.items():
+        ours = _ACCELERATE_FP8_ALIASES[key]
+        if ours in fp8 and fp8[ours] != value:
+            raise ValueError(
+                f"{where}: fp8_config.{key}={value!r} and {BLOCK_KEY}.fp8.{ours}={fp8[ours]!r} disagree; keep one"
+            )
+        fp8[ours] = value
+    warnings.warn(
+        f"{where}: fp8_config.{'/'.join(known)} are read into {BLOCK_KEY}.fp8 (Accelerate exports them under names "
+        "its TERecipeKwargs never reads); move them there",
+        UserWarning,
+        stacklevel=3,
+    )
+    block["fp8"] = fp8
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``shardbridge-launch`` (and of ``shardbridge launch``).
+
+    Args:
+        argv: ``accelerate launch`` arguments (``--config_file`` required), then the script
+            and its arguments. None = ``sys.argv[1:]``.
+
+    Returns:
+        0 on success (Accelerate raises on a failed run). Bad configs exit with status 2
+        and the validation message, before any process starts.
+
+    Example:
+        >>> main(["--config_file", "examples/hf/cpu_fsdp2_tp2.yaml", "examples/hf/train.py"])  # doctest: +SKIP
+    """
+    require_accelerate()
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = launch_command_parser()
+    parser.prog = "shardbridge-launch"
+    args = parser.parse_args(argv)
+    if args.config_file is None:
+        parser.error("--config_file is required: the shardbridge block lives in the Accelerate config file")
+    try:
+        plan = read_config_file(args.config_file)
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        print(f"shardbridge-launch: {e}", file=sys.stderr)
+        return 2
+    os.environ[ENV_VAR] = plan.config.to_json()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    launch_command(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

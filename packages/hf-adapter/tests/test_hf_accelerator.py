@@ -1,0 +1,340 @@
+"""ShardbridgeAccelerator on 4 gloo ranks against the real accelerate / transformers.
+
+Oracles: a single-process transformers model on the global batch (losses), DTensor.full_tensor()
+(weights in every layout), torch.equal for resume and reshard, from_pretrained for export.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+import hf_helpers as H  # noqa: E402
+from shardbridge import ParallelDims  # noqa: E402
+from shardbridge.testing import DistributedTestFailure, run_distributed  # noqa: E402
+
+DP2_TP2 = {"dp_shard": 2, "tp": 2}
+STEPS = 3
+
+
+# -- training numerics -------------------------------------------------------------------------
+
+
+def _train(dims: dict, arch: str, steps: int) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    acc = H.sb_accelerator(ParallelDims(**dims))
+    model = H.tiny_model(arch, seed=torch.distributed.get_rank())  # ranks differ: rank 0's weights must win
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = acc.prepare(model, opt)
+    losses = H.train_steps(acc, model, opt, steps)
+    return {
+        "losses": losses,
+        "fsdp": isinstance(model, FSDPModule),
+        "distributed_type": str(acc.distributed_type),
+        "tp_mesh": model.model.layers[0].self_attn.q_proj.weight.device_mesh.mesh_dim_names,
+    }
+
+
+def _reference(arch: str, steps: int, dp: int) -> list[float]:
+    model = H.tiny_model(arch, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(1, steps + 1):
+        ids = H.global_batch(step, dp)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fsdp2_x_tp_trains_like_one_process(arch):
+    results = run_distributed(_train, DP2_TP2, arch, STEPS, world_size=4, timeout=180)
+    ref = _reference(arch, STEPS, dp=2)
+    for r in results:
+        assert r["fsdp"], "the model must be an FSDP2 module"
+        assert r["distributed_type"] == "DistributedType.FSDP"
+        assert r["tp_mesh"] == ("dp_shard_cp", "tp")  # FSDP x TP 2-D DTensor
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-5)
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+# -- upstream bug 4: FSDP silently replaced by DDP on CPU -------------------------------------
+
+
+def _plain_accelerate_on_cpu() -> dict:
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+
+    H.accelerate_env()
+    import os
+
+    os.environ["ACCELERATE_USE_FSDP"] = "true"
+    os.environ["FSDP_VERSION"] = "2"
+    out = {}
+    try:
+        out["no_pc"] = str(Accelerator(cpu=True).distributed_type)
+        H.accelerate_env()
+        os.environ["ACCELERATE_USE_FSDP"] = "true"
+        Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+        out["with_pc"] = "ok"
+    except ValueError as e:
+        out["with_pc"] = str(e)
+    finally:
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
+    return out
+
+
+def test_bug4_upstream_cpu_runs_ddp_not_fsdp():
+    for r in run_distributed(_plain_accelerate_on_cpu, world_size=4, timeout=120):
+        assert r["no_pc"] == "DistributedType.MULTI_CPU"  # asked for FSDP, got DDP
+        assert "ParallelismConfig" in r["with_pc"] or "FSDP" in r["with_pc"]
+
+
+def _ours_stays_fsdp() -> list[str]:
+    from accelerate.state import AcceleratorState
+
+    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    seen = [str(acc.distributed_type)]
+    model = H.tiny_model()
+    opt = torch.optim.AdamW(model.parameters())
+    loader = torch.utils.data.DataLoader(H.global_batch(1, 2), batch_size=2)
+    acc.prepare(model, opt, loader)
+    AcceleratorState()  # re-copies PartialState's dict: must not undo FSDP
+    seen.append(str(acc.distributed_type))
+    return seen
+
+
+def test_bug4_fixed_fsdp_on_cpu_survives_prepare():
+    for r in run_distributed(_ours_stays_fsdp, world_size=4, timeout=120):
+        assert r == ["DistributedType.FSDP", "DistributedType.FSDP"]
+
+
+# -- data loading by dp: tp ranks see the same batch ------------------------------------------
+
+
+def _loader_batches() -> list:
+    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    model = H.tiny_model()
+    opt = torch.optim.AdamW(model.parameters())
+    data = torch.arange(16).reshape(8, 2)
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    return [b.tolist() for b in loader]
+
+
+def test_dataloader_shards_by_dp_and_repeats_over_tp():
+    results = run_distributed(_loader_batches, world_size=4, timeout=120)
+    # ranks (dp, tp): 0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)
+    assert results[0] == results[1] and results[2] == results[3]
+    assert results[0] != results[2]
+    seen = sorted(x for b in results[0] + results[2] for row in b for x in row)
+    assert seen == list(range(16))
+
+
+# -- upstream bugs 1 and 2: transformers TP + Accelerate FSDP2 ----------------------------------
+
+
+def _upstream_tp_path(pretrained: str) -> dict:
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import AutoModelForCausalLM
+
+    H.accelerate_env()
+    pm = ParallelDims(**DP2_TP2).build_mesh("cpu")
+    model = AutoModelForCausalLM.from_pretrained(pretrained, tp_plan="auto", device_mesh=pm["tp"])
+    out = {"tp_mesh_size": model.model.layers[0].self_attn.q_proj.weight.device_mesh.size()}
+    # Accelerate's real FSDP2 path on gloo (see KNOWLEDGE: state set to FSDP after init).
+    acc = Accelerator(cpu=True)
+    pc = ParallelismConfig(tp_size=4)  # what transformers actually built (bug 2)
+    acc.state.parallelism_config = pc
+    acc.state.device_mesh = pc.get_device_mesh("cpu")
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    acc.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    try:
+        acc.prepare(model, torch.optim.AdamW(model.parameters()))
+        out["prepare"] = "ok"
+    except ImportError as e:
+        out["prepare"] = str(e)
+    return out
+
+
+def _our_tp_path(pretrained: str) -> int:
+    from transformers import AutoModelForCausalLM
+
+    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    model = AutoModelForCausalLM.from_pretrained(pretrained)
+    model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    w = model.model.layers[0].self_attn.q_proj.weight
+    return dict(zip(w.device_mesh.mesh_dim_names, w.device_mesh.shape))["tp"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pretrained")
+    H.tiny_model().save_pretrained(path)
+    return str(path)
+
+
+def test_bug1_bug2_upstream_fail_and_ours_passes(pretrained):
+    from shardbridge_hf._compat import has_replicate_parallel, transformers_version
+
+    upstream = run_distributed(_upstream_tp_path, pretrained, world_size=4, timeout=180)
+    for r in upstream:
+        if transformers_version() >= (5, 1):  # 5.0.x honours device_mesh (KNOWLEDGE: works on 5.0.0)
+            assert r["tp_mesh_size"] == 4, "transformers ignores device_mesh: TP spans the world (bug 2)"
+        if not has_replicate_parallel():
+            assert "ReplicateParallel" in r["prepare"], "accelerate imports the removed ReplicateParallel (bug 1)"
+    assert run_distributed(_our_tp_path, pretrained, world_size=4, timeout=180) == [2, 2, 2, 2]
+
+
+# -- upstream bug 3: cpu_ram_efficient_loading with TP ----------------------------------------
+
+
+def _ram_efficient(upstream: bool) -> dict:
+    import torch.distributed as dist
+    from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+    from shardbridge_hf import HFConfig
+    from shardbridge_hf._parallelize import parallelize
+
+    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    rank0 = dist.get_rank() == 0
+    model = H.tiny_model(seed=0)
+    oracle = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if not rank0:
+        model = model.to("meta")  # what transformers does off rank 0 under cpu_ram_efficient_loading
+    if upstream:
+        full_sd = {k: v.clone() for k, v in model.state_dict().items()} if rank0 else {}
+        parallelize(model, acc.parallel_mesh, HFConfig(sync_module_states=False))
+        model.to_empty(device="cpu")
+        fsdp2_load_full_state_dict(acc, model, full_sd)  # never completes (see the test)
+    else:
+        parallelize(model, acc.parallel_mesh, HFConfig())  # sync_module_states: rank 0's weights
+    got = H.full_params(model)
+    return {"equal": all(torch.equal(got[n], oracle[n]) for n in oracle)}
+
+
+def test_bug3_upstream_broadcasts_tp_shards_as_full():
+    # Rank 0 broadcasts TP-local shards (to_local()) while the others receive full-size tensors:
+    # on gloo the mismatched broadcast never completes (NCCL reports a size mismatch). A pool with
+    # a 5 s collective timeout turns the hang into an error inside accelerate's function.
+    with pytest.raises(DistributedTestFailure) as info:
+        run_distributed(_ram_efficient, True, world_size=4, timeout=60, pg_timeout=5)
+    assert "in fsdp2_load_full_state_dict" in str(info.value)
+    assert "dist.broadcast(full_tensor" in str(info.value)
+
+
+def test_bug3_fixed_rank0_weights_reach_every_shard():
+    for r in run_distributed(_ram_efficient, False, world_size=4, timeout=120):
+        assert r == {"equal": True}
+
+
+# -- checkpoints: resume bit-exact, reshard, export --------------------------------------------
+
+
+def _run_and_save(root: str, arch: str) -> dict:
+    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    model = H.tiny_model(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    losses = H.train_steps(acc, model, opt, 2, scheduler=sched)
+    acc.save_state(f"{root}/step-2")
+    losses += H.train_steps(acc, model, opt, 2, start=2, scheduler=sched)
+    acc.save_state(f"{root}/step-4")
+    with torch.no_grad():
+        logits = model(input_ids=H.global_batch(99, 1)).logits
+    return {"losses": losses, "params": H.full_params(model), "logits": logits, "lr": sched.get_last_lr()}
+
+
+def _resume(root: str, arch: str, dims: dict, ckpt: str, more_steps: int) -> dict:
+    acc = H.sb_accelerator(ParallelDims(**dims))
+    model = H.tiny_model(arch, seed=123)  # different init: everything must come from the checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    step = acc.load_state(f"{root}/{ckpt}")
+    loaded = H.full_params(model)
+    with torch.no_grad():
+        logits = model(input_ids=H.global_batch(99, 1)).logits
+    losses = H.train_steps(acc, model, opt, more_steps, start=step, scheduler=sched)
+    return {
+        "step": step,
+        "loaded": loaded,
+        "logits": logits,
+        "losses": losses,
+        "params": H.full_params(model),
+        "lr": sched.get_last_lr(),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    return root, run_distributed(_run_and_save, root, "llama", world_size=4, timeout=240)[0]
+
+
+def test_resume_is_bit_exact(saved_run):
+    root, first = saved_run
+    for r in run_distributed(_resume, root, "llama", DP2_TP2, "step-2", 2, world_size=4, timeout=240):
+        assert r["step"] == 2
+        assert r["losses"] == first["losses"][2:]  # bit-exact: same layout, same RNG, same scheduler
+        assert r["lr"] == first["lr"]
+        for name, value in first["params"].items():
+            assert torch.equal(r["params"][name], value), name
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [{"dp_shard": 4}, {"dp_shard": 1, "tp": 4}, {"dp_replicate": 2, "dp_shard": 1, "tp": 2}],
+    ids=["dp_shard4", "tp4", "dp_replicate2_tp2"],
+)
+def test_reshard_loads_identical_weights(saved_run, dims):
+    root, first = saved_run
+    for r in run_distributed(_resume, root, "llama", dims, "step-4", 1, world_size=4, timeout=240):
+        assert r["step"] == 4
+        for name, value in first["params"].items():
+            assert torch.equal(r["loaded"][name], value), name
+        torch.testing.assert_close(r["logits"], first["logits"], rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(torch.tensor(r["losses"])).all()
+
+
+def test_export_loads_with_from_pretrained(saved_run, tmp_path):
+    from shardbridge_hf import export_pretrained
+    from transformers import AutoModelForCausalLM
+
+    root, first = saved_run
+    out = export_pretrained(f"{root}/step-4", tmp_path / "hf")  # config recorded in the checkpoint
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        logits = model(input_ids=H.global_batch(99, 1)).logits
+    torch.testing.assert_close(logits, first["logits"], rtol=1e-5, atol=1e-5)
+    for name, value in first["params"].items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_save_state_before_prepare_is_refused():
+    assert all(run_distributed(_refuse_before_prepare, world_size=4, timeout=60))
+
+
+def _refuse_before_prepare() -> bool:
+    acc = H.sb_accelerator(ParallelDims(dp_shard=4))
+    try:
+        acc.save_state("/nonexistent")
+    except ValueError as e:
+        return "prepare" in str(e)
+    return False

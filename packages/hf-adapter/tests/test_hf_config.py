@@ -1,0 +1,165 @@
+"""The yaml block, its validation, the launcher's reading of a config file, and upstream bug 7.
+
+Pure tests (no process group), against accelerate's own config loader and launch env code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+from shardbridge import ParallelDims  # noqa: E402
+from shardbridge_hf import ENV_VAR, FP8Config, HFConfig, main, read_config_file  # noqa: E402
+
+BASE = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+use_cpu: true
+num_processes: 4
+mixed_precision: "no"
+fsdp_config:
+  fsdp_version: 2
+  shardbridge:
+    precision: bf16
+    fp8: {backend: torchao, recipe: tensorwise}
+    checkpoint: {export_dtype: bfloat16}
+parallelism_config:
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_tp_size: 2
+"""
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_accelerate_own_loader_accepts_the_namespaced_block(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cluster = load_config_from_file(str(_write(tmp_path, BASE)))
+    assert cluster.fsdp_config["shardbridge"]["fp8"]["backend"] == "torchao"
+
+
+def test_accelerate_rejects_a_top_level_block(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config_from_file(str(_write(tmp_path, BASE + "shardbridge: {precision: bf16}\n")))
+
+
+def test_read_config_file(tmp_path):
+    plan = read_config_file(_write(tmp_path, BASE))
+    assert plan.dims == ParallelDims(dp_shard=2, tp=2)
+    assert plan.config.policy().param_dtype == torch.bfloat16
+    assert plan.config.fp8.backend == "torchao"
+    assert plan.config.use_cpu is True
+    assert HFConfig.from_json(plan.config.to_json()) == plan.config
+
+
+@pytest.mark.parametrize(
+    "old,new,match",
+    [
+        ("distributed_type: FSDP", "distributed_type: MULTI_GPU", "set distributed_type: FSDP"),
+        ("fsdp_version: 2", "fsdp_version: 1", "set fsdp_version: 2"),
+        ('mixed_precision: "no"', "mixed_precision: fp8", "fsdp_config.shardbridge.fp8.backend"),
+        ("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 3", "num_processes=4"),
+        ("backend: torchao, recipe: tensorwise", "backend: tensorrt", r"fp8.backend='tensorrt'"),
+        ("backend: torchao, recipe: tensorwise", "backend: torchao, recipe: rowwise", "recipe: tensorwise"),
+        ("precision: bf16", "precision: fp8", "precision='fp8'"),
+        ("precision: bf16", "precison: bf16", "unknown key"),
+        ("export_dtype: bfloat16", "export_dtype: int8", "checkpoint.export_dtype"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, old, new, match):
+    with pytest.raises(ValueError, match=match):
+        read_config_file(_write(tmp_path, BASE.replace(old, new)))
+
+
+def test_cp_is_not_implemented(tmp_path):
+    text = BASE.replace(
+        "parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 1\n  parallelism_config_cp_size: 2"
+    )
+    with pytest.raises(NotImplementedError, match="context parallel"):
+        read_config_file(_write(tmp_path, text))
+
+
+def test_launcher_refuses_before_starting_processes(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    bad = _write(tmp_path, BASE.replace("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 3"))
+    assert main(["--config_file", str(bad), "train.py"]) == 2
+    assert "parallelism_config" in capsys.readouterr().err
+
+
+def test_mixed_precision_bf16_maps_to_the_policy(tmp_path):
+    text = BASE.replace('mixed_precision: "no"', "mixed_precision: bf16").replace("    precision: bf16\n", "")
+    assert read_config_file(_write(tmp_path, text)).config.policy().param_dtype == torch.bfloat16
+
+
+def test_precision_mapping_and_fsdp2_rule():
+    cfg = HFConfig.from_block({"precision": {"param_dtype": "bf16", "grad_comm_dtype": "bfloat16"}})
+    assert cfg.policy().effective_grad_comm_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="main_grads_dtype"):
+        HFConfig.from_block({"precision": {"main_grads_dtype": "bf16"}})
+    with pytest.raises(ValueError, match="fp8_params=true needs backend: te"):
+        FP8Config(backend="torchao", fp8_params=True)
+
+
+# -- upstream bug 7: TE amax yaml keys ---------------------------------------------------------
+
+
+def test_bug7_upstream_amax_keys_never_reach_te_recipe(tmp_path, monkeypatch):
+    import accelerate.utils.dataclasses as accelerate_dataclasses
+    from accelerate.utils.dataclasses import TERecipeKwargs
+    from accelerate.utils.launch import setup_fp8_env
+
+    # TE cannot be imported without CUDA; only its availability probe is replaced, the env
+    # reading under test is accelerate's own code.
+    monkeypatch.setattr(accelerate_dataclasses, "is_transformer_engine_available", lambda: True)
+
+    # What `accelerate launch` does with fp8_config keys: fp8_config.x -> args.fp8_x -> env.
+    args = argparse.Namespace(fp8_backend="te", fp8_amax_history_length=16, fp8_amax_compute_algorithm="max")
+    env = setup_fp8_env(args, {})
+    assert env["ACCELERATE_FP8_AMAX_HISTORY_LENGTH"] == "16"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    recipe = TERecipeKwargs()
+    assert recipe.amax_history_len == 1024 and recipe.amax_compute_algo == "most_recent"  # the yaml is ignored
+
+
+def test_bug7_fixed_block_and_accelerate_keys_reach_the_recipe(tmp_path):
+    block = HFConfig.from_block(
+        {"fp8": {"backend": "te", "recipe": "delayed", "amax_history_length": 16, "amax_compute_algo": "max"}}
+    )
+    assert block.fp8.te_recipe_kwargs() == {
+        "fp8_format": "HYBRID",
+        "amax_history_len": 16,
+        "amax_compute_algo": "max",
+        "margin": 0,
+    }
+    # The same keys written in Accelerate's fp8_config section are translated (with a warning).
+    text = BASE.replace("backend: torchao, recipe: tensorwise", "backend: te, recipe: delayed") + (
+        "fp8_config:\n  amax_history_length: 16\n  amax_compute_algorithm: max\n"
+    )
+    with pytest.warns(UserWarning, match="TERecipeKwargs never reads"):
+        plan = read_config_file(_write(tmp_path, text))
+    assert plan.config.fp8.te_recipe_kwargs()["amax_history_len"] == 16
+    assert plan.config.fp8.te_recipe_kwargs()["amax_compute_algo"] == "max"
+
+
+def test_importing_the_package_imports_no_host_framework():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, shardbridge_hf; print([m for m in ('accelerate', 'transformers', 'torchao') if m in sys.modules])"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -1,0 +1,54 @@
+"""The model's TP plan read from transformers and expanded to module FQNs (no process group)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+pytest.importorskip("transformers")
+
+import hf_helpers as H  # noqa: E402
+from shardbridge_hf import check_tp_divides, fsdp_units, resolve_tp_plan  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_auto_plan_covers_every_projection(arch):
+    model = H.tiny_model(arch)
+    plan = resolve_tp_plan(model)
+    assert plan["lm_head"] == "colwise_gather_output"
+    assert plan["model.embed_tokens"] == "embedding_rowwise"
+    for i in range(2):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            assert plan[f"model.layers.{i}.self_attn.{proj}"] == "colwise"
+        assert plan[f"model.layers.{i}.self_attn.o_proj"] == "rowwise"
+        assert plan[f"model.layers.{i}.mlp.down_proj"] == "rowwise"
+
+
+def test_explicit_plan_and_errors():
+    model = H.tiny_model()
+    plan = resolve_tp_plan(model, {"model.layers.*.mlp.up_proj": "colwise"})
+    assert sorted(plan) == ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
+    with pytest.raises(ValueError, match="matches no module"):
+        resolve_tp_plan(model, {"model.layers.*.mlp.nope": "colwise"})
+    with pytest.raises(NotImplementedError, match="supported"):
+        resolve_tp_plan(model, {"model.layers.*.mlp.up_proj": "packed_colwise"})
+
+
+def test_tp_must_split_whole_heads():
+    cfg = H.tiny_config(num_key_value_heads=2)
+    check_tp_divides(cfg, 2)
+    with pytest.raises(ValueError, match=r"num_key_value_heads\(2\) is not divisible by tp\(4\)"):
+        check_tp_divides(cfg, 4)
+    with pytest.raises(NotImplementedError, match="tie_word_embeddings"):
+        check_tp_divides(H.tiny_config(tie_word_embeddings=True), 2)
+
+
+def test_fsdp_units_embed_layers_then_norm_and_head():
+    model = H.tiny_model()
+    units = fsdp_units(model)
+    assert units[0] is model.model.embed_tokens
+    assert units[1:3] == list(model.model.layers)
+    assert units[3] == [model.model.norm, model.lm_head]
