@@ -2,7 +2,7 @@
 
 The only shardbridge-specific lines are the import and the accelerator class. Launch::
 
-    shardbridge-launch --config_file examples/hf/cpu_fsdp2_tp2.yaml examples/hf/train.py --steps 8
+    shardbridge launch --config_file examples/hf/cpu_fsdp2_tp2.yaml examples/hf/train.py --steps 8
 
 Options cover what the integration tests need: save checkpoints, resume from one, export the
 last one to a Hugging Face folder, and write a JSON report (losses, logits on a fixed batch).

@@ -4,7 +4,7 @@ One line changes in an Accelerate script::
 
     from shardbridge_hf import ShardbridgeAccelerator as Accelerator
 
-and the run is launched with ``shardbridge-launch --config_file cfg.yaml train.py`` (an
+and the run is launched with ``shardbridge launch --config_file cfg.yaml train.py`` (an
 ordinary Accelerate config with a ``fsdp_config.shardbridge`` block; see docs/hf.md).
 
 Public: the names in ``__all__``. The ``_``-prefixed modules are not public; ``_fp8``

@@ -57,7 +57,7 @@ class ShardbridgeAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` that trains with shardbridge's FSDP2 x TP (and HSDP).
 
     Change one line of an Accelerate script (the import and the class); launch with
-    ``shardbridge-launch --config_file cfg.yaml train.py``. ``prepare(model, optimizer,
+    ``shardbridge launch --config_file cfg.yaml train.py``. ``prepare(model, optimizer,
     dataloader, scheduler)``, ``backward``, ``save_state``/``load_state`` keep their meaning.
 
     Args:
