@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 pytest.importorskip("torchao")
 transformers = pytest.importorskip("transformers")
 
+import hf_helpers  # noqa: E402
 from shardbridge import MixedPrecisionPolicy, ParallelDims, apply_fsdp, checkpoint, to_plain  # noqa: E402
 from shardbridge._comm_stats import count_collectives  # noqa: E402
 from shardbridge.testing import run_distributed  # noqa: E402
@@ -29,18 +30,8 @@ VOCAB, SEQ, BATCH_PER_DP, STEPS = 128, 16, 2, 3
 
 
 def _tiny_llama(seed: int = 0) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config)
+    # 4 heads / 2 kv heads: every projection's dims are multiples of 16 on tp=2 (float8 matmuls)
+    return hf_helpers.tiny_model("llama", seed=seed, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2)
 
 
 def _batch(step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
