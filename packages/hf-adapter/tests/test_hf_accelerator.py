@@ -156,6 +156,11 @@ def _upstream_tp_path(pretrained: str) -> dict:
     pm = ParallelDims(**DP2_TP2).build_mesh("cpu")
     model = AutoModelForCausalLM.from_pretrained(pretrained, tp_plan="auto", device_mesh=pm["tp"])
     out = {"tp_mesh_size": model.model.layers[0].self_attn.q_proj.weight.device_mesh.size()}
+    if out["tp_mesh_size"] != 4:
+        # transformers 5.0 honours device_mesh: no bug 2, and with ReplicateParallel still there
+        # no bug 1 either (KNOWLEDGE: 5.0.0 + the official recipe works); nothing to reproduce.
+        out["prepare"] = "not reproduced: device_mesh honoured"
+        return out
     # Accelerate's real FSDP2 path on gloo (see KNOWLEDGE: state set to FSDP after init).
     acc = Accelerator(cpu=True)
     pc = ParallelismConfig(tp_size=4)  # what transformers actually built (bug 2)
@@ -196,6 +201,8 @@ def test_bug1_bug2_upstream_fail_and_ours_passes(pretrained):
     for r in upstream:
         if transformers_version() >= (5, 1):  # 5.0.x honours device_mesh (KNOWLEDGE: works on 5.0.0)
             assert r["tp_mesh_size"] == 4, "transformers ignores device_mesh: TP spans the world (bug 2)"
+        else:
+            assert r["tp_mesh_size"] == 2, r
         if not has_replicate_parallel():
             assert "ReplicateParallel" in r["prepare"], "accelerate imports the removed ReplicateParallel (bug 1)"
     assert run_distributed(_our_tp_path, pretrained, world_size=4, timeout=180) == [2, 2, 2, 2]
