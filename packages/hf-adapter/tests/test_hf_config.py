@@ -144,9 +144,11 @@ def test_bug7_fixed_block_and_accelerate_keys_reach_the_recipe(tmp_path):
         "margin": 0,
     }
     # The same keys written in Accelerate's fp8_config section are translated (with a warning).
-    text = BASE.replace("backend: torchao, recipe: tensorwise", "backend: te, recipe: delayed") + (
-        "fp8_config:\n  amax_history_length: 16\n  amax_compute_algorithm: max\n"
-    )
+    text = BASE.replace("backend: torchao, recipe: tensorwise", "backend: te, recipe: delayed")
+    # TE runs data-parallel only (te.Linear cannot take torch's TP styles): dp_shard=4, tp=1.
+    text = text.replace("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 1").replace(
+        "parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 4"
+    ) + ("fp8_config:\n  amax_history_length: 16\n  amax_compute_algorithm: max\n")
     with pytest.warns(UserWarning, match="TERecipeKwargs never reads"):
         plan = read_config_file(_write(tmp_path, text))
     assert plan.config.fp8.te_recipe_kwargs()["amax_history_len"] == 16
@@ -163,3 +165,12 @@ def test_importing_the_package_imports_no_host_framework():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_te_backend_with_tp_is_refused_before_launch():
+    from shardbridge import ParallelDims
+    from shardbridge_hf import FP8Config, HFConfig
+
+    with pytest.raises(ValueError, match=r"fp8.backend='te' with tp=2: te.Linear cannot be sharded.*tp=1"):
+        HFConfig(fp8=FP8Config(backend="te"), dims=ParallelDims(dp_shard=2, tp=2))
+    HFConfig(fp8=FP8Config(backend="te"), dims=ParallelDims(dp_shard=4))  # data parallel only: fine

@@ -60,6 +60,16 @@ _DTYPES = {
 }
 
 
+def check_te_tp(backend: str, tp: int) -> None:
+    """fp8.backend te converts Linears to te.Linear, which torch's TP styles cannot shard."""
+    if backend == "te" and tp > 1:
+        raise ValueError(
+            f"{BLOCK_KEY}.fp8.backend='te' with tp={tp}: te.Linear cannot be sharded by torch's TP styles "
+            "(ColwiseParallel supports nn.Linear only); with TransformerEngine use data parallelism only "
+            "(dp_shard / dp_replicate, tp=1), or build the model from TE modules and use shardbridge_te"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class FP8Config:
     """FP8 training: which backend, which recipe, and TransformerEngine's recipe knobs.
@@ -247,6 +257,8 @@ class HFConfig:
         _bool("sync_module_states", self.sync_module_states)
         if self.dims is not None and not isinstance(self.dims, ParallelDims):
             raise ValueError(f"dims must be a shardbridge.ParallelDims, got {self.dims!r}")
+        if self.dims is not None:
+            check_te_tp(self.fp8.backend, self.dims.tp)
         # Building the policy validates the dtype combination (FSDP2 rules included).
         self.policy()
 

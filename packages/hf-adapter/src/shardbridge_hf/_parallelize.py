@@ -30,6 +30,7 @@ from shardbridge import apply_fsdp
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardbridge_hf._config import check_te_tp
 from shardbridge_hf._tp import apply_tp, check_tp_divides, resolve_tp_plan
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ def parallelize(
         >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
         >>> model = parallelize(LlamaForCausalLM(cfg), pm, HFConfig())  # doctest: +SKIP
     """
+    check_te_tp(config.fp8.backend, pm.dims.tp)
     device = device or torch.device(pm.mesh.device_type)
     policy = config.policy()
     full = _rank0_full_tensors(model) if config.sync_module_states else None

@@ -1,4 +1,4 @@
-"""TransformerEngine FP8 under FSDP2 (GPU only; untested on the CPU CI machines).
+"""TransformerEngine FP8 under FSDP2 (GPU only; its wiring is checked on CPU by the structural tier).
 
 [Note: TE FP8 never applied under FSDP2 (upstream bug 5)]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -13,7 +13,10 @@ no way to ask for FP8 parameters (accelerate #3710, PR #3585). shardbridge_hf:
   ``quantized_model_init``) for building the model, so the weights themselves are FP8.
 
 TransformerEngine cannot be imported without CUDA (see KNOWLEDGE: TE needs its compiled
-extension), so none of this runs in CI; it is exercised on GPU machines only.
+extension). On CPU, ``integration_tests/test_hf_te_fp8_structural.py`` imports TE's real Python
+code with the extension stood in and checks the wiring (te.Linear under FSDP2, FP8 enabled at
+forward, the yaml's recipe); FP8 numerics are exercised on GPU machines only. TE Linear under
+TP (tp > 1) is not supported here: torch's ``ColwiseParallel`` accepts only ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import contextlib
 import functools
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -59,7 +63,11 @@ def check_te_model(model: nn.Module) -> None:
     require_te()
     from accelerate.utils.transformer_engine import convert_model
 
-    convert_model(model, to_transformer_engine=True, _convert_linear=True, _convert_ln=False)
+    # convert_model copies each weight into the new te.Linear with an in-place copy_, which
+    # autograd refuses on a leaf that requires grad; Accelerate's _prepare_te runs it under
+    # no_grad too.
+    with torch.no_grad():
+        convert_model(model, to_transformer_engine=True, _convert_linear=True, _convert_ln=False)
 
 
 def apply_fp8_autocast(model: nn.Module, fp8: FP8Config) -> None:
