@@ -19,6 +19,10 @@ from shardbridge import FusedSpec, ParallelDims, split_fused
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+# First use in a fresh pool imports TE (and triton) in 4 workers on 2 cores: minutes under CI
+# load, so the per-call limit is generous; a real hang still ends at pytest-timeout.
+TIMEOUT = 480
+
 FSDP2_TP2 = {"dp_shard": 2, "tp": 2}
 HSDP2_TP2 = {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
 TP4 = {"dp_shard": 1, "tp": 4}
@@ -125,7 +129,7 @@ def test_structure(kind: str, mode: str | None, mesh: str) -> None:
     """Every module kind x parallel mode x (FSDP2, HSDP) mesh: names, global shapes and placements
     against a hand-written table; the amax group is the weight mesh (axes not named "shard")."""
     dims, axes, amax_ranks = MESHES[mesh]
-    results = run_distributed(_structure, kind, mode, dims, world_size=4)
+    results = run_distributed(_structure, kind, mode, dims, world_size=4, timeout=TIMEOUT)
     want = _expected(kind, mode)
     for rank, res in enumerate(results):
         got = res["params"]
@@ -157,7 +161,7 @@ def _materialize_keeps_real_values() -> bool:
 
 def test_materialize_initializes_only_meta_parameters() -> None:
     """A second materialize (or one on a model with real/loaded weights) must not re-initialize."""
-    assert all(run_distributed(_materialize_keeps_real_values, world_size=4))
+    assert all(run_distributed(_materialize_keeps_real_values, world_size=4, timeout=TIMEOUT))
 
 
 # --------------------------------------------------------------------------- checkpoints across layouts
@@ -194,9 +198,9 @@ ROUNDTRIP = [c for c in CASES if c[1] is not None] + [("Linear", None), ("LayerN
 def test_checkpoint_fsdp2_tp2_to_tp4_and_fsdp4(kind: str, mode: str | None, tmp_path) -> None:
     """Saved at dp2 x tp2, loaded at tp4 and at dp4 (no TP): every value bit-exact."""
     path = str(tmp_path / "ckpt")
-    saved = run_distributed(_save, kind, mode, FSDP2_TP2, path, world_size=4)[0]
+    saved = run_distributed(_save, kind, mode, FSDP2_TP2, path, world_size=4, timeout=TIMEOUT)[0]
     for dims in (TP4, FSDP4):
-        loaded = run_distributed(_load, kind, mode, dims, path, world_size=4)
+        loaded = run_distributed(_load, kind, mode, dims, path, world_size=4, timeout=TIMEOUT)
         for r in loaded:
             _assert_equal(saved, r)
 
@@ -217,7 +221,7 @@ def _hsdp_no_tp_structure(kind: str) -> dict:
 @pytest.mark.parametrize("kind", ["TransformerLayer", "GroupedLinear"])
 def test_structure_hsdp2_x_dp2_no_tp(kind: str) -> None:
     """HSDP without TP (dp_replicate 2 x dp_shard 2): (Replicate, Shard(0)), amax group = one replica."""
-    res = run_distributed(_hsdp_no_tp_structure, kind, world_size=4)
+    res = run_distributed(_hsdp_no_tp_structure, kind, world_size=4, timeout=TIMEOUT)
     for rank, r in enumerate(res):
         assert r["params"] and all(v == (("dp_replicate", "dp_shard_cp"), (R, S0)) for v in r["params"].values()), r[
             "params"
@@ -231,8 +235,8 @@ def test_checkpoint_hsdp_to_other_layout(kind: str, src: str, dst: dict, tmp_pat
     """Saved on an HSDP mesh (with TP, or 2 x 2 without), loaded at another layout bit-exact."""
     path = str(tmp_path / "ckpt")
     src_dims = HSDP2_TP2 if src == "hsdp2xtp2" else HSDP2_DP2
-    saved = run_distributed(_save, kind, "column", src_dims, path, world_size=4)[0]
-    loaded = run_distributed(_load, kind, "column", dst, path, world_size=4)
+    saved = run_distributed(_save, kind, "column", src_dims, path, world_size=4, timeout=TIMEOUT)[0]
+    loaded = run_distributed(_load, kind, "column", dst, path, world_size=4, timeout=TIMEOUT)
     for r in loaded:
         _assert_equal(saved, r)
 
@@ -243,8 +247,8 @@ def test_checkpoint_swiglu_fc1_components_reshard(tmp_path) -> None:
 
     path = str(tmp_path / "ckpt")
     kw = {"activation": "swiglu"}
-    saved = run_distributed(_save, "LayerNormMLP", "column", FSDP2_TP2, path, kw, world_size=4)[0]
-    loaded = run_distributed(_load, "LayerNormMLP", "column", TP4, path, kw, world_size=4)[0]
+    saved = run_distributed(_save, "LayerNormMLP", "column", FSDP2_TP2, path, kw, world_size=4, timeout=TIMEOUT)[0]
+    loaded = run_distributed(_load, "LayerNormMLP", "column", TP4, path, kw, world_size=4, timeout=TIMEOUT)[0]
     # A fused full tensor is TP-interleaved ([g0; u0; g1; u1] at tp=2): compare components.
     spec = {"fc1_weight": FusedSpec.nway({"g": 32, "u": 32}), "fc1_bias": FusedSpec.nway({"g": 32, "u": 32})}
     for name, fused in spec.items():
@@ -316,14 +320,14 @@ def _uneven_save_or_load(mode: str, dims: dict, path: str, save: bool) -> dict:
 def test_uneven_30_over_tp4_roundtrip(mode: str, tmp_path) -> None:
     """30 features over tp=4 ([8, 8, 8, 6]) saved at tp4, loaded at dp2 x tp2 (15/15 then 8/7 over dp) and dp4."""
     path = str(tmp_path / "ckpt")
-    saved = run_distributed(_uneven_save_or_load, mode, TP4, path, True, world_size=4)
+    saved = run_distributed(_uneven_save_or_load, mode, TP4, path, True, world_size=4, timeout=TIMEOUT)
     dim = 0 if mode == "column" else 1
     assert [r["info"]["local"][dim] for r in saved] == [8, 8, 8, 6]
     assert all(r["info"]["tp_size"] == 4 for r in saved)
     want = (UNEVEN_OUT, 16) if mode == "column" else (16, UNEVEN_OUT)
     assert saved[0]["info"]["shape"] == want
     for dims in (FSDP2_TP2, FSDP4):
-        loaded = run_distributed(_uneven_save_or_load, mode, dims, path, False, world_size=4)
+        loaded = run_distributed(_uneven_save_or_load, mode, dims, path, False, world_size=4, timeout=TIMEOUT)
         for r in loaded:
             _assert_equal(saved[0]["full"], r["full"])
 
@@ -345,7 +349,7 @@ def _bad_global_shape() -> str:
 
 
 def test_uneven_wrong_global_shape_is_refused() -> None:
-    msgs = run_distributed(_bad_global_shape, world_size=4)
+    msgs = run_distributed(_bad_global_shape, world_size=4, timeout=TIMEOUT)
     # rank 3 holds 6 rows; torch.chunk of 32 over 4 gives 8 -> every rank's check is local
     assert "torch.chunk" in msgs[3], msgs[3]
 
@@ -363,7 +367,7 @@ def _tp_size_mismatch() -> str:
 
 
 def test_module_built_for_other_tp_is_refused() -> None:
-    msg = run_distributed(_tp_size_mismatch, world_size=4)[0]
+    msg = run_distributed(_tp_size_mismatch, world_size=4, timeout=TIMEOUT)[0]
     assert "tp_size=4" in msg and "tp=2" in msg, msg
 
 
@@ -431,11 +435,11 @@ def _extra_state_load(dims: dict, path: str) -> dict:
 
 def test_extra_state_native_differs_per_rank_and_portable_loads_across_layouts(tmp_path) -> None:
     path = str(tmp_path / "ckpt")
-    res = run_distributed(_extra_state_save, FSDP2_TP2, path, True, world_size=4)
+    res = run_distributed(_extra_state_save, FSDP2_TP2, path, True, world_size=4, timeout=TIMEOUT)
     sizes = [r["native_size"] for r in res]
     assert len(set(sizes)) > 1, f"TE's native extra state should differ in size across ranks: {sizes}"
     assert all(r["error"] is None for r in res), res
-    loaded = run_distributed(_extra_state_load, TP4, path, world_size=4)
+    loaded = run_distributed(_extra_state_load, TP4, path, world_size=4, timeout=TIMEOUT)
     # DCP stores the non-tensor once (one saving rank's copy, its dedup picks which): every
     # loading rank gets that same, complete state.
     src = int(loaded[0]["scale_fwd"][0].item()) - 1
@@ -450,7 +454,7 @@ def test_extra_state_checkpoint_is_readable_with_torch_alone(tmp_path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = tmp_path / "ckpt"
-    run_distributed(_extra_state_save, FSDP2_TP2, str(path), True, world_size=4)
+    run_distributed(_extra_state_save, FSDP2_TP2, str(path), True, world_size=4, timeout=TIMEOUT)
     out = tmp_path / "full.pt"
     dcp_to_torch_save(str(path), str(out))
     sd = torch.load(out, weights_only=True)
@@ -484,7 +488,7 @@ def _extra_state_load_native(dims: dict, path: str) -> None:
 
 def test_native_extra_state_does_not_survive_dcp_without_the_patch(tmp_path) -> None:
     """The control for TE #1860: TE's own per-rank uint8 pickle, with our patch undone, fails."""
-    res = run_distributed(_native_extra_state_round_trip, str(tmp_path / "ckpt"), world_size=4)
+    res = run_distributed(_native_extra_state_round_trip, str(tmp_path / "ckpt"), world_size=4, timeout=TIMEOUT)
     # TE pickles per-rank Python values into a uint8 tensor whose size differs by rank: DCP keeps
     # one rank's size, and every other layout's model disagrees with it.
     assert all(r["stage"] == "load" and "shape mismatch for 'model.te._extra_state'" in r["error"] for r in res), res
