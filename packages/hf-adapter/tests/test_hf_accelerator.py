@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 import hf_helpers as H  # noqa: E402
 from shardbridge import ParallelDims  # noqa: E402
-from shardbridge.testing import DistributedTestFailure, run_distributed  # noqa: E402
+from shardbridge.testing import run_distributed  # noqa: E402
 
 DP2_TP2 = {"dp_shard": 2, "tp": 2}
 STEPS = 3
@@ -211,37 +211,73 @@ def test_bug1_bug2_upstream_fail_and_ours_passes(pretrained):
 # -- upstream bug 3: cpu_ram_efficient_loading with TP ----------------------------------------
 
 
+class _SizeMismatch(RuntimeError):
+    pass
+
+
+def _checked_broadcast(real):
+    """``dist.broadcast`` that first compares the tensor sizes across ranks (a one-number
+    all_gather every rank makes) and raises on all ranks alike when they differ, instead of the
+    mismatched broadcast that gloo never completes (NCCL reports a size mismatch)."""
+    import torch.distributed as dist
+
+    def broadcast(tensor, *args, **kwargs):
+        sizes = [None] * dist.get_world_size()
+        dist.all_gather_object(sizes, tuple(tensor.shape))
+        if len(set(sizes)) > 1:
+            raise _SizeMismatch(sizes)
+        return real(tensor, *args, **kwargs)
+
+    return broadcast
+
+
 def _ram_efficient(upstream: bool) -> dict:
     import torch.distributed as dist
     from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+    from shardbridge import apply_fsdp
     from shardbridge_hf import HFConfig
-    from shardbridge_hf._parallelize import parallelize
+    from shardbridge_hf._parallelize import fsdp_units, parallelize
+    from shardbridge_hf._tp import apply_tp, resolve_tp_plan
 
     acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    pm = acc.parallel_mesh
     rank0 = dist.get_rank() == 0
     model = H.tiny_model(seed=0)
     oracle = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if upstream:
+        # accelerate's fsdp2_prepare_model with cpu_ram_efficient_loading, in its order: the model
+        # arrives TP-sharded (transformers' tp_plan), its state_dict is taken, it moves to meta,
+        # fully_shard runs, and rank 0's state dict is broadcast.
+        apply_tp(model, pm["tp"], resolve_tp_plan(model))
+        full_sd = model.state_dict() if rank0 else {}
+        model = model.to("meta")
+        apply_fsdp(model, pm, HFConfig().policy(), units=fsdp_units(model))
+        real = dist.broadcast
+        dist.broadcast = _checked_broadcast(real)  # accelerate looks dist.broadcast up at call time
+        try:
+            fsdp2_load_full_state_dict(acc, model, full_sd)
+        except _SizeMismatch as exc:
+            return {"sizes": exc.args[0]}
+        finally:
+            dist.broadcast = real
+        return {"sizes": None}
     if not rank0:
         model = model.to("meta")  # what transformers does off rank 0 under cpu_ram_efficient_loading
-    if upstream:
-        full_sd = {k: v.clone() for k, v in model.state_dict().items()} if rank0 else {}
-        parallelize(model, acc.parallel_mesh, HFConfig(sync_module_states=False))
-        model.to_empty(device="cpu")
-        fsdp2_load_full_state_dict(acc, model, full_sd)  # never completes (see the test)
-    else:
-        parallelize(model, acc.parallel_mesh, HFConfig())  # sync_module_states: rank 0's weights
+    parallelize(model, pm, HFConfig())  # sync_module_states: rank 0's weights
     got = H.full_params(model)
     return {"equal": all(torch.equal(got[n], oracle[n]) for n in oracle)}
 
 
 def test_bug3_upstream_broadcasts_tp_shards_as_full():
-    # Rank 0 broadcasts TP-local shards (to_local()) while the others receive full-size tensors:
-    # on gloo the mismatched broadcast never completes (NCCL reports a size mismatch). A pool with
-    # a 5 s collective timeout turns the hang into an error inside accelerate's function.
-    with pytest.raises(DistributedTestFailure) as info:
-        run_distributed(_ram_efficient, True, world_size=4, timeout=60, pg_timeout=5)
-    assert "in fsdp2_load_full_state_dict" in str(info.value)
-    assert "dist.broadcast(full_tensor" in str(info.value)
+    # accelerate's fsdp2_load_full_state_dict: rank 0 broadcasts a TP parameter's local shard
+    # (DTensor.to_local()) while every other rank receives into a tensor of the full size.
+    results = run_distributed(_ram_efficient, True, world_size=4, timeout=180)
+    sizes = results[0]["sizes"]
+    assert sizes is not None, "every broadcast matched: accelerate no longer has bug 3"
+    assert all(r["sizes"] == sizes for r in results)
+    sent, received = sizes[0], sizes[1:]
+    assert all(r == received[0] for r in received)
+    assert sent[0] * 2 == received[0][0] or sent[-1] * 2 == received[0][-1], sizes  # tp=2 shard vs full
 
 
 def test_bug3_fixed_rank0_weights_reach_every_shard():

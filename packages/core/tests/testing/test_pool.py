@@ -79,3 +79,30 @@ def test_rejects_local_functions():
 
     with pytest.raises(ValueError, match="module-level function"):
         run_distributed(local, world_size=2)
+
+
+def _build_meshes(n):
+    import os
+
+    from shardbridge import ParallelDims
+
+    for _ in range(n):
+        ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")
+    return os.getpid(), len(dist.distributed_c10d._world.pg_map)
+
+
+def test_pool_is_rebuilt_before_process_groups_pile_up():
+    # Every mesh adds gloo groups (threads, sockets) that live as long as the worker; a pool past
+    # _MAX_GROUPS is replaced before the next task instead of slowing every later test.
+    from shardbridge.testing._pool import _MAX_GROUPS
+
+    first = run_distributed(_build_meshes, 1, world_size=4)
+    pids, groups = {first[0][0]}, [first[0][1]]
+    while groups[-1] <= _MAX_GROUPS:
+        out = run_distributed(_build_meshes, 5, world_size=4)
+        assert out[0][0] in pids, "rebuilt before the limit"
+        groups.append(out[0][1])
+    assert groups == sorted(groups)  # one worker, groups only pile up
+    after = run_distributed(_build_meshes, 1, world_size=4)
+    assert after[0][0] not in pids  # a fresh worker ...
+    assert after[0][1] < groups[0] + 10  # ... with only the new mesh's groups

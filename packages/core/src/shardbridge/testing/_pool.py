@@ -18,6 +18,14 @@ work whatever pytest's import mode. A failure on any rank is reported with its r
 traceback, and the pool is torn down (its ranks may be stuck in a collective) and rebuilt on
 the next call. The process group timeout (30 s) turns a mismatched collective into an error on
 the ranks; the per-call ``timeout`` turns anything else into an error in the caller.
+
+A pool is also rebuilt once its workers hold more than ``_MAX_GROUPS`` process groups. Each
+DeviceMesh a task builds creates a gloo group per mesh dimension (plus flattened ones), and a
+gloo group keeps its own connections and threads (about 20 threads and 33 file descriptors per
+2-D mesh) for the life of the process. Destroying them after each task is not an option: torch
+caches sharding plans keyed by mesh *value*, so a later task's equal mesh would be handed the
+destroyed groups. Left alone, a few hundred tests made every worker run thousands of threads,
+collectives slowed ~10x, and the suite crawled into 30 s collective timeouts on 2 cores.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from typing import Any
 __all__ = ["DistributedTestFailure", "WorkerPool", "run_distributed", "shutdown_pools"]
 
 _PG_TIMEOUT_S = 30.0
+_MAX_GROUPS = 150  # ~20 meshes; see the module note
 _ERROR_GRACE_S = 3.0
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 
@@ -105,7 +114,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, pg_timeout: float, 
             args, kwargs = pickle.loads(task.payload)
             result = fn(*args, **kwargs)
             dist.barrier()
-            conn.send(("ok", pickle.dumps(result)))
+            conn.send(("ok", pickle.dumps(result), len(dist.distributed_c10d._world.pg_map)))
         except BaseException:  # noqa: BLE001 - everything goes back to the caller
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
@@ -125,6 +134,7 @@ class WorkerPool:
             raise ValueError(f"world_size({world_size}) must be >= 1")
         self.world_size = world_size
         self.pg_timeout = pg_timeout
+        self.groups = 1  # process groups held by the busiest worker after the last task
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
         self._tmpdir = tempfile.TemporaryDirectory(prefix="shardbridge-pool-")
@@ -194,12 +204,13 @@ class WorkerPool:
                 if obj in pending:
                     rank = pending.pop(obj)
                     try:
-                        status, value = obj.recv()
+                        status, value, *groups = obj.recv()
                     except EOFError:
                         errors[rank] = "worker process died (no result)"
                         continue
                     if status == "ok":
                         results[rank] = pickle.loads(value)
+                        self.groups = max(self.groups, *groups)
                     else:
                         errors[rank] = value
                 elif obj in sentinels:
@@ -287,7 +298,7 @@ def run_distributed(
     """
     key = (world_size, pg_timeout)
     pool = _POOLS.get(key)
-    if pool is None or not pool.alive:
+    if pool is None or not pool.alive or pool.groups > _MAX_GROUPS:
         if pool is not None:
             pool.close(force=True)
         pool = _POOLS[key] = WorkerPool(world_size, pg_timeout=pg_timeout)
