@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
+# Three runs (each ~12 s on 2 cores): the default, HSDP, and uneven sizes. Every other layout
+# pair is covered in-process by packages/core/tests/checkpoint (the same save/load code).
 LAYOUTS = {
-    "dp_shard=4 -> dp_shard=2 x tp=2": ["--dp-shard", "4", "--tp", "1", "--reload-dp-shard", "2", "--reload-tp", "2"],
     "dp_shard=2 x tp=2 -> dp_shard=4 (default)": [],
     "dp_replicate=2 x tp=2 -> dp_shard=4": ["--dp-replicate", "2", "--dp-shard", "1", "--tp", "2"],
-    "tp=4 -> dp_shard=4": ["--dp-shard", "1", "--tp", "4"],
     "uneven vocab 250 and SwiGLU 200, dp_shard=2 x tp=2 -> dp_replicate=2 x tp=2": [
         "--vocab-size",
         "250",
@@ -41,24 +41,19 @@ def _demo(tmp_path, *args):
 @pytest.mark.slow
 @pytest.mark.parametrize("args", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_demo_layouts_round_trip_bit_exact(tmp_path, args):
-    run = _demo(tmp_path, "--steps", "4", *args)
+    steps = 4 if args else 12  # the default layout also shows the loss going down
+    run = _demo(tmp_path, "--steps", str(steps), *args)
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "all checks passed" in out
     assert len(re.findall(r"\[ok\]", out)) == 5 and "[FAIL]" not in out
-    losses = [float(x) for x in re.findall(r"loss\[\s*\d+:\] (.*)", out)[0].split()]
-    assert len(losses) == 4
+    losses = [float(x) for line in re.findall(r"loss\[\s*\d+:\] (.*)", out) for x in line.split()]
+    assert len(losses) == steps
+    if steps == 12:
+        assert losses[-1] < losses[0] - 0.1, losses
     for key in ("step time", "all-gathered per step", "checkpoint size", "save", "export safetensors"):
         assert key in out
     assert (tmp_path / "demo" / "hf" / "model.safetensors.index.json").is_file()
-
-
-@pytest.mark.slow
-def test_demo_loss_decreases(tmp_path):
-    run = _demo(tmp_path, "--steps", "12")
-    assert run.returncode == 0, run.stdout + run.stderr
-    losses = [float(x) for line in re.findall(r"loss\[\s*\d+:\] (.*)", run.stdout) for x in line.split()]
-    assert len(losses) == 12 and losses[-1] < losses[0] - 0.1
 
 
 def test_demo_rejects_bad_flags_before_starting_processes(tmp_path):
