@@ -208,6 +208,38 @@ def test_bug1_bug2_upstream_fail_and_ours_passes(pretrained):
     assert run_distributed(_our_tp_path, pretrained, world_size=4, timeout=180) == [2, 2, 2, 2]
 
 
+# -- clip_grad_norm_ across the TP and FSDP meshes -------------------------------------------
+
+
+def _clip(dims: dict, max_norm: float) -> dict:
+    acc = H.sb_accelerator(ParallelDims(**dims))
+    model = H.tiny_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    pm = acc.parallel_mesh
+    ids = H.local_batch(1, pm["dp"].get_local_rank(), pm.dims.degree("dp"))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    meshes = {p.device_mesh.mesh_dim_names for p in model.parameters()}
+    norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"meshes": meshes, "norm": norm, "grads": grads}
+
+
+@pytest.mark.parametrize("dims", [DP2_TP2, {"dp_replicate": 2, "dp_shard": 1, "tp": 2}], ids=["fsdp2_tp2", "hsdp_tp2"])
+def test_clip_grad_norm_matches_one_process(dims):
+    dp = dims.get("dp_replicate", 1) * dims["dp_shard"]
+    ref = H.tiny_model(seed=0)
+    ids = H.global_batch(1, dp)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    for r in run_distributed(_clip, dims, 0.05, world_size=4, timeout=180):
+        assert len(r["meshes"]) == 2, r["meshes"]  # TP weights and FSDP-only weights
+        torch.testing.assert_close(r["norm"], ref_norm, rtol=1e-5, atol=0)
+        assert r["norm"] > 0.05  # so the gradients below were really scaled
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(r["grads"][name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
 # -- upstream bug 3: cpu_ram_efficient_loading with TP ----------------------------------------
 
 

@@ -8,6 +8,7 @@ implementation details; ``shardbridge.checkpoint``, ``shardbridge.models`` and
 ``shardbridge.testing`` are public subpackages with their own ``__all__``.
 """
 
+from shardbridge._clip import clip_grad_norm_
 from shardbridge._fp8 import (
     FP8_DTYPES,
     Uint8AllGather,
@@ -93,5 +94,6 @@ __all__ = [
     "FSDPUnit",
     "SupportsFSDPUnits",
     "apply_fsdp",
+    "clip_grad_norm_",
     "fsdp_unit_params",
 ]

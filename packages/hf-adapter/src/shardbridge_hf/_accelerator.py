@@ -18,6 +18,8 @@
     _prepare_te: no fp8_autocast (bug 5)         _te.apply_fp8_autocast + recipe from yaml (7)
     _prepare_ao: hook on AcceleratedOptimizer    hook on the inner torch optimizer (bug 6)
     save_state: pickles, layout-bound            shardbridge.checkpoint: portable, reshardable
+    clip_grad_norm_: torch's, which refuses      shardbridge.clip_grad_norm_: one norm per mesh,
+      params on two meshes (accelerate < 1.11)     combined (any accelerate)
 
 The model and its optimizer are prepared here; dataloaders and schedulers go through
 Accelerate's own ``prepare`` (which then sees the core mesh).
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import ParallelDims, ParallelMesh, checkpoint
+from shardbridge import ParallelDims, ParallelMesh, checkpoint, clip_grad_norm_
 from torch import nn
 
 from shardbridge_hf import _checkpoint
@@ -220,6 +222,16 @@ class ShardbridgeAccelerator(Accelerator):
         out = loss.detach().clone()
         dist.all_reduce(out, group=self.parallel_mesh["dp_cp"].get_group())
         return out / self.parallel_mesh.dims.degree("dp_cp")
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Clip gradients to a total norm of ``max_norm``; returns the norm before clipping.
+
+        Works on every supported accelerate: the parameters of an FSDP2 x TP model sit on two
+        meshes, which ``torch.nn.utils.clip_grad_norm_`` (all accelerate < 1.11 calls) refuses;
+        see [Note: clipping across meshes] in ``shardbridge._clip``.
+        """
+        self.unscale_gradients()
+        return clip_grad_norm_(parameters, max_norm, norm_type)
 
     def model_init_context(self) -> contextlib.AbstractContextManager:
         """Build the model inside this for TE FP8 parameters (``fp8.fp8_params``); else a no-op."""
