@@ -319,3 +319,51 @@ def test_accumulation_guard():
             # either way the gradients are the full-batch ones
             assert lo == pytest.approx(1.0, rel=1e-5) and hi == pytest.approx(1.0, rel=1e-5), name
             assert err < 1e-6, name
+
+
+# -- clipping: shardbridge.clip_grad_norm_ on Megatron-FSDP's gradients -------------------------
+
+
+def _clip(dims: dict, strategy: str, outer: str | None, max_norm: float) -> dict:
+    from mfsdp_helpers import CFG, BATCH, SEQ, loss_fn
+    from shardbridge import clip_grad_norm_
+    from shardbridge.models import synthetic_batch
+
+    pm, model, opt = build(dims, strategy, outer)
+    tokens, labels = synthetic_batch(
+        CFG, BATCH, SEQ, step=0, dp_rank=pm["dp"].get_local_rank(), dp_size=pm["dp"].size()
+    )
+    loss_fn(model(tokens), labels).backward()
+    params = list(model.parameters())
+    with_grad = sum(p.grad is not None for p in params)  # ranks with an empty shard have None
+    norm = clip_grad_norm_(params, max_norm)
+    return {
+        "norm": norm,
+        "with_grad": with_grad,
+        "n": len(params),
+        "grads": local_grads(pm, model) if pm.dims.tp == 1 else {},
+    }
+
+
+@pytest.mark.parametrize(
+    ("dims", "strategy", "outer"),
+    [
+        ({"dp_shard": 4}, "optim_grads_params", None),
+        ({"dp_shard": 4}, "optim", None),
+        ({"dp_shard": 2, "tp": 2}, "optim_grads_params", None),
+        (HSDP, "optim_grads_params", "optim"),
+        (HSDP, "optim_grads", "no_shard"),
+    ],
+    ids=["fsdp4", "optim", "fsdp2_tp2", "hsdp_optim", "hsdp_no_shard"],
+)
+def test_clip_grad_norm_matches_one_process(dims, strategy, outer):
+    ref = reference_grads()
+    ref_norm = torch.nn.utils.get_total_norm(list(ref.values()))
+    max_norm = float(ref_norm) / 4  # really clips
+    results = run_distributed(_clip, dims, strategy, outer, max_norm, world_size=4, timeout=300)
+    assert any(r["with_grad"] < r["n"] for r in results) or strategy == "optim_grads", "no rank without a gradient"
+    coef = max_norm / (ref_norm + 1e-6)
+    for r in results:
+        torch.testing.assert_close(r["norm"], ref_norm, rtol=1e-6, atol=0)
+        for fqn, (box, grad) in r["grads"].items():
+            torch.testing.assert_close(grad, ref[fqn][box] * coef, rtol=1e-4, atol=1e-7, msg=fqn)

@@ -6,20 +6,27 @@ Under FSDP2 x TP the parameters of one model sit on different DeviceMeshes: TP-s
 on the 2-D ``(dp, tp)`` mesh, the embedding, norms and other unsharded-by-TP weights on the
 1-D ``dp`` mesh (HSDP adds ``dp_replicate``). ``torch.nn.utils.clip_grad_norm_`` (torch 2.13)
 stacks the per-parameter norms into one tensor, and DTensor refuses that across meshes
-("All operands in aten.stack.default must have the same mesh"). Accelerate < 1.11 calls it
-as is; Megatron-FSDP and torchtitan each carry their own fix.
+("All operands in aten.stack.default must have the same mesh"). Accelerate < 1.11 calls it as
+is; Megatron-FSDP and torchtitan each carry their own fix.
 
-``clip_grad_norm_`` here groups the gradients by mesh, lets DTensor compute each group's norm
-(a ``_NormPartial`` that ``full_tensor()`` reduces over exactly the mesh dims that shard it, so a
-replicated dim is not counted twice), combines the per-mesh norms as plain tensors, and scales
-every gradient's local shard in place. One reduction per mesh, whatever the parameter count.
+``clip_grad_norm_`` here never asks DTensor to combine anything. Each rank sums the p-th powers
+of its *local* gradient norms, each divided by the number of ranks holding an identical copy of
+that shard, and one all-reduce over ``group`` (default: the world) adds the ranks up. The copies
+of a DTensor shard: the mesh sizes of its ``Replicate`` dims, times ``group size / mesh size``
+for the ranks outside its mesh (a weight on the dp mesh alone is repeated on every tp rank). So the collective pattern is the same on every
+rank whatever it holds: a rank with an empty shard or no gradient for a parameter (Megatron-FSDP
+leaves ``.grad`` None where a rank's shard is empty) still makes exactly the one all-reduce,
+where per-mesh DTensor reductions would pair different collectives and crash gloo. Then every
+gradient's local shard is scaled in place. The max norm (``inf``) uses an all-reduce MAX.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm_"]
@@ -32,27 +39,32 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of ``parameters`` to a total norm of ``max_norm``, in place.
 
     Same contract as ``torch.nn.utils.clip_grad_norm_``, but the parameters may be DTensors on
-    any mix of meshes (see [Note: clipping across meshes]), plain tensors, or both.
+    any mix of meshes (see [Note: clipping across meshes]), plain tensors, or both. Every rank of
+    ``group`` must call it (with its own parameters of the same model).
 
     Args:
         parameters: tensors (or one tensor) whose ``.grad`` is clipped; ones without a gradient
             are skipped.
         max_norm: the largest total norm the gradients keep.
-        norm_type: p of the p-norm; ``float("inf")`` for the max norm.
+        norm_type: p of the p-norm (> 0); ``float("inf")`` for the max norm.
         error_if_nonfinite: raise if the total norm is nan or inf.
-        foreach: passed to torch's per-group norm (None: torch picks).
+        group: the ranks that hold the model (None: the default group, i.e. all ranks); every
+            gradient's mesh must lie in it, and ranks outside a gradient's mesh are taken to hold
+            copies of it (as the tp ranks do for a dp-only weight). Plain tensor gradients count
+            as replicated over it. Not used without torch.distributed.
 
     Returns:
-        The total norm of all gradients before clipping: a plain 0-dim tensor, the same value on
-        every rank.
+        The total norm of all gradients before clipping: a plain 0-dim float32 tensor, the same
+        value on every rank.
 
     Raises:
-        ValueError: ``max_norm`` negative, or gradients on more than one device type.
+        ValueError: ``max_norm`` negative, ``norm_type`` not > 0, a gradient still ``Partial``
+            (not reduced yet), or gradients on more than one device type.
         RuntimeError: ``error_if_nonfinite`` and the total norm is nan or inf.
 
     Example:
@@ -61,34 +73,62 @@ def clip_grad_norm_(
     """
     if max_norm < 0:
         raise ValueError(f"max_norm={max_norm} must be >= 0")
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type={norm_type} must be > 0 (or inf)")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
-    norm_type = float(norm_type)
-    if not params:
-        return torch.tensor(0.0)
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None  # DeviceMesh hashes by value
-        groups.setdefault(key, []).append(p.grad)
-    devices = {g.device.type for g in (p.grad for p in params)}
+    grads = [p.grad for p in parameters if p.grad is not None]
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
+    devices = {g.device.type for g in grads}
     if len(devices) > 1:
         raise ValueError(f"gradients are on device types {sorted(devices)}; put the model on one device type")
-    norms = []
-    for mesh, grads in groups.items():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
-        norms.append(norm.full_tensor() if mesh is not None else norm)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    device = grads[0].device if grads else _collective_device(group, distributed)
+
+    # local tensors grouped by how many ranks hold an identical copy
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                raise ValueError(
+                    f"a gradient has placements {g.placements} (Partial: not reduced yet); "
+                    "clip after backward() has finished and FSDP has reduced the gradients"
+                )
+            mesh = g.device_mesh
+            # ranks outside the mesh (e.g. the tp ranks of a dp-only weight) hold copies too
+            copies = (
+                world // mesh.size() * math.prod(mesh.size(d) for d, pl in enumerate(g.placements) if pl.is_replicate())
+            )
+            by_copies.setdefault(copies, []).append(g._local_tensor)
+        else:
+            by_copies.setdefault(world, []).append(g)
+
+    inf = math.isinf(norm_type)
+    acc = torch.zeros((), dtype=torch.float32, device=device)
+    for copies, tensors in by_copies.items():
+        norm = torch.nn.utils.get_total_norm(tensors, norm_type).float()
+        acc = torch.maximum(acc, norm) if inf else acc + norm.pow(norm_type) / copies
+    if distributed:
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    total = acc if inf else acc.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is {total.item()}; "
             "pass error_if_nonfinite=False to clip anyway (the gradients become nan)"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    locals_ = [g._local_tensor if isinstance(g, DTensor) else g for grads in groups.values() for g in grads]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in locals_:
-        by_dtype.setdefault(g.dtype, []).append(g)
+    for tensors in by_copies.values():
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, tensors in by_dtype.items():
-        torch._foreach_mul_(tensors, coef.to(dtype=dtype, device=tensors[0].device))
+        torch._foreach_mul_(tensors, coef.to(dtype=dtype))
     return total
+
+
+def _collective_device(group: dist.ProcessGroup | None, distributed: bool) -> torch.device:
+    """Where a rank with no gradients puts its all-reduce operand: CUDA for NCCL, else CPU."""
+    if distributed and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

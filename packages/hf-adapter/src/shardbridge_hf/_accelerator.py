@@ -18,8 +18,8 @@
     _prepare_te: no fp8_autocast (bug 5)         _te.apply_fp8_autocast + recipe from yaml (7)
     _prepare_ao: hook on AcceleratedOptimizer    hook on the inner torch optimizer (bug 6)
     save_state: pickles, layout-bound            shardbridge.checkpoint: portable, reshardable
-    clip_grad_norm_: torch's, which refuses      shardbridge.clip_grad_norm_: one norm per mesh,
-      params on two meshes (accelerate < 1.11)     combined (any accelerate)
+    clip_grad_norm_: torch's, which refuses      shardbridge.clip_grad_norm_: local norms, one
+      params on two meshes (accelerate < 1.11)     all-reduce (any accelerate)
 
 The model and its optimizer are prepared here; dataloaders and schedulers go through
 Accelerate's own ``prepare`` (which then sees the core mesh).
