@@ -325,7 +325,7 @@ def test_accumulation_guard():
 
 
 def _clip(dims: dict, strategy: str, outer: str | None, max_norm: float) -> dict:
-    from mfsdp_helpers import CFG, BATCH, SEQ, loss_fn
+    from mfsdp_helpers import BATCH, CFG, SEQ, loss_fn
     from shardbridge import clip_grad_norm_
     from shardbridge.models import synthetic_batch
 
