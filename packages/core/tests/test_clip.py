@@ -61,7 +61,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("dims", list(LAYOUTS.values()), ids=list(LAYOUTS))
-@pytest.mark.parametrize(("max_norm", "norm_type"), [(0.5, 2.0), (1e-3, float("inf")), (1e6, 2.0)])
+@pytest.mark.parametrize(("max_norm", "norm_type"), [(0.5, 2.0), (1e-3, float("inf")), (1e6, 2.0), (5.0, 1.0)])
 def test_matches_single_process_clip(dims, max_norm, norm_type):
     ref_norm, ref_grads = _reference(max_norm, norm_type)
     for r in run_distributed(_clip_layout, dims, max_norm, norm_type, False, world_size=4):
@@ -70,6 +70,46 @@ def test_matches_single_process_clip(dims, max_norm, norm_type):
         torch.testing.assert_close(r["norm"], ref_norm, rtol=1e-5, atol=0)
         for name, grad in ref_grads.items():
             torch.testing.assert_close(r["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.bias = torch.nn.Parameter(torch.randn(1, 8, generator=g))  # 1 row over dp 4: 3 empty shards
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x + self.bias)
+
+
+def _tiny_grads(x: torch.Tensor, norm_type: float, sharded: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _Tiny()
+    if sharded:
+        fully_shard(model, mesh=ParallelDims(dp_shard=4).build_mesh("cpu")["dp_shard"])
+        x = x.chunk(4)[torch.distributed.get_rank()]
+    (model(x).pow(2).sum() / (1 if sharded else 4)).backward()  # FSDP averages over the 4 ranks
+    norm = (clip_grad_norm_ if sharded else torch.nn.utils.clip_grad_norm_)(model.parameters(), 0.01, norm_type)
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+    local = {n: p.grad.to_local().numel() for n, p in model.named_parameters() if isinstance(p.grad, DTensor)}
+    return norm, grads, local
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_empty_local_shards(norm_type):
+    # FSDP2 gives ranks 1-3 an empty shard of the (1, 8) parameter; torch's foreach inf-norm
+    # refuses empty tensors, and a rank that raised would leave the others in the all-reduce.
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    ref_norm, ref_grads, _ = _tiny_grads(x, norm_type, sharded=False)
+    results = run_distributed(_tiny_grads, x, norm_type, True, world_size=4)
+    assert [r[2]["bias"] for r in results] == [8, 0, 0, 0]
+    for norm, grads, _ in results:
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
 def test_torch_clip_refuses_mixed_meshes():

@@ -60,7 +60,8 @@ def clip_grad_norm_(
 
     Returns:
         The total norm of all gradients before clipping: a plain 0-dim float32 tensor, the same
-        value on every rank.
+        value on every rank (norms are taken in float32 whatever the gradient dtype; a nan in
+        the max norm comes back as inf).
 
     Raises:
         ValueError: ``max_norm`` negative, ``norm_type`` not > 0, a gradient still ``Partial``
@@ -84,7 +85,7 @@ def clip_grad_norm_(
     devices = {g.device.type for g in grads}
     if len(devices) > 1:
         raise ValueError(f"gradients are on device types {sorted(devices)}; put the model on one device type")
-    device = grads[0].device if grads else _collective_device(group, distributed)
+    device = _collective_device(group, distributed)
 
     # local tensors grouped by how many ranks hold an identical copy
     by_copies: dict[int, list[torch.Tensor]] = {}
@@ -107,8 +108,13 @@ def clip_grad_norm_(
     inf = math.isinf(norm_type)
     acc = torch.zeros((), dtype=torch.float32, device=device)
     for copies, tensors in by_copies.items():
-        norm = torch.nn.utils.get_total_norm(tensors, norm_type).float()
-        acc = torch.maximum(acc, norm) if inf else acc + norm.pow(norm_type) / copies
+        nonempty = [t for t in tensors if t.numel()]  # FSDP2 leaves empty shards; inf-norm refuses them
+        if not nonempty:
+            continue
+        norms = torch.stack(torch._foreach_norm(nonempty, norm_type, dtype=torch.float32)).to(device)
+        acc = torch.maximum(acc, norms.max()) if inf else acc + norms.pow(norm_type).sum() / copies
+    if inf:  # NCCL's MAX need not propagate nan: make it inf, which does
+        acc = torch.where(acc.isnan(), torch.full_like(acc, math.inf), acc)
     if distributed:
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     total = acc if inf else acc.pow(1.0 / norm_type)
@@ -118,17 +124,18 @@ def clip_grad_norm_(
             "pass error_if_nonfinite=False to clip anyway (the gradients become nan)"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for tensors in by_copies.values():
         for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, tensors in by_dtype.items():
-        torch._foreach_mul_(tensors, coef.to(dtype=dtype))
+            by_device.setdefault(t.device, []).append(t)
+    for dev, tensors in by_device.items():
+        torch._foreach_mul_(tensors, coef.to(dev))  # fp32 coefficient, as torch's clip does
     return total
 
 
 def _collective_device(group: dist.ProcessGroup | None, distributed: bool) -> torch.device:
-    """Where a rank with no gradients puts its all-reduce operand: CUDA for NCCL, else CPU."""
-    if distributed and dist.get_backend(group) == "nccl":
+    """The all-reduce operand's device, chosen alike on every rank (a rank may hold no gradient):
+    CUDA when the group has an NCCL backend, else CPU (gloo; also CPU-offloaded gradients)."""
+    if distributed and "nccl" in str(dist.get_backend_config(group)) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
