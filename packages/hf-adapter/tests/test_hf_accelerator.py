@@ -248,17 +248,19 @@ class _SizeMismatch(RuntimeError):
 
 
 def _checked_broadcast(real):
-    """``dist.broadcast`` that first compares the tensor sizes across ranks (a one-number
-    all_gather every rank makes) and raises on all ranks alike when they differ, instead of the
-    mismatched broadcast that gloo never completes (NCCL reports a size mismatch)."""
+    """``dist.broadcast`` that first compares, across all ranks, the tensor sizes and whether
+    ``src`` is in the group (one all_gather_object every rank makes), and raises on all ranks
+    alike when they disagree, instead of the mismatched broadcast that gloo never completes
+    (NCCL reports a size mismatch)."""
     import torch.distributed as dist
 
-    def broadcast(tensor, *args, **kwargs):
-        sizes = [None] * dist.get_world_size()
-        dist.all_gather_object(sizes, tuple(tensor.shape))
-        if len(set(sizes)) > 1:
-            raise _SizeMismatch(sizes)
-        return real(tensor, *args, **kwargs)
+    def broadcast(tensor, src=0, group=None, **kwargs):
+        seen = [None] * dist.get_world_size()
+        src_in_group = src in dist.get_process_group_ranks(group or dist.group.WORLD)
+        dist.all_gather_object(seen, (tuple(tensor.shape), src_in_group))
+        if len({shape for shape, _ in seen}) > 1 or not all(ok for _, ok in seen):
+            raise _SizeMismatch(seen)
+        return real(tensor, src=src, group=group, **kwargs)
 
     return broadcast
 
@@ -303,20 +305,26 @@ def _ram_efficient(upstream: bool) -> dict:
 
 
 def test_bug3_upstream_broadcasts_tp_shards_as_full():
-    # accelerate >= 1.11 fsdp2_load_full_state_dict: rank 0 broadcasts a TP parameter's local
-    # shard (DTensor.to_local()) while every other rank receives into a tensor of the full size.
-    # accelerate 1.10 fails before that: it asks the 2-D (dp_shard, tp) mesh for one group.
+    # accelerate's fsdp2_load_full_state_dict cannot load rank 0's weights into a TP x FSDP model.
+    # >= 1.11: rank 0 broadcasts a TP parameter's local shard (DTensor.to_local()) over the world
+    # while every other rank receives into a tensor of the full size. 1.10 broadcasts over the
+    # parameter's own mesh: a 2-D (dp_shard, tp) mesh has no single group (error), and on a 1-D
+    # dp mesh the ranks of the other dp group have no rank 0 to receive from.
     results = run_distributed(_ram_efficient, True, world_size=4, timeout=180)
     if results[0]["error"] is not None:
         for r in results:
             assert "mesh_dim" in r["error"] and "needs to be specified" in r["error"], r["error"]
         return
-    sizes = results[0]["sizes"]
-    assert sizes is not None, "every broadcast matched: accelerate no longer has bug 3"
-    assert all(r["sizes"] == sizes for r in results)
-    sent, received = sizes[0], sizes[1:]
+    seen = results[0]["sizes"]
+    assert seen is not None, "every broadcast matched: accelerate no longer has bug 3"
+    assert all(r["sizes"] == seen for r in results)
+    shapes = [shape for shape, _ in seen]
+    if not all(ok for _, ok in seen):  # accelerate 1.10, 1-D dp mesh
+        assert [ok for _, ok in seen] == [True, False, True, False], seen  # dp groups {0, 2}, {1, 3}
+        return
+    sent, received = shapes[0], shapes[1:]
     assert all(r == received[0] for r in received)
-    assert sent[0] * 2 == received[0][0] or sent[-1] * 2 == received[0][-1], sizes  # tp=2 shard vs full
+    assert sent[0] * 2 == received[0][0] or sent[-1] * 2 == received[0][-1], seen  # tp=2 shard vs full
 
 
 def test_bug3_fixed_rank0_weights_reach_every_shard():
