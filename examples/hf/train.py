@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=2, help="per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip gradients to this total norm (0 = off)")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0 = never)")
     p.add_argument("--ckpt-root", default=None)
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from")
@@ -85,12 +86,15 @@ def main() -> None:
     for step, (ids,) in enumerate(batches, start=start + 1):
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
+        if args.max_grad_norm:  # parameters on the TP and FSDP meshes: see docs/hf.md
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         accelerator.step = step
         losses[step] = accelerator.reduce_loss(loss).item()
-        accelerator.print(f"step {step} loss {losses[step]:.6f}")
+        norm_text = f" grad_norm {grad_norm.item():.4f}" if args.max_grad_norm else ""
+        accelerator.print(f"step {step} loss {losses[step]:.6f}{norm_text}")
         if args.save_every and step % args.save_every == 0:
             last_ckpt = accelerator.save_state(str(Path(args.ckpt_root) / f"step-{step:08d}"))
 
