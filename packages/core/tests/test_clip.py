@@ -133,3 +133,46 @@ def test_plain_tensors_and_errors():
         clip_grad_norm_([a, b], 1.0, error_if_nonfinite=True)
     with pytest.raises(ValueError, match="max_norm=-1 must be >= 0"):
         clip_grad_norm_([a], -1)
+
+
+def test_signature_matches_torch():
+    """Every parameter of torch's clip_grad_norm_, in torch's order and with torch's defaults."""
+    import inspect
+
+    ours = inspect.signature(clip_grad_norm_).parameters
+    theirs = inspect.signature(torch.nn.utils.clip_grad_norm_).parameters
+    assert list(ours)[: len(theirs)] == list(theirs)
+    for name, param in theirs.items():
+        assert ours[name].default == param.default, name
+        assert ours[name].kind == param.kind, name
+    assert ours["group"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_foreach_modes_agree_with_torch(foreach, norm_type):
+    torch.manual_seed(0)
+    grads = [torch.randn(5), torch.randn(3, 4), torch.zeros(0)]
+
+    def params():
+        out = []
+        for g in grads:
+            p = torch.nn.Parameter(torch.zeros_like(g))
+            p.grad = g.clone()
+            out.append(p)
+        return out
+
+    ours, theirs = params(), params()
+    # positional like torch: (parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    norm = clip_grad_norm_(ours, 0.5, norm_type, False, foreach)
+    ref = torch.nn.utils.clip_grad_norm_([p for p in theirs if p.numel()], 0.5, norm_type, False, foreach)
+    torch.testing.assert_close(norm, ref, rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+
+
+def test_foreach_true_on_an_unsupported_device_is_refused():
+    p = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    p.grad = torch.zeros(2, device="meta")
+    with pytest.raises(RuntimeError, match=r"foreach=True was passed.*\['meta'\]"):
+        clip_grad_norm_([p], 1.0, foreach=True)

@@ -540,7 +540,7 @@ GLOO_CASES_4 = [
     *[(6, n, "fsdp", (4,)) for n in (8, 9, 10, 3)],
 ]
 
-# dp_shard 4 x tp 2: the KNOWLEDGE.md case (dim 0 = 9), where FSDP2 and DCP part ways. It needs
+# dp_shard 4 x tp 2: the docs/layout-and-dcp.md case (dim 0 = 9), where FSDP2 and DCP part ways. It needs
 # dp_shard >= 3: over dp_shard=2 the two layouts agree for every size (see the test below).
 GLOO_CASES_8 = [(4, 9, "colwise", (4, 2)), (4, 16, "colwise", (4, 2)), (4, 9, "colwise", (1, 4, 2))]
 

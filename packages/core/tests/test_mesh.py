@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from shardbridge import FLATTENED_AXES, MESH_AXES, ParallelDims
+from shardbridge._compat import fake_store
 from shardbridge.testing import run_distributed
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 # ---------------------------------------------------------------- tier 1: validation
 
@@ -62,7 +62,7 @@ def fake_world():
     def init(world_size, rank):
         if dist.is_initialized():
             dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
         created.append(True)
 
     yield init

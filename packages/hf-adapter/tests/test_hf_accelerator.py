@@ -158,10 +158,10 @@ def _upstream_tp_path(pretrained: str) -> dict:
     out = {"tp_mesh_size": model.model.layers[0].self_attn.q_proj.weight.device_mesh.size()}
     if out["tp_mesh_size"] != 4:
         # transformers 5.0 honours device_mesh: no bug 2, and with ReplicateParallel still there
-        # no bug 1 either (KNOWLEDGE: 5.0.0 + the official recipe works); nothing to reproduce.
+        # no bug 1 either (docs/hf.md "Version matrix": 5.0.0 + the official recipe works); nothing to reproduce.
         out["prepare"] = "not reproduced: device_mesh honoured"
         return out
-    # Accelerate's real FSDP2 path on gloo (see KNOWLEDGE: state set to FSDP after init).
+    # Accelerate's real FSDP2 path on gloo (docs/hf.md bug 4: state set to FSDP after init).
     acc = Accelerator(cpu=True)
     pc = ParallelismConfig(tp_size=4)  # what transformers actually built (bug 2)
     acc.state.parallelism_config = pc
@@ -199,7 +199,7 @@ def test_bug1_bug2_upstream_fail_and_ours_passes(pretrained):
 
     upstream = run_distributed(_upstream_tp_path, pretrained, world_size=4, timeout=180)
     for r in upstream:
-        if transformers_version() >= (5, 1):  # 5.0.x honours device_mesh (KNOWLEDGE: works on 5.0.0)
+        if transformers_version() >= (5, 1):  # 5.0.x honours device_mesh (docs/hf.md bug 2: works on 5.0.0)
             assert r["tp_mesh_size"] == 4, "transformers ignores device_mesh: TP spans the world (bug 2)"
         else:
             assert r["tp_mesh_size"] == 2, r

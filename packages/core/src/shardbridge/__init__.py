@@ -43,8 +43,16 @@ from shardbridge._layout import (
 )
 from shardbridge._layout_text import parse_mesh, parse_placements, render_layout
 from shardbridge._mesh import FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
+from shardbridge._optim import param_group_fqns, rebind_param_groups
 from shardbridge._precision import FP8Recipe, MixedPrecisionPolicy
-from shardbridge._tp import TPMode, convert_module_params, local_view, to_dtensor_param, tp_placements
+from shardbridge._tp import (
+    TPMode,
+    check_tp_divides,
+    convert_module_params,
+    local_view,
+    to_dtensor_param,
+    tp_placements,
+)
 from shardbridge._wrap import FSDPUnit, SupportsFSDPUnits, apply_fsdp, fsdp_unit_params
 
 __version__ = "0.1.0"
@@ -67,6 +75,7 @@ __all__ = [
     "parse_placements",
     "render_layout",
     "TPMode",
+    "check_tp_divides",
     "convert_module_params",
     "local_view",
     "to_dtensor_param",
@@ -96,4 +105,6 @@ __all__ = [
     "apply_fsdp",
     "clip_grad_norm_",
     "fsdp_unit_params",
+    "param_group_fqns",
+    "rebind_param_groups",
 ]

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from shardbridge._compat import local_tensor
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -37,13 +39,15 @@ def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
-    *,
     error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of ``parameters`` to a total norm of ``max_norm``, in place.
 
-    Same contract as ``torch.nn.utils.clip_grad_norm_``, but the parameters may be DTensors on
+    Same signature and contract as ``torch.nn.utils.clip_grad_norm_`` (plus keyword-only
+    ``group``), but the parameters may be DTensors on
     any mix of meshes (see [Note: clipping across meshes]), plain tensors, or both. Every rank of
     ``group`` must call it (with its own parameters of the same model).
 
@@ -53,6 +57,8 @@ def clip_grad_norm_(
         max_norm: the largest total norm the gradients keep.
         norm_type: p of the p-norm (> 0); ``float("inf")`` for the max norm.
         error_if_nonfinite: raise if the total norm is nan or inf.
+        foreach: use the fused ``torch._foreach_*`` kernels (True), per-tensor ops (False), or
+            the fused ones wherever the device supports them (None, the default), as in torch.
         group: the ranks that hold the model (None: the default group, i.e. all ranks); every
             gradient's mesh must lie in it, and ranks outside a gradient's mesh are taken to hold
             copies of it (as the tp ranks do for a dp-only weight). Plain tensor gradients count
@@ -85,6 +91,12 @@ def clip_grad_norm_(
     devices = {g.device.type for g in grads}
     if len(devices) > 1:
         raise ValueError(f"gradients are on device types {sorted(devices)}; put the model on one device type")
+    if foreach and not all(_foreach_supported(g.device) for g in grads):
+        raise RuntimeError(
+            f"foreach=True was passed, but the fused kernels do not support device types {sorted(devices)}; "
+            "pass foreach=None or False"
+        )
+    fused = foreach is not False
     device = _collective_device(group, distributed)
 
     # local tensors grouped by how many ranks hold an identical copy
@@ -101,7 +113,7 @@ def clip_grad_norm_(
             copies = (
                 world // mesh.size() * math.prod(mesh.size(d) for d, pl in enumerate(g.placements) if pl.is_replicate())
             )
-            by_copies.setdefault(copies, []).append(g._local_tensor)
+            by_copies.setdefault(copies, []).append(local_tensor(g))
         else:
             by_copies.setdefault(world, []).append(g)
 
@@ -111,7 +123,11 @@ def clip_grad_norm_(
         nonempty = [t for t in tensors if t.numel()]  # FSDP2 leaves empty shards; inf-norm refuses them
         if not nonempty:
             continue
-        norms = torch.stack(torch._foreach_norm(nonempty, norm_type, dtype=torch.float32)).to(device)
+        if fused and _foreach_supported(nonempty[0].device):
+            per_tensor = torch._foreach_norm(nonempty, norm_type, dtype=torch.float32)
+        else:
+            per_tensor = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in nonempty]
+        norms = torch.stack(per_tensor).to(device)
         acc = torch.maximum(acc, norms.max()) if inf else acc + norms.pow(norm_type).sum() / copies
     if inf:  # NCCL's MAX need not propagate nan: make it inf, which does
         acc = torch.where(acc.isnan(), torch.full_like(acc, math.inf), acc)
@@ -129,8 +145,17 @@ def clip_grad_norm_(
         for t in tensors:
             by_device.setdefault(t.device, []).append(t)
     for dev, tensors in by_device.items():
-        torch._foreach_mul_(tensors, coef.to(dev))  # fp32 coefficient, as torch's clip does
+        if fused and _foreach_supported(dev):
+            torch._foreach_mul_(tensors, coef.to(dev))  # fp32 coefficient, as torch's clip does
+        else:
+            for t in tensors:
+                t.mul_(coef.to(dev))
     return total
+
+
+def _foreach_supported(device: torch.device) -> bool:
+    # torch's rule for foreach=None (torch.utils._foreach_utils, 2.13), less private backends.
+    return device.type in ("cpu", "cuda", "xpu", "mtia")
 
 
 def _collective_device(group: dist.ProcessGroup | None, distributed: bool) -> torch.device:

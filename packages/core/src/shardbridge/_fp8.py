@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.distributed.tensor import DTensor
+
+from shardbridge._compat import AllGather, fsdp_shard_process_group, local_tensor
 
 __all__ = [
     "FP8_DTYPES",
@@ -118,7 +119,7 @@ def _is_plain(t: torch.Tensor) -> bool:
 def is_fp8_tensor(t: Any) -> bool:
     """Whether ``t`` (or a DTensor's local tensor) is of a registered FP8 subclass."""
     if isinstance(t, DTensor):
-        t = t._local_tensor
+        t = local_tensor(t)
     return isinstance(t, torch.Tensor) and _converter(t) is not None
 
 
@@ -134,7 +135,7 @@ def to_plain(t: Any, *, key: str = "<tensor>") -> Any:
     """
     if not isinstance(t, torch.Tensor):
         return t
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = local_tensor(t) if isinstance(t, DTensor) else t
     if _is_plain(local):
         return t
     convert = _converter(local)
@@ -181,8 +182,7 @@ class Uint8AllGather(AllGather):
 
 
 def _backend(module: FSDPModule) -> str:
-    group = module._get_fsdp_state()._fsdp_param_group
-    pg = getattr(getattr(group, "mesh_info", None), "shard_process_group", None)
+    pg = fsdp_shard_process_group(module)
     return "" if pg is None else dist.get_backend(pg)
 
 

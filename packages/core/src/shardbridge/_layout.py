@@ -56,6 +56,8 @@ from typing import Literal
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from shardbridge._compat import compute_local_shape_and_global_offset
+
 Interval = tuple[int, int]
 """A global index range ``(start, stop)`` along one tensor dim."""
 
@@ -445,11 +447,9 @@ def dcp_chunk(
         >>> dcp_chunk((9, 16), (4, 2), fsdp_placements(tp_dim=0, tp_size=2), (3, 0))
         ((1, 16), (8, 0))
     """
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
     placements = _check_layout(global_shape, mesh_shape, placements)
     coordinate = _check_coordinate(mesh_shape, coordinate)
-    sizes, offsets = _compute_local_shape_and_global_offset(
+    sizes, offsets = compute_local_shape_and_global_offset(
         tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements)
     )
     return tuple(int(s) for s in sizes), tuple(int(o) for o in offsets)
@@ -542,12 +542,10 @@ def _raw_mismatches(
     tp_mesh_dims: Sequence[int],
 ) -> list[tuple[tuple[int, ...], MismatchKind, Chunk, tuple[tuple[int, ...], tuple[int, ...]], int]]:
     """(coordinate, kind, actual, described, tensor dim) for each bad coordinate, no messages."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
     out = []
     for coordinate in itertools.product(*(range(s) for s in mesh_shape)):
         actual = held(coordinate)
-        sizes, offsets = _compute_local_shape_and_global_offset(
+        sizes, offsets = compute_local_shape_and_global_offset(
             tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements)
         )
         described = (tuple(int(s) for s in sizes), tuple(int(o) for o in offsets))

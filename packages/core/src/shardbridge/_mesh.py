@@ -174,6 +174,8 @@ class ParallelDims:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        from shardbridge._compat import flatten_mesh
+
         if not dist.is_initialized():
             raise RuntimeError(
                 "ParallelDims.build_mesh needs an initialised process group; "
@@ -185,7 +187,7 @@ class ParallelDims:
         # Keep the flattened meshes ourselves: slicing a flattened dim from the root mesh
         # is deprecated in torch >= 2.11.
         for name, parts in FLATTENED_AXES.items():
-            axes[name] = mesh[parts]._flatten(name)
+            axes[name] = flatten_mesh(mesh[parts], name)
         return ParallelMesh(dims=dims, mesh=mesh, axes=axes)
 
     def _require_resolved(self) -> None:
@@ -225,8 +227,11 @@ class ParallelMesh:
         """``dp_shard_cp`` for FSDP, or the 2-D ``(dp_replicate, dp_shard_cp)`` mesh for HSDP."""
         if not self.dims.hsdp_enabled:
             return self["dp_shard_cp"]
+        from shardbridge._compat import unflatten_mesh
+
         # dp_cp = (dp_replicate, dp_shard, cp) flattened; unflattening it reuses its groups.
-        return self["dp_cp"]._unflatten(
+        return unflatten_mesh(
+            self["dp_cp"],
             0, (self.dims.dp_replicate, self.dims.degree("dp_shard_cp")), ("dp_replicate", "dp_shard_cp")
         )
 

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-__all__ = ["TPMode", "convert_module_params", "local_view", "to_dtensor_param", "tp_placements"]
+__all__ = ["TPMode", "check_tp_divides", "convert_module_params", "local_view", "to_dtensor_param", "tp_placements"]
 
 
 class TPMode(str, enum.Enum):
@@ -249,3 +249,33 @@ def convert_module_params(
         new = to_dtensor_param(local, tp_mesh, mode, global_shape=global_shapes.get(name))
         setattr(owner, param_name, new)
     return module
+
+
+def check_tp_divides(sizes: Mapping[str, int | None], tp: int, *, owner: str = "", fix: str = "") -> None:
+    """ValueError naming the first of ``sizes`` that ``tp`` does not divide (None = absent).
+
+    The one TP divisibility rule of every adapter and model: tensor parallelism splits whole
+    attention heads and whole MLP rows, so each named size must be a multiple of ``tp``.
+
+    Args:
+        sizes: config field name -> size, checked in order.
+        tp: the TP degree (1 checks nothing).
+        owner: prefix for the field names in the message, e.g. ``"LlamaConfig."``.
+        fix: what the user should change, appended to the message; default: choose a tp
+            dividing the field.
+
+    Example:
+        >>> check_tp_divides({"num_kv_heads": 4, "intermediate_size": 96}, 2)
+        >>> check_tp_divides({"num_kv_heads": 4}, 3, owner="LlamaConfig.")
+        Traceback (most recent call last):
+        ...
+        ValueError: LlamaConfig.num_kv_heads(4) is not divisible by tp(3); tensor parallelism splits whole heads and MLP rows: choose tp dividing num_kv_heads
+    """
+    if tp == 1:
+        return
+    for name, value in sizes.items():
+        if value is not None and value % tp:
+            raise ValueError(
+                f"{owner}{name}({value}) is not divisible by tp({tp}); tensor parallelism splits whole heads and "
+                f"MLP rows: {fix or f'choose tp dividing {name}'}"
+            )

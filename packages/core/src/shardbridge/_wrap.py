@@ -41,6 +41,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
+from shardbridge._compat import fsdp_params, fsdp_unit_key, fsdp_unit_modules
+
 if TYPE_CHECKING:
     from shardbridge._mesh import ParallelMesh
     from shardbridge._precision import MixedPrecisionPolicy
@@ -170,15 +172,12 @@ def fsdp_unit_params(model: nn.Module) -> dict[str, tuple[str, ...]]:
         if not isinstance(module, FSDPModule):
             continue
         # FSDP2 (2.13) has no public accessor for a unit's modules and parameters.
-        state = module._get_fsdp_state()
-        if id(state) in seen:
+        unit = fsdp_unit_key(module)
+        if unit in seen:
             continue
-        seen.add(id(state))
-        key = "+".join(names[m] for m in state._modules)
-        fqns: list[str] = []
-        for group in state._fsdp_param_groups:
-            fqns.extend(param_names[id(p.sharded_param)] for p in group.fsdp_params)
-        out[key] = tuple(fqns)
+        seen.add(unit)
+        key = "+".join(names[m] for m in fsdp_unit_modules(module))
+        out[key] = tuple(param_names[id(p.sharded_param)] for p in fsdp_params(module))
     return out
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import ParallelDims, ParallelMesh, checkpoint, clip_grad_norm_
+from shardbridge import ParallelDims, ParallelMesh, checkpoint, clip_grad_norm_, param_group_fqns, rebind_param_groups
 from torch import nn
 
 from shardbridge_hf import _checkpoint
@@ -183,25 +183,14 @@ class ShardbridgeAccelerator(Accelerator):
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_sb_model(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> nn.Module:
-        names = {id(p): n for n, p in model.named_parameters()}
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if id(p) not in names:
-                        raise ValueError(
-                            "the optimizer holds a parameter that is not the model's; build the optimizer from "
-                            "model.parameters() before prepare()"
-                        )
-        fqn_groups = [[[names[id(p)] for p in g["params"]] for g in opt.param_groups] for opt in optimizers]
+        fqn_groups = [param_group_fqns(model, opt, when="prepare()") for opt in optimizers]
         device = torch.device("cpu") if self._sb_cpu else self.device
         if not self._sb_cpu and any(not p.is_meta for p in model.parameters()):
             model.to(device)
         parallelize(model, self.parallel_mesh, self.shardbridge_config, device=device)
         new = dict(model.named_parameters())
         for opt, groups in zip(optimizers, fqn_groups):
-            for group, fqns in zip(opt.param_groups, groups):
-                group["params"] = [new[f] for f in fqns]
-            opt.state.clear()
+            rebind_param_groups(opt, groups, new)  # See [Note: param groups by FQN] in the core
         self._models.append(model)
         return model
 

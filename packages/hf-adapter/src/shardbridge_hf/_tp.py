@@ -29,6 +29,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from shardbridge import check_tp_divides as check_sizes_divide
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
@@ -99,17 +100,12 @@ def check_tp_divides(config: Any, tp: int) -> None:
     if tp == 1:
         return
     heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for name, value in (
-        ("num_attention_heads", heads),
-        ("num_key_value_heads", kv_heads),
-        ("intermediate_size", getattr(config, "intermediate_size", None)),
-    ):
-        if value is not None and value % tp:
-            raise ValueError(
-                f"{name}({value}) is not divisible by tp({tp}); tensor parallelism splits whole heads and "
-                f"MLP rows, choose parallelism_config_tp_size dividing {name}"
-            )
+    sizes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "intermediate_size": getattr(config, "intermediate_size", None),
+    }
+    check_sizes_divide(sizes, tp, fix="choose parallelism_config_tp_size dividing each of them")
     if getattr(config, "tie_word_embeddings", False):
         raise NotImplementedError(
             "tie_word_embeddings=True with tp > 1: the embedding and lm_head are sharded on different dims; "

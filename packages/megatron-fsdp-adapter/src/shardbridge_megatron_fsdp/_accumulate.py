@@ -35,8 +35,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from shardbridge._compat import tree_map
 from torch import nn
-from torch.utils._pytree import tree_map
+
+from shardbridge_megatron_fsdp._compat import attached_main_grads, has_local_data
 
 __all__ = ["microbatches"]
 
@@ -119,12 +121,12 @@ def accumulation_is_wrong(strategy: str, outer_strategy: str | None) -> bool:
 def install_guard(model: nn.Module, strategy: str, outer_strategy: str | None) -> None:
     """Raise on a backward that would accumulate onto reduced gradients under auto-sync."""
     describe = f"strategy={strategy!r}" + (f", outer_strategy={outer_strategy!r} (HSDP)" if outer_strategy else "")
-    attached = model.param_and_grad_buffer.dist_main_grad
+    attached = attached_main_grads(model)
 
     def check(_grads: object) -> None:
         if not model.model_auto_sync:
             return  # upstream's manual path (microbatches, or no_sync by hand)
-        if any(g._local_tensor is not None for g in attached.values()):
+        if any(has_local_data(g) for g in attached.values()):
             raise RuntimeError(
                 f"a second backward before optimizer.zero_grad() with Megatron-FSDP {describe} would silently "
                 "corrupt the gradients (megatron-fsdp reduces the gradient buffer in place after every "

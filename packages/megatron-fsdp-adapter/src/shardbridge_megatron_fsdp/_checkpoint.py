@@ -48,8 +48,11 @@ import torch
 import torch.distributed as dist
 from shardbridge import FusedSpec, fused_params
 from shardbridge import checkpoint as core
+from shardbridge._compat import local_tensor
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from shardbridge_megatron_fsdp._compat import chunk_offsets, install_distributed_params, optimizer_named_parameters
 
 __all__ = ["DistParam", "MegatronFSDPStateDicts", "dist_params", "load", "local_box", "save"]
 
@@ -73,7 +76,7 @@ class DistParam:
 
     @property
     def local(self) -> torch.Tensor:
-        return self.param._local_tensor
+        return local_tensor(self.param)
 
 
 def _mfsdp(model: nn.Module) -> Any:
@@ -96,23 +99,16 @@ def local_box(param: DTensor) -> tuple[int, ...]:
     it for the same parameters in the same order on every rank. See
     [Note: Megatron-FSDP state as boxes].
     """
-    chunk_list = getattr(param._local_tensor, "__create_chunk_list__", None)
-    if chunk_list is not None:
-        meta = chunk_list()[0]
-    else:
-        from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
-
-        meta = gather_and_compute_chunk_metadata(param)
-    return tuple(int(o) for o in meta.offsets)
+    return chunk_offsets(param)
 
 
 def dist_params(model: nn.Module) -> list[DistParam]:
     """Every distributed parameter of a MegatronFSDP model with its box, in a fixed order."""
     model = _mfsdp(model)
-    model._replace_param_with_distributed_if_needed()
+    install_distributed_params(model)
     fused = fused_params(model.module)
     out = []
-    for fqn, param in model.param_and_grad_buffer.optimizer_named_parameters:
+    for fqn, param in optimizer_named_parameters(model):
         assert isinstance(param, DTensor), (fqn, type(param))
         out.append(DistParam(fqn, param, local_box(param), fused.get(fqn)))
     return out
@@ -127,7 +123,7 @@ def _shard_like(dp: DistParam, value: Any) -> bool:
     ones must not be split by their own size).
     """
     if isinstance(value, DTensor):
-        return tuple(value.shape) == dp.shape and tuple(value._local_tensor.shape) == tuple(dp.local.shape)
+        return tuple(value.shape) == dp.shape and tuple(local_tensor(value).shape) == tuple(dp.local.shape)
     return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(dp.local.shape)
 
 

@@ -19,31 +19,29 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+from typing import Any
+
+from shardbridge._compat import local_tensor, parse_version
 
 __all__ = [
     "INSTALL_HINT",
     "MAX_VERSION",
     "MIN_VERSION",
+    "attached_main_grads",
+    "chunk_offsets",
+    "disable_grad_div_fusion",
+    "has_local_data",
+    "install_distributed_params",
     "megatron_core_version",
     "megatron_fsdp_version",
+    "optimizer_named_parameters",
+    "parameter_groups",
     "require_megatron_fsdp",
 ]
 
 MIN_VERSION = (0, 6, 1)
 MAX_VERSION = (0, 7, 0)  # exclusive
 INSTALL_HINT = 'pip install "shardbridge[megatron]"'
-
-
-def _parse(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = ""
-        for ch in piece:  # leading digits only: "1rc2" -> 1
-            if not ch.isdigit():
-                break
-            digits += ch
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
 
 
 def megatron_core_version() -> str | None:
@@ -76,7 +74,7 @@ def megatron_fsdp_version() -> tuple[int, ...]:
         version = importlib.metadata.version("megatron-fsdp")
     except importlib.metadata.PackageNotFoundError:
         raise ImportError(f"shardbridge_megatron_fsdp needs megatron-fsdp; install it with {INSTALL_HINT}") from None
-    parsed = _parse(version)
+    parsed = parse_version(version)
     if not MIN_VERSION <= parsed < MAX_VERSION:
         raise ImportError(
             f"megatron-fsdp {version} is not supported by shardbridge_megatron_fsdp (needs >=0.6.1,<0.7); "
@@ -119,3 +117,54 @@ def require_megatron_fsdp():
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
         import megatron_fsdp
     return megatron_fsdp
+
+
+# -- megatron_fsdp internals (checked against megatron-fsdp 0.6.1) ----------------------------
+# MegatronFSDP exposes no public accessor for its buffers or distributed parameters; every
+# attribute below is read here and nowhere else in the adapter.
+
+
+def parameter_groups(wrapped: Any) -> list[Any]:
+    """``wrapped.param_and_grad_buffer.parameter_groups`` (one per dtype/bucket)."""
+    return list(wrapped.param_and_grad_buffer.parameter_groups)
+
+
+def optimizer_named_parameters(wrapped: Any) -> list[tuple[str, Any]]:
+    """``(fqn, distributed DTensor parameter)`` pairs the optimizer steps, in a fixed order."""
+    return list(wrapped.param_and_grad_buffer.optimizer_named_parameters)
+
+
+def attached_main_grads(wrapped: Any) -> dict[Any, Any]:
+    """The distributed main-gradient DTensors Megatron-FSDP attaches after a backward."""
+    return wrapped.param_and_grad_buffer.dist_main_grad
+
+
+def has_local_data(t: Any) -> bool:
+    """Whether a Megatron-FSDP DTensor has local data attached (``_local_tensor`` is set)."""
+    return local_tensor(t) is not None
+
+
+def install_distributed_params(wrapped: Any) -> None:
+    """Make the module's parameters the distributed DTensors (idempotent in 0.6.1)."""
+    wrapped._replace_param_with_distributed_if_needed()
+
+
+def disable_grad_div_fusion(wrapped: Any) -> None:
+    """Scale, then SUM (gloo has no PREMUL_SUM): Megatron-FSDP's own fallback path."""
+    wrapped.ddp_config.gradient_reduce_div_fusion = False
+
+
+def chunk_offsets(param: Any) -> tuple[int, ...]:
+    """Global offsets of a distributed parameter's local tensor, as Megatron-FSDP records them.
+
+    Read from the chunk metadata on the local tensor, or (``no_shard`` parameters carry none)
+    computed with megatron_fsdp's own gather: a collective in that case.
+    """
+    chunk_list = getattr(local_tensor(param), "__create_chunk_list__", None)
+    if chunk_list is not None:
+        meta = chunk_list()[0]
+    else:
+        from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+
+        meta = gather_and_compute_chunk_metadata(param)
+    return tuple(int(o) for o in meta.offsets)

@@ -21,7 +21,7 @@ parallelized with the core plan (any layout) and back.
 
 from __future__ import annotations
 
-from shardbridge import FUSED_SPECS_ATTR, shard_fused
+from shardbridge import FUSED_SPECS_ATTR, check_tp_divides, shard_fused
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -41,11 +41,8 @@ def apply_llama_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     if tp_mesh.size() == 1:
         return model
     cfg = model.config
-    for name, value in (("num_kv_heads", cfg.num_kv_heads), ("intermediate_size", cfg.intermediate_size)):
-        if value % tp_mesh.size():
-            raise ValueError(
-                f"LlamaConfig.{name}({value}) is not divisible by tp({tp_mesh.size()}); choose tp dividing {name}"
-            )
+    sizes = {"num_kv_heads": cfg.num_kv_heads, "intermediate_size": cfg.intermediate_size}
+    check_tp_divides(sizes, tp_mesh.size(), owner="LlamaConfig.")
     plan: dict[str, ParallelStyle] = {
         "output": ColwiseParallel(output_layouts=Replicate()),
     }

@@ -42,13 +42,18 @@ import logging
 from collections.abc import Iterator, Sequence
 
 import torch
-from shardbridge import MixedPrecisionPolicy, ParallelMesh
+from shardbridge import MixedPrecisionPolicy, ParallelMesh, param_group_fqns, rebind_param_groups
 from torch import distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardbridge_megatron_fsdp._accumulate import accumulation_is_wrong, install_guard
-from shardbridge_megatron_fsdp._compat import require_megatron_fsdp
+from shardbridge_megatron_fsdp._compat import (
+    disable_grad_div_fusion,
+    install_distributed_params,
+    parameter_groups,
+    require_megatron_fsdp,
+)
 
 __all__ = ["OUTER_STRATEGIES", "STRATEGIES", "shard_model"]
 
@@ -156,7 +161,7 @@ def _fix_hfsdp_gradient_scaling(wrapped: nn.Module) -> int:
         How many helper buffers were fixed (0 without HFSDP, or once upstream copies it).
     """
     fixed = 0
-    for group in wrapped.param_and_grad_buffer.parameter_groups:
+    for group in parameter_groups(wrapped):
         helper = getattr(group, "hfsdp_helper_gbuf", None)
         main = group.main_grad_buffer
         if helper is None or main is None or helper.gradient_scaling_factor == main.gradient_scaling_factor:
@@ -254,11 +259,7 @@ def shard_model(
             "strategy='optim_grads'"
         )
     # 1. Remember the optimizer's groups by FQN (fully_shard would merge them into one).
-    names = {id(p): fqn for fqn, p in model.named_parameters()}
-    groups = []
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            groups.append(({k: v for k, v in group.items() if k != "params"}, [names[id(p)] for p in group["params"]]))
+    group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
     # 2. Compute dtype: Megatron-FSDP computes in the module's dtype at wrap time.
     originals = None
     if policy.param_dtype is not None:
@@ -287,12 +288,12 @@ def shard_model(
         )
     if "nccl" not in dist.get_backend(mesh["dp_shard"].get_group()):
         # gloo has no PREMUL_SUM: scale, then SUM (Megatron-FSDP's own fallback path).
-        wrapped.ddp_config.gradient_reduce_div_fusion = False
+        disable_grad_div_fusion(wrapped)
     # Upstream bug, any device: see [Note: HFSDP gradient scaling].
     _fix_hfsdp_gradient_scaling(wrapped)
     if accumulation_is_wrong(strategy, outer_strategy):
         install_guard(wrapped, strategy, outer_strategy)
-    wrapped._replace_param_with_distributed_if_needed()
+    install_distributed_params(wrapped)
     params = dist_params(wrapped)
     # 4. Main weights from the full-precision originals (see [Note: Megatron-FSDP precision]).
     if originals is not None:
@@ -306,12 +307,8 @@ def shard_model(
     if optimizer is None:
         return wrapped, None
     # 5. The user's param groups over the distributed params; the zero-gradient step with lr=0.
-    by_name = {dp.fqn: dp.param for dp in params}
-    optimizer.param_groups.clear()
-    optimizer.state.clear()
-    for hyper, fqns in groups:
-        # "params" first: fully_shard_optimizer reads the first key of param_groups[0] as the params.
-        optimizer.add_param_group({"params": [by_name[f] for f in fqns], **hyper})
+    # (torch keeps "params" the first key of each group, which fully_shard_optimizer relies on.)
+    rebind_param_groups(optimizer, group_fqns, {dp.fqn: dp.param for dp in params})
     # lr=0 keeps the weights; weight_decay=0 keeps decay out of the states (SGD would put
     # weight_decay * p into its momentum buffer on a zero gradient).
     neutral = {"lr": 0.0, "weight_decay": 0.0}

@@ -26,12 +26,14 @@ from typing import Any, Literal
 
 import torch
 from shardbridge import FSDPUnit, MixedPrecisionPolicy, ParallelMesh, apply_fsdp
+from shardbridge._compat import local_tensor, reset_sharded_params
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardbridge_te._apply import set_device_mesh, te_modules
-from shardbridge_te._compat import te_pytorch
+from shardbridge_te._compat import te_pytorch, te_version
+from shardbridge_te._patches import gate
 
 __all__ = ["default_units", "materialize", "parallelize"]
 
@@ -59,7 +61,7 @@ def _meta_params(model: nn.Module) -> dict[int, set[str]]:
         names = {
             name
             for name, p in module._parameters.items()
-            if p is not None and (p._local_tensor if isinstance(p, DTensor) else p).is_meta
+            if p is not None and (local_tensor(p) if isinstance(p, DTensor) else p).is_meta
         }
         if names:
             out[id(module)] = names
@@ -73,7 +75,7 @@ def _init_te_module(module: nn.Module, names: set[str], device: torch.device) ->
         meta = getattr(module, "param_init_meta", {}).get(name)
         if meta is None or name not in names:
             continue
-        local = param._local_tensor if isinstance(param, DTensor) else param
+        local = local_tensor(param) if isinstance(param, DTensor) else param
         with torch.no_grad():
             tracker = meta.get_rng_state_tracker
             if tracker is not None and device.type == "cuda":
@@ -101,7 +103,7 @@ def _quantize_param(module: nn.Module, name: str, param: nn.Parameter, index: in
     if group is not None and current and isinstance(quantizer, current):
         quantizer.amax_reduction_group = group  # the weight mesh, whatever its axes are named
         quantizer.with_amax_reduction = True
-    local = param._local_tensor if isinstance(param, DTensor) else param
+    local = local_tensor(param) if isinstance(param, DTensor) else param
     quantized = quantizer(local)
     if group is not None:
         quantized._shardbridge_amax_group = group  # kept through FSDP all-gathers (_patches)
@@ -116,13 +118,10 @@ def _quantize_param(module: nn.Module, name: str, param: nn.Parameter, index: in
 
 def _refresh_fsdp_params(model: nn.Module) -> None:
     # FSDP2 keeps a reference to each sharded parameter; after a swap it must re-read (and
-    # re-pad) them, as its own _apply does. Private API, torch 2.6-2.13.
+    # re-pad) them, as its own _apply does (private FSDP2 API: shardbridge._compat).
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                for fsdp_param in group.fsdp_params:
-                    fsdp_param.reset_sharded_param()
+            reset_sharded_params(module)
 
 
 def materialize(model: nn.Module, mesh: ParallelMesh, *, device: torch.device | str | None = None) -> nn.Module:
@@ -144,6 +143,9 @@ def materialize(model: nn.Module, mesh: ParallelMesh, *, device: torch.device | 
     Example:
         >>> materialize(model, pm)  # doctest: +SKIP
     """
+    # Plan entry reset_parameters: replaces TE's method by reading TE internals
+    # (param_init_meta, quantizers); RuntimeError outside the TE versions it was checked against.
+    gate("reset_parameters", te_version())
     if device is None:
         device = mesh["weight"].device_type
     device = torch.device(device)

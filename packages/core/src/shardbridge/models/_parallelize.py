@@ -30,6 +30,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from shardbridge._fused import FUSED_SPECS_ATTR, shard_fused
+from shardbridge._tp import check_tp_divides
 from shardbridge._wrap import apply_fsdp
 from shardbridge.models._llama import Llama
 
@@ -111,9 +112,5 @@ def _shard_fused_weight(linear: nn.Linear, tp_mesh: DeviceMesh) -> None:
 
 def _check_tp_divides(model: Llama, tp: int) -> None:
     cfg = model.config
-    for name, value in (("num_kv_heads", cfg.num_kv_heads), ("intermediate_size", cfg.intermediate_size)):
-        if value % tp:
-            raise ValueError(
-                f"LlamaConfig.{name}({value}) is not divisible by tp({tp}); tensor parallelism splits "
-                f"whole kv heads and SwiGLU rows, choose tp dividing {name}"
-            )
+    sizes = {"num_kv_heads": cfg.num_kv_heads, "intermediate_size": cfg.intermediate_size}
+    check_tp_divides(sizes, tp, owner="LlamaConfig.")

@@ -1,0 +1,257 @@
+"""The one home of torch's private names, and the version rules every package shares.
+
+[Note: upstream internals]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+shardbridge needs a few things torch does not expose publicly (FSDP2's per-unit state, a
+DTensor's local tensor without autograd, flattening a DeviceMesh, DCP's state-dict
+flattening). Every such name is reached here and nowhere else in the monorepo: the core and
+all three adapters call the named helpers below. Each helper says which torch versions it
+was checked against; :data:`TORCH_CHECKED` is the range the test suite runs (``nox -s
+torch_versions`` runs it on the newest torch installable here). When torch renames one of
+these, this file is the only place to change, and :func:`require_attr` turns the
+``AttributeError`` deep inside a training step into an error naming the torch version.
+
+Host-framework internals (Accelerate, megatron_fsdp, TE, torchao) live in each adapter's own
+``_compat.py``; the version parser they share is :func:`parse_version`.
+
+Checked against torch 2.13.0 (CPU) and 2.14.1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "TORCH_CHECKED",
+    "AllGather",
+    "compute_local_shape_and_global_offset",
+    "distribution_version",
+    "fake_store",
+    "flatten_mesh",
+    "flatten_sharded_tensors",
+    "flatten_state_dict",
+    "fsdp_param_groups",
+    "fsdp_params",
+    "fsdp_shard_process_group",
+    "fsdp_unit_key",
+    "fsdp_unit_modules",
+    "local_tensor",
+    "parse_version",
+    "require_attr",
+    "require_module",
+    "reset_sharded_params",
+    "torch_version",
+    "tree_map",
+    "unflatten_mesh",
+]
+
+TORCH_CHECKED = ((2, 13, 0), (2, 14, 1))
+"""Oldest and newest torch the test suite has run on (inclusive)."""
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """The release part of a version string as ints: leading digits of each dotted part.
+
+    Pre-release and local suffixes end the release part (``"2.8.0rc1"`` -> ``(2, 8, 0)``).
+
+    Raises:
+        ValueError: ``text`` does not start with a number.
+
+    Example:
+        >>> parse_version("2.20.2+cu12"), parse_version("0.6.1"), parse_version("2.13.0a0+git")
+        ((2, 20, 2), (0, 6, 1), (2, 13, 0))
+        >>> parse_version("1.10rc2")
+        (1, 10)
+    """
+    out: list[int] = []
+    for part in text.strip().split("."):
+        match = re.match(r"\d+", part)
+        if match is None:
+            break
+        out.append(int(match.group()))
+        if match.end() != len(part):
+            break
+    if not out:
+        raise ValueError(f"version {text!r} does not start with a number (expected e.g. '2.13.0')")
+    return tuple(out)
+
+
+def distribution_version(name: str) -> tuple[int, ...] | None:
+    """The installed version of distribution ``name`` (pip name) as a tuple; None if missing.
+
+    Example:
+        >>> distribution_version("torch") >= (2, 6)
+        True
+        >>> distribution_version("no-such-distribution-xyz") is None
+        True
+    """
+    try:
+        return parse_version(importlib.metadata.version(name))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def torch_version() -> tuple[int, ...]:
+    """The running torch's version as a tuple (``torch.__version__``)."""
+    return parse_version(torch.__version__)
+
+
+def require_module(module: str, *, hint: str) -> Any:
+    """Import ``module``, or raise ImportError carrying ``hint`` (the install command).
+
+    Example:
+        >>> require_module("math", hint='pip install "shardbridge[x]"').sqrt(4.0)
+        2.0
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"{module} is not importable: {hint} (import failed with: {err})") from err
+
+
+def require_attr(obj: Any, name: str, *, what: str) -> Any:
+    """``getattr(obj, name)``, or RuntimeError naming torch's version and the checked range."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        lo, hi = (".".join(map(str, v)) for v in TORCH_CHECKED)
+        raise RuntimeError(
+            f"{what}: torch {torch.__version__} has no {name!r} (shardbridge uses this private torch name and was "
+            f"checked against torch {lo} .. {hi}); install a torch in that range or report it. "
+            "See [Note: upstream internals] in shardbridge/_compat.py"
+        ) from None
+
+
+tree_map = importlib.import_module("torch.utils._pytree").tree_map
+"""``torch.utils._pytree.tree_map`` (private module, stable since 2.0). Checked: 2.13, 2.14."""
+
+
+# -- DTensor ------------------------------------------------------------------------------
+
+
+def local_tensor(t: DTensor) -> torch.Tensor:
+    """A DTensor's local tensor as stored, outside autograd (``DTensor._local_tensor``).
+
+    ``to_local()`` is public but goes through autograd (a new view per call, gradient
+    plumbing); checkpoint and gradient code needs the stored tensor itself. Checked: 2.6 .. 2.14.
+    """
+    return t._local_tensor
+
+
+def compute_local_shape_and_global_offset(
+    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements: list[Any]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What torch (hence DCP) says a coordinate holds: ``tensor._utils``'s private function.
+
+    Checked: 2.13, 2.14 (the ``(global_shape, mesh_shape, coordinate, placements)`` form).
+    """
+    from torch.distributed.tensor import _utils
+
+    fn = require_attr(_utils, "_compute_local_shape_and_global_offset", what="layout algebra")
+    return fn(global_shape, mesh_shape, coordinate, placements)
+
+
+# -- DeviceMesh ---------------------------------------------------------------------------
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh._flatten(name)``: one 1-D mesh over all of ``mesh``'s ranks. Checked: 2.6 .. 2.14."""
+    return require_attr(mesh, "_flatten", what="ParallelDims.build_mesh")(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh._unflatten(dim, sizes, names)``, reusing ``mesh``'s groups. Checked: 2.13, 2.14."""
+    return require_attr(mesh, "_unflatten", what="ParallelMesh.fsdp_mesh (HSDP)")(dim, sizes, names)
+
+
+# -- FSDP2 --------------------------------------------------------------------------------
+
+AllGather = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_api").AllGather
+"""FSDP2's base class for ``set_custom_all_gather`` (private module ``_fsdp_api``). Checked: 2.13, 2.14."""
+
+
+def _fsdp_state(module: FSDPModule) -> Any:
+    return require_attr(module, "_get_fsdp_state", what="FSDP2 unit state")()
+
+
+def fsdp_param_groups(module: FSDPModule) -> list[Any]:
+    """The ``FSDPParamGroup``s of one FSDP2 unit (0 or 1 in 2.13; a list since 2.11)."""
+    state = _fsdp_state(module)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = require_attr(state, "_fsdp_param_group", what="FSDP2 unit state")
+    return [] if group is None else [group]
+
+
+def fsdp_unit_modules(module: FSDPModule) -> tuple[nn.Module, ...]:
+    """The modules one ``fully_shard`` call grouped into the unit ``module`` belongs to."""
+    return tuple(require_attr(_fsdp_state(module), "_modules", what="FSDP2 unit state"))
+
+
+def fsdp_unit_key(module: FSDPModule) -> int:
+    """An id shared by every module of one FSDP2 unit (``fully_shard([a, b])``)."""
+    return id(_fsdp_state(module))
+
+
+def fsdp_params(module: FSDPModule) -> Iterator[Any]:
+    """The ``FSDPParam`` objects of one unit (``.sharded_param``, ``.reset_sharded_param()``)."""
+    for group in fsdp_param_groups(module):
+        yield from group.fsdp_params
+
+
+def reset_sharded_params(module: FSDPModule) -> None:
+    """Re-point FSDP2's sharded parameters at their (replaced) local tensors.
+
+    Needed after a parameter's local tensor is swapped in place (materialising a meta
+    module, quantizing), as torch's own ``fully_shard`` tests do. Checked: 2.13, 2.14.
+    """
+    for fsdp_param in fsdp_params(module):
+        fsdp_param.reset_sharded_param()
+
+
+def fsdp_shard_process_group(module: FSDPModule) -> Any:
+    """The shard process group of a unit's parameters, or None (no parameters)."""
+    for group in fsdp_param_groups(module):
+        return getattr(getattr(group, "mesh_info", None), "shard_process_group", None)
+    return None
+
+
+# -- DCP ----------------------------------------------------------------------------------
+
+
+def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """DCP's nested -> dotted-key flattening (``checkpoint._nested_dict``). Checked: 2.13, 2.14."""
+    from torch.distributed.checkpoint import _nested_dict
+
+    return require_attr(_nested_dict, "flatten_state_dict", what="checkpoint")(state_dict)
+
+
+def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """DCP's ShardedTensor flattening (``checkpoint._sharded_tensor_utils``). Checked: 2.13, 2.14."""
+    from torch.distributed.checkpoint import _sharded_tensor_utils
+
+    return require_attr(_sharded_tensor_utils, "_flatten_sharded_tensors", what="checkpoint")(state_dict)
+
+
+# -- testing ------------------------------------------------------------------------------
+
+
+def fake_store() -> Any:
+    """A store for ``init_process_group("fake", ...)``: one process pretends to be any rank.
+
+    ``torch.testing._internal.distributed.fake_pg.FakeStore`` (private). Checked: 2.13, 2.14.
+    """
+    from torch.testing._internal.distributed import fake_pg
+
+    return require_attr(fake_pg, "FakeStore", what="fake process group")()
