@@ -1,4 +1,4 @@
-"""Tests for shardbridge._layout.
+"""Tests for shardbridge.layout (the algebra, the DCP-mismatch diagnosis and the text).
 
 Oracles, none of them the module under test:
 - torch's own split code: each placement's ``_split_tensor`` applied step by step to
@@ -17,10 +17,11 @@ import re
 
 import pytest
 import shardbridge
+import shardbridge.layout
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from shardbridge import (
+from shardbridge.layout import (
     LayoutMismatch,
     chunk_box,
     dcp_chunk,
@@ -429,11 +430,14 @@ def test_validation_errors():
 def test_docstring_examples():
     import doctest
 
-    from shardbridge import _layout, _layout_text
+    from shardbridge.layout import _algebra, _mismatch, _text
 
-    for module in (_layout, _layout_text):
+    attempted = 0
+    for module in (_algebra, _mismatch, _text):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-        assert result.attempted >= 3 and result.failed == 0, module.__name__
+        assert result.attempted >= 2 and result.failed == 0, module.__name__
+        attempted += result.attempted
+    assert attempted >= 6  # as many as before the split into three modules
 
 
 def test_public_names():
@@ -450,7 +454,13 @@ def test_public_names():
         "parse_placements",
         "parse_mesh",
     ]:
-        assert name in shardbridge.__all__ and getattr(shardbridge, name).__doc__
+        assert name in shardbridge.layout.__all__ and getattr(shardbridge.layout, name).__doc__
+        assert name not in shardbridge.__all__
+        # the old top-level name still works for one release, with a DeprecationWarning
+        with pytest.warns(DeprecationWarning, match=rf"shardbridge.{name} moved to shardbridge.layout.{name}"):
+            assert getattr(shardbridge, name) is getattr(shardbridge.layout, name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        shardbridge.no_such_name  # noqa: B018
 
 
 # -- tier 3: what FSDP2 x TP really holds (gloo) ------------------------------------------------

@@ -3,10 +3,16 @@
 The core package imports torch only. Host-framework adapters live in ``shardbridge_te``,
 ``shardbridge_megatron_fsdp`` and ``shardbridge_hf``.
 
-Public surface: the names in ``__all__``. Modules whose names start with ``_`` are
-implementation details; ``shardbridge.checkpoint``, ``shardbridge.models`` and
-``shardbridge.testing`` are public subpackages with their own ``__all__``.
+Public surface: the names in ``__all__`` (grouped below as configuration, entry points and
+types, as torchao's ``float8`` does). Public subpackages with their own ``__all__``:
+``shardbridge.checkpoint``, ``shardbridge.layout`` (the layout algebra), ``shardbridge.models``
+and ``shardbridge.testing``. Modules whose names start with ``_`` are implementation details;
+``shardbridge._compat`` is the one home of torch's private names, shared with the adapters
+(see [Note: upstream internals] there).
 """
+
+import importlib as _importlib
+import warnings as _warnings
 
 from shardbridge._clip import clip_grad_norm_
 from shardbridge._fp8 import (
@@ -31,17 +37,6 @@ from shardbridge._fused import (
     split_local,
     tp_local_fused,
 )
-from shardbridge._layout import (
-    LayoutMismatch,
-    chunk_box,
-    dcp_chunk,
-    find_dcp_mismatches,
-    fsdp_chunk,
-    fsdp_placements,
-    fsdp_tp_chunk,
-    local_chunk,
-)
-from shardbridge._layout_text import parse_mesh, parse_placements, render_layout
 from shardbridge._mesh import FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
 from shardbridge._optim import param_group_fqns, rebind_param_groups
 from shardbridge._precision import FP8Recipe, MixedPrecisionPolicy
@@ -59,31 +54,25 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
-    "FLATTENED_AXES",
-    "MESH_AXES",
+    # -- configuration ---------------------------------------------------------------------
+    "FP8Recipe",
+    "FusedSpec",
+    "MixedPrecisionPolicy",
     "ParallelDims",
-    "ParallelMesh",
-    "LayoutMismatch",
-    "chunk_box",
-    "dcp_chunk",
-    "find_dcp_mismatches",
-    "fsdp_chunk",
-    "fsdp_placements",
-    "fsdp_tp_chunk",
-    "local_chunk",
-    "parse_mesh",
-    "parse_placements",
-    "render_layout",
-    "TPMode",
+    # -- entry points ----------------------------------------------------------------------
+    # mesh and TP
     "check_tp_divides",
     "convert_module_params",
     "local_view",
     "to_dtensor_param",
     "tp_placements",
-    "FUSED_SPECS_ATTR",
-    "ComponentPiece",
-    "FusedSegment",
-    "FusedSpec",
+    # FSDP2 wrapping, clipping, optimizer groups
+    "apply_fsdp",
+    "clip_grad_norm_",
+    "fsdp_unit_params",
+    "param_group_fqns",
+    "rebind_param_groups",
+    # fused parameters
     "fused_params",
     "merge_fused",
     "register_fused",
@@ -91,20 +80,51 @@ __all__ = [
     "split_fused",
     "split_local",
     "tp_local_fused",
-    "FP8Recipe",
-    "FP8_DTYPES",
-    "Uint8AllGather",
+    # FP8 parameters
     "is_fp8_tensor",
     "plain_state_dict",
     "register_fp8_tensor_type",
     "to_plain",
     "use_uint8_all_gather",
-    "MixedPrecisionPolicy",
+    # -- types and constants ---------------------------------------------------------------
+    "ComponentPiece",
+    "FLATTENED_AXES",
+    "FP8_DTYPES",
     "FSDPUnit",
+    "FUSED_SPECS_ATTR",
+    "FusedSegment",
+    "MESH_AXES",
+    "ParallelMesh",
     "SupportsFSDPUnits",
-    "apply_fsdp",
-    "clip_grad_norm_",
-    "fsdp_unit_params",
-    "param_group_fqns",
-    "rebind_param_groups",
+    "TPMode",
+    "Uint8AllGather",
 ]
+
+# Layout helpers moved to shardbridge.layout in 0.2; the old top-level names keep working for
+# one release (a DeprecationWarning each time one is read).
+_MOVED_TO_LAYOUT = frozenset(
+    {
+        "LayoutMismatch",
+        "chunk_box",
+        "dcp_chunk",
+        "find_dcp_mismatches",
+        "fsdp_chunk",
+        "fsdp_placements",
+        "fsdp_tp_chunk",
+        "local_chunk",
+        "parse_mesh",
+        "parse_placements",
+        "render_layout",
+    }
+)
+
+
+def __getattr__(name: str):  # PEP 562: deprecated aliases
+    if name in _MOVED_TO_LAYOUT:
+        _warnings.warn(
+            f"shardbridge.{name} moved to shardbridge.layout.{name}; the old name goes away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_importlib.import_module("shardbridge.layout"), name)
+    raise AttributeError(f"module 'shardbridge' has no attribute {name!r}")

@@ -262,7 +262,7 @@ def _check_no_empty_tp_pieces(model: nn.Module) -> None:
 
     from torch.distributed.tensor import DTensor
 
-    from shardbridge._layout import local_chunk
+    from shardbridge.layout import local_chunk
 
     for fqn, param in model.named_parameters():
         if not isinstance(param, DTensor) or param.numel() == 0:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from shardbridge._layout import find_dcp_mismatches, fsdp_placements
 from shardbridge.checkpoint import component_fqn
-from shardbridge.checkpoint._state import _verdict
+from shardbridge.checkpoint._repair import _verdict
+from shardbridge.layout import find_dcp_mismatches, fsdp_placements
 from shardbridge.testing import run_distributed
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -4,7 +4,7 @@ The reference model computes what transformers' ``LlamaForCausalLM`` computes (R
 half RoPE, GQA, SwiGLU with ``silu(gate) * up``), so an export under HF names with a matching
 ``config.json`` loads with ``AutoModelForCausalLM.from_pretrained`` and gives the same logits.
 The fused ``qkv`` / ``gate_up`` parameters are already stored as their components by
-``shardbridge.checkpoint`` (see [Note: component names] in ``checkpoint/_state.py``)::
+``shardbridge.checkpoint`` (see [Note: component names] in ``checkpoint/_components.py``)::
 
     checkpoint FQN                          Hugging Face name
     tok_embeddings.weight                   model.embed_tokens.weight

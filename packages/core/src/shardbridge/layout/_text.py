@@ -1,7 +1,7 @@
 """Text for the layout algebra: the who-holds-what picture and the CLI's placement syntax.
 
-Split from :mod:`shardbridge._layout` (the algebra itself); see [Note: strided sharding order]
-there.
+The algebra is ``_algebra.py`` (see [Note: strided sharding order] there), the diagnosis
+``_mismatch.py``.
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ from collections.abc import Sequence
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from shardbridge._layout import (
+from shardbridge.layout._algebra import DimIntervals, _check_layout, dcp_chunk
+from shardbridge.layout._mismatch import (
     _MAX_MESSAGES,
     ActualLayout,
-    DimIntervals,
     _axis_label,
     _axis_names,
-    _check_layout,
     _fmt_intervals,
     _rank,
     _resolve_actual,
-    dcp_chunk,
     find_dcp_mismatches,
 )
 
