@@ -93,3 +93,32 @@ def test_ckpt_on_a_folder_without_checkpoints(tmp_path):
     run = _cli("ckpt", "inspect", str(tmp_path))
     assert run.returncode == 2
     assert "neither a shardbridge checkpoint nor a folder holding committed ones" in run.stderr
+
+
+def _one_line_error(run, *needles):
+    assert run.returncode == 2, run.stdout + run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert "Traceback" not in run.stderr and len(lines) == 1, run.stderr
+    assert all(needle in lines[0] for needle in needles), lines[0]
+
+
+def test_ckpt_damaged_checkpoint_and_int_dtype_are_one_line_errors(tmp_path):
+    root = tmp_path / "ckpts"
+    _save_plain_checkpoint(root)
+    path = root / "step-00000007"
+    _one_line_error(_cli("ckpt", "export", str(path), str(tmp_path / "hf"), "--dtype", "int8"), "not a floating dtype")
+    assert not (tmp_path / "hf").exists()
+    (path / ".metadata").write_bytes(b"garbage")
+    _one_line_error(_cli("ckpt", "inspect", str(path)), "shardbridge ckpt inspect: error:", ".metadata")
+
+
+def test_demo_out_dot_keeps_the_users_files(tmp_path):
+    (tmp_path / "train.py").write_text("my work")
+    _one_line_error(_cli("demo", "--out", ".", cwd=tmp_path), "is not empty and is not a previous shardbridge demo")
+    assert [p.name for p in tmp_path.iterdir()] == ["train.py"]
+
+
+def test_launch_bad_config_is_one_line(tmp_path):
+    pytest.importorskip("accelerate")
+    (tmp_path / "cfg.yaml").write_text("fsdp_config: [\n")
+    _one_line_error(_cli("launch", "--config_file", str(tmp_path / "cfg.yaml"), "train.py"), "is not valid YAML")

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+from accelerate.utils import InitProcessGroupKwargs
 from shardbridge_hf import ShardbridgeAccelerator as Accelerator  # <- the one changed line
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -63,9 +65,20 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from")
     p.add_argument("--export", default=None, help="export the last checkpoint to this Hugging Face folder")
     p.add_argument("--report", default=None, help="write losses and logits (JSON + .pt) here, from rank 0")
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="process-group timeout: a collective some rank never reaches fails after this long instead of "
+        "hanging (default 600; docs/troubleshooting.md)",
+    )
     args = p.parse_args()
+    if not args.collective_timeout > 0:
+        p.error(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
 
-    accelerator = Accelerator()
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout))
+    accelerator = Accelerator(kwargs_handlers=[timeout])
     torch.manual_seed(0)  # same init everywhere (rank 0's weights are broadcast anyway)
     cfg = tiny_config(args.arch)
     with accelerator.model_init_context():

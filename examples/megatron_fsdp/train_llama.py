@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--microbatches", type=int, default=1, help="backwards per optimizer step")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="process-group timeout: a collective some rank never reaches fails after this long instead of "
+        "hanging (default 600; docs/troubleshooting.md)",
+    )
     args = parser.parse_args()
-    dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
+    if not args.collective_timeout > 0:
+        parser.error(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
+    dist.init_process_group(
+        "gloo" if args.device == "cpu" else "nccl", timeout=timedelta(seconds=args.collective_timeout)
+    )
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     from shardbridge_megatron_fsdp import apply_llama_tp, microbatches, save, shard_model

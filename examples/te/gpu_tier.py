@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import os
 import tempfile
+from datetime import timedelta
 
 import shardbridge.checkpoint as ckpt
 import shardbridge_te
@@ -58,8 +59,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", choices=["none", "current", "delayed"], default="none")
     parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="process-group timeout: a collective some rank never reaches fails after this long instead of "
+        "hanging (default 600; docs/troubleshooting.md)",
+    )
     args = parser.parse_args()
-    dist.init_process_group(args.backend)
+    if not args.collective_timeout > 0:
+        parser.error(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.collective_timeout))
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     recipe = {"none": None, "current": Float8CurrentScaling(), "delayed": DelayedScaling()}[args.recipe]
     pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cuda")

@@ -7,6 +7,9 @@ same layout, and into a different one (dp_shard=4), against ``torch.load`` of th
 Plain torch DCP (get_state_dict + dcp.save / dcp.load + set_state_dict) runs alongside, so
 the table separates DCP's own cost from shardbridge's. Rounds alternate between the
 contenders; the table shows medians and ratios (1.00 = as fast as torch.save / torch.load).
+Verification ([Note: checkpoint integrity]) is timed on its own too: the checksums of every
+file split over the 4 ranks (what ``load(verify=True)`` adds), the same in one process
+(``checkpoint.verify``), and a load with ``verify=False``; all with the page cache warm.
 
     python tools/bench/bench_checkpoint.py [--rounds 3] [--dir /tmp/sb-bench]
 """
@@ -99,7 +102,9 @@ def _worker(root: str, rounds: int):
     model, opt = _build(a)
     model_a, opt_a = _build(a)
     model_b, opt_b = _build(b)
-    times = {k: [] for k in ("save", "torch.save", "dcp.save", "load same", "load other", "torch.load", "dcp.load")}
+    names = ("save", "torch.save", "dcp.save", "load same", "load other", "torch.load", "dcp.load")
+    names += ("load same, verify=False", "verify, 4 ranks", "verify, 1 process")
+    times = {k: [] for k in names}
     sizes = {}
     for r in range(rounds):
         ckpt = os.path.join(root, f"sb-{r}")
@@ -120,6 +125,12 @@ def _worker(root: str, rounds: int):
             ("load other", lambda ckpt=ckpt: checkpoint.load(ckpt, model=model_b, optimizer=opt_b)),
             ("torch.load", lambda raw_file=raw_file: torch.load(raw_file, weights_only=True)),
             ("dcp.load", lambda dcp_dir=dcp_dir: _dcp_load(model_a, opt_a, dcp_dir)),
+            (
+                "load same, verify=False",
+                lambda ckpt=ckpt: checkpoint.load(ckpt, model=model_a, optimizer=opt_a, verify=False),
+            ),
+            ("verify, 4 ranks", lambda ckpt=ckpt: _verify_all_ranks(ckpt)),
+            ("verify, 1 process", lambda ckpt=ckpt: rank == 0 and checkpoint.verify(ckpt).ok),
         ]
         for name, fn in loads if r % 2 == 0 else reversed(loads):
             times[name].append(_timed(fn))
@@ -131,6 +142,15 @@ def _worker(root: str, rounds: int):
                 shutil.rmtree(path)
         dist.barrier()
     return {"times": times, "sizes": sizes}
+
+
+def _verify_all_ranks(path):
+    from pathlib import Path
+
+    from shardbridge.checkpoint._integrity import verify_on_all_ranks
+    from shardbridge.checkpoint._manifest import read_manifest
+
+    assert not verify_on_all_ranks(Path(path), read_manifest(path), checksums=True)
 
 
 def _dir_bytes(path):
@@ -171,7 +191,18 @@ def main(argv=None) -> int:
     ]
     for name, sec, ratio in rows:
         print(f"{name:<36} {sec:>8.3f} {mb / sec:>8.1f} {'' if ratio is None else f'{ratio:.2f}':>7}")
+    rows = [
+        ("shardbridge load, verify=False", t["load same, verify=False"], t["load same, verify=False"] / t["torch.load"]),
+        ("verify checksums, split on 4 ranks", t["verify, 4 ranks"], None),
+        ("checkpoint.verify, one process", t["verify, 1 process"], None),
+    ]
+    for name, sec, ratio in rows:
+        print(f"{name:<36} {sec:>8.3f} {mb / sec:>8.1f} {'' if ratio is None else f'{ratio:.2f}':>7}")
     print(f"\nshardbridge / torch DCP: save {t['save'] / t['dcp.save']:.2f}, load {t['load same'] / t['dcp.load']:.2f}")
+    print(
+        f"verification (4 ranks) / load (verify=True, same layout): {t['verify, 4 ranks'] / t['load same']:.1%}; "
+        f"load verify=True / verify=False: {t['load same'] / t['load same, verify=False']:.2f}"
+    )
     print(f"load into a different layout / same layout: {t['load other'] / t['load same']:.2f}")
     return 0
 

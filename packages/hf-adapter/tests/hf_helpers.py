@@ -7,6 +7,7 @@ Accelerate keeps process-wide singletons (``AcceleratorState``), and pool worker
 from __future__ import annotations
 
 import os
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -96,3 +97,31 @@ def train_steps(accelerator, model, optimizer, steps, *, start: int = 0, schedul
         accelerator.step = step
         losses.append(accelerator.reduce_loss(loss).item())
     return losses
+
+
+# -- accelerate config files -------------------------------------------------------------------
+
+# An Accelerate yaml with a shardbridge block: FSDP2, dp_shard 2 x tp 2 on 4 CPU processes.
+ACCELERATE_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+use_cpu: true
+num_processes: 4
+mixed_precision: "no"
+fsdp_config:
+  fsdp_version: 2
+  shardbridge:
+    precision: bf16
+    fp8: {backend: torchao, recipe: tensorwise}
+    checkpoint: {export_dtype: bfloat16}
+parallelism_config:
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_tp_size: 2
+"""
+
+
+def write_config(tmp_path, text: str):
+    """Write ``text`` (dedented) to ``tmp_path/cfg.yaml``; returns the path."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path

@@ -1,4 +1,4 @@
-"""The yaml block, its validation, the launcher's reading of a config file, and upstream bug 7.
+"""The yaml block (``_config``), its validation, and upstream bug 7 (launcher tests: test_hf_launch.py).
 
 Pure tests (no process group), against accelerate's own config loader and launch env code.
 """
@@ -6,100 +6,17 @@ Pure tests (no process group), against accelerate's own config loader and launch
 from __future__ import annotations
 
 import argparse
-import textwrap
 
 import pytest
 import torch
 
 pytest.importorskip("accelerate")
 
-from shardbridge import ParallelDims  # noqa: E402
-from shardbridge_hf import ENV_VAR, FP8Config, HFConfig, main, read_config_file  # noqa: E402
+import hf_helpers as H  # noqa: E402
+from shardbridge_hf import FP8Config, HFConfig, read_config_file  # noqa: E402
 
-BASE = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-use_cpu: true
-num_processes: 4
-mixed_precision: "no"
-fsdp_config:
-  fsdp_version: 2
-  shardbridge:
-    precision: bf16
-    fp8: {backend: torchao, recipe: tensorwise}
-    checkpoint: {export_dtype: bfloat16}
-parallelism_config:
-  parallelism_config_dp_shard_size: 2
-  parallelism_config_tp_size: 2
-"""
-
-
-def _write(tmp_path, text: str):
-    path = tmp_path / "cfg.yaml"
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
-def test_accelerate_own_loader_accepts_the_namespaced_block(tmp_path):
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    cluster = load_config_from_file(str(_write(tmp_path, BASE)))
-    assert cluster.fsdp_config["shardbridge"]["fp8"]["backend"] == "torchao"
-
-
-def test_accelerate_rejects_a_top_level_block(tmp_path):
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    with pytest.raises(ValueError, match="unknown keys"):
-        load_config_from_file(str(_write(tmp_path, BASE + "shardbridge: {precision: bf16}\n")))
-
-
-def test_read_config_file(tmp_path):
-    plan = read_config_file(_write(tmp_path, BASE))
-    assert plan.dims == ParallelDims(dp_shard=2, tp=2)
-    assert plan.config.policy().param_dtype == torch.bfloat16
-    assert plan.config.fp8.backend == "torchao"
-    assert plan.config.use_cpu is True
-    assert HFConfig.from_json(plan.config.to_json()) == plan.config
-
-
-@pytest.mark.parametrize(
-    "old,new,match",
-    [
-        ("distributed_type: FSDP", "distributed_type: MULTI_GPU", "set distributed_type: FSDP"),
-        ("fsdp_version: 2", "fsdp_version: 1", "set fsdp_version: 2"),
-        ('mixed_precision: "no"', "mixed_precision: fp8", "fsdp_config.shardbridge.fp8.backend"),
-        ("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 3", "num_processes=4"),
-        ("backend: torchao, recipe: tensorwise", "backend: tensorrt", r"fp8.backend='tensorrt'"),
-        ("backend: torchao, recipe: tensorwise", "backend: torchao, recipe: rowwise", "recipe: tensorwise"),
-        ("precision: bf16", "precision: fp8", "precision='fp8'"),
-        ("precision: bf16", "precison: bf16", "unknown key"),
-        ("export_dtype: bfloat16", "export_dtype: int8", "checkpoint.export_dtype"),
-    ],
-)
-def test_bad_config_names_the_key(tmp_path, old, new, match):
-    with pytest.raises(ValueError, match=match):
-        read_config_file(_write(tmp_path, BASE.replace(old, new)))
-
-
-def test_cp_is_not_implemented(tmp_path):
-    text = BASE.replace(
-        "parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 1\n  parallelism_config_cp_size: 2"
-    )
-    with pytest.raises(NotImplementedError, match="context parallel"):
-        read_config_file(_write(tmp_path, text))
-
-
-def test_launcher_refuses_before_starting_processes(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    bad = _write(tmp_path, BASE.replace("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 3"))
-    assert main(["--config_file", str(bad), "train.py"]) == 2
-    assert "parallelism_config" in capsys.readouterr().err
-
-
-def test_mixed_precision_bf16_maps_to_the_policy(tmp_path):
-    text = BASE.replace('mixed_precision: "no"', "mixed_precision: bf16").replace("    precision: bf16\n", "")
-    assert read_config_file(_write(tmp_path, text)).config.policy().param_dtype == torch.bfloat16
+BASE = H.ACCELERATE_YAML
+_write = H.write_config
 
 
 def test_precision_mapping_and_fsdp2_rule():

@@ -5,6 +5,7 @@ Every distributed function here is module-level so the gloo worker pool can run 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -159,3 +160,48 @@ def item_to_plain(fqn: str, full: torch.Tensor, tp: int) -> torch.Tensor:
     if spec is None or tp == 1:
         return full
     return merge_fused(split_fused(full, spec, tp), spec, 1)
+
+
+# (name, mesh dims, strategy, outer strategy)
+CONFIGS = [
+    ("no_shard", {"dp_shard": 4}, "no_shard", None),
+    ("optim", {"dp_shard": 4}, "optim", None),
+    ("optim_grads", {"dp_shard": 4}, "optim_grads", None),
+    ("optim_grads_params", {"dp_shard": 4}, "optim_grads_params", None),
+    ("hsdp_no_shard", {"dp_replicate": 2, "dp_shard": 2}, "optim_grads_params", "no_shard"),
+    ("hsdp_optim", {"dp_replicate": 2, "dp_shard": 2}, "optim_grads_params", "optim"),
+    ("fsdp2_tp2", {"dp_shard": 2, "tp": 2}, "optim_grads_params", None),
+    ("optim_tp2", {"dp_shard": 2, "tp": 2}, "optim", None),
+]
+
+HSDP = {"dp_replicate": 2, "dp_shard": 2}
+
+# fp32 everywhere; only the reduction order differs from the single-process oracle.
+RTOL_LOSS, ATOL_PARAM = 1e-5, 1e-5
+
+
+def backward(pm, model, microbatches: int = 1, no_sync: bool = False):
+    """Forward/backward of this rank's part of the step-0 batch, in ``microbatches`` pieces
+    (with ``no_sync``: all but the last under ``model.no_sync()``)."""
+    from shardbridge.models import synthetic_batch
+
+    dp = pm["dp"]
+    tokens, labels = synthetic_batch(CFG, BATCH, SEQ, step=0, dp_rank=dp.get_local_rank(), dp_size=dp.size())
+    n = tokens.shape[0] // microbatches
+    for i in range(microbatches):
+        ctx = model.no_sync() if no_sync and i < microbatches - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(tokens[i * n : (i + 1) * n]), labels[i * n : (i + 1) * n]) / microbatches
+            loss.backward()
+    return model
+
+
+def grad_scale(pm, model, ref: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+    """(min, max) of <g, ref> / <ref, ref> over the local boxes, and the max abs error."""
+    grads = local_grads(pm, model)
+    ratios, err = [], 0.0
+    for fqn, (box, g) in grads.items():
+        r = ref[fqn][box]
+        ratios.append(float((g * r).sum() / (r * r).sum()))
+        err = max(err, float((g - r).abs().max()))
+    return min(ratios), max(ratios), err

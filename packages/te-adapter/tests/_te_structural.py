@@ -12,9 +12,10 @@ The Python code of its modules (``Linear``, ``LayerNormMLP``, ``TransformerLayer
 in the pure-Python wheel ``transformer_engine-2.20.2-py3-none-any.whl`` (1.2 MB). This module:
 
 1. ``ensure_te_sources()``: ``pip download --no-deps transformer_engine==2.20.2`` into a cache
-   directory and extracts ``transformer_engine/**.py`` and its dist-info plus the pure-Python
-   packages TE's import needs and the system may lack (onnxscript, onnx: ``IMPORT_DEPS``, with
-   ``pip install --no-deps --target <cache>/deps``), once; later runs reuse the cache;
+   directory outside the repository and the venv (:func:`cache_dir`), keeps the wheel there and
+   extracts ``transformer_engine/**.py`` and its dist-info, once per machine; later runs, fresh
+   clones and nox venvs reuse it. The packages TE's import needs beyond ``test`` are declared in
+   the ``te-structural`` extra (pyproject.toml), not fetched here;
 2. ``import_te()``: imports TE from there with
    * ``NVTE_PROJECT_BUILDING=1`` (TE's own switch for building from source: ``common/__init__``
      skips every ctypes load), and
@@ -58,25 +59,22 @@ from torch.overrides import TorchFunctionMode
 TE_VERSION = "2.20.2"
 CACHE_ENV = "SHARDBRIDGE_TE_CACHE"
 STAND_IN_NAME = "shardbridge_te_structural_stand_in"
-# Pure-Python imports of transformer_engine.pytorch that the system Python may lack
-# (export.py imports onnxscript, pytorch/triton/* import triton at module level). Installed with --no-deps into <cache>/deps,
-# which goes to the END of sys.path so the system's numpy/torch always win.
-IMPORT_DEPS = (
-    "onnxscript==0.7.2",
-    "onnx==1.23.2",
-    "onnx_ir==1.1.0",
-    "ml_dtypes==0.6.0",
-    "protobuf==7.36.2",
-    "triton==3.9.0",
-)
+EXTRA_HINT = 'pip install -e ".[te-structural,test]"'
+"""The packages ``import transformer_engine.pytorch`` needs beyond ``test`` (pyproject.toml)."""
 
 
 def cache_dir() -> Path:
-    """Where the extracted TE sources live: ``$SHARDBRIDGE_TE_CACHE`` or ``~/.cache/shardbridge/te-2.20.2``."""
+    """Where the TE wheel and its extracted sources live, the same for every clone and venv.
+
+    ``$SHARDBRIDGE_TE_CACHE``, else ``$XDG_CACHE_HOME/shardbridge/te-2.20.2``, else
+    ``~/.cache/shardbridge/te-2.20.2``. Never inside the repository or a venv, so fresh clones,
+    ``tools/test.sh`` and every nox session share one download.
+    """
     root = os.environ.get(CACHE_ENV)
     if root:
         return Path(root)
-    return Path.home() / ".cache" / "shardbridge" / f"te-{TE_VERSION}"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "shardbridge" / f"te-{TE_VERSION}"
 
 
 def _wanted(name: str) -> bool:
@@ -97,7 +95,6 @@ def _measure(root: Path, wheel_bytes: int) -> dict[str, float | int | str]:
         "wheel_bytes": wheel_bytes,
         "extracted_files": len(files),
         "extracted_bytes": sum(p.stat().st_size for p in files),
-        "deps_bytes": sum(p.stat().st_size for p in (root / "deps").rglob("*") if p.is_file()),
         "cached": "yes",
     }
 
@@ -117,7 +114,7 @@ def _pip(args: list[str], what: str, root: Path) -> float:
 
 
 def _download(root: Path, work: Path) -> dict[str, float | int | str]:
-    """Fill ``work`` (a private temp dir) with the sources and deps, then move it to ``root``."""
+    """Fill ``work`` (a private temp dir) with the wheel and its sources, then move it to ``root``."""
     wheel_dir, staged = work / "wheel", work / "staged"
     spec = f"transformer_engine=={TE_VERSION}"
     download_s = _pip(["download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheel_dir), spec], spec, root)
@@ -131,9 +128,8 @@ def _download(root: Path, work: Path) -> dict[str, float | int | str]:
     # Workers run with python -B (no .pyc written): compile once here so each pool start reads bytecode.
     compileall.compile_dir(str(staged / "transformer_engine"), quiet=1)
     wheel_bytes = wheels[0].stat().st_size
-    target = ["--target", str(staged / "deps")]
-    download_s += _pip(["install", "-q", "--no-deps", "--only-binary=:all:", *target, *IMPORT_DEPS],
-                       " ".join(IMPORT_DEPS), root)  # fmt: skip
+    (staged / "wheel").mkdir()
+    shutil.copy2(wheels[0], staged / "wheel" / wheels[0].name)  # kept: the cache holds what was fetched
     (staged / ".complete").write_text(str(wheel_bytes))
     shutil.rmtree(root, ignore_errors=True)  # a partial copy left by a killed run
     staged.rename(root)  # same file system: atomic, readers see no half-filled cache
@@ -150,7 +146,7 @@ def ensure_te_sources() -> dict[str, float | int | str]:
     then see the complete cache. Each download works in its own temp dir next to the cache.
 
     Returns:
-        ``{"path", "download_s", "wheel_bytes", "extracted_files", "extracted_bytes", "deps_bytes", "cached"}``.
+        ``{"path", "download_s", "wheel_bytes", "extracted_files", "extracted_bytes", "cached"}``.
 
     Raises:
         RuntimeError: pip could not download (registry unreachable); names the package and has pip's output.
@@ -348,9 +344,6 @@ def import_te() -> types.ModuleType:
     path = info["path"]
     if path not in sys.path:
         sys.path.insert(0, path)
-    deps = str(Path(path) / "deps")
-    if deps not in sys.path:
-        sys.path.append(deps)
     os.environ["NVTE_PROJECT_BUILDING"] = "1"  # common/__init__: skip ctypes loads of CUDA libraries
     os.environ.pop("NVTE_RELEASE_BUILD", None)
     sys.modules["transformer_engine_torch"] = STAND_IN
@@ -366,7 +359,14 @@ def import_te() -> types.ModuleType:
             raise ImportError(f"structural tier: only the torch extension is stood in, not {framework}")
 
     common.load_framework_extension = load_framework_extension
-    with cuda_construction():
-        te = importlib.import_module("transformer_engine.pytorch")
+    try:
+        with cuda_construction():
+            te = importlib.import_module("transformer_engine.pytorch")
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            f"structural tier: TransformerEngine {TE_VERSION}'s Python code imports {err.name!r}, which is not "
+            f"installed; install the te-structural extra: {EXTRA_HINT}",
+            name=err.name,
+        ) from err
     _TE = te
     return te

@@ -110,6 +110,27 @@ def test_recipe_record_round_trip() -> None:
         recipe_to_record(FakeRecipe(amax_compute_algo=max))
 
 
+@pytest.mark.parametrize(
+    ("record", "match"),
+    [
+        ({"class": "system", "fields": {}}, r"'system' is not a public name"),  # not in the module
+        ({"class": "_private", "fields": {}}, r"'_private' is not a public name"),
+        ({"class": "Fmt", "fields": {}}, r"'Fmt' is not a recipe class"),  # public, not a dataclass
+        ({"class": "FakeRecipe", "fields": {"fp8_format": {"enum": "FakeRecipe", "name": "x"}}}, r"not an enum member"),
+        ({"class": "FakeRecipe", "fields": {"fp8_format": {"enum": "Fmt", "name": "mro"}}}, r"not an enum member"),
+        ({"class": "FakeRecipe", "fields": {"margin": [1, 2]}}, r"field 'margin' is not plain data"),
+        ({"class": "FakeRecipe", "fields": None}, r"not a recipe record"),
+    ],
+)
+def test_recipe_record_from_a_checkpoint_is_untrusted(record, match) -> None:
+    """A crafted record can neither call nor reach anything but the module's recipes and enums."""
+    with pytest.raises(ValueError, match=match):
+        recipe_from_record(record, sys.modules[__name__])
+
+
+_private = FakeRecipe  # a dataclass under a private name: still refused
+
+
 def test_extra_state_bytes_are_weights_only_and_tagged() -> None:
     import torch
 
@@ -166,3 +187,70 @@ def test_float8_pre_all_gather_patch_keeps_pinned_group_and_undoes() -> None:
     finally:
         undo()
     assert _PreAllGatherHost.fsdp_pre_all_gather is original
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=[p.name for p in PATCHES])
+def test_each_patch_is_gated_by_its_checked_range(patch) -> None:
+    from shardbridge_te._patches import gate
+
+    low, high = patch.checked
+    assert patch.target and patch.undo and ("TE PR #" in patch.covers or "TE #" in patch.covers)
+    assert gate(patch.name, low) and gate(patch.name, high)  # inside: applied
+    newer = (high[0], high[1] + 1, 0)
+    if patch.outside == "error":
+        with pytest.raises(
+            RuntimeError, match=rf"'{patch.name}'.*checked against TransformerEngine 2\.8\.0 to 2\.20\.2"
+        ):
+            gate(patch.name, newer)
+    else:
+        with pytest.warns(UserWarning, match=rf"'{patch.name}'.*the patch is skipped"):
+            assert gate(patch.name, newer) is False
+    with pytest.raises(ValueError, match="older than the supported"):
+        gate(patch.name, (2, 7, 9))
+
+
+def test_gate_skips_a_patch_whose_fix_is_released(monkeypatch) -> None:
+    from shardbridge_te import _patches
+
+    fixed = dataclasses.replace(PATCHES[1], fixed_in=(2, 20, 0))
+    monkeypatch.setattr(_patches, "PATCHES", (PATCHES[0], fixed, *PATCHES[2:]))
+    assert _patches.gate("local_forward", (2, 20, 2)) is False
+    assert _patches.gate("local_forward", (2, 19, 0)) is True
+    with pytest.raises(KeyError, match="no TE patch named 'nope'"):
+        _patches.gate("nope", (2, 20, 2))
+
+
+def test_patch_attr_undo_restores_the_identical_attribute() -> None:
+    from shardbridge_te._patches import patch_attr
+
+    class Host:
+        @staticmethod
+        def f():
+            return "class"
+
+    raw = vars(Host)["f"]  # the staticmethod object itself
+    undo = patch_attr(Host, "f", lambda: "patched")
+    assert Host.f() == "patched"
+    undo()
+    assert vars(Host)["f"] is raw
+    host = Host()
+    undo = patch_attr(host, "f", lambda: "instance")
+    assert host.f() == "instance"
+    undo()
+    assert "f" not in vars(host) and host.f() == "class"
+
+
+def test_float8_class_patch_undo_is_kept_and_unpatch_restores_it() -> None:
+    from shardbridge_te import _patches, unpatch
+
+    original = vars(_PreAllGatherHost)["fsdp_pre_all_gather"]
+    assert "float8_pre_all_gather_amax_group" not in _patches._CLASS_UNDO
+    _patches.apply_float8_pre_all_gather(_PreAllGatherHost)
+    _patches.apply_float8_pre_all_gather(_PreAllGatherHost)  # once per process
+    try:
+        assert vars(_PreAllGatherHost)["fsdp_pre_all_gather"] is not original
+        assert list(_patches._CLASS_UNDO) == ["float8_pre_all_gather_amax_group"]
+    finally:
+        assert unpatch() == ["float8_pre_all_gather_amax_group"]
+    assert vars(_PreAllGatherHost)["fsdp_pre_all_gather"] is original
+    assert unpatch() == []

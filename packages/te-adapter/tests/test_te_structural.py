@@ -371,6 +371,89 @@ def test_module_built_for_other_tp_is_refused() -> None:
     assert "tp_size=4" in msg and "tp=2" in msg, msg
 
 
+# --------------------------------------------------------------------------- patch plan: gates and undo
+
+
+def _patch_gates_and_undo() -> dict:
+    import dataclasses
+    import re
+    import warnings
+    from unittest import mock
+
+    import shardbridge_te
+    from shardbridge_te import _apply, _lifecycle, _patches
+
+    te = import_te()
+    pm = ParallelDims(**FSDP2_TP2).build_mesh("cpu")
+    shardbridge_te.unpatch()  # pool workers live on: earlier tests' set_device_mesh patched the class
+    f8 = te.Float8Tensor
+    f8_original = vars(f8)["fsdp_pre_all_gather"]
+    out: dict = {}
+
+    # Outside the checked range, an "error" patch refuses before touching the model.
+    model = build("Linear", "column", 2)
+    with mock.patch.object(_apply, "te_version", lambda: (2, 21, 0)):
+        with pytest.raises(RuntimeError, match=r"'dtensor_params'.*2\.8\.0 to 2\.20\.2.*2\.21\.0"):
+            shardbridge_te.set_device_mesh(model, pm)
+    out["untouched"] = not isinstance(model.te.weight, DTensor) and "forward" not in vars(model.te)
+
+    # "skip" patches outside their range: a warning each, the rest applied.
+    wide = tuple(dataclasses.replace(p, checked=(p.checked[0], (2, 30, 0))) if p.outside == "error" else p
+                 for p in _patches.PATCHES)  # fmt: skip
+    model = build("Linear", "column", 2)
+    with mock.patch.object(_patches, "PATCHES", wide), mock.patch.object(_apply, "te_version", lambda: (2, 21, 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shardbridge_te.set_device_mesh(model, pm)
+    out["skipped_warnings"] = sorted(
+        re.search(r"patch '(\w+)'", str(w.message))[1] for w in caught if "skipped" in str(w.message)
+    )
+    out["skip_applied"] = {
+        "dtensor": isinstance(model.te.weight, DTensor),
+        "local_forward": "forward" in vars(model.te),
+        "extra_state": "get_extra_state" in vars(model.te),
+        "float8": vars(f8)["fsdp_pre_all_gather"] is not f8_original,
+    }
+
+    # Inside the range (the real probe: TE 2.20.2): every patch applied; each undo restores
+    # the identical original attribute.
+    model = build("Linear", "column", 2)
+    shardbridge_te.set_device_mesh(model, pm)
+    module = model.te
+    out["applied"] = {
+        "local_forward": getattr(vars(module).get("forward"), "_shardbridge_local_forward", False),
+        "extra_state": "get_extra_state" in vars(module) and "set_extra_state" in vars(module),
+        "float8": getattr(vars(f8)["fsdp_pre_all_gather"], "_shardbridge_patched", False),
+    }
+    out["unpatch_model"] = shardbridge_te.unpatch(model)
+    out["restored_model"] = (
+        not {"forward", "get_extra_state", "set_extra_state"} & set(vars(module))
+        and module.forward.__func__ is type(module).forward
+        and module.get_extra_state.__func__ is type(module).get_extra_state
+        and isinstance(module.weight, DTensor)  # dtensor_params: the model's data, not undone
+    )
+    out["unpatch_classes"] = shardbridge_te.unpatch()
+    out["restored_float8"] = vars(f8)["fsdp_pre_all_gather"] is f8_original
+
+    # materialize consults reset_parameters' gate.
+    with mock.patch.object(_lifecycle, "te_version", lambda: (2, 21, 0)):
+        with pytest.raises(RuntimeError, match="'reset_parameters'"):
+            shardbridge_te.materialize(model, pm)
+    return out
+
+
+def test_patches_are_gated_and_undone_on_real_te_classes() -> None:
+    out = run_distributed(_patch_gates_and_undo, world_size=4, timeout=TIMEOUT)[0]
+    assert out["untouched"]
+    assert out["skipped_warnings"] == ["float8_pre_all_gather_amax_group", "portable_extra_state"]
+    assert out["skip_applied"] == {"dtensor": True, "local_forward": True, "extra_state": False, "float8": False}
+    assert out["applied"] == {"local_forward": True, "extra_state": True, "float8": True}
+    assert out["unpatch_model"] == ["portable_extra_state", "local_forward"]
+    assert out["restored_model"]
+    assert out["unpatch_classes"] == ["float8_pre_all_gather_amax_group"]
+    assert out["restored_float8"]
+
+
 # --------------------------------------------------------------------------- _extra_state (TE #1860)
 
 

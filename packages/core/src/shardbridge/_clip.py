@@ -159,8 +159,10 @@ def _foreach_supported(device: torch.device) -> bool:
 
 
 def _collective_device(group: dist.ProcessGroup | None, distributed: bool) -> torch.device:
-    """The all-reduce operand's device, chosen alike on every rank (a rank may hold no gradient):
-    CUDA when the group has an NCCL backend, else CPU (gloo; also CPU-offloaded gradients)."""
+    """The all-reduce operand's device, chosen alike on every rank (a rank may hold no gradient).
+
+    CUDA when the group has an NCCL backend, else CPU (gloo; also CPU-offloaded gradients).
+    """
     if distributed and "nccl" in str(dist.get_backend_config(group)) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

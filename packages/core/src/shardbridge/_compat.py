@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import pickle
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +35,10 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "TORCH_CHECKED",
     "AllGather",
+    "DCPStorageInfo",
+    "DCP_MEM_FORMAT_ENCODING",
+    "PyUnpickler",
+    "dcp_set_element",
     "compute_local_shape_and_global_offset",
     "distribution_version",
     "fake_store",
@@ -109,13 +114,16 @@ def torch_version() -> tuple[int, ...]:
 def require_module(module: str, *, hint: str) -> Any:
     """Import ``module``, or raise ImportError carrying ``hint`` (the install command).
 
+    Any failure of the import counts (TransformerEngine raises OSError / RuntimeError on a
+    machine without CUDA, not ImportError); the message keeps the original error.
+
     Example:
         >>> require_module("math", hint='pip install "shardbridge[x]"').sqrt(4.0)
         2.0
     """
     try:
         return importlib.import_module(module)
-    except ImportError as err:
+    except Exception as err:  # noqa: BLE001 - re-raised as ImportError with the hint
         raise ImportError(f"{module} is not importable: {hint} (import failed with: {err})") from err
 
 
@@ -228,6 +236,20 @@ def fsdp_shard_process_group(module: FSDPModule) -> Any:
 
 
 # -- DCP ----------------------------------------------------------------------------------
+
+
+DCPStorageInfo = importlib.import_module("torch.distributed.checkpoint.filesystem")._StorageInfo
+"""Where one DCP item lives in its file (``filesystem._StorageInfo``); in every ``.metadata``. Checked: 2.13, 2.14."""
+
+DCP_MEM_FORMAT_ENCODING = importlib.import_module("torch.distributed.checkpoint.metadata")._MEM_FORMAT_ENCODING
+"""How ``TensorProperties`` pickles a memory format (``metadata._MEM_FORMAT_ENCODING``). Checked: 2.13, 2.14."""
+
+dcp_set_element = importlib.import_module("torch.distributed.checkpoint._traverse").set_element
+"""DCP's nested-dict setter (``_traverse.set_element``), as its load planner uses it. Checked: 2.13, 2.14."""
+
+PyUnpickler = pickle._Unpickler  # type: ignore[attr-defined]
+"""Python's pure-Python unpickler (``pickle._Unpickler``): its dispatch table is a dict, so a subclass
+can restrict single opcodes (BUILD) as well as globals. CPython 3.10 .. 3.13."""
 
 
 def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Any]:

@@ -1,4 +1,4 @@
-"""Fused parameters (SwiGLU ``[gate; up]``, QKV, N-way) in global item coordinates.
+r"""Fused parameters (SwiGLU ``[gate; up]``, QKV, N-way) in global item coordinates.
 
 A fused parameter concatenates several logical components along one dim. Under column
 tensor parallelism every TP rank holds the TP shard of EACH component, so the global tensor
@@ -18,7 +18,7 @@ holds ``[gate_j; up_j]``; FSDP (dp) then chunks each TP-local piece::
 
     plain (tp=1) layout     [g0 g1 g2 g3 | u0 u1 u2 u3]
     item coordinates        [g0 g1 u0 u1 | g2 g3 u2 u3]     <- DTensor global, Shard(0) on tp
-                             \\ tp=0 ---/   \\ tp=1 ---/
+                             \ tp=0 ---/   \ tp=1 ---/
     FSDP shards (rank)      [g0 g1][u0 u1] [g2 g3][u2 u3]
                             (dp0,tp0)(dp1,tp0)(dp0,tp1)(dp1,tp1)
 

@@ -197,6 +197,44 @@ class MixedPrecisionPolicy:
             raise ValueError(f"unknown mixed-precision preset {name!r}; choose one of {list(cls.PRESETS)}")
         return factories[name]()
 
+    # -- rules shared by every FSDP2 lowering (core, hf adapter) --------------------------------
+
+    def check_grads_match_params(self) -> None:
+        """NotImplementedError unless ``main_grads_dtype == main_params_dtype`` (torch FSDP2's rule).
+
+        torch FSDP2 has no separate main-gradient buffer: sharded gradients live in the
+        sharded parameter's dtype. Megatron-FSDP has one (``shardbridge_megatron_fsdp``).
+        """
+        if self.main_grads_dtype != self.main_params_dtype:
+            raise NotImplementedError(
+                f"torch FSDP2 keeps sharded gradients in the sharded parameter's dtype "
+                f"(main_params_dtype={self.main_params_dtype}), so main_grads_dtype={self.main_grads_dtype} "
+                "cannot be lowered to it; set main_grads_dtype=main_params_dtype, or use Megatron-FSDP "
+                '(shardbridge_megatron_fsdp, pip install "shardbridge[megatron]") which keeps separate main grads'
+            )
+
+    def check_model_dtype(self, model: torch.nn.Module, *, fix: str = "") -> None:
+        """ValueError naming the first floating parameter not in ``main_params_dtype``.
+
+        torch FSDP2 keeps the sharded (optimizer) weights in the model's own dtype, so the model
+        must be in ``main_params_dtype`` when it is wrapped.
+
+        Args:
+            model: the model about to be wrapped.
+            fix: what else the user may change, appended to the message (an adapter names its
+                config key here).
+        """
+        dtype = self.main_params_dtype
+        wrong = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype.is_floating_point and p.dtype != dtype]
+        if wrong:
+            name, got = wrong[0]
+            raise ValueError(
+                f"parameter {name!r} has dtype {got} (and {len(wrong) - 1} more not in {dtype}), but "
+                f"policy.main_params_dtype={dtype}; torch FSDP2 keeps the sharded (optimizer) weights in "
+                f"the model's dtype, so convert the model before wrapping: model.to({dtype}), or "
+                + (fix or f"set main_params_dtype=main_grads_dtype={got}")
+            )
+
     # -- lowering ----------------------------------------------------------------------------
 
     def to_fsdp2(self) -> TorchMixedPrecisionPolicy:
@@ -216,13 +254,7 @@ class MixedPrecisionPolicy:
         """
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
-        if self.main_grads_dtype != self.main_params_dtype:
-            raise NotImplementedError(
-                f"torch FSDP2 keeps sharded gradients in the sharded parameter's dtype "
-                f"(main_params_dtype={self.main_params_dtype}), so main_grads_dtype={self.main_grads_dtype} "
-                "cannot be lowered to it; set main_grads_dtype=main_params_dtype, or use Megatron-FSDP "
-                '(shardbridge_megatron_fsdp, pip install "shardbridge[megatron]") which keeps separate main grads'
-            )
+        self.check_grads_match_params()
         if self.fp8 is not None:
             raise NotImplementedError(
                 f"fp8={self.fp8} is interpreted by an adapter, not by the core FSDP2 lowering; use "

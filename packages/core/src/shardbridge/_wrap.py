@@ -37,7 +37,6 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, Union, runtime_checkable
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
@@ -121,10 +120,10 @@ def apply_fsdp(
     needs_cast = policy is not None and (policy.param_dtype is not None or policy.output_dtype is not None)
     if mesh.dims.degree("dp_cp") == 1 and not needs_cast and not cpu_offload:
         if policy is not None:
-            _check_main_params_dtype(model, policy.main_params_dtype)
+            policy.check_model_dtype(model)
         return model  # See [Note: FSDP over a degree-1 data-parallel axis]
     if policy is not None:
-        _check_main_params_dtype(model, policy.main_params_dtype)
+        policy.check_model_dtype(model)
         mp_policy = policy.to_fsdp2()
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -223,22 +222,6 @@ def _resolve_units(model: nn.Module, units: Sequence[FSDPUnit] | None) -> list[t
                         f"({names[sub]!r}) but comes first; list nested units before the units containing them"
                     )
     return resolved
-
-
-def _check_main_params_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    wrong = [
-        (name, param.dtype)
-        for name, param in model.named_parameters()
-        if param.dtype.is_floating_point and param.dtype != dtype
-    ]
-    if wrong:
-        name, got = wrong[0]
-        raise ValueError(
-            f"parameter {name!r} has dtype {got} (and {len(wrong) - 1} more not in {dtype}), but "
-            f"policy.main_params_dtype={dtype}; torch FSDP2 keeps the sharded (optimizer) weights in "
-            f"the model's dtype, so convert the model before wrapping: model.to({dtype}), or set "
-            f"main_params_dtype=main_grads_dtype={got}"
-        )
 
 
 def _warn_if_root_manages_params(model: nn.Module, units: list[tuple[nn.Module, ...]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from shardbridge.checkpoint import _dist
 from shardbridge.testing import run_distributed
@@ -40,3 +41,53 @@ def test_without_process_group_errors_pass_through():
     with pytest.raises(KeyError):
         _dist.on_all_ranks(lambda: {}["x"])
     assert _dist.broadcast_from_rank0(5) == 5
+
+
+# -- save / load check their arguments on every rank together --------------------------------
+
+
+def _bad_arg_on_rank2(root: str, what: str):
+    import time
+
+    from shardbridge import checkpoint as ck
+    from torch import nn
+
+    model = nn.Linear(2, 2)
+    ck.save(f"{root}/base", model=model, step=1, overwrite=True)  # a checkpoint without optimizer state
+    bad = dist.get_rank() == 2
+    calls = {
+        "save_extra_nan": lambda: ck.save(f"{root}/c", model=model, extra={"x": float("nan") if bad else 1.0}),
+        "save_step": lambda: ck.save(f"{root}/c", model=model, step=-1 if bad else 3),
+        "load_strict": lambda: ck.load(f"{root}/base", model=model, strict="yes" if bad else True),
+        "load_optimizer": lambda: ck.load(
+            f"{root}/base", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1) if bad else None
+        ),
+    }
+    start = time.monotonic()
+    try:
+        calls[what]()
+        outcome = "no error"
+    except ValueError as exc:  # the failing rank catches its error and goes on
+        outcome = str(exc)
+    elapsed = time.monotonic() - start
+    # The next collective still lines up on every rank.
+    return outcome, elapsed, _dist.broadcast_from_rank0(7)
+
+
+@pytest.mark.parametrize(
+    ("what", "match"),
+    [
+        ("save_extra_nan", "extra['x'] is nan"),
+        ("save_step", "step=-1 must be an int >= 0"),
+        ("load_strict", "strict='yes' must be True or False"),
+        ("load_optimizer", "has no optimizer state"),
+    ],
+)
+def test_bad_argument_on_one_rank_raises_on_every_rank_within_seconds(tmp_path, what, match):
+    # Before: rank 2 raised alone and the others waited in a collective (30 min by default).
+    results = run_distributed(_bad_arg_on_rank2, str(tmp_path), what, world_size=4, timeout=25)
+    for rank, (outcome, elapsed, after) in enumerate(results):
+        assert match in outcome, (rank, outcome)
+        assert ("[raised on rank 2" in outcome) == (rank != 2)
+        assert elapsed < 10 and after == 7
+    assert not (tmp_path / "c").exists()

@@ -123,3 +123,12 @@ def test_export_peak_memory_is_about_one_tensor(tmp_path):
     with safe_open(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"), framework="pt") as f:
         assert torch.equal(f.get_tensor("p21"), torch.full((big // 2,), 21.0))
         assert len(f.keys()) == 23
+
+
+@pytest.mark.parametrize("dtype", ["int8", torch.int32, "bool"])
+def test_export_refuses_non_floating_dtypes(tmp_path, dtype):
+    # Before: int8 wrote zeros... rather, nothing was cast and the export claimed success.
+    ck.save(tmp_path / "c", model=nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"is not a floating dtype .*use one of bfloat16, float16, float32"):
+        ck.export_safetensors(tmp_path / "c", tmp_path / "hf", dtype=dtype, progress=False)
+    assert not (tmp_path / "hf").exists()

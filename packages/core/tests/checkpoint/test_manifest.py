@@ -66,3 +66,86 @@ def test_extra_must_be_json(extra, match):
 
 def test_json_extra_accepts_plain_values():
     check_json_extra({"a": [1, 2.0, "s", True, None, {"b": (1, 2)}]})
+
+
+_GOOD_LAYOUT = {
+    "parallel_dims": {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2},
+    "mesh_axes": {"dp_shard": 2, "tp": 2},
+    "tensors": {"model.w": {"mesh": {"tp": 2}, "placements": ["Shard(dim=0)"], "stored_as": "dtensor"}},
+}
+_GOOD_FUSED = {"w": {"dim": 0, "tp_size": 2, "components": [{"name": "gate", "size": 4, "fqn": "w.gate"}]}}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("world_size", 0, r"world_size=0 must be an int >= 1"),
+        ("world_size", True, r"world_size=True must be an int >= 1"),
+        ("step", -1, r"step=-1 must be an int >= 0 or null"),
+        ("format_version", True, r"format_version"),
+        ("layout", {"mesh_axes": {"tp": "2"}}, r"layout.mesh_axes\['tp'\]='2' must be an int >= 1"),
+        ("layout", {"parallel_dims": [1, 2]}, r"layout.parallel_dims=\[1, 2\] must be an object"),
+        ("layout", {"tensors": {"model.w": {"placements": "S(0)"}}}, r"layout.tensors\['model.w'\]="),
+        ("fused", {"w": {"dim": 0, "tp_size": 0, "components": []}}, r"fused\['w'\]=.*tp_size.*int >= 1"),
+        ("fused", {"w": {"dim": 0, "tp_size": 2, "components": [{"name": "g"}]}}, r"fused\['w'\]="),
+        ("rng", {"world_size": -2, "files": "rng/x"}, r"rng.world_size=-2 must be an int >= 1"),
+        ("rng", {"world_size": 1, "files": 5}, r"rng.files=5 must be a str"),
+    ],
+)
+def test_manifest_values_and_substructure_are_validated(field, value, match):
+    # Format 2 (no file records, no self-checksum): the values are checked in every format.
+    data = {
+        "format": "shardbridge.checkpoint",
+        "format_version": 2,
+        "step": 3,
+        "world_size": 4,
+        "has_optimizer": True,
+        "layout": _GOOD_LAYOUT,
+        "fused": _GOOD_FUSED,
+        "extra": {},
+        "rng": {"world_size": 4, "files": "rng/rank-{rank:05d}.pt"},
+        "torch_version": "2.13.0",
+        "shardbridge_version": "0.1.0",
+        "created": "2026-11-23T00:00:00+00:00",
+    }
+    Manifest.from_json(json.dumps(data), "m.json")  # the good one parses
+    data[field] = value
+    with pytest.raises(ValueError, match=match) as info:
+        Manifest.from_json(json.dumps(data), "m.json")
+    assert str(info.value).startswith("m.json")
+
+
+@pytest.mark.parametrize(
+    ("files", "match"),
+    [
+        ({"../x": {"size": 1, "xxh3_128": "0" * 32}}, "not a plain relative file name"),
+        ({"/etc/passwd": {"size": 1, "xxh3_128": "0" * 32}}, "not a plain relative file name"),
+        ({"rng//a": {"size": 1, "xxh3_128": "0" * 32}}, "not a plain relative file name"),
+        ({MANIFEST_NAME: {"size": 1, "xxh3_128": "0" * 32}}, "must not record the manifest"),
+        ({"a": {"size": -1, "xxh3_128": "0" * 32}}, r"\['size'\] = -1 must be an int >= 0"),
+        ({"a": {"size": True, "xxh3_128": "0" * 32}}, r"\['size'\] = True must be an int >= 0"),
+        ({"a": {"size": 1, "xxh3_128": "XYZ"}}, "must be 32 lowercase hex digits"),
+        ({"a": {"size": 1}}, "must be {'size': int"),
+        ([], "no 'files' record"),
+    ],
+)
+def test_files_record_is_validated_strictly(files, match):
+    """Format 3: every name inside the checkpoint, sizes ints >= 0, checksums hex (the
+    manifest's own checksum is recomputed so that only the record is wrong)."""
+    from shardbridge.checkpoint._manifest import SELF_CHECKSUM_KEY, _self_checksum
+
+    data = json.loads(_manifest().to_json())
+    data["files"] = files
+    data[SELF_CHECKSUM_KEY] = _self_checksum(data)
+    with pytest.raises(ValueError, match=match):
+        Manifest.from_json(json.dumps(data), "m.json")
+
+
+def test_manifest_checksum_refuses_an_edited_manifest():
+    data = json.loads(_manifest().to_json())
+    data["step"] = 4
+    with pytest.raises(ValueError, match="does not match its own checksum"):
+        Manifest.from_json(json.dumps(data), "m.json")
+    # Formats 1 and 2 have neither: their "files" (if any) are ignored.
+    old = {k: v for k, v in data.items() if k != "manifest_xxh3_128"}
+    assert Manifest.from_json(json.dumps({**old, "format_version": 2}), "m.json").files == {}

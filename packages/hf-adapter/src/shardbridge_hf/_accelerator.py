@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from shardbridge import ParallelDims, ParallelMesh, checkpoint, clip_grad_norm_, param_group_fqns, rebind_param_groups
 from torch import nn
 
-from shardbridge_hf import _checkpoint
-from shardbridge_hf._compat import require_accelerate
+from shardbridge_hf import _checkpoint, _patches
+from shardbridge_hf._compat import accelerator_models, accelerator_schedulers, require_accelerate
 from shardbridge_hf._config import HFConfig
 from shardbridge_hf._parallelize import parallelize
 
@@ -90,6 +90,9 @@ class ShardbridgeAccelerator(Accelerator):
         cpu: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        # [Note: hf patch plan]: RuntimeError before any work on an accelerate this was not checked with.
+        _patches.gate("partial_state_fsdp")
+        self._sb_undo: list[Callable[[], None]] = []
         config = config or HFConfig.from_env() or HFConfig()
         if tp_plan is not None:
             import dataclasses
@@ -139,7 +142,8 @@ class ShardbridgeAccelerator(Accelerator):
         self.state.distributed_type = DistributedType.FSDP
         # AcceleratorState() re-copies PartialState's dict on every construction (e.g. inside
         # AcceleratedOptimizer), which would silently turn FSDP back into MULTI_CPU / DDP.
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        # Patch partial_state_fsdp: the process-wide dict outlives this accelerator, so its undo is kept.
+        self._sb_undo.append(_patches.patch_item(PartialState._shared_state, "distributed_type", DistributedType.FSDP))
         self.state.fsdp_plugin = plugin
         self.state.parallelism_config = pc
         self.state.device_mesh = self.parallel_mesh.mesh
@@ -161,6 +165,7 @@ class ShardbridgeAccelerator(Accelerator):
                 "ShardbridgeAccelerator.prepare: pass the model and its optimizer together, "
                 "e.g. prepare(model, optimizer, dataloader); the optimizer is rebuilt over the sharded parameters"
             )
+        placement = _check_device_placement(args, device_placement, models + optimizers)
         result = list(args)
         if models:
             model = args[models[0]]
@@ -176,7 +181,8 @@ class ShardbridgeAccelerator(Accelerator):
                     _fp8.install_step_hook(result[i], self._sb_model)  # upstream bug 6
         rest = [i for i in range(len(args)) if i not in models and i not in optimizers]
         if rest:
-            prepared = super().prepare(*(args[i] for i in rest))
+            keep = None if placement is None else [placement[i] for i in rest]
+            prepared = super().prepare(*(args[i] for i in rest), device_placement=keep)
             prepared = prepared if len(rest) > 1 else (prepared,)
             for i, obj in zip(rest, prepared):
                 result[i] = obj
@@ -191,13 +197,26 @@ class ShardbridgeAccelerator(Accelerator):
         new = dict(model.named_parameters())
         for opt, groups in zip(optimizers, fqn_groups):
             rebind_param_groups(opt, groups, new)  # See [Note: param groups by FQN] in the core
-        self._models.append(model)
+        accelerator_models(self).append(model)
         return model
 
     def _prepare_tp(self, *args: Any) -> Any:
         # Accelerate's version imports transformers' ReplicateParallel, removed in transformers
         # >= 5.1 (upstream bug 1). TP is applied by shardbridge in prepare(); nothing to do here.
+        # Patch prepare_tp_noop: outside the checked accelerate, warn and run Accelerate's own.
+        if not _patches.gate("prepare_tp_noop"):
+            return super()._prepare_tp(*args)
         return args
+
+    def unpatch(self) -> None:
+        """Undo this accelerator's changes to Accelerate's process-wide state (call when done with it).
+
+        Restores ``PartialState._shared_state["distributed_type"]`` to the identical value it had
+        before this accelerator (patch ``partial_state_fsdp``, [Note: hf patch plan]); a later
+        ``AcceleratorState()`` then sees Accelerate's own choice again. Idempotent.
+        """
+        while self._sb_undo:
+            self._sb_undo.pop()()
 
     # -- data / loss helpers ------------------------------------------------------------------
 
@@ -231,13 +250,35 @@ class ShardbridgeAccelerator(Accelerator):
     # -- checkpoints ----------------------------------------------------------------------------
 
     def save_state(
-        self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **kwargs: Any
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        safe_serialization: bool = True,
+        *,
+        overwrite: bool = False,
+        **save_model_func_kwargs: Any,
     ) -> str:
         """Save model, optimizer, schedulers, RNG and ``self.step`` as a shardbridge checkpoint.
 
         ``output_dir`` None = ``checkpoint.step_dir(project_dir/checkpoints, step)``. The
         checkpoint loads into any layout (see [Note: what a save_state checkpoint holds]).
+
+        Args:
+            output_dir: the checkpoint directory.
+            safe_serialization: must stay True: a shardbridge checkpoint holds plain tensors
+                only (no pickled objects to opt into); False is refused.
+            overwrite: replace an existing checkpoint at ``output_dir``.
+            **save_model_func_kwargs: Accelerate passes these to its model-saving function,
+                which shardbridge does not use: any is refused by name.
+
+        Raises:
+            ValueError: ``safe_serialization=False``, or keyword arguments it cannot honour.
         """
+        if safe_serialization is not True:
+            raise ValueError(
+                "save_state(safe_serialization=False): shardbridge checkpoints are always safe (plain tensors, "
+                "loaded with weights_only; see docs/checkpoints.md#threat-model); drop the argument"
+            )
+        _refuse_kwargs("save_state", save_model_func_kwargs, "output_dir, safe_serialization=True, overwrite")
         if output_dir is None:
             if not self.project_dir:
                 raise ValueError("save_state(output_dir=None) needs Accelerator(project_dir=...); pass output_dir")
@@ -248,16 +289,35 @@ class ShardbridgeAccelerator(Accelerator):
             output_dir,
             model=model,
             optimizer=optimizer,
-            schedulers=list(self._schedulers),
+            schedulers=list(accelerator_schedulers(self)),
             step=self.step,
             on_bad_layout=cfg.on_bad_layout,
             parallel_dims=self.parallel_mesh.dims,
-            overwrite=bool(kwargs.get("overwrite", False)),
+            overwrite=overwrite,
         )
         return str(path)
 
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> int:
-        """Load a ``save_state`` checkpoint (any layout); restores ``self.step`` and returns it."""
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        *,
+        strict: bool = True,
+        **load_model_func_kwargs: Any,
+    ) -> int:
+        """Load a ``save_state`` checkpoint (any layout); restores ``self.step`` and returns it.
+
+        Args:
+            input_dir: the checkpoint directory; None = the latest under ``project_dir/checkpoints``.
+            load_kwargs: Accelerate hands these to ``torch.load`` for its pickled files; a
+                shardbridge checkpoint has none, so any is refused by name.
+            strict: the model's and optimizer's keys must equal the checkpoint's.
+            **load_model_func_kwargs: refused by name (Accelerate's model-loading hook).
+
+        Raises:
+            ValueError: arguments it cannot honour, no checkpoint, or one that does not fit.
+        """
+        _refuse_kwargs("load_state", {**(load_kwargs or {}), **load_model_func_kwargs}, "input_dir, strict")
         if input_dir is None:
             if not self.project_dir:
                 raise ValueError("load_state(input_dir=None) needs Accelerator(project_dir=...); pass input_dir")
@@ -269,8 +329,8 @@ class ShardbridgeAccelerator(Accelerator):
             input_dir,
             model=model,
             optimizer=optimizer,
-            schedulers=list(self._schedulers),
-            strict=kwargs.get("strict", True),
+            schedulers=list(accelerator_schedulers(self)),
+            strict=strict,
         )
         if self.shardbridge_config.fp8.backend == "torchao":
             from shardbridge_hf import _fp8
@@ -316,3 +376,31 @@ def _without_env(names: tuple[str, ...]) -> Iterator[None]:
         yield
     finally:
         os.environ.update(saved)
+
+
+def _refuse_kwargs(method: str, kwargs: dict[str, Any], takes: str) -> None:
+    if kwargs:
+        raise ValueError(
+            f"ShardbridgeAccelerator.{method} does not use {sorted(kwargs)} (Accelerate's pickle/model-function "
+            f"options have no meaning for a shardbridge checkpoint); it takes {takes}"
+        )
+
+
+def _check_device_placement(
+    args: tuple[Any, ...], device_placement: list[bool] | None, own: list[int]
+) -> list[bool] | None:
+    """Accelerate's per-object ``device_placement``, checked: shardbridge places the model itself."""
+    if device_placement is None:
+        return None
+    if len(device_placement) != len(args):
+        raise ValueError(
+            f"prepare(device_placement=...) has {len(device_placement)} entries for {len(args)} objects; "
+            "give one bool per object (or leave it out)"
+        )
+    for i in own:
+        if device_placement[i] is False:
+            raise ValueError(
+                f"prepare(device_placement[{i}]=False) for the {type(args[i]).__name__}: shardbridge places the "
+                "sharded model and its optimizer state on the mesh's device itself; pass True (or None) for them"
+            )
+    return list(device_placement)

@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+from typing import Any
+
+from shardbridge._compat import parse_version
 
 __all__ = [
     "accelerate_version",
+    "accelerator_models",
+    "accelerator_schedulers",
+    "float8_weight_data",
     "has_replicate_parallel",
     "require_accelerate",
     "transformers_version",
@@ -31,13 +37,13 @@ def require_accelerate() -> None:
 @functools.cache
 def accelerate_version() -> tuple[int, ...]:
     """accelerate's version as a tuple of ints (release part only)."""
-    return _parse(importlib.metadata.version("accelerate"))
+    return parse_version(importlib.metadata.version("accelerate"))
 
 
 @functools.cache
 def transformers_version() -> tuple[int, ...]:
     """transformers' version as a tuple of ints (release part only)."""
-    return _parse(importlib.metadata.version("transformers"))
+    return parse_version(importlib.metadata.version("transformers"))
 
 
 @functools.cache
@@ -50,13 +56,19 @@ def has_replicate_parallel() -> bool:
     return True
 
 
-def _parse(version: str) -> tuple[int, ...]:
-    out = []
-    for part in version.split("."):
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-        if not part.isdigit():
-            break
-    return tuple(out)
+# -- Accelerate / torchao internals (checked against accelerate 1.10.1-1.15.0, torchao 0.18.0) --
+
+
+def accelerator_models(accelerator: Any) -> list:
+    """``Accelerator._models``: the models ``save_state`` / ``register_for_checkpointing`` see."""
+    return accelerator._models
+
+
+def accelerator_schedulers(accelerator: Any) -> list:
+    """``Accelerator._schedulers``: the prepared LR schedulers, in prepare order."""
+    return accelerator._schedulers
+
+
+def float8_weight_data(t: Any) -> Any:
+    """The high-precision tensor inside torchao's ``WeightWithDynamicFloat8CastTensor`` (``._tensor``)."""
+    return t._tensor

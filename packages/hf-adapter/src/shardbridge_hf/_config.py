@@ -36,6 +36,10 @@ from typing import Any, ClassVar
 
 import torch
 from shardbridge import FP8Recipe, MixedPrecisionPolicy, ParallelDims
+from shardbridge.checkpoint._export import parse_size
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from shardbridge_hf._tp import SUPPORTED_STYLES
 
 __all__ = [
     "BLOCK_KEY",
@@ -179,6 +183,13 @@ class CheckpointConfig:
             _one_of("checkpoint.export_dtype", self.export_dtype, ("bfloat16", "float32", "float16"))
         if not isinstance(self.max_shard_size, (str, int)) or isinstance(self.max_shard_size, bool):
             raise ValueError(f"{BLOCK_KEY}.checkpoint.max_shard_size={self.max_shard_size!r}: use e.g. '2GB'")
+        try:
+            parse_size(self.max_shard_size)
+        except ValueError:
+            raise ValueError(
+                f"{BLOCK_KEY}.checkpoint.max_shard_size={self.max_shard_size!r} is not a size > 0; use an int of "
+                "bytes or e.g. '2GB', '500MB', '1GiB'"
+            ) from None
         _one_of("checkpoint.on_bad_layout", self.on_bad_layout, ("repair", "error"))
 
 
@@ -250,6 +261,8 @@ class HFConfig:
                 raise ValueError(f"{BLOCK_KEY}.tp_plan={self.tp_plan!r}: use 'auto' or a mapping of module patterns")
         elif not isinstance(self.tp_plan, Mapping):
             raise ValueError(f"{BLOCK_KEY}.tp_plan must be 'auto' or a mapping, got {self.tp_plan!r}")
+        else:
+            _check_tp_plan(self.tp_plan)
         if self.reshard_after_forward != "default" and not isinstance(self.reshard_after_forward, bool):
             raise ValueError(
                 f"{BLOCK_KEY}.reshard_after_forward={self.reshard_after_forward!r}: use true, false or 'default'"
@@ -276,11 +289,10 @@ class HFConfig:
                 policy = MixedPrecisionPolicy(**kwargs)
             except ValueError as e:
                 raise ValueError(f"{BLOCK_KEY}.precision: {e}") from None
-        if policy.main_grads_dtype != policy.main_params_dtype:
-            raise ValueError(
-                f"{BLOCK_KEY}.precision: main_grads_dtype={policy.main_grads_dtype} != main_params_dtype="
-                f"{policy.main_params_dtype}; torch FSDP2 keeps gradients in the parameters' dtype, set both equal"
-            )
+        try:
+            policy.check_grads_match_params()  # the core's FSDP2 rule, named by its yaml key here
+        except NotImplementedError as e:
+            raise ValueError(f"{BLOCK_KEY}.precision: {e}") from None
         return policy
 
     # -- yaml block <-> config <-> JSON --------------------------------------------------------
@@ -332,6 +344,23 @@ class HFConfig:
         """The config the launcher put in :data:`ENV_VAR`, or None. (The worker-side edge.)"""
         text = os.environ.get(ENV_VAR)
         return None if not text else cls.from_json(text)
+
+
+def _check_tp_plan(plan: Mapping[Any, Any]) -> None:
+    """Each entry a module pattern (str) and a style this adapter lowers (or a torch ParallelStyle)."""
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(
+                f"{BLOCK_KEY}.tp_plan has the key {pattern!r}; keys are module patterns such as "
+                "'model.layers.*.mlp.up_proj'"
+            )
+        if isinstance(style, ParallelStyle):
+            continue
+        if not isinstance(style, str) or style not in SUPPORTED_STYLES:
+            raise ValueError(
+                f"{BLOCK_KEY}.tp_plan[{pattern!r}]={style!r} is not a TP style shardbridge_hf supports; choose one "
+                f"of {list(SUPPORTED_STYLES)}"
+            )
 
 
 def _dtype(key: str, value: Any) -> torch.dtype:

@@ -34,6 +34,8 @@ import torch
 from shardbridge import ParallelMesh, register_fp8_tensor_type, use_uint8_all_gather
 from torch import nn
 
+from shardbridge_hf._compat import float8_weight_data
+
 __all__ = [
     "RECIPES",
     "after_fsdp",
@@ -78,7 +80,7 @@ def _register_portable() -> None:
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     # The wrapper holds the high-precision weight: saving a view of it keeps loads in place.
-    register_fp8_tensor_type(WeightWithDynamicFloat8CastTensor, lambda t: t._tensor)
+    register_fp8_tensor_type(WeightWithDynamicFloat8CastTensor, float8_weight_data)
 
 
 def convert(

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardbridge import ParallelDims
+from shardbridge.cli._plugins import Verb
 
 from shardbridge_hf._compat import require_accelerate
 from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig
 
-__all__ = ["LaunchPlan", "main", "read_config_file"]
+__all__ = ["LaunchPlan", "cli_verb", "main", "read_config_file"]
 
 # Accelerate exports fp8_config keys as ACCELERATE_FP8_<KEY>; TERecipeKwargs reads other names
 # for these two (upstream bug 7). We translate them into the block instead.
@@ -72,10 +73,17 @@ def read_config_file(path: str | os.PathLike[str]) -> LaunchPlan:
         NotImplementedError: ``parallelism_config_cp_size > 1`` (context parallel).
     """
     require_accelerate()
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    cluster = load_config_from_file(str(path))
     where = f"config file {str(path)!r}"
+    cluster = _load_cluster_config(path, where)
+    for key in ("fsdp_config", "parallelism_config", "fp8_config"):
+        if getattr(cluster, key, None) is not None and not isinstance(getattr(cluster, key), dict):
+            raise ValueError(f"{where}: {key} must be a mapping, got {getattr(cluster, key)!r}")
+    if (cluster.fsdp_config or {}).get("shardbridge") is not None and not isinstance(
+        cluster.fsdp_config["shardbridge"], dict
+    ):
+        raise ValueError(f"{where}: {BLOCK_KEY} must be a mapping, got {cluster.fsdp_config['shardbridge']!r}")
+    if not isinstance(cluster.use_cpu, bool):
+        raise ValueError(f"{where}: use_cpu={cluster.use_cpu!r} must be true or false")
     distributed_type = getattr(cluster.distributed_type, "value", cluster.distributed_type)
     if distributed_type != "FSDP":
         raise ValueError(f"{where}: distributed_type={distributed_type!r}; set distributed_type: FSDP")
@@ -91,6 +99,8 @@ def read_config_file(path: str | os.PathLike[str]) -> LaunchPlan:
         )
     if mixed == "fp16":
         raise ValueError(f"{where}: mixed_precision: fp16 is not supported under FSDP2 here; use bf16")
+    if mixed not in ("no", "bf16"):
+        raise ValueError(f"{where}: mixed_precision={mixed!r} is not allowed; use 'no' or 'bf16'")
     if mixed == "bf16":
         if "precision" not in block:
             block["precision"] = "bf16"
@@ -100,7 +110,10 @@ def read_config_file(path: str | os.PathLike[str]) -> LaunchPlan:
                 "block wins when mixed_precision is 'no')"
             )
     _merge_accelerate_fp8(cluster.fp8_config or {}, block, where)
-    num_processes = int(cluster.num_processes)
+    num_processes = cluster.num_processes
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        hint = " (it is not set: add num_processes: N)" if num_processes == -1 else ""
+        raise ValueError(f"{where}: num_processes={num_processes!r} must be an int >= 1, the total process count{hint}")
     pc = dict(cluster.parallelism_config or {})
 
     def size(name: str) -> int:
@@ -126,6 +139,39 @@ def read_config_file(path: str | os.PathLike[str]) -> LaunchPlan:
         )
     config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
     return LaunchPlan(config=config, dims=dims, num_processes=num_processes)
+
+
+def _load_cluster_config(path: str | os.PathLike[str], where: str) -> Any:
+    """Accelerate's own loader, after checks that turn its crashes on bad files into ValueErrors."""
+    import json
+
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(
+            f"{where} cannot be read ({exc.strerror or exc}); pass an existing Accelerate config file"
+        ) from None
+    is_json = str(path).endswith(".json")
+    try:
+        data = json.loads(text) if is_json else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"{where} is not valid {'JSON' if is_json else 'YAML'} ({detail}); fix its syntax") from None
+    if not isinstance(data, dict) or not data:
+        raise ValueError(
+            f"{where} is empty or not a mapping of keys (got {type(data).__name__}); write an Accelerate config, "
+            "e.g. examples/hf/cpu_fsdp2_tp2.yaml"
+        )
+    try:
+        return load_config_from_file(str(path))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        # Accelerate's own message (unknown keys, a bad enum value) or its crash on a wrong type.
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"{where}: Accelerate cannot read it: {type(exc).__name__}: {detail}") from None
 
 
 def _merge_accelerate_fp8(fp8_config: dict[str, Any], block: dict[str, Any], where: str) -> None:
@@ -179,9 +225,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     os.environ[ENV_VAR] = plan.config.to_json()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    launch_command(args)
+    try:
+        launch_command(args)
+    except (ValueError, NotImplementedError) as e:  # Accelerate refused an argument
+        print(f"shardbridge-launch: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 (the workers failed; their tracebacks are above)
+        print(
+            f"shardbridge-launch: the launched processes failed ({type(e).__name__}); their output is above",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+cli_verb = Verb(
+    help="validate an Accelerate config's fsdp_config.shardbridge block, then accelerate launch (docs/hf.md)",
+    main=main,
+    install_hint='pip install "shardbridge[hf]"',
+)
+"""``shardbridge launch``: registered in the ``shardbridge.cli`` entry-point group (pyproject.toml)."""

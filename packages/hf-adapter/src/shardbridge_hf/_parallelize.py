@@ -89,7 +89,11 @@ def parallelize(
         src = None if config.sync_module_states else 0
         apply_tp(model, pm["tp"], plan, float8_styles=float8_styles, src_data_rank=src)
 
-    _check_main_dtype(model, policy.main_params_dtype)
+    policy.check_model_dtype(
+        model,
+        fix=f"build it in that dtype (from_config(cfg, torch_dtype={policy.main_params_dtype})) or set "
+        "fsdp_config.shardbridge.precision.main_params_dtype accordingly",
+    )
     apply_fsdp(model, pm, policy, units=fsdp_units(model), reshard_after_forward=config.reshard_after_forward)
 
     if config.sync_module_states:
@@ -176,14 +180,3 @@ def load_full_from_rank0(model: nn.Module, full: dict[str, torch.Tensor] | None,
             local.copy_(piece)
         else:
             local.copy_(buf)
-
-
-def _check_main_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    wrong = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype.is_floating_point and p.dtype != dtype]
-    if wrong:
-        name, got = wrong[0]
-        raise ValueError(
-            f"parameter {name!r} is {got} but the precision's main_params_dtype is {dtype}; build the model in "
-            f"{dtype} (from_config(cfg, torch_dtype={dtype}) / model.to({dtype})) or set "
-            f"fsdp_config.shardbridge.precision.main_params_dtype accordingly"
-        )

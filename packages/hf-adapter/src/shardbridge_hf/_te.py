@@ -12,7 +12,7 @@ no way to ask for FP8 parameters (accelerate #3710, PR #3585). shardbridge_hf:
 - with ``fp8.fp8_params: true`` offers :func:`model_init_context` (TE's
   ``quantized_model_init``) for building the model, so the weights themselves are FP8.
 
-TransformerEngine cannot be imported without CUDA (see KNOWLEDGE: TE needs its compiled
+TransformerEngine cannot be imported without CUDA (see docs/te.md: TE needs its compiled
 extension). On CPU, ``integration_tests/test_hf_te_fp8_structural.py`` imports TE's real Python
 code with the extension stood in and checks the wiring (te.Linear under FSDP2, FP8 enabled at
 forward, the yaml's recipe); FP8 numerics are exercised on GPU machines only. TE Linear under
@@ -23,27 +23,33 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from shardbridge._compat import require_module
 from torch import nn
 
 if TYPE_CHECKING:
     from shardbridge_hf._config import FP8Config
 
-__all__ = ["apply_fp8_autocast", "build_recipe", "check_te_model", "model_init_context", "require_te"]
+__all__ = [
+    "apply_fp8_autocast",
+    "build_recipe",
+    "check_te_model",
+    "model_init_context",
+    "remove_fp8_autocast",
+    "require_te",
+]
 
 
 def require_te() -> Any:
     """``transformer_engine.pytorch``, or ImportError with the install hint."""
-    try:
-        import transformer_engine.pytorch as te
-    except Exception as e:  # noqa: BLE001 - TE raises OSError/RuntimeError without CUDA too
-        raise ImportError(
-            'fp8 backend "te" needs TransformerEngine with CUDA: pip install "shardbridge[te]" on a GPU machine '
-            f"(import failed: {e}); on CPU use fp8.backend: torchao"
-        ) from e
-    return te
+    return require_module(
+        "transformer_engine.pytorch",
+        hint='fp8 backend "te" needs TransformerEngine with CUDA: pip install "shardbridge[te]" on a GPU machine; '
+        "on CPU use fp8.backend: torchao",
+    )
 
 
 def build_recipe(fp8: FP8Config) -> Any:
@@ -70,8 +76,25 @@ def check_te_model(model: nn.Module) -> None:
         convert_model(model, to_transformer_engine=True, _convert_linear=True, _convert_ln=False)
 
 
-def apply_fp8_autocast(model: nn.Module, fp8: FP8Config) -> None:
-    """Run ``model.forward`` under ``te.pytorch.fp8_autocast`` with the configured recipe."""
+_UNDO_ATTR = "_shardbridge_undo_fp8_autocast"
+"""Attribute on a model whose forward :func:`apply_fp8_autocast` wrapped: the undo."""
+
+
+def apply_fp8_autocast(model: nn.Module, fp8: FP8Config) -> Callable[[], None]:
+    """Run ``model.forward`` under ``te.pytorch.fp8_autocast`` with the configured recipe.
+
+    Patch ``te_fp8_autocast`` ([Note: hf patch plan] in ``shardbridge_hf._patches``): gated on
+    the accelerate version (RuntimeError outside the checked range), idempotent, and
+    reversible: the undo is returned and kept on the model (:func:`remove_fp8_autocast`).
+
+    Returns:
+        The undo (restores the identical previous ``forward`` attribute of ``model``).
+    """
+    from shardbridge_hf import _patches
+
+    _patches.gate("te_fp8_autocast")
+    if _UNDO_ATTR in vars(model):
+        return vars(model)[_UNDO_ATTR]
     te = require_te()
     recipe = build_recipe(fp8)
     forward = model.forward
@@ -81,7 +104,23 @@ def apply_fp8_autocast(model: nn.Module, fp8: FP8Config) -> None:
         with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
             return forward(*args, **kwargs)
 
-    model.forward = fp8_forward
+    restore = _patches.patch_attr(model, "forward", fp8_forward)
+
+    def undo() -> None:
+        restore()
+        vars(model).pop(_UNDO_ATTR, None)
+
+    vars(model)[_UNDO_ATTR] = undo
+    return undo
+
+
+def remove_fp8_autocast(model: nn.Module) -> bool:
+    """Undo :func:`apply_fp8_autocast` on ``model``; returns whether there was anything to undo."""
+    undo = vars(model).get(_UNDO_ATTR)
+    if undo is None:
+        return False
+    undo()
+    return True
 
 
 def model_init_context(fp8: FP8Config) -> contextlib.AbstractContextManager:

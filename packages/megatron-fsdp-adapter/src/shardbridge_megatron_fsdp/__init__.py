@@ -1,5 +1,6 @@
-"""shardbridge_megatron_fsdp: Megatron-FSDP (the standalone ``megatron_fsdp`` package) with
-shardbridge's mesh, precision policy and checkpoints. ``pip install "shardbridge[megatron]"``.
+"""shardbridge_megatron_fsdp: Megatron-FSDP with shardbridge's mesh, precision policy and checkpoints.
+
+Megatron-FSDP is the standalone ``megatron_fsdp`` package. ``pip install "shardbridge[megatron]"``.
 
 Public: the names in ``__all__``::
 

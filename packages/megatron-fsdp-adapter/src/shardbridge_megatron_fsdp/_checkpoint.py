@@ -277,8 +277,9 @@ def load(
     strict: bool = True,
     rng: bool = True,
 ) -> core.TrainState:
-    """Load a shardbridge checkpoint (from Megatron-FSDP, torch FSDP2, TP, one process) into a
-    Megatron-FSDP model, in place. Call on every rank.
+    """Load a shardbridge checkpoint into a Megatron-FSDP model, in place. Call on every rank.
+
+    The checkpoint may come from Megatron-FSDP, torch FSDP2, TP or one process.
 
     ``shardbridge.checkpoint.load`` with :class:`MegatronFSDPStateDicts`, which also handles
     what a plain ``dcp.load`` leaves to the user: the loaded main weights are copied into

@@ -236,9 +236,10 @@ def uninstall(*, force: bool = False) -> None:
 
 @contextlib.contextmanager
 def cpu_patch() -> Iterator[bool]:
-    """Context manager form: install on enter; on exit uninstall if this context installed it
-    and nothing pinned it since (``shard_model`` inside the context pins it: its model needs the
-    patch after the context ends).
+    """Context manager form: install on enter, on exit uninstall what this context installed.
+
+    Nothing is uninstalled if something pinned the patch since (``shard_model`` inside the
+    context pins it: its model needs the patch after the context ends).
 
     Yields:
         Whether the patch is active (False on a CUDA machine).

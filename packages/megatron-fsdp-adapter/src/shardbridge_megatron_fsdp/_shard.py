@@ -237,12 +237,38 @@ def shard_model(
     policy = MixedPrecisionPolicy.fp32() if policy is None else policy
     strategy = _strategy("strategy", strategy, STRATEGIES)
     outer_strategy = _validate(model, mesh, strategy, outer_strategy, average_in_collective)
-    mp_policy = to_megatron_policy(policy)
-    mfsdp = require_megatron_fsdp()
+    unit_modules = _unit_modules(model, unit_modules, strategy)
     on_cpu = mesh.mesh.device_type == "cpu"
     patched = _cpu_patch.install(pin=True) if on_cpu else False
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    # 1. Remember the optimizer's groups by FQN (fully_shard would merge them into one).
+    group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
+    # 2. Compute dtype: Megatron-FSDP computes in the module's dtype at wrap time.
+    originals = None
+    if policy.param_dtype is not None:
+        originals = _full_values(model)
+        model.to(policy.param_dtype)
+    # 3. Wrap, and fix what megatron-fsdp 0.6.1 gets wrong after wrapping.
+    with _quiet_device_warning(patched):
+        wrapped = _wrap(model, mesh, to_megatron_policy(policy), strategy, outer_strategy, unit_modules, on_cpu)
+    _after_wrap(wrapped, mesh, strategy, outer_strategy)
+    params = dist_params(wrapped)
+    # 4. Main weights from the full-precision originals (see [Note: Megatron-FSDP precision]).
+    if originals is not None:
+        _main_weights_from(wrapped, params, originals)
+        del originals  # full copies: freed before the optimizer allocates its states
+    if optimizer is None:
+        return wrapped, None
+    # 5. The user's param groups over the distributed params; the zero-gradient step with lr=0.
+    # (torch keeps "params" the first key of each group, which fully_shard_optimizer relies on.)
+    rebind_param_groups(optimizer, group_fqns, {dp.fqn: dp.param for dp in params})
+    _shard_optimizer(optimizer)
+    return wrapped, optimizer
 
+
+def _unit_modules(
+    model: nn.Module, unit_modules: Sequence[type[nn.Module]] | None, strategy: str
+) -> list[type[nn.Module]]:
+    """The FSDP unit classes: as given, else the classes of ``model.layers``; checked to match."""
     given = unit_modules is not None
     if unit_modules is None:
         layers = getattr(model, "layers", None)
@@ -258,13 +284,20 @@ def shard_model(
             "their count). Pass unit_modules=[YourBlock] (the repeated layer class) or use "
             "strategy='optim_grads'"
         )
-    # 1. Remember the optimizer's groups by FQN (fully_shard would merge them into one).
-    group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
-    # 2. Compute dtype: Megatron-FSDP computes in the module's dtype at wrap time.
-    originals = None
-    if policy.param_dtype is not None:
-        originals = _full_values(model)
-        model.to(policy.param_dtype)
+    return unit_modules
+
+
+def _wrap(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    mp_policy: object,
+    strategy: str,
+    outer_strategy: str | None,
+    unit_modules: list[type[nn.Module]],
+    on_cpu: bool,
+) -> nn.Module:
+    """``megatron_fsdp.fully_shard_model`` over the shardbridge mesh (HSDP over dp_replicate)."""
+    mfsdp = require_megatron_fsdp()
     hsdp = {}
     if outer_strategy is not None:
         hsdp = {
@@ -272,20 +305,23 @@ def shard_model(
             "hybrid_fsdp_group": mesh["dp"].get_group(),
             "outer_dp_sharding_strategy": outer_strategy,
         }
-    # 3. Wrap.
-    with _quiet_device_warning(patched):
-        wrapped = mfsdp.fully_shard_model(
-            model,
-            device_mesh=mesh.mesh,
-            dp_shard_dim="dp_shard",
-            tp_dim="tp",
-            fsdp_unit_modules=unit_modules,
-            zero_dp_strategy=strategy,
-            device=device,
-            mixed_precision_policy=mp_policy,
-            sync_model_each_microbatch=True,
-            **hsdp,
-        )
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    return mfsdp.fully_shard_model(
+        model,
+        device_mesh=mesh.mesh,
+        dp_shard_dim="dp_shard",
+        tp_dim="tp",
+        fsdp_unit_modules=unit_modules,
+        zero_dp_strategy=strategy,
+        device=device,
+        mixed_precision_policy=mp_policy,
+        sync_model_each_microbatch=True,
+        **hsdp,
+    )
+
+
+def _after_wrap(wrapped: nn.Module, mesh: ParallelMesh, strategy: str, outer_strategy: str | None) -> None:
+    """gloo's missing PREMUL_SUM, the HFSDP scaling bug, the accumulation guard; DTensor params."""
     if "nccl" not in dist.get_backend(mesh["dp_shard"].get_group()):
         # gloo has no PREMUL_SUM: scale, then SUM (Megatron-FSDP's own fallback path).
         disable_grad_div_fusion(wrapped)
@@ -294,29 +330,31 @@ def shard_model(
     if accumulation_is_wrong(strategy, outer_strategy):
         install_guard(wrapped, strategy, outer_strategy)
     install_distributed_params(wrapped)
-    params = dist_params(wrapped)
-    # 4. Main weights from the full-precision originals (see [Note: Megatron-FSDP precision]).
-    if originals is not None:
-        with torch.no_grad():
-            for dp in params:
-                if dp.local.numel():
-                    box = tuple(slice(o, o + s) for o, s in zip(dp.offsets, dp.local.shape))
-                    dp.local.copy_(originals[dp.fqn][box])
-        del originals
-        wrapped.install_optimized_model_weights()
-    if optimizer is None:
-        return wrapped, None
-    # 5. The user's param groups over the distributed params; the zero-gradient step with lr=0.
-    # (torch keeps "params" the first key of each group, which fully_shard_optimizer relies on.)
-    rebind_param_groups(optimizer, group_fqns, {dp.fqn: dp.param for dp in params})
-    # lr=0 keeps the weights; weight_decay=0 keeps decay out of the states (SGD would put
-    # weight_decay * p into its momentum buffer on a zero gradient).
+
+
+def _main_weights_from(wrapped: nn.Module, params: list, originals: dict[str, torch.Tensor]) -> None:
+    """Each rank's main-weight shard copied from the full-precision original, then the compute weights."""
+    with torch.no_grad():
+        for dp in params:
+            if dp.local.numel():
+                box = tuple(slice(o, o + s) for o, s in zip(dp.offsets, dp.local.shape))
+                dp.local.copy_(originals[dp.fqn][box])
+    wrapped.install_optimized_model_weights()
+
+
+def _shard_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """``fully_shard_optimizer`` without its side effects on the weights and Adam's step count.
+
+    Its zero-gradient ``optimizer.step()`` runs with lr=0 (keeps the weights) and
+    weight_decay=0 (keeps decay out of the states: SGD would put ``weight_decay * p`` into its
+    momentum buffer on a zero gradient); the step counters it bumped are reset to 0.
+    """
     neutral = {"lr": 0.0, "weight_decay": 0.0}
     saved = [{k: g[k] for k in neutral if k in g} for g in optimizer.param_groups]
     for g, old in zip(optimizer.param_groups, saved):
         for k in old:
             g[k] = torch.zeros_like(g[k]) if isinstance(g[k], torch.Tensor) else neutral[k]
-    mfsdp.fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=True)
+    require_megatron_fsdp().fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=True)
     for g, old in zip(optimizer.param_groups, saved):
         g.update(old)
     for state in optimizer.state.values():
@@ -325,4 +363,3 @@ def shard_model(
             step.zero_()
         elif step is not None:
             state["step"] = 0
-    return wrapped, optimizer

@@ -9,7 +9,8 @@ Checkpoints go through ``shardbridge.checkpoint`` (FP8 parameters saved as plain
 
 Public: the names in ``__all__``. ``_``-prefixed modules are private; the placement table
 (``shardbridge_te._placements``) and patch plan (``shardbridge_te._patches``) import without TE.
-Importing this package does not import TE; the functions do (``ImportError`` with the install
+Every change to TE objects is a version-gated, reversible entry of the patch plan
+(``PATCHES``; :func:`unpatch` undoes them). Importing this package does not import TE; the functions do (``ImportError`` with the install
 hint when it is missing).
 """
 
@@ -17,7 +18,7 @@ from shardbridge_te._apply import TEModuleState, set_device_mesh
 from shardbridge_te._checkpoint import register_te_fp8_types
 from shardbridge_te._compat import te_version
 from shardbridge_te._lifecycle import default_units, materialize, parallelize
-from shardbridge_te._patches import PATCHES, Patch, patch_plan
+from shardbridge_te._patches import PATCHES, Patch, patch_plan, unpatch
 from shardbridge_te._placements import tp_mode
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "set_device_mesh",
     "te_version",
     "tp_mode",
+    "unpatch",
 ]

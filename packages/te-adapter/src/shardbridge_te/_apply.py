@@ -23,7 +23,6 @@ FSDP2's own hooks run outside ``forward`` (``__call__``), so they always see the
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardbridge_te._compat import te_pytorch, te_version
-from shardbridge_te._patches import LAST_CHECKED, patch_float8_pre_all_gather, patch_plan
+from shardbridge_te._patches import apply_float8_pre_all_gather, gate, keep_instance_undo, patch_attr
 from shardbridge_te._placements import CONTAINER_KINDS, MODULE_KINDS, tp_modes
 
 __all__ = ["STATE_ATTR", "TEModuleState", "module_kind", "set_device_mesh", "te_modules"]
@@ -102,7 +101,11 @@ def _global_shape(local: nn.Parameter, mode: TPMode, tp: int, override: Sequence
 
 
 def _local_forward(module: nn.Module, names: Sequence[str]) -> None:
-    """Wrap ``module.forward`` so TE sees local tensors. See [Note: local forward]."""
+    """Wrap ``module.forward`` so TE sees local tensors. See [Note: local forward].
+
+    Patch ``local_forward``: an instance attribute; its undo is kept on the module
+    (``shardbridge_te._patches.unpatch(model)``).
+    """
     if getattr(module.forward, "_shardbridge_local_forward", False):
         return
     original = module.forward
@@ -122,7 +125,7 @@ def _local_forward(module: nn.Module, names: Sequence[str]) -> None:
             module._parameters.update(saved)
 
     forward._shardbridge_local_forward = True  # type: ignore[attr-defined]
-    module.forward = forward
+    keep_instance_undo(module, "local_forward", patch_attr(module, "forward", forward))
 
 
 def _register_gated_fc1(module: nn.Module, fc1_global_rows: int) -> None:
@@ -143,6 +146,7 @@ def _convert_module(
     mesh: ParallelMesh,
     overrides: Mapping[str, Sequence[int]],
     amax_group: Any,
+    local_forward: bool,
 ) -> TEModuleState:
     tp = mesh.dims.tp
     module_tp = int(getattr(module, "tp_size", 1) or 1)
@@ -173,7 +177,7 @@ def _convert_module(
             module.set_tensor_parallel_group(mesh["tp"].get_group())
     if kind == "LayerNormMLP" and tp_sharded:
         _register_gated_fc1(module, shapes["fc1_weight"][0])
-    if tp > 1:
+    if tp > 1 and local_forward:
         _local_forward(module, names)
     module._shardbridge_amax_group = amax_group
     return TEModuleState(kind=kind, modes=modes, global_shapes=shapes, amax_group=amax_group)
@@ -226,21 +230,24 @@ def set_device_mesh(
         (Shard(dim=0),)
     """
     version = te_version()
-    plan = {p.name for p in patch_plan(version)}
-    if version > LAST_CHECKED:
-        warnings.warn(
-            f"shardbridge_te was checked against TransformerEngine up to {'.'.join(map(str, LAST_CHECKED))}; "
-            f"running with {'.'.join(map(str, version))}. Run the GPU tier (docs/te.md) before relying on it.",
-            stacklevel=2,
+    # Every patch site asks its gate (shardbridge_te._patches): error or warn + skip outside
+    # the TE versions it was checked against.
+    if not gate("dtensor_params", version):
+        raise NotImplementedError(
+            f"TransformerEngine {'.'.join(map(str, version))} makes TP parameters DTensors itself; "
+            "use TE's own set_device_mesh (TE PR #2713) instead of shardbridge_te.set_device_mesh"
         )
+    local_forward = gate("local_forward", version)
+    float8_amax_group = gate("float8_pre_all_gather_amax_group", version)
+    portable_extra_state = gate("portable_extra_state", version)
     global_shapes = dict(global_shapes or {})
     _check_global_shapes(model, global_shapes)
     from shardbridge_te._checkpoint import install_portable_extra_state, register_te_fp8_types
 
     register_te_fp8_types()
     te = te_pytorch()
-    if "float8_pre_all_gather_amax_group" in plan and hasattr(te, "Float8Tensor"):
-        patch_float8_pre_all_gather(te.Float8Tensor)
+    if float8_amax_group and hasattr(te, "Float8Tensor"):
+        apply_float8_pre_all_gather(te.Float8Tensor)  # undo kept: shardbridge_te.unpatch()
     amax_group = mesh["weight"].get_group() if dist.is_initialized() else None
     base = getattr(te_pytorch().module.base, "TransformerEngineBaseModule", None)
     for fqn, module, kind in te_modules(model):
@@ -252,8 +259,8 @@ def set_device_mesh(
             for k, v in global_shapes.items()
             if k.startswith(prefix) and "." not in k[len(prefix) :]
         }
-        state = _convert_module(fqn, module, kind, mesh, overrides, amax_group)
+        state = _convert_module(fqn, module, kind, mesh, overrides, amax_group, local_forward)
         setattr(module, STATE_ATTR, state)
-        if "portable_extra_state" in plan and base is not None and isinstance(module, base):
+        if portable_extra_state and base is not None and isinstance(module, base):
             install_portable_extra_state(module)
     return model

@@ -39,6 +39,8 @@ import torch
 from shardbridge import register_fp8_tensor_type
 from torch import nn
 
+from shardbridge_te._patches import keep_instance_undo, patch_attr
+
 __all__ = [
     "EXTRA_STATE_FORMAT",
     "decode_extra_state",
@@ -112,16 +114,43 @@ def recipe_to_record(recipe: Any) -> dict[str, Any]:
 
 
 def recipe_from_record(record: dict[str, Any], module: Any = None) -> Any:
-    """Rebuild a recipe from :func:`recipe_to_record`'s output (``module`` = where its classes live)."""
+    """Rebuild a recipe from :func:`recipe_to_record`'s output (``module`` = where its classes live).
+
+    The record comes from a checkpoint, so it is untrusted (see [Note: untrusted checkpoints] in
+    the core's ``checkpoint/_trust.py``): only a public dataclass of ``module`` (a subclass of its
+    ``Recipe`` where it has one) is built, only from plain values and members of public enums
+    of ``module``; anything else is a ValueError and nothing is called.
+
+    Raises:
+        ValueError: the record names something that is not a recipe / enum member.
+    """
     module = module if module is not None else importlib.import_module(_RECIPE_MODULE)
+    where = f"FP8 recipe record {record.get('class')!r} from the checkpoint's _extra_state"
+    if not isinstance(record, dict) or not isinstance(record.get("fields"), dict):
+        raise ValueError(f"{where} is not a recipe record; the checkpoint is damaged or not trusted")
+    cls = _public_attr(module, record.get("class"), where)
+    base = getattr(module, "Recipe", None)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and (base is None or issubclass(cls, base))):
+        raise ValueError(f"{where}: {record.get('class')!r} is not a recipe class of {module.__name__}; not trusted")
     fields = {}
     for name, value in record["fields"].items():
         if isinstance(value, dict) and "enum" in value:
-            value = getattr(getattr(module, value["enum"]), value["name"])
+            enum_cls = _public_attr(module, value.get("enum"), where)
+            member = value.get("name")
+            if not (isinstance(enum_cls, type) and issubclass(enum_cls, enum.Enum)) or member not in enum_cls.__members__:
+                raise ValueError(f"{where}: field {name!r} names {value!r}, not an enum member; not trusted")
+            value = enum_cls[member]
+        elif value is not None and not isinstance(value, (bool, int, float, str)):
+            raise ValueError(f"{where}: field {name!r} is not plain data; not trusted")
         fields[name] = value
-    cls = getattr(module, record["class"])
     init_names = {f.name for f in dataclasses.fields(cls) if f.init}
     return cls(**{k: v for k, v in fields.items() if k in init_names})
+
+
+def _public_attr(module: Any, name: Any, where: str) -> Any:
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_") or not hasattr(module, name):
+        raise ValueError(f"{where}: {name!r} is not a public name of {module.__name__}; not trusted")
+    return getattr(module, name)
 
 
 # --------------------------------------------------------------------------- extra state
@@ -198,7 +227,8 @@ def install_portable_extra_state(module: nn.Module) -> None:
     """Make ``module``'s ``_extra_state`` portable bytes (instance patch, idempotent).
 
     See [Note: portable _extra_state]. TE-native states (uint8 tensors from older
-    checkpoints) still load through TE's own ``set_extra_state``.
+    checkpoints) still load through TE's own ``set_extra_state``. Patch
+    ``portable_extra_state``: its undo is kept on the module (``shardbridge_te.unpatch(model)``).
     """
     if getattr(module.get_extra_state, "_shardbridge_portable", False):
         return
@@ -214,5 +244,11 @@ def install_portable_extra_state(module: nn.Module) -> None:
             native_set(state)
 
     get_extra_state._shardbridge_portable = True  # type: ignore[attr-defined]
-    module.get_extra_state = get_extra_state
-    module.set_extra_state = set_extra_state
+    undo_get = patch_attr(module, "get_extra_state", get_extra_state)
+    undo_set = patch_attr(module, "set_extra_state", set_extra_state)
+
+    def undo() -> None:
+        undo_set()
+        undo_get()
+
+    keep_instance_undo(module, "portable_extra_state", undo)

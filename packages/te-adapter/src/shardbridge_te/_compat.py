@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import re
 from types import ModuleType
+
+from shardbridge._compat import parse_version as core_parse_version
+from shardbridge._compat import require_module
 
 __all__ = ["INSTALL_HINT", "parse_version", "te_pytorch", "te_version"]
 
@@ -17,17 +19,19 @@ INSTALL_HINT = 'pip install "shardbridge[te]"'
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
-    """``"2.20.2"`` / ``"2.8.0.dev0+abc"`` -> ``(2, 20, 2)`` / ``(2, 8, 0)``.
+    """``"2.20.2"`` / ``"2.8.0.dev0+abc"`` -> ``(2, 20, 2)`` / ``(2, 8, 0)`` (the core's parser, padded).
 
     Example:
         >>> parse_version("2.20.2+cu12")
         (2, 20, 2)
     """
-    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if match is None:
+    try:
+        version = core_parse_version(text)
+    except ValueError:
+        version = ()
+    if len(version) < 2:
         raise ValueError(f"TransformerEngine version {text!r} is not of the form MAJOR.MINOR[.PATCH]")
-    major, minor, patch = match.groups()
-    return int(major), int(minor), int(patch or 0)
+    return (*version[:3], 0)[:3]  # type: ignore[return-value]
 
 
 @functools.cache
@@ -38,13 +42,11 @@ def te_pytorch() -> ModuleType:
         ImportError: TE (with its PyTorch extension) is not importable; the message carries
             the install hint and TE's own error.
     """
-    try:
-        return importlib.import_module("transformer_engine.pytorch")
-    except ImportError as err:  # includes a missing transformer_engine_torch extension
-        raise ImportError(
-            f"shardbridge_te needs TransformerEngine with its PyTorch extension: {INSTALL_HINT} "
-            f"(on a machine with CUDA; see docs/te.md). Import failed with: {err}"
-        ) from err
+    return require_module(
+        "transformer_engine.pytorch",
+        hint=f"shardbridge_te needs TransformerEngine with its PyTorch extension: {INSTALL_HINT} "
+        "(on a machine with CUDA; see docs/te.md)",
+    )
 
 
 @functools.cache

@@ -189,7 +189,8 @@ def parallelize(
         units: FSDP units; None = :func:`default_units` (each outermost TE module).
         global_shapes: see :func:`set_device_mesh` (uneven TP pieces).
         device: see :func:`materialize`.
-        reshard_after_forward, fsdp_kwargs: passed to :func:`shardbridge.apply_fsdp`.
+        reshard_after_forward: passed to :func:`shardbridge.apply_fsdp`.
+        **fsdp_kwargs: passed to :func:`shardbridge.apply_fsdp`.
 
     Returns:
         ``model``, wrapped in place.

@@ -1,10 +1,21 @@
 """The patch plan: what the adapter changes in a TE release, and which upstream issue each covers.
 
-Every change the adapter makes to TransformerEngine is listed here with the upstream PR or
-issue it stands in for and the TE versions it applies to. The plan is pure (a function of the
-version tuple), so it is tested without TE. Instance patches (forward, ``_extra_state``) are
-applied per module by :func:`shardbridge_te.set_device_mesh`; the one class-level patch
-(:func:`patch_float8_pre_all_gather`) is reversible with its returned undo function.
+Every change the adapter makes to TransformerEngine is a :class:`Patch` in :data:`PATCHES`, and
+the code that makes it asks the plan first (:func:`gate`): :func:`shardbridge_te.set_device_mesh`
+for ``dtensor_params``, ``local_forward``, ``float8_pre_all_gather_amax_group`` and
+``portable_extra_state``, :func:`shardbridge_te.materialize` for ``reset_parameters``. Each
+patch declares the TE versions it was checked against (``checked``) and what happens outside
+them (``outside``): ``"error"`` where running without the patch would silently give wrong
+results or the patch reads TE internals that may have moved, ``"skip"`` (a warning naming what
+is lost) where TE without it still works or fails loudly on its own. The plan is pure (a
+function of the version tuple), so it is tested without TE.
+
+Reversible: the class patch (``Float8Tensor.fsdp_pre_all_gather``) keeps its undo in this module
+(:func:`unpatch` with no model restores the identical original attribute); the instance patches
+(``forward``, ``get_extra_state`` / ``set_extra_state``) keep theirs on the module
+(:func:`unpatch(model) <unpatch>`). ``dtensor_params`` converts the model's parameters in place
+(the model's data, as ``fully_shard`` does) and ``reset_parameters`` replaces a call rather than
+an attribute: neither leaves anything to undo.
 
 [Note: why patch at all]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -17,39 +28,63 @@ explicitly), GroupedLinear, an amax-reduction group that does not depend on a me
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
 
 __all__ = [
     "LAST_CHECKED",
     "MIN_VERSION",
     "PATCHES",
     "Patch",
+    "gate",
+    "patch_attr",
     "patch_float8_pre_all_gather",
     "patch_plan",
+    "unpatch",
 ]
 
-MIN_VERSION = (2, 8, 0)
+Version = tuple[int, int, int]
+
+MIN_VERSION: Version = (2, 8, 0)
 """Oldest TE the adapter supports (the ``te`` extra's floor)."""
-LAST_CHECKED = (2, 20, 2)
+LAST_CHECKED: Version = (2, 20, 2)
 """Newest TE whose Python sources the adapter was checked against (structural tier)."""
+
+_UNDO_ATTR = "_shardbridge_te_undo"
+"""Attribute on a patched TE module: ``{patch name: undo}`` of its instance patches."""
+
+
+def _fmt(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
 
 
 @dataclass(frozen=True, kw_only=True)
 class Patch:
-    """One change to TE, the upstream issue/PR it covers, and the versions it applies to."""
+    """One change to TE, the upstream issue/PR it covers, and the versions it was checked against."""
 
     name: str
-    """Short identifier (used in logs and tests)."""
+    """Short identifier (used in logs, errors and tests)."""
+    target: str = ""
+    """The upstream object changed or replaced, e.g. ``"Float8Tensor.fsdp_pre_all_gather"``."""
     covers: str
     """The upstream issue or PR, e.g. ``"TE PR #2713"``."""
     what: str
     """What the patch does, in one sentence."""
-    fixed_in: tuple[int, int, int] | None = None
+    checked: tuple[Version, Version] = (MIN_VERSION, LAST_CHECKED)
+    """``(oldest, newest)`` TE versions the patch was checked against, both inclusive."""
+    outside: Literal["error", "skip"] = "error"
+    """Outside ``checked``: ``"error"`` (RuntimeError) or ``"skip"`` (a warning, patch not applied)."""
+    undo: str = ""
+    """How the patch is undone, or why nothing is left to undo."""
+    fixed_in: Version | None = None
     """First TE release with the upstream fix (the patch is then not applied); None = none yet."""
 
     def applies(self, version: tuple[int, int, int]) -> bool:
-        """Whether TE ``version`` needs this patch.
+        """Whether TE ``version`` needs this patch (the upstream fix is not in it).
 
         Example:
             >>> Patch(name="x", covers="TE #1", what="-", fixed_in=(2, 21, 0)).applies((2, 20, 2))
@@ -57,39 +92,71 @@ class Patch:
         """
         return self.fixed_in is None or tuple(version) < self.fixed_in
 
+    def in_checked_range(self, version: tuple[int, int, int]) -> bool:
+        """Whether ``version`` lies in :attr:`checked` (inclusive).
+
+        Example:
+            >>> Patch(name="x", covers="TE #1", what="-").in_checked_range((2, 21, 0))
+            False
+        """
+        low, high = self.checked
+        return low <= tuple(version) <= high
+
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="dtensor_params",
+        target="TE module parameters (weight, bias, ...) of every TE module",
         covers="TE PR #2713 (set_device_mesh, unmerged); uneven shapes and GroupedLinear beyond it",
         what="TP-sharded parameters become DTensors on the TP mesh with explicit global shapes",
+        outside="error",
+        undo="not undone: the model's own parameters are converted in place (as fully_shard does)",
     ),
     Patch(
         name="local_forward",
+        target="<TE module>.forward (instance attribute)",
         covers="TE PR #2713 (_extract_trainable_tensor_from_dtensor)",
         what="forward hands TE the local tensors of DTensor parameters; gradients return as DTensors",
+        outside="error",
+        undo="unpatch(model) removes the instance attribute (the class's forward shows again)",
     ),
     Patch(
         name="reset_parameters",
+        target="TransformerEngineBaseModule.reset_parameters (not called; replaced by materialize)",
         covers="TE PR #2713 lifecycle; reset_parameters' device='cuda' and mesh_dim='shard' in TE 2.x",
         what="materialize meta parameters on the requested device and quantize with the weight-mesh amax group",
+        outside="error",
+        undo="nothing to undo: TE's method is left alone, materialize reads param_init_meta/quantizers instead",
     ),
     Patch(
         name="float8_pre_all_gather_amax_group",
+        target="Float8Tensor.fsdp_pre_all_gather (class attribute)",
         covers="TE PR #2713 (Float8Tensor.fsdp_pre_all_gather overwrites amax_reduction_group)",
         what="a pinned amax_reduction_group survives FSDP2 all-gathers",
+        outside="skip",
+        undo="unpatch() restores the identical class attribute (undo kept in _patches)",
     ),
     Patch(
         name="portable_extra_state",
+        target="<TE module>.get_extra_state / set_extra_state (instance attributes)",
         covers="TE #1860 (DelayedScaling _extra_state not DCP-loadable across ranks)",
         what="_extra_state is saved as fixed-structure bytes readable with torch alone, loadable at any layout",
+        outside="skip",
+        undo="unpatch(model) removes the instance attributes (TE's native extra state again)",
     ),
 )
 """Every patch, in the order the adapter applies them."""
 
+_LOST_WHEN_SKIPPED = {
+    "float8_pre_all_gather_amax_group": "FP8 current-scaling weights may reduce amax over FSDP's shard mesh only "
+    "(not the TP ranks) after an all-gather",
+    "portable_extra_state": "_extra_state stays TE's native per-rank pickle, which DCP cannot load across "
+    "ranks or layouts (TE #1860)",
+}
+
 
 def patch_plan(version: tuple[int, int, int]) -> tuple[Patch, ...]:
-    """The patches TE ``version`` needs.
+    """The patches TE ``version`` needs (those whose upstream fix is not in it).
 
     Raises:
         ValueError: ``version`` is older than :data:`MIN_VERSION`.
@@ -101,10 +168,112 @@ def patch_plan(version: tuple[int, int, int]) -> tuple[Patch, ...]:
     version = tuple(version)
     if version < MIN_VERSION:
         raise ValueError(
-            f"TransformerEngine {'.'.join(map(str, version))} is older than the supported "
-            f"{'.'.join(map(str, MIN_VERSION))}; upgrade: pip install 'transformer_engine[pytorch]>=2.8'"
+            f"TransformerEngine {_fmt(version)} is older than the supported "
+            f"{_fmt(MIN_VERSION)}; upgrade: pip install 'transformer_engine[pytorch]>=2.8'"
         )
     return tuple(p for p in PATCHES if p.applies(version))
+
+
+def gate(name: str, version: tuple[int, int, int]) -> bool:
+    """Whether to apply patch ``name`` on TE ``version``: the check every patch site makes first.
+
+    True inside the patch's checked range (and before its upstream fix); False when the fix is
+    released, or outside the range for an ``outside="skip"`` patch (with a warning saying what
+    is lost).
+
+    Raises:
+        RuntimeError: ``version`` is outside the range of an ``outside="error"`` patch.
+        KeyError: no patch is named ``name``.
+
+    Example:
+        >>> gate("local_forward", (2, 20, 2))
+        True
+    """
+    patch = next((p for p in PATCHES if p.name == name), None)
+    if patch is None:
+        raise KeyError(f"no TE patch named {name!r}; known: {[p.name for p in PATCHES]}")
+    version = tuple(version)
+    if patch not in patch_plan(version):
+        return False
+    if patch.in_checked_range(version):
+        return True
+    low, high = patch.checked
+    where = (
+        f"shardbridge_te's patch {patch.name!r} ({patch.target}; covers {patch.covers}) was checked against "
+        f"TransformerEngine {_fmt(low)} to {_fmt(high)}; this is TransformerEngine {_fmt(version)}"
+    )
+    if patch.outside == "error":
+        raise RuntimeError(
+            f"{where}. Install a checked TE (pip install 'transformer_engine[pytorch]=={_fmt(high)}'), or check "
+            f"the patch against this TE (docs/te.md, GPU tier) and widen Patch.checked in shardbridge_te/_patches.py"
+        )
+    warnings.warn(f"{where}: the patch is skipped, so {_LOST_WHEN_SKIPPED[patch.name]}.", stacklevel=3)
+    return False
+
+
+def patch_attr(obj: Any, attr: str, value: Any) -> Callable[[], None]:
+    """Set ``obj.attr = value``; return an undo that restores exactly what was there.
+
+    ``obj`` is a class or an instance. The undo puts back the identical object that was in
+    ``vars(obj)`` (a class's raw function, staticmethod, ...), or deletes the attribute when
+    ``obj`` had none of its own (an instance then sees its class's attribute again).
+
+    Example:
+        >>> class A:
+        ...     def f(self): ...
+        >>> original = vars(A)["f"]
+        >>> undo = patch_attr(A, "f", lambda self: 1)
+        >>> undo(); vars(A)["f"] is original
+        True
+    """
+    own = vars(obj)
+    had = attr in own
+    previous = own.get(attr)
+    setattr(obj, attr, value)
+
+    def undo() -> None:
+        if had:
+            setattr(obj, attr, previous)
+        elif attr in vars(obj):
+            delattr(obj, attr)
+
+    return undo
+
+
+def keep_instance_undo(module: nn.Module, name: str, undo: Callable[[], None]) -> None:
+    """Record ``undo`` of instance patch ``name`` on ``module`` (for :func:`unpatch`)."""
+    undos = module.__dict__.setdefault(_UNDO_ATTR, {})
+    undos.setdefault(name, undo)  # a second patch of the same name is a no-op: keep the first undo
+
+
+_CLASS_UNDO: dict[str, Callable[[], None]] = {}
+"""Undo of each class-level patch applied in this process."""
+
+
+def unpatch(model: nn.Module | None = None) -> list[str]:
+    """Undo the adapter's patches; returns the names of those undone.
+
+    With ``model``: the instance patches of its TE modules (``local_forward``,
+    ``portable_extra_state``); the parameters stay DTensors. Without: the class-level patches
+    (``float8_pre_all_gather_amax_group``), which affect every ``Float8Tensor`` of the process.
+
+    Example:
+        >>> unpatch(model)  # doctest: +SKIP
+        ['local_forward', 'portable_extra_state']
+    """
+    done: list[str] = []
+    if model is None:
+        for name in reversed(list(_CLASS_UNDO)):
+            _CLASS_UNDO.pop(name)()
+            done.append(name)
+        return done
+    for module in model.modules():
+        undos = module.__dict__.pop(_UNDO_ATTR, {})
+        for name in reversed(list(undos)):
+            undos[name]()
+            if name not in done:
+                done.append(name)
+    return done
 
 
 _PINNED_ATTR = "_shardbridge_amax_group"
@@ -117,7 +286,7 @@ def patch_float8_pre_all_gather(float8_tensor_cls: type) -> Callable[[], None]:
     every pre-all-gather: that group lacks the TP ranks (and fails on a 2-D HSDP mesh). A tensor
     carrying ``_shardbridge_amax_group`` (set by the adapter to the ``weight`` mesh's group)
     gets the call with ``mesh=None`` (TE then leaves the group alone) and the pinned group back.
-    Idempotent: patching twice is one patch.
+    Idempotent: patching twice is one patch (the second call returns a no-op undo).
     """
     original = float8_tensor_cls.fsdp_pre_all_gather
     if getattr(original, "_shardbridge_patched", False):
@@ -133,9 +302,10 @@ def patch_float8_pre_all_gather(float8_tensor_cls: type) -> Callable[[], None]:
 
     fsdp_pre_all_gather._shardbridge_patched = True  # type: ignore[attr-defined]
     fsdp_pre_all_gather.__doc__ = original.__doc__
-    float8_tensor_cls.fsdp_pre_all_gather = fsdp_pre_all_gather
+    return patch_attr(float8_tensor_cls, "fsdp_pre_all_gather", fsdp_pre_all_gather)
 
-    def undo() -> None:
-        float8_tensor_cls.fsdp_pre_all_gather = original
 
-    return undo
+def apply_float8_pre_all_gather(float8_tensor_cls: type) -> None:
+    """Apply :func:`patch_float8_pre_all_gather` once per process and keep its undo for :func:`unpatch`."""
+    if "float8_pre_all_gather_amax_group" not in _CLASS_UNDO:
+        _CLASS_UNDO["float8_pre_all_gather_amax_group"] = patch_float8_pre_all_gather(float8_tensor_cls)

@@ -9,11 +9,14 @@ any other, export to Hugging Face safetensors::
     state = checkpoint.load_latest(root, model=model, optimizer=opt)   # None if no checkpoint
     checkpoint.export_safetensors(checkpoint.latest(root), "hf_out", dtype="bfloat16")
     print(checkpoint.inspect(checkpoint.latest(root)))
+    assert checkpoint.verify(checkpoint.latest(root)).ok   # sizes + checksums of every file
 
 What a checkpoint directory holds: [Note: checkpoint format] in ``_manifest.py``. How a half-
-written one is never taken for good: [Note: atomic commit] in ``_commit.py``. How layouts DCP
-describes wrongly are repaired: [Note: DCP layout repair] in ``_state.py``. How fused
-parameters are named: [Note: component names] in ``_state.py``. How a framework whose
+written one is never taken for good, and how a crash at any point leaves the last good one
+restorable: [Note: atomic commit] in ``_commit.py``. How damaged, truncated, missing or foreign
+files are detected: [Note: checkpoint integrity] in ``_integrity.py``. How layouts DCP
+describes wrongly are repaired: [Note: DCP layout repair] in ``_repair.py``. How fused
+parameters are named: [Note: component names] in ``_components.py``. How a framework whose
 DTensors' placements do not describe its data (Megatron-FSDP) plugs in its own state dicts
 and boxes: [Note: state-dict providers] in ``_provider.py`` (:class:`StateDictProvider`).
 
@@ -24,6 +27,7 @@ the planners, the manifest schema, the collective helpers) are not public.
 from shardbridge.checkpoint._commit import latest, step_dir
 from shardbridge.checkpoint._export import NameMap, export_safetensors
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
+from shardbridge.checkpoint._integrity import FileProblem, VerifyReport, verify
 from shardbridge.checkpoint._load import TrainState, load, load_latest
 from shardbridge.checkpoint._provider import StateDictProvider
 from shardbridge.checkpoint._save import save
@@ -31,10 +35,12 @@ from shardbridge.checkpoint._state import component_fqn
 
 __all__ = [
     "CheckpointInfo",
+    "FileProblem",
     "NameMap",
     "StateDictProvider",
     "TensorInfo",
     "TrainState",
+    "VerifyReport",
     "component_fqn",
     "export_safetensors",
     "inspect",
@@ -43,4 +49,5 @@ __all__ = [
     "load_latest",
     "save",
     "step_dir",
+    "verify",
 ]

@@ -8,7 +8,7 @@ DCP asks every state-dict value three questions through the ``_Checkpointable`` 
     __get_tensor_shard__(index)       save and load: the local tensor behind one box
 
 A DTensor answers from ``compute_local_shape_and_global_offset``, which is wrong for some
-FSDP2 x TP layouts (see [Note: DCP layout repair] in ``_state.py``). :class:`LocalChunks`
+FSDP2 x TP layouts (see [Note: DCP layout repair] in ``_repair.py``). :class:`LocalChunks`
 answers from boxes the caller computed (the truth, from the layout algebra), and its tensors
 are views into the live local tensors, so a DCP load writes into parameters and optimizer
 states in place. The same object carries fused components: one box per component piece.
@@ -26,8 +26,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     STATE_DICT_TYPE,
@@ -37,6 +35,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from shardbridge._compat import flatten_sharded_tensors, flatten_state_dict
+from shardbridge.checkpoint._trust import WeightsOnlyBytes
 
 __all__ = ["LoadPlanner", "LocalChunks", "SavePlanner"]
 
@@ -133,12 +134,14 @@ class SavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
-class LoadPlanner(DefaultLoadPlanner):
+class LoadPlanner(WeightsOnlyBytes, DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that resolves :class:`LocalChunks` values in place.
 
-    Differs from the default in one more way: it does not materialise meta tensors
+    Differs from the default in two more ways: it does not materialise meta tensors
     (``_init_state_dict``), which would replace :class:`LocalChunks` by None; shardbridge
-    only loads into materialised models.
+    only loads into materialised models. And bytes items (packed param groups, non-tensor
+    ``_extra_state``) load with ``torch.load(weights_only=True)``, not DCP's
+    ``weights_only=False``: see [Note: untrusted checkpoints] in ``_trust.py``.
     """
 
     def set_up_planner(
@@ -147,7 +150,7 @@ class LoadPlanner(DefaultLoadPlanner):
         # DefaultLoadPlanner.set_up_planner without _init_state_dict.
         self.original_state_dict = state_dict
         if self.flatten_sharded_tensors:
-            state_dict = _flatten_sharded_tensors(state_dict)
+            state_dict = flatten_sharded_tensors(state_dict)
         if self.flatten_state_dict:
             state_dict, self.mappings = flatten_state_dict(state_dict)
         self.state_dict = state_dict

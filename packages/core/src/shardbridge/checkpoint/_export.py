@@ -13,7 +13,7 @@ Memory stays near ONE tensor, whatever the model size:
   memory; the format (8-byte little-endian header length, JSON header padded with spaces
   to 8 bytes, raw little-endian data) does not.
 - Each tensor is read alone from the DCP files by DCP's own reader
-  (``FileSystemReader.read_data``) into an empty full tensor: the read plan for one key
+  (``FileSystemReader.read_data``) into a zeroed full tensor: the read plan for one key
   (``create_read_items_for_chunk_list``), no process group. DCP stores every box as one
   ``torch.save`` record that its reader loads whole before copying it in, so the peak is
   the full tensor plus its largest stored box plus the record's bytes (plus a cast copy
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from shardbridge.checkpoint._inspect import natural_key
 from shardbridge.checkpoint._manifest import read_manifest, write_file_durably
 from shardbridge.checkpoint._state import MODEL_KEY
+from shardbridge.checkpoint._trust import TrustedReader
 
 __all__ = ["NameMap", "export_safetensors", "parse_size", "read_tensor"]
 
@@ -141,7 +142,8 @@ def read_tensor(reader: dcp.FileSystemReader, metadata: Metadata, key: str) -> t
     """
     md = metadata.state_dict_metadata[key]
     assert isinstance(md, TensorStorageMetadata), key
-    target = torch.empty(md.size, dtype=md.properties.dtype)
+    # zeros, not empty: a hostile .metadata with overlapping chunks must not leak process memory.
+    target = torch.zeros(md.size, dtype=md.properties.dtype)
     whole = ChunkStorageMetadata(offsets=torch.Size([0] * len(md.size)), sizes=md.size)
     plan = LoadPlan(create_read_items_for_chunk_list(key, md, [whole]))
     reader.read_data(plan, _OneTensorPlanner(target)).wait()
@@ -157,11 +159,16 @@ def _resolve_name(name_map: NameMap | None, fqn: str) -> str | None:
 
 
 def _out_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype), None)
+    if dtype is None:
+        return None
+    value = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"dtype={dtype!r} is not a torch dtype; use e.g. torch.bfloat16 or 'bfloat16'")
+    if not value.is_floating_point or value not in _ST_DTYPES:
+        # Only floating tensors are cast: an integer dtype would silently change nothing (or
+        # everything, were it applied).
+        valid = ", ".join(sorted(str(d).removeprefix("torch.") for d in _ST_DTYPES if d.is_floating_point))
+        raise ValueError(f"dtype={dtype!r} is not a floating dtype safetensors stores; use one of {valid}")
     return value
 
 
@@ -219,7 +226,7 @@ def export_safetensors(
     read_manifest(path)
     limit = parse_size(max_shard_size)
     cast = _out_dtype(dtype)
-    reader = dcp.FileSystemReader(path)
+    reader = TrustedReader(path)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
 

@@ -17,7 +17,7 @@ torch's flattened form (``optim.state.<fqn>.exp_avg``); the hyperparameters
 pairs since format 2 (format 1 stored each alone; both load, see [Note: packed param groups]
 in ``_state.py``).
 FQNs are the model's own (no FSDP / compile prefixes). A fused parameter is stored as its
-components under component FQNs (see [Note: component names] in ``_state.py``), in
+components under component FQNs (see [Note: component names] in ``_components.py``), in
 component-global coordinates, for its optimizer states too. Every tensor is a plain tensor:
 ``dcp_to_torch_save`` + ``torch.load(weights_only=True)`` reads a checkpoint without
 shardbridge installed.
@@ -25,7 +25,8 @@ shardbridge installed.
 The manifest (JSON object, ASCII) has::
 
     format            "shardbridge.checkpoint"
-    format_version    2 (readers refuse newer versions; 1 = param_groups unpacked)
+    format_version    3 (readers refuse newer versions; 2 = no "files", 1 = also param_groups
+                      unpacked; both still load, unverified)
     step              int or null
     world_size        ranks that wrote the checkpoint
     torch_version, shardbridge_version, created (UTC ISO 8601)
@@ -38,6 +39,13 @@ The manifest (JSON object, ASCII) has::
     fused             {fused fqn: {"dim", "tp_size", "components": [{"name", "size", "fqn"}]}}
     rng               {"world_size", "files": "rng/rank-{rank:05d}.pt"}
     extra             the user's JSON dict
+    files             (format 3) every file of the directory except this manifest, by relative
+                      POSIX name: {".metadata": {"size": bytes, "xxh3_128": 32 hex digits},
+                      "__0_0.distcp": {...}, "rng/rank-00000.pt": {...}}
+                      (see [Note: checkpoint integrity] in ``_integrity.py``)
+    manifest_xxh3_128 (format 3) xxh3_128 of the manifest itself: the canonical JSON
+                      (sorted keys, no spaces) of every other key; a manifest edited or
+                      damaged after the save is refused
 """
 
 from __future__ import annotations
@@ -45,12 +53,16 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 __all__ = [
     "FORMAT_NAME",
+    "CHECKSUM_KEY",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "Manifest",
@@ -63,7 +75,14 @@ __all__ = [
 
 MANIFEST_NAME = "shardbridge.json"
 FORMAT_NAME = "shardbridge.checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+FILES_SINCE_VERSION = 3
+"""First format version whose manifest records every file's size and checksum."""
+CHECKSUM_KEY = "xxh3_128"
+"""The checksum recorded per file (xxhash's XXH3, 128 bits, lowercase hex)."""
+SELF_CHECKSUM_KEY = "manifest_xxh3_128"
+_HEX_128 = re.compile(r"^[0-9a-f]{32}$")
+_FILE_NAME = re.compile(r"^(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+$")
 DCP_METADATA_NAME = ".metadata"
 RNG_PATTERN = "rng/rank-{rank:05d}.pt"
 """Per-rank RNG file, relative to the checkpoint directory."""
@@ -98,12 +117,18 @@ class Manifest:
     """shardbridge version of the saving run."""
     created: str = ""
     """UTC time of the save, ISO 8601."""
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Every file but the manifest: relative name -> {"size", "xxh3_128"} (format 3; {} before)."""
     format_version: int = FORMAT_VERSION
-    """Format version (2; 1 is still read)."""
+    """Format version (3; 1 and 2 are still read, without file verification)."""
 
     def to_json(self) -> str:
-        """The manifest as JSON text (ASCII, sorted keys, indented)."""
+        """The manifest as JSON text (ASCII, sorted keys, indented), with its own checksum (format 3)."""
         data = {"format": FORMAT_NAME, **asdict(self)}
+        if self.format_version >= FILES_SINCE_VERSION:
+            data[SELF_CHECKSUM_KEY] = _self_checksum(data)
+        else:
+            del data["files"]
         return json.dumps(data, indent=1, sort_keys=True, ensure_ascii=True, allow_nan=False) + "\n"
 
     @classmethod
@@ -141,7 +166,136 @@ class Manifest:
         for key, kind in kinds.items():
             if key not in data or not isinstance(data[key], kind):
                 raise ValueError(f"{where} is missing {key!r} or it has the wrong type; the manifest is damaged")
-        return cls(**{k: data[k] for k in (*kinds, "format_version")})
+        files: dict[str, dict[str, Any]] = {}
+        if version >= FILES_SINCE_VERSION:  # older formats record no files: loaded unverified
+            _check_self_checksum(data, where)
+            files = check_files_record(data.get("files"), where)
+        _check_values(data, where)
+        return cls(**{k: data[k] for k in (*kinds, "format_version")}, files=files)
+
+
+def _self_checksum(data: dict[str, Any]) -> str:
+    """xxh3_128 of the canonical JSON of ``data`` without its own checksum key."""
+    rest = {k: v for k, v in data.items() if k != SELF_CHECKSUM_KEY}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return xxhash.xxh3_128_hexdigest(text.encode("ascii"))
+
+
+def _check_self_checksum(data: dict[str, Any], where: str) -> None:
+    recorded = data.get(SELF_CHECKSUM_KEY)
+    if not isinstance(recorded, str) or not _HEX_128.match(recorded):
+        raise ValueError(f"{where} has no valid {SELF_CHECKSUM_KEY!r} (32 hex digits); the manifest is damaged")
+    if _self_checksum(data) != recorded:
+        raise ValueError(
+            f"{where} does not match its own checksum ({SELF_CHECKSUM_KEY}): it was damaged or edited after "
+            "the save, so none of its records can be trusted; use another checkpoint (latest(root) skips it)"
+        )
+
+
+def check_files_record(files: Any, where: str) -> dict[str, dict[str, Any]]:
+    """Validate the ``files`` record of a format-3 manifest; ValueError naming the bad entry.
+
+    Names are relative POSIX paths inside the checkpoint (letters, digits, ``_.-``, ``/``
+    between parts; no ``..``, ``.``, empty or absolute parts, not the manifest itself);
+    each record is exactly ``{"size": int >= 0, "xxh3_128": 32 lowercase hex digits}``.
+    """
+    if not isinstance(files, dict):
+        raise ValueError(f"{where} has no 'files' record (an object); the manifest is damaged")
+    for name, record in files.items():
+        parts = name.split("/") if isinstance(name, str) else []
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or any(p in (".", "..") for p in parts):
+            raise ValueError(
+                f"{where}: 'files' names {name!r}, which is not a plain relative file name inside the checkpoint "
+                "(letters, digits, '_.-', '/' between parts; no '..', no absolute path); the manifest is damaged "
+                "or crafted"
+            )
+        if name == MANIFEST_NAME:
+            raise ValueError(f"{where}: 'files' must not record the manifest itself; the manifest is damaged")
+        if not isinstance(record, dict) or set(record) != {"size", CHECKSUM_KEY}:
+            raise ValueError(
+                f"{where}: 'files'[{name!r}] must be {{'size': int, {CHECKSUM_KEY!r}: hex str}}, got {record!r}"
+            )
+        size, checksum = record["size"], record[CHECKSUM_KEY]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"{where}: 'files'[{name!r}]['size'] = {size!r} must be an int >= 0")
+        if not isinstance(checksum, str) or not _HEX_128.match(checksum):
+            raise ValueError(
+                f"{where}: 'files'[{name!r}][{CHECKSUM_KEY!r}] = {checksum!r} must be 32 lowercase hex digits"
+            )
+    return files
+
+
+def _check_values(data: dict[str, Any], where: str) -> None:
+    """ValueError naming the first manifest field whose value or sub-structure readers cannot use."""
+
+    def bad(field: str, value: Any, expected: str) -> ValueError:
+        return ValueError(f"{where}: {field}={value!r} must be {expected}; the manifest is damaged")
+
+    def count(value: Any, minimum: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+    def mapping(field: str, value: Any, check_value: Any, expected: str) -> None:
+        if not isinstance(value, dict):
+            raise bad(field, value, "an object")
+        for key, item in value.items():
+            if not check_value(item):
+                raise bad(f"{field}[{key!r}]", item, expected)
+
+    if isinstance(data["format_version"], bool):
+        raise bad("format_version", data["format_version"], "an int >= 1")
+    if data["step"] is not None and not count(data["step"], 0):
+        raise bad("step", data["step"], "an int >= 0 or null")
+    if not count(data["world_size"], 1):
+        raise bad("world_size", data["world_size"], "an int >= 1")
+    layout = data["layout"]
+    dims = layout.get("parallel_dims")
+    if dims is not None:
+        mapping("layout.parallel_dims", dims, lambda v: isinstance(v, int) and not isinstance(v, bool), "an int")
+    mapping("layout.mesh_axes", layout.get("mesh_axes", {}), lambda v: count(v, 1), "an int >= 1")
+
+    def tensor_record(record: Any) -> bool:
+        return (
+            isinstance(record, dict)
+            and isinstance(record.get("mesh", {}), dict)
+            and isinstance(record.get("placements", []), list)
+            and isinstance(record.get("stored_as", ""), str)
+        )
+
+    mapping(
+        "layout.tensors",
+        layout.get("tensors", {}),
+        tensor_record,
+        'an object {"mesh": {...}, "placements": [...], "stored_as": str}',
+    )
+
+    def component(c: Any) -> bool:
+        return (
+            isinstance(c, dict)
+            and isinstance(c.get("name"), str)
+            and isinstance(c.get("fqn"), str)
+            and count(c.get("size"), 0)
+        )
+
+    def fused_record(record: Any) -> bool:
+        return (
+            isinstance(record, dict)
+            and count(record.get("dim"), 0)
+            and count(record.get("tp_size"), 1)
+            and isinstance(record.get("components"), list)
+            and all(component(c) for c in record["components"])
+        )
+
+    mapping(
+        "fused",
+        data["fused"],
+        fused_record,
+        'an object {"dim": int, "tp_size": int >= 1, "components": [{"name", "size", "fqn"}]}',
+    )
+    rng = data["rng"]
+    if "world_size" in rng and not count(rng["world_size"], 1):
+        raise bad("rng.world_size", rng["world_size"], "an int >= 1")
+    if "files" in rng and not isinstance(rng["files"], str):
+        raise bad("rng.files", rng["files"], "a str")
 
 
 def utc_now() -> str:

@@ -5,7 +5,7 @@
 By default :func:`~shardbridge.checkpoint.save` and :func:`~shardbridge.checkpoint.load`
 read the model and optimizer through torch's ``get_state_dict`` / ``set_state_dict`` and
 take each DTensor's local box from its placements (repaired by the layout algebra, see
-[Note: DCP layout repair] in ``_state.py``). A framework whose parameters are not described
+[Note: DCP layout repair] in ``_repair.py``). A framework whose parameters are not described
 by either passes a provider (``state_dicts=``) and keeps everything else of the core: the
 atomic commit, manifest, RNG states, key and shape checks, fused components, symmetric
 errors, and so the same on-disk format. A provider answers three questions::

@@ -9,8 +9,11 @@ from pathlib import Path
 import torch
 
 from shardbridge.checkpoint._manifest import rng_file
+from shardbridge.checkpoint._trust import UntrustedCheckpointError, load_file_weights_only
 
 __all__ = ["restore_rng", "save_rng"]
+
+_RNG_KEYS = ("cpu", "cuda")
 
 
 def save_rng(checkpoint_dir: Path, rank: int) -> None:
@@ -41,8 +44,14 @@ def restore_rng(checkpoint_dir: Path, rank: int, world_size: int, saved_world_si
     path = checkpoint_dir / rng_file(source)
     if not path.is_file():
         raise ValueError(f"checkpoint {str(checkpoint_dir)!r} has no RNG file {rng_file(source)!r}; it is damaged")
-    states = torch.load(path, weights_only=True)
-    torch.set_rng_state(states["cpu"])
+    states = _read_rng_file(path)
+    try:
+        torch.set_rng_state(states["cpu"])
+    except RuntimeError as exc:
+        raise ValueError(
+            f"RNG file {str(path)!r} holds an invalid CPU generator state ({exc}); the checkpoint is damaged; "
+            "load it with rng=False to skip the RNG states"
+        ) from None
     if "cuda" in states:
         if torch.cuda.is_available():
             torch.cuda.set_rng_state(states["cuda"])
@@ -52,3 +61,28 @@ def restore_rng(checkpoint_dir: Path, rank: int, world_size: int, saved_world_si
                 "CPU generator is restored",
                 stacklevel=3,
             )
+
+
+def _read_rng_file(path: Path) -> dict[str, torch.Tensor]:
+    """``{"cpu": uint8 tensor[, "cuda": uint8 tensor]}`` from ``path``; ValueError naming the file otherwise."""
+    damaged = f"RNG file {str(path)!r}"
+    fix = "the checkpoint is damaged; load it with rng=False to skip the RNG states"
+    try:
+        states = load_file_weights_only(path)  # See [Note: untrusted checkpoints] in _trust.py
+    except UntrustedCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (garbage bytes fail in many ways: unpickling, zip, EOF)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(f"{damaged} cannot be read ({type(exc).__name__}: {first}); {fix}") from None
+    if not isinstance(states, dict) or "cpu" not in states or not set(states) <= set(_RNG_KEYS):
+        keys = sorted(map(str, states)) if isinstance(states, dict) else type(states).__name__
+        raise ValueError(f"{damaged} holds {keys}, expected a dict with keys {list(_RNG_KEYS)} ('cpu' required); {fix}")
+    for key, value in states.items():
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+            what = (
+                f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
+            )
+            raise ValueError(f"{damaged}: {key!r} is {what}, expected a 1-D uint8 tensor; {fix}")
+    return states

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,9 @@ import shardbridge
 from shardbridge._mesh import ParallelDims
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._chunks import SavePlanner
-from shardbridge.checkpoint._commit import commit, new_tmp_dir
+from shardbridge.checkpoint._commit import abandon, commit, new_tmp_dir
+from shardbridge.checkpoint._errors import dcp_errors
+from shardbridge.checkpoint._integrity import record_files
 from shardbridge.checkpoint._manifest import RNG_PATTERN, Manifest, check_json_extra, utc_now
 from shardbridge.checkpoint._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint._rng import save_rng
@@ -79,15 +80,10 @@ def save(
         ...      extra={"tokens_seen": 123})  # doctest: +SKIP
     """
     final = Path(path)
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step={step!r} must be an int >= 0 or None")
-    extra = {} if extra is None else extra
-    if not isinstance(extra, dict):
-        raise ValueError(f"extra must be a dict of JSON values, got {type(extra).__name__}")
-    check_json_extra(extra)
-    if parallel_dims is not None and not isinstance(parallel_dims, ParallelDims):
-        raise ValueError(f"parallel_dims must be a shardbridge.ParallelDims, got {type(parallel_dims).__name__}")
-    check_provider(state_dicts)
+    # Checked on every rank together: one rank's bad argument must not leave the others
+    # waiting in a collective. See [Note: symmetric errors] in _dist.py.
+    extra = _dist.on_all_ranks(_check_args, step=step, extra=extra, parallel_dims=parallel_dims, provider=state_dicts)
+    assert extra is not None
     rank, world_size = _dist.rank(), _dist.world_size()
 
     # 1. The portable state dict: layouts checked, fused params split.
@@ -102,21 +98,46 @@ def save(
         # 3. Every rank writes its DCP files and RNG file; DCP fsyncs and synchronises.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(
-                state.dcp_state,
-                storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                planner=SavePlanner(),
-                no_dist=not _dist.is_distributed(),
-            )
+            with dcp_errors("save", final, data_dir=tmp):  # see [Note: DCP errors]
+                dcp.save(
+                    state.dcp_state,
+                    storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                    planner=SavePlanner(),
+                    no_dist=not _dist.is_distributed(),
+                )
         _dist.on_all_ranks(save_rng, tmp, rank)
-        # 4. Rank 0 writes the manifest and renames; every rank learns the outcome.
-        manifest = _manifest(state, step=step, extra=extra, world_size=world_size, parallel_dims=parallel_dims)
+        # 4. Every rank hashes its files; rank 0 gets every record ([Note: checkpoint integrity]).
+        files = record_files(tmp)
+        # 5. Rank 0 writes the manifest (the commit point) and renames; every rank learns the outcome.
+        manifest = _manifest(
+            state, step=step, extra=extra, world_size=world_size, parallel_dims=parallel_dims, files=files or {}
+        )
         _dist.on_all_ranks(commit, tmp, final, manifest, overwrite=overwrite, only_rank0=True)
     except BaseException:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            abandon(tmp, final)  # deletes tmp unless it is the only complete copy: [Note: atomic commit]
         raise
     return final
+
+
+def _check_args(
+    *,
+    step: int | None,
+    extra: dict[str, Any] | None,
+    parallel_dims: ParallelDims | None,
+    provider: StateDictProvider | None,
+) -> dict[str, Any]:
+    """ValueError for a bad argument of :func:`save`; returns ``extra`` ({} for None)."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step={step!r} must be an int >= 0 or None")
+    extra = {} if extra is None else extra
+    if not isinstance(extra, dict):
+        raise ValueError(f"extra must be a dict of JSON values, got {type(extra).__name__}")
+    check_json_extra(extra)
+    if parallel_dims is not None and not isinstance(parallel_dims, ParallelDims):
+        raise ValueError(f"parallel_dims must be a shardbridge.ParallelDims, got {type(parallel_dims).__name__}")
+    check_provider(provider)
+    return extra
 
 
 def _manifest(
@@ -126,6 +147,7 @@ def _manifest(
     extra: dict[str, Any],
     world_size: int,
     parallel_dims: ParallelDims | None,
+    files: dict[str, dict[str, Any]],
 ) -> Manifest:
     mesh_axes: dict[str, int] = {}
     for record in state.tensors.values():
@@ -142,4 +164,5 @@ def _manifest(
         torch_version=torch.__version__,
         shardbridge_version=shardbridge.__version__,
         created=utc_now(),
+        files=files,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -28,6 +29,11 @@ from typing import Any
 __all__ = ["add_arguments", "run_demo"]
 
 _MODELS = ("tiny", "small")
+_DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# Written first into --out; only a directory holding it is ever cleaned. See [Note: demo output].
+_MARKER = ".shardbridge-demo"
+# What the demo writes into --out: the only entries a rerun removes.
+_OUTPUTS = ("checkpoints", "hf", "reference.pt", "dcp_to_torch_save.pt")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +57,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default 32)")
     m.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     m.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
-    parser.add_argument("--out", default="shardbridge-demo", help="output directory (default ./shardbridge-demo)")
-    parser.add_argument("--keep", action="store_true", help="keep an existing output directory's checkpoints")
+    parser.add_argument(
+        "--out",
+        default="shardbridge-demo",
+        help="output directory (default ./shardbridge-demo): new, empty, or a previous demo's output "
+        f"(marked by {_MARKER}); any other non-empty directory is refused",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep a previous demo output's files instead of replacing them"
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=_DEFAULT_COLLECTIVE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="process-group timeout: a collective that waits longer fails instead of hanging "
+        f"(default {_DEFAULT_COLLECTIVE_TIMEOUT_S:.0f})",
+    )
     parser.set_defaults(func=run_demo)
 
 
@@ -70,6 +91,7 @@ class DemoConfig:
     lr: float
     seed: int
     out: str
+    collective_timeout: float = _DEFAULT_COLLECTIVE_TIMEOUT_S
 
     @property
     def world_size(self) -> int:
@@ -113,9 +135,18 @@ def _config_from_args(args: argparse.Namespace) -> DemoConfig:
         raise ValueError(
             f"--batch-size={args.batch_size} does not divide over dp_replicate*dp_shard={dp}; use a multiple of {dp}"
         )
-    if _world(layout) > 8 or _world(reload_layout) > 8:
-        print("note: more than 8 gloo processes on a small machine is slow", file=sys.stderr)
-    overrides = {k: v for k, v in (("vocab_size", args.vocab_size), ("intermediate_size", args.intermediate_size)) if v}
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise ValueError(f"--lr={args.lr} must be a finite number > 0, e.g. 3e-3")
+    if not math.isfinite(args.collective_timeout) or args.collective_timeout <= 0:
+        raise ValueError(f"--collective-timeout={args.collective_timeout} must be a number of seconds > 0, e.g. 600")
+    for name in ("vocab_size", "intermediate_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1 (or left out)")
+    overrides = {
+        k: v
+        for k, v in (("vocab_size", args.vocab_size), ("intermediate_size", args.intermediate_size))
+        if v is not None
+    }
     cfg = DemoConfig(
         layout=layout,
         reload_layout=reload_layout,
@@ -127,9 +158,30 @@ def _config_from_args(args: argparse.Namespace) -> DemoConfig:
         lr=args.lr,
         seed=args.seed,
         out=os.path.abspath(args.out),
+        collective_timeout=args.collective_timeout,
     )
-    cfg.llama_config()  # validates the model overrides before any process starts
+    _check_model_fits(cfg, args)  # before any process starts
+    if _world(layout) > 8 or _world(reload_layout) > 8:
+        print("note: more than 8 gloo processes on a small machine is slow", file=sys.stderr)
     return cfg
+
+
+def _check_model_fits(cfg: DemoConfig, args: argparse.Namespace) -> None:
+    """ValueError naming the flag when the model cannot run in a layout (checked before any process starts)."""
+    try:
+        llama = cfg.llama_config()
+    except ValueError as exc:
+        raise ValueError(f"--model {cfg.model} with --vocab-size / --intermediate-size: {exc}") from None
+    for flag, tp in (("--tp", cfg.layout["tp"]), ("--reload-tp", cfg.reload_layout["tp"])):
+        for name, value in (("num_kv_heads", llama.num_kv_heads), ("intermediate_size", llama.intermediate_size)):
+            if value % tp:
+                fits = [d for d in range(1, value + 1) if value % d == 0 and d <= 8]
+                raise ValueError(
+                    f"{flag}={tp} does not divide the {cfg.model} model's {name}({value}): tensor parallelism "
+                    f"splits whole kv heads and SwiGLU rows; use {flag} in {fits}"
+                )
+    if args.seq_len > llama.max_seq_len:
+        raise ValueError(f"--seq-len={args.seq_len} exceeds the {cfg.model} model's max_seq_len({llama.max_seq_len})")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -137,10 +189,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from shardbridge.testing import WorkerPool
 
     cfg = _config_from_args(args)
-    out = Path(cfg.out)
-    if out.exists() and not args.keep:
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out(Path(cfg.out), keep=args.keep)
 
     print(f"shardbridge demo: {cfg.model} Llama, layout A {_fmt(cfg.layout)} -> layout B {_fmt(cfg.reload_layout)}")
     print(f"  starting {cfg.world_size} gloo processes ...", flush=True)
@@ -148,7 +197,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     def pool(world: int) -> WorkerPool:
         if world not in pools:
-            pools[world] = WorkerPool(world)
+            pools[world] = WorkerPool(world, pg_timeout=cfg.collective_timeout)
         return pools[world]
 
     try:
@@ -163,6 +212,41 @@ def run_demo(args: argparse.Namespace) -> int:
             p.close()
     export = _export_phase(cfg, train["checkpoint"])
     return _print_summary(cfg, train, reload_b, single, export)
+
+
+# [Note: demo output]
+# ~~~~~~~~~~~~~~~~~~~
+# No command deletes what it did not create. ``--out`` must be new, empty, or a previous
+# demo's output, which the demo marks with a ``.shardbridge-demo`` file before writing
+# anything else. A rerun removes only the demo's own entries (``_OUTPUTS``) from a marked
+# directory; any other non-empty directory (``--out .`` in a project, a home directory) is
+# refused with exit code 2, its files untouched.
+
+
+def prepare_out(out: Path, *, keep: bool) -> None:
+    """Make ``out`` ready for a demo run, or ValueError (see [Note: demo output])."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; pass a new or empty directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / _MARKER).is_file():
+        raise ValueError(
+            f"--out {str(out)!r} is not empty and is not a previous shardbridge demo output (no {_MARKER}); "
+            f"nothing was deleted: pass a new or empty directory, e.g. --out {str(out / 'shardbridge-demo')!r}"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / _MARKER).write_text("written by shardbridge demo; a rerun replaces the demo's outputs here\n")
+    except OSError as exc:
+        raise ValueError(
+            f"--out {str(out)!r} is not writable ({exc.strerror or exc}); choose another directory"
+        ) from None
+    if keep:
+        return
+    for name in _OUTPUTS:
+        entry = out / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        elif entry.exists() or entry.is_symlink():
+            entry.unlink()
 
 
 # ------------------------------------------------------------------ phases (run on every rank)
@@ -351,7 +435,7 @@ def _compare(expected: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
 def _layout_picture(model, pm) -> str:
     from torch.distributed.tensor import DTensor
 
-    from shardbridge._layout_text import render_layout
+    from shardbridge.layout import render_layout
 
     for fqn, param in model.named_parameters():
         if isinstance(param, DTensor) and fqn.endswith("feed_forward.gate_up.weight"):

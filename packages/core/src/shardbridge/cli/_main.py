@@ -1,4 +1,4 @@
-"""The ``shardbridge`` command line: ``demo``, ``layout``, ``ckpt inspect``, ``ckpt export``.
+"""The ``shardbridge`` command line: ``demo``, ``layout``, ``ckpt inspect``, ``ckpt verify``, ``ckpt export``.
 
 This is the edge where command-line text becomes configs; nothing below it reads the
 environment or argv.
@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from shardbridge.cli._plugins import load_verb, verb_names
+
 __all__ = ["main", "build_parser"]
+
+_DEBUG = "--debug"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardbridge",
         description="FSDP2 x tensor parallelism with DCP checkpoints that reshard across layouts.",
     )
+    parser.add_argument(_DEBUG, action="store_true", help="on an error, also print the traceback")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from shardbridge.cli import _demo
@@ -47,17 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--dim", type=int, default=0, help="tensor dim to draw (default 0)")
     layout.set_defaults(func=_run_layout)
 
-    # Listed for --help only: main() hands "launch ..." to shardbridge_hf before parsing.
-    sub.add_parser(
-        "launch",
-        help="validate an Accelerate config's fsdp_config.shardbridge block, then accelerate launch "
-        '(needs pip install "shardbridge[hf]"; see docs/hf.md)',
-    )
+    # Verbs adapters contribute (entry-point group "shardbridge.cli"): listed for --help by name
+    # only; main() hands "VERB ..." to the adapter before parsing. See [Note: adapter verbs].
+    for name in verb_names():
+        sub.add_parser(name, help=f"contributed by an adapter: shardbridge {name} --help", add_help=False)
     ckpt = sub.add_parser("ckpt", help="inspect or export a shardbridge checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     inspect_p = ckpt_sub.add_parser("inspect", help="list the tensors, layout and size of a checkpoint")
     inspect_p.add_argument("path", help="a checkpoint directory (or a root: its latest checkpoint)")
     inspect_p.set_defaults(func=_run_ckpt_inspect)
+    verify_p = ckpt_sub.add_parser(
+        "verify", help="check every file of a checkpoint against its manifest (sizes, xxh3_128 checksums)"
+    )
+    verify_p.add_argument("path", help="a checkpoint directory (or a root: every checkpoint in it)")
+    verify_p.add_argument("--sizes-only", action="store_true", help="skip the checksums (no data is read)")
+    verify_p.set_defaults(func=_run_ckpt_verify)
     export_p = ckpt_sub.add_parser("export", help="stream a checkpoint into Hugging Face-style sharded safetensors")
     export_p.add_argument("path", help="a checkpoint directory (or a root: its latest checkpoint)")
     export_p.add_argument("out_dir", help="output folder (created)")
@@ -69,41 +81,77 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``shardbridge`` console script."""
+    """Entry point of the ``shardbridge`` console script.
+
+    Every error ends in one line on stderr and exit code 2, never a traceback (``--debug``
+    adds it); see [Note: CLI errors] in ``_errors.py``.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["launch"]:
-        return _launch(argv[1:])
+    debug = argv[:1] == [_DEBUG]
+    if debug:
+        argv = argv[1:]
+    if argv[:1] and argv[0] in verb_names():
+        return _run_verb(argv[0], argv[1:], debug=debug)
+    if _DEBUG in argv:  # also accepted after the command: shardbridge ckpt inspect DIR --debug
+        debug, argv = True, [a for a in argv if a != _DEBUG]
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as err:
-        print(f"shardbridge {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"shardbridge {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 (CheckpointException is a BaseException)
+        action = getattr(args, "ckpt_command", None)
+        return _report(f"shardbridge {args.command}{f' {action}' if action else ''}", err, args, debug=debug)
 
 
-def _launch(argv: list[str]) -> int:
-    """``shardbridge launch``: the hf adapter's launcher (validates, then ``accelerate launch``)."""
+def _report(prog: str, err: BaseException, args: argparse.Namespace | None, *, debug: bool) -> int:
+    """Print the error as one line (and the traceback with ``--debug``); the exit code 2."""
+    from shardbridge.cli._errors import describe
+
+    if debug:
+        traceback.print_exception(err, file=sys.stderr)
+    print(f"{prog}: error: {describe(err, args)}", file=sys.stderr)
+    return 2
+
+
+def _run_verb(name: str, argv: list[str], *, debug: bool = False) -> int:
+    """An adapter's verb (``shardbridge launch`` is the hf adapter's launcher). See [Note: adapter verbs]."""
+    prog = f"shardbridge {name}"
     try:
-        from shardbridge_hf._launch import main as launch_main  # lazy: the core imports no adapter
+        verb = load_verb(name)  # lazy: the core imports no adapter until a verb runs
     except ImportError as err:
-        print(f'shardbridge launch: needs the hf adapter: pip install "shardbridge[hf]" ({err})', file=sys.stderr)
+        print(f"{prog}: needs an adapter that is not installed ({' '.join(str(err).split())})", file=sys.stderr)
         return 2
-    return int(launch_main(argv) or 0)
+    except TypeError as err:  # a broken registration: say so, in one line
+        print(f"{prog}: error: {err}; reinstall shardbridge (pip install -e .) or report it", file=sys.stderr)
+        return 2
+    try:
+        return int(verb.main(argv) or 0)
+    except ImportError as err:  # the adapter's host framework is missing
+        hint = f"; {verb.install_hint}" if verb.install_hint and verb.install_hint not in str(err) else ""
+        print(f"{prog}: error: {' '.join(str(err).split())}{hint}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 (one line, see [Note: CLI errors])
+        return _report(prog, err, None, debug=debug)
 
 
 def _run_layout(args: argparse.Namespace) -> int:
-    from shardbridge import _layout, _layout_text
+    from shardbridge import layout as _layout
 
     shape = _parse_shape(args.shape)
-    mesh_shape, mesh_names = _layout_text.parse_mesh(args.mesh)
-    placements = _layout_text.parse_placements(args.placements)
+    mesh_shape, mesh_names = _layout.parse_mesh(args.mesh)
+    placements = _layout.parse_placements(args.placements)
     if len(placements) != len(mesh_shape):
         raise ValueError(
             f"--placements has {len(placements)} entries but --mesh has {len(mesh_shape)} axes; "
             "give one placement per mesh axis"
         )
-    print(_layout_text.render_layout(shape, mesh_shape, placements, mesh_dim_names=mesh_names, dim=args.dim))
+    print(_layout.render_layout(shape, mesh_shape, placements, mesh_dim_names=mesh_names, dim=args.dim))
     mismatches = _layout.find_dcp_mismatches(shape, mesh_shape, placements)
     if mismatches:
         # render_layout has already explained each one (the '!' rows).
@@ -124,6 +172,32 @@ def _run_ckpt_inspect(args: argparse.Namespace) -> int:
     from shardbridge import checkpoint
 
     print(checkpoint.inspect(_resolve_checkpoint(args.path)))
+    return 0
+
+
+def _run_ckpt_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when every file matches; else ValueError (exit 2) naming the first bad file."""
+    import os
+
+    from shardbridge import checkpoint
+
+    path = args.path
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "shardbridge.json")):
+        found = sorted(e.path for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+        paths = [p for p in found if os.path.isfile(os.path.join(p, "shardbridge.json"))]
+        if not paths:
+            raise ValueError(f"{path} is neither a shardbridge checkpoint nor a folder holding committed ones")
+    else:
+        paths = [path]
+    bad = []
+    for one in paths:
+        report = checkpoint.verify(one, checksums=not args.sizes_only)
+        print(report)
+        if not report.ok:
+            bad.append(report)
+    if bad:
+        more = f" ({len(bad) - 1} more damaged checkpoint(s) listed above)" if len(bad) > 1 else ""
+        raise ValueError(f"checkpoint {str(bad[0].path)!r} is damaged: {bad[0].problems[0]}{more}")
     return 0
 
 

@@ -1,0 +1,460 @@
+"""Reading checkpoint files without running code from them (``.metadata``, bytes items, RNG files).
+
+[Note: untrusted checkpoints]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A checkpoint may come from anywhere (a shared filesystem, a download), so no file of it may
+run code in the reader. torch DCP's own reader does not promise that: it reads ``.metadata``
+with plain ``pickle.load`` and every non-tensor ("bytes") item with
+``torch.load(weights_only=False)`` (``DefaultLoadPlanner.load_bytes``), so a crafted file runs
+any Python on load, inspect and export. shardbridge reads every file of a checkpoint under a
+rule that admits data only::
+
+    file                      written as                  read with
+    .metadata                 pickle of DCP dataclasses   MetadataUnpickler: an allowlist of
+                                                          the DCP classes and torch constants
+                                                          below, then a structural check
+    __R_N.distcp, tensors     torch.save of a tensor      torch.load(weights_only=True) (DCP)
+    __R_N.distcp, bytes       torch.save of a value       torch.load(weights_only=True) (here)
+    rng/rank-*.pt             torch.save of uint8 tensors torch.load(weights_only=True)
+    shardbridge.json          JSON                        json
+
+Anything else is refused with :class:`UntrustedCheckpointError` (a ``ValueError``) naming the
+file (and key) and saying nothing from it ran. The allowlist of ``.metadata`` is what DCP
+2.13's metadata holds (``torch/distributed/checkpoint/metadata.py`` and ``filesystem.py``,
+checked against a real checkpoint with FSDP2 x TP DTensors, fused components, optimizer state
+and bytes items): ``Metadata``, ``StorageMeta``, ``TensorStorageMetadata``,
+``BytesStorageMetadata``, ``ChunkStorageMetadata``, ``TensorProperties`` (and its private
+``_MEM_FORMAT_ENCODING`` enum), ``MetadataIndex``, ``_StorageInfo`` (where each item lives),
+``torch.Size``, the torch dtype / layout / memory-format constants (a layout is pickled as a
+call of ``torch.serialization._get_layout(name)``; here that name maps to a table lookup), and
+``pathlib`` paths (``StorageMeta.checkpoint_id``; pure paths here, no filesystem access). The
+only callables an admitted pickle can reach are those constructors, which store their
+arguments. The unpickler is Python's own, with one more rule: ``BUILD`` (set an object's
+state) only applies to instances of the admitted dataclasses, never to a class, so a pickle
+cannot rewrite an admitted class for the rest of the process.
+
+After unpickling, the structure is checked as DCP itself would write it: every tensor's
+chunks lie inside it and their volumes add up to it (DCP's save-time rule), every item lives
+in a ``.distcp`` file of this directory (no ``/``, no ``..``) inside the file's size, items of
+one file do not overlap, no stream transforms (shardbridge writes none), and each tensor
+chunk's record is at least as long as its raw bytes. So the bytes a reader allocates for a
+declared shape are bounded by the bytes on disk.
+
+Still possible with a hostile checkpoint (see docs/checkpoints.md, "Threat model"): wrong
+values (see Integrity: checksums and ``shardbridge ckpt verify``), large allocations up to the
+size of its files, slow reads of very large metadata, and classes the PROCESS registered with
+``torch.serialization.add_safe_globals`` (weights_only admits them; TE registers its FP8
+tensor classes), whose constructors run.
+
+Cost: Python's pure-Python unpickler is ~2.5x slower than the C one (30 MB of metadata,
+190k chunks: 10 s instead of 4 s); the checks add a linear pass. Typical metadata is well
+under a megabyte.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from shardbridge._compat import DCP_MEM_FORMAT_ENCODING, DCPStorageInfo, PyUnpickler, dcp_set_element
+
+# -- private upstream names: reached through shardbridge._compat ([Note: upstream internals]) --
+_set_element = dcp_set_element
+_StorageInfo = DCPStorageInfo
+_MEM_FORMAT_ENCODING = DCP_MEM_FORMAT_ENCODING
+_PyUnpickler = PyUnpickler
+_LAYOUT_PICKLE_NAME = ("torch.serialization", "_get_layout")  # how torch pickles a torch.layout
+_DCP_METADATA_NAME = ".metadata"  # filesystem._metadata_fn
+# ----------------------------------------------------------------------------------------------
+
+__all__ = [
+    "MetadataUnpickler",
+    "TrustedReader",
+    "UntrustedCheckpointError",
+    "load_bytes_weights_only",
+    "load_file_weights_only",
+    "raise_untrusted",
+    "read_metadata",
+]
+
+_REFUSED = "this checkpoint is not trusted; nothing from it was executed"
+
+
+class UntrustedCheckpointError(ValueError):
+    """A checkpoint file holds something other than the data shardbridge / DCP write.
+
+    See [Note: untrusted checkpoints]. Nothing from the file was executed.
+    """
+
+
+_TORCH_CONSTANTS: dict[str, Any] = {
+    name: value
+    for name, value in vars(torch).items()
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+}
+_LAYOUTS = {str(v): v for v in _TORCH_CONSTANTS.values() if isinstance(v, torch.layout)}
+
+
+def _layout_by_name(name: Any) -> torch.layout:
+    """Stands in for ``torch.serialization._get_layout``: a table lookup, nothing else."""
+    if not isinstance(name, str) or name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
+    return _LAYOUTS[name]
+
+
+_DCP_CLASSES: tuple[type, ...] = (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorProperties,
+    MetadataIndex,
+    _StorageInfo,
+)
+
+_ADMITTED: dict[tuple[str, str], Any] = {
+    **{(cls.__module__, cls.__qualname__): cls for cls in _DCP_CLASSES},
+    (_MEM_FORMAT_ENCODING.__module__, _MEM_FORMAT_ENCODING.__qualname__): _MEM_FORMAT_ENCODING,
+    ("torch", "Size"): torch.Size,
+    **{("torch", name): value for name, value in _TORCH_CONSTANTS.items()},
+    _LAYOUT_PICKLE_NAME: _layout_by_name,
+    # StorageMeta.checkpoint_id: the saving run's path, as whichever path class it used.
+    ("pathlib", "PosixPath"): PurePosixPath,
+    ("pathlib", "PurePosixPath"): PurePosixPath,
+    ("pathlib", "WindowsPath"): PureWindowsPath,
+    ("pathlib", "PureWindowsPath"): PureWindowsPath,
+}
+"""(module, name) a ``.metadata`` pickle may reference -> the object it gets instead."""
+
+
+class MetadataUnpickler(_PyUnpickler):
+    """Unpickles DCP metadata admitting only the globals in :data:`_ADMITTED`.
+
+    See [Note: untrusted checkpoints]. Every refusal raises :class:`UntrustedCheckpointError`
+    naming ``where`` before anything the pickle names is called.
+    """
+
+    dispatch = dict(_PyUnpickler.dispatch)
+
+    def __init__(self, file: Any, *, where: str) -> None:
+        super().__init__(file)
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ADMITTED[(module, name)]
+        except (KeyError, TypeError):
+            raise UntrustedCheckpointError(
+                f"{self._where} references pickle global '{module}.{name}', which DCP metadata never holds: {_REFUSED}"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UntrustedCheckpointError(
+            f"{self._where} holds a pickle persistent id, which DCP metadata never holds: {_REFUSED}"
+        )
+
+    def _load_build(self) -> None:
+        target = self.stack[-2] if len(self.stack) >= 2 else None
+        if isinstance(target, type) or not isinstance(target, _DCP_CLASSES):
+            raise UntrustedCheckpointError(
+                f"{self._where} sets the state of a {type(target).__name__} object "
+                f"({target!r:.60}), which DCP metadata never does: {_REFUSED}"
+            )
+        _PyUnpickler.load_build(self)
+
+    def _load_extension(self) -> None:
+        # copyreg's extension cache would hand out objects without find_class.
+        raise UntrustedCheckpointError(
+            f"{self._where} uses a pickle extension code, which DCP metadata never does: {_REFUSED}"
+        )
+
+    dispatch[pickle.BUILD[0]] = _load_build
+    for _opcode in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_opcode[0]] = _load_extension
+    del _opcode
+
+
+def read_metadata(checkpoint_dir: str | os.PathLike[str], *, data_files: bool = True) -> Metadata:
+    """The DCP metadata of ``checkpoint_dir``, read without running code from it.
+
+    Args:
+        checkpoint_dir: the checkpoint directory.
+        data_files: also check that every item lies inside its data file (what bounds the
+            memory a reader allocates by the bytes on disk); False for readers of the
+            metadata alone (inspect), which then describe a checkpoint with damaged data files.
+
+    Raises:
+        UntrustedCheckpointError: the file references anything but DCP metadata classes,
+            or its structure is not what DCP writes (see [Note: untrusted checkpoints]).
+        ValueError: the file is missing or not a pickle.
+    """
+    path = Path(checkpoint_dir) / _DCP_METADATA_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"{str(path)!r} does not exist; the checkpoint is damaged") from None
+    where = repr(str(path))
+    try:
+        metadata = MetadataUnpickler(io.BytesIO(data), where=where).load()
+    except UntrustedCheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 (a pickle stream that is not DCP metadata: report, never run)
+        raise ValueError(
+            f"{where} is not DCP metadata ({type(err).__name__}: {err}); the checkpoint is damaged or was not "
+            "written by shardbridge / DCP"
+        ) from None
+    _check_metadata(metadata, Path(checkpoint_dir) if data_files else None, where)
+    return metadata
+
+
+def _refuse(where: str, what: str) -> UntrustedCheckpointError:
+    return UntrustedCheckpointError(f"{where} {what}, which DCP never writes: {_REFUSED}")
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, torch.Size) and all(type(v) is int and v >= 0 for v in value)
+
+
+_DATA_FILE = re.compile(r"[A-Za-z0-9_.-]+\.distcp")
+
+
+def _check_metadata(md: Any, checkpoint_dir: Path | None, where: str) -> None:
+    """The structure DCP writes; see [Note: untrusted checkpoints]."""
+    if type(md) is not Metadata:
+        raise _refuse(where, f"holds a {type(md).__name__} instead of DCP Metadata")
+    if not isinstance(md.state_dict_metadata, dict):
+        raise _refuse(where, "has no state_dict_metadata dict")
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise _refuse(where, f"has a non-string key {key!r}")
+        if type(entry) is BytesStorageMetadata:
+            continue
+        if type(entry) is not TensorStorageMetadata:
+            raise _refuse(where, f"describes {key!r} as a {type(entry).__name__}")
+        _check_tensor_entry(key, entry, where)
+    if md.planner_data is not None:
+        if not isinstance(md.planner_data, dict) or not all(
+            isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
+            for k, v in md.planner_data.items()
+        ):
+            raise _refuse(where, "holds planner data that is not {key: path of names}")
+    if md.storage_meta is not None and type(md.storage_meta) is not StorageMeta:
+        raise _refuse(where, f"holds storage_meta of type {type(md.storage_meta).__name__}")
+    if md.version is not None and not isinstance(md.version, str):
+        raise _refuse(where, f"holds version {md.version!r}")
+    _check_storage(md, checkpoint_dir, where)
+
+
+def _check_tensor_entry(key: str, entry: TensorStorageMetadata, where: str) -> None:
+    props = entry.properties
+    if type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype):
+        raise _refuse(where, f"gives {key!r} properties that are not a TensorProperties with a dtype")
+    if not _is_size(entry.size) or not isinstance(entry.chunks, list):
+        raise _refuse(where, f"gives {key!r} a size {entry.size!r} that is not a torch.Size of ints >= 0")
+    volume = 0
+    for chunk in entry.chunks:
+        if type(chunk) is not ChunkStorageMetadata or not (_is_size(chunk.offsets) and _is_size(chunk.sizes)):
+            raise _refuse(where, f"gives {key!r} a chunk that is not offsets + sizes")
+        if not (len(chunk.offsets) == len(chunk.sizes) == len(entry.size)) or any(
+            o + s > g for o, s, g in zip(chunk.offsets, chunk.sizes, entry.size)
+        ):
+            raise _refuse(
+                where,
+                f"places a chunk of {key!r} at {tuple(chunk.offsets)} + {tuple(chunk.sizes)} outside its size "
+                f"{tuple(entry.size)}",
+            )
+        volume += math.prod(chunk.sizes)
+    if volume != math.prod(entry.size):
+        raise _refuse(
+            where,
+            f"gives {key!r} chunks of {volume} elements for a size {tuple(entry.size)} of {math.prod(entry.size)}",
+        )
+
+
+def _check_storage(md: Metadata, checkpoint_dir: Path | None, where: str) -> None:
+    storage = md.storage_data
+    if not isinstance(storage, dict):
+        raise _refuse(where, "has no storage_data dict (where each item lives)")
+    spans: dict[str, list[tuple[int, int]]] = {}
+    chunks: dict[str, dict[torch.Size, ChunkStorageMetadata]] = {}
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+            raise _refuse(where, f"holds a storage entry {index!r:.80} -> {info!r:.80}")
+        entry = md.state_dict_metadata.get(index.fqn)
+        if entry is None:
+            raise _refuse(where, f"stores an item {index.fqn!r} that it does not describe")
+        name = info.relative_path
+        if not isinstance(name, str) or not _DATA_FILE.fullmatch(name) or name.startswith(".."):
+            raise _refuse(where, f"places {index.fqn!r} in {name!r}, which is not a .distcp file of this directory")
+        if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
+            raise _refuse(where, f"places {index.fqn!r} at offset {info.offset!r}, length {info.length!r}")
+        if info.transform_descriptors:
+            raise _refuse(where, f"asks for stream transforms {info.transform_descriptors!r} for {index.fqn!r}")
+        if isinstance(entry, TensorStorageMetadata):
+            if index.fqn not in chunks:
+                chunks[index.fqn] = {c.offsets: c for c in entry.chunks}
+            chunk = chunks[index.fqn].get(index.offset) if isinstance(index.offset, torch.Size) else None
+            if chunk is None:
+                raise _refuse(where, f"stores a chunk of {index.fqn!r} at {index.offset!r} that it does not describe")
+            raw = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+            if info.length < raw:
+                raise _refuse(
+                    where,
+                    f"stores {raw} bytes of {index.fqn!r} at {tuple(chunk.offsets)} in a {info.length}-byte record",
+                )
+        spans.setdefault(name, []).append((info.offset, info.length))
+    for name, items in spans.items():
+        items.sort()
+        end = 0
+        for offset, length in items:
+            if offset < end:
+                raise _refuse(where, f"places overlapping items in {name!r} (at byte {offset})")
+            end = offset + length
+        if checkpoint_dir is None:
+            continue
+        file = checkpoint_dir / name
+        if not file.is_file():
+            raise ValueError(f"data file {str(file)!r} is missing; the checkpoint is damaged")
+        size = file.stat().st_size
+        if end > size:
+            raise ValueError(f"data file {str(file)!r} is truncated ({size} of {end} bytes); the checkpoint is damaged")
+
+
+# -- weights_only loads ------------------------------------------------------------------------
+
+
+def load_bytes_weights_only(data: io.BytesIO | bytes, *, where: str) -> Any:
+    """``torch.load(data, weights_only=True)``; a refused pickle -> :class:`UntrustedCheckpointError`."""
+    stream = data if isinstance(data, io.BytesIO) else io.BytesIO(data)
+    try:
+        return torch.load(stream, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()
+        raise UntrustedCheckpointError(
+            f"{where} holds a pickle that torch.load(weights_only=True) refuses "
+            f"({first[0] if first else type(err).__name__}; {_weights_only_reason(str(err))}): "
+            "shardbridge writes only plain tensors and Python values there; "
+            f"{_REFUSED}"
+        ) from None
+
+
+def _weights_only_reason(text: str) -> str:
+    match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    return f"pickle global '{match.group(1)}'" if match else "not plain data"
+
+
+def load_file_weights_only(path: str | os.PathLike[str]) -> Any:
+    """``torch.load(path, weights_only=True)`` with the refusal naming the file."""
+    with open(path, "rb") as f:
+        return load_bytes_weights_only(io.BytesIO(f.read()), where=repr(str(path)))
+
+
+class WeightsOnlyBytes:
+    """Mixin for a ``DefaultLoadPlanner``: bytes items load with ``weights_only=True``.
+
+    See [Note: untrusted checkpoints]. :class:`TrustedReader` only hands bytes items to
+    planners with this mixin (or ones that declare ``weights_only_bytes = True``).
+    """
+
+    weights_only_bytes = True
+    checkpoint_dir: Path | None = None  # set by TrustedReader.read_data, for messages
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        storage = getattr(self.metadata, "storage_data", None) or {}  # type: ignore[attr-defined]
+        info = storage.get(read_item.storage_index)
+        file = info.relative_path if info is not None else "a data file"
+        if self.checkpoint_dir is not None:
+            file = str(self.checkpoint_dir / file)
+        obj = load_bytes_weights_only(value, where=f"{file!r} (item {fqn!r})")
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            _set_element(self.original_state_dict, self.mappings[fqn], obj)  # type: ignore[attr-defined]
+        else:
+            self.state_dict[fqn] = obj  # type: ignore[attr-defined]
+
+
+class TrustedReader(dcp.FileSystemReader):
+    """``dcp.FileSystemReader`` that runs no code from the checkpoint. See [Note: untrusted checkpoints].
+
+    ``read_metadata`` uses :func:`read_metadata` (restricted unpickler + structure check);
+    tensors load with ``weights_only=True`` (DCP's own reader already does); bytes items
+    only through a planner that loads them with ``weights_only=True`` (:class:`WeightsOnlyBytes`).
+
+    Args:
+        path: the checkpoint directory.
+        metadata: already read metadata (from :func:`read_metadata`), to skip a second read.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self._checkpoint_dir = Path(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP falls back to rank-local metadata when the global one fails to read.
+            raise UntrustedCheckpointError(
+                f"{str(self._checkpoint_dir)!r}: shardbridge reads only the global {_DCP_METADATA_NAME}, never "
+                "rank-local metadata"
+            )
+        if self._metadata is None:
+            self._metadata = read_metadata(self._checkpoint_dir)
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id  # as DCP's reader does
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
+            if not getattr(planner, "weights_only_bytes", False):
+                raise TypeError(
+                    f"{type(planner).__name__} would unpickle checkpoint bytes items without weights_only; "
+                    "use shardbridge.checkpoint._chunks.LoadPlanner (see [Note: untrusted checkpoints])"
+                )
+            if isinstance(planner, WeightsOnlyBytes):
+                planner.checkpoint_dir = self._checkpoint_dir
+        try:
+            return super().read_data(plan, planner)
+        except pickle.UnpicklingError as err:  # a tensor record torch.load(weights_only=True) refused
+            raise UntrustedCheckpointError(
+                f"a tensor record in a data file of {str(self._checkpoint_dir)!r} holds a pickle that "
+                f"torch.load(weights_only=True) refuses ({_weights_only_reason(str(err))}): {_REFUSED}"
+            ) from None
+
+
+@contextmanager
+def raise_untrusted() -> Iterator[None]:
+    """Re-raise an :class:`UntrustedCheckpointError` that DCP wrapped in a ``CheckpointException``.
+
+    DCP gathers every rank's failure into one ``CheckpointException`` on every rank, so every
+    rank finds and raises the same error (see [Note: symmetric errors] in ``_dist.py``).
+    """
+    try:
+        yield
+    except CheckpointException as exc:
+        for _, (cause, _tb) in sorted(exc.failures.items()):
+            if isinstance(cause, UntrustedCheckpointError):
+                raise UntrustedCheckpointError(str(cause)) from None
+        raise

@@ -1,0 +1,218 @@
+"""The process that test_faults.py injects faults into (not a test module).
+
+``python fault_child.py`` is a zygote: it imports torch, DCP and shardbridge once, then for
+each JSON line on stdin forks a child that runs :func:`main` with that dict as ``ARGS`` and
+answers the child's pid (children cost milliseconds instead of ~1 s of imports each). When a
+child ends, the zygote writes its exit code (negative: killed by that signal) to
+``ARGS["out"]/exit-<rank>``. The child reports through files under ``ARGS["out"]``:
+
+- ``ready``: written once torch, the process group and the model are set up;
+- ``done``: the last value whose save returned (``loop`` mode);
+- ``result.json``: ``{"ok": bool, "error": "Type: first line", "trace": [calls]}``.
+
+Modes (``ARGS["mode"]``):
+
+- ``loop``: save values 1, 2, 3 ... until killed; ``overwrite`` saves all into step 0's
+  directory, else each into its own ``step_dir``.
+- ``once``: one save of ``value``; optional faults: ``crash_at`` = k (the k-th call of an
+  instrumented file-system function, counted from the start of the save, exits the
+  process with ``how="exit"`` or raises ``OSError`` with ``how="raise"``; 0 = count only),
+  ``fsize`` (RLIMIT_FSIZE in bytes), ``pause`` (wait for the file ``go`` before committing).
+
+A model's every parameter equals the saved ``value`` (also in ``extra``), so the parent can
+tell which save it loaded and that the bytes are right.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import io
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_FAULTS = {"count": 0, "trace": [], "installed": []}
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def build(value: float, world: int) -> nn.Module:
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    return model
+
+
+def set_value(model: nn.Module, value: float) -> None:
+    torch.manual_seed(
+        int(value) * 10 + dist.get_rank() if dist.is_initialized() else int(value) * 10
+    )  # RNG files differ
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+def _is_write(args, kwargs) -> bool:
+    mode = kwargs.get("mode", args[1] if len(args) > 1 else "r")
+    return isinstance(mode, str) and any(c in mode for c in "wax+")
+
+
+def _install_faults(crash_at: int, how: str) -> None:
+    """Count (and at ``crash_at`` fail) every call that changes the file system."""
+
+    def wrap(owner, attr, label, counts=lambda a, k: True):
+        real = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            if counts(a, k):
+                _FAULTS["count"] += 1
+                _FAULTS["trace"].append(f"{label} {os.path.basename(str(a[0])) if a else ''}")
+                if _FAULTS["count"] == crash_at:
+                    if how == "exit":
+                        os._exit(77)
+                    raise OSError(errno.EIO, f"injected fault at call {crash_at} ({label})")
+            return real(*a, **k)
+
+        _FAULTS["installed"].append((owner, attr, real))
+        setattr(owner, attr, wrapper)
+
+    wrap(builtins, "open", "open-w", _is_write)
+    wrap(io, "open", "open-w", _is_write)  # pathlib's Path.open (DCP's data files)
+    wrap(os, "open", "os.open-creat", lambda a, k: bool((a[1] if len(a) > 1 else k.get("flags", 0)) & os.O_CREAT))
+    for attr in ("fsync", "rename", "replace", "mkdir", "rmdir", "unlink"):
+        wrap(os, attr, f"os.{attr}")
+    wrap(shutil, "rmtree", "shutil.rmtree")
+
+
+def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
+    out = ARGS["out"]
+    rank, world = ARGS.get("rank", 0), ARGS.get("world", 1)
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{ARGS['init']}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=ARGS.get("pg_timeout", 15)),
+        )
+    from shardbridge import checkpoint as ck
+    from shardbridge.checkpoint import _save
+
+    root = ARGS["root"]
+    model = build(ARGS.get("value", 1.0), world)
+    set_value(model, ARGS.get("value", 1.0))
+    result: dict = {"ok": False}
+    if rank == 0:
+        open(os.path.join(out, "ready"), "w").close()
+    try:
+        if ARGS["mode"] == "loop":
+            value = ARGS.get("start", 1)
+            while True:
+                set_value(model, float(value))
+                path = ck.step_dir(root, 0 if ARGS["overwrite"] else value)
+                ck.save(path, model=model, step=value, extra={"value": value}, overwrite=ARGS["overwrite"])
+                if rank == 0:
+                    _write_json(os.path.join(out, "done"), {"value": value})
+                value += 1
+        if ARGS.get("fsize") is not None:
+            import resource
+
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+            resource.setrlimit(resource.RLIMIT_FSIZE, (ARGS["fsize"], resource.RLIM_INFINITY))
+        if ARGS.get("pause"):
+            real_commit = _save.commit
+
+            def paused_commit(*a, **k):
+                open(os.path.join(out, "paused"), "w").close()
+                while not os.path.exists(os.path.join(out, "go")):
+                    time.sleep(0.01)
+                return real_commit(*a, **k)
+
+            _save.commit = paused_commit
+        if ARGS.get("crash_at") is not None and rank == ARGS.get("crash_rank", 0):
+            _install_faults(ARGS["crash_at"], ARGS.get("how", "exit"))
+        value = ARGS["value"]
+        ck.save(
+            ARGS.get("path") or ck.step_dir(root, ARGS["step"]),
+            model=model,
+            step=ARGS["step"],
+            extra={"value": value},
+            overwrite=ARGS.get("overwrite", False),
+        )
+        result["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        lines = str(exc).strip().splitlines() or [""]
+        result["error"] = f"{type(exc).__name__}: {lines[0]}"
+    finally:
+        for owner, attr, real in _FAULTS["installed"]:
+            setattr(owner, attr, real)
+        result["trace"] = _FAULTS["trace"]
+        _write_json(os.path.join(out, f"result-{rank}.json"), result)
+    sys.stdout.flush()
+    os._exit(0 if result["ok"] else 1)  # no process-group teardown: a peer may be dead
+
+
+def zygote() -> None:
+    import shardbridge.checkpoint  # noqa: F401
+    import torch._dynamo  # noqa: F401 (torch's get_state_dict pulls it in; ~0.5 s)
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    exits: dict[int, str] = {}
+
+    def reap(*_):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            path = exits.pop(pid, None)
+            if path is not None:
+                with open(path + ".tmp", "w") as f:
+                    f.write(str(os.waitstatus_to_exitcode(status)))
+                os.replace(path + ".tmp", path)
+
+    signal.signal(signal.SIGCHLD, reap)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        args = json.loads(line)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+            try:
+                main(args)
+            finally:
+                os._exit(70)
+        exits[pid] = os.path.join(args["out"], f"exit-{args['rank']}")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+        reap()
+        print(json.dumps({"pid": pid}), flush=True)
+
+
+if __name__ == "__main__":
+    zygote()

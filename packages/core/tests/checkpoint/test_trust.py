@@ -1,0 +1,304 @@
+"""[Note: untrusted checkpoints]: no code runs from any file of a checkpoint.
+
+Each hostile file carries a pickle that, if anything unpickled it without restriction, would
+create a marker directory (``os.mkdir``). Every read path must refuse it with a ValueError
+naming the file, and the marker must not exist afterwards. The positive side: the restricted
+unpickler reads every real checkpoint (4-rank FSDP2 x TP with fused params, optimizer and a
+bytes ``_extra_state``; format 1) to exactly what ``pickle`` reads.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_helpers import LAYOUTS, Mlp, build
+from shardbridge import checkpoint as ck
+from shardbridge.checkpoint import _state
+from shardbridge.checkpoint._manifest import rng_file
+from shardbridge.checkpoint._trust import UntrustedCheckpointError, read_metadata
+from shardbridge.testing import run_distributed
+from shardbridge.testing._hostile import Payload, plant_item, reseal, torch_save
+from torch import nn
+
+NOT_TRUSTED = "not trusted; nothing from it was executed"
+
+
+class ExtraState(nn.Module):
+    """A module with a bytes ``_extra_state``, as shardbridge_te makes TE's (torch.save of plain values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: object = None
+
+    def get_extra_state(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"format": "test/1", "scale": torch.arange(3.0), "recipe": None}, buf)
+        return buf.getvalue()
+
+    def set_extra_state(self, state: object) -> None:
+        self.loaded = state
+
+
+def _mlp_with_optimizer(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
+@pytest.fixture
+def marker(tmp_path) -> Path:
+    return tmp_path / "code-ran"
+
+
+@pytest.fixture
+def good(tmp_path) -> Path:
+    model, opt = _mlp_with_optimizer()
+    return ck.save(ck.step_dir(tmp_path / "root", 3), model=model, optimizer=opt, step=3)
+
+
+@pytest.fixture
+def bad_metadata(good, marker) -> Path:
+    (good / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    reseal(good)
+    return good
+
+
+@pytest.fixture
+def bad_param_groups(good, marker) -> Path:
+    plant_item(good, "optim.param_groups", torch_save(Payload(marker)))
+    return good
+
+
+@pytest.fixture
+def bad_tensor(good, marker) -> Path:
+    plant_item(good, "model.up.weight", torch_save(Payload(marker)))
+    return good
+
+
+def _refused(marker: Path, match: str = NOT_TRUSTED):
+    class Check:
+        def __enter__(self):
+            self.raises = pytest.raises(ValueError, match=match)
+            return self.raises.__enter__()
+
+        def __exit__(self, *exc):
+            handled = self.raises.__exit__(*exc)
+            assert not marker.exists(), "code from the checkpoint ran"
+            return handled
+
+    return Check()
+
+
+# --------------------------------------------------------------------------- .metadata
+
+
+def _load_with_optimizer(path: Path) -> None:
+    model, opt = _mlp_with_optimizer(seed=1)
+    ck.load(path, model=model, optimizer=opt)
+
+
+def test_metadata_refused_by_load(bad_metadata, marker):
+    with _refused(marker, match=r"\.metadata' references pickle global '(posix|os)\.mkdir'.*" + NOT_TRUSTED):
+        _load_with_optimizer(bad_metadata)
+
+
+def test_metadata_refused_by_load_latest(bad_metadata, marker):
+    with _refused(marker):
+        ck.load_latest(bad_metadata.parent, model=Mlp())
+
+
+def test_metadata_refused_by_inspect(bad_metadata, marker):
+    with _refused(marker):
+        ck.inspect(bad_metadata)
+
+
+def test_metadata_refused_by_export(bad_metadata, marker, tmp_path):
+    with _refused(marker):
+        ck.export_safetensors(bad_metadata, tmp_path / "hf", progress=False)
+
+
+@pytest.mark.parametrize("command", ["inspect", "export"])
+def test_metadata_refused_by_cli(bad_metadata, marker, tmp_path, command):
+    args = [str(bad_metadata)] + ([str(tmp_path / "hf")] if command == "export" else [])
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardbridge.cli._main", "ckpt", command, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode != 0, proc.stdout
+    assert NOT_TRUSTED in proc.stderr and ".metadata" in proc.stderr, proc.stderr
+    assert not marker.exists(), "code from the checkpoint ran"
+
+
+def test_metadata_setting_state_of_a_class_is_refused(good, tmp_path):
+    """BUILD on a class (``setattr(Metadata, ...)`` for the whole process) is refused."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    module, name = Metadata.__module__.encode(), Metadata.__name__.encode()
+    # PROTO 4; push the class (STACK_GLOBAL); state (None, {"hacked": True}); BUILD; STOP.
+    data = (
+        b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+        b"N}\x8c\x06hacked\x88s\x86b."
+    )
+    assert pickle.loads(data) is Metadata and Metadata.hacked is True  # what plain pickle does
+    del Metadata.hacked
+    (good / ".metadata").write_bytes(data)
+    with pytest.raises(ValueError, match=r"sets the state of a type object.*" + NOT_TRUSTED):
+        read_metadata(good)
+    assert not hasattr(Metadata, "hacked")
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda info: info.__class__("../../etc/passwd", 0, 10), "not a .distcp file of this directory"),
+        (lambda info: info.__class__("/etc/x.distcp", 0, 10), "not a .distcp file of this directory"),
+        (lambda info: info.__class__(info.relative_path, info.offset, 3), r"in a 3-byte record"),
+        (lambda info: info.__class__(info.relative_path, 0, info.length, ["zstd/1"]), "stream transforms"),
+    ],
+    ids=["parent-dir", "absolute", "short-record", "transform"],
+)
+def test_metadata_structure_is_checked(good, change, match):
+    md = pickle.loads((good / ".metadata").read_bytes())
+    index = next(i for i in md.storage_data if i.fqn == "model.up.weight")
+    md.storage_data[index] = change(md.storage_data[index])
+    (good / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(UntrustedCheckpointError, match=match):
+        read_metadata(good)
+
+
+def test_huge_declared_shape_is_refused(good, tmp_path):
+    """A shape the stored chunks do not cover (export would allocate it) is refused."""
+    md = pickle.loads((good / ".metadata").read_bytes())
+    md.state_dict_metadata["model.up.weight"].size = torch.Size([10**6, 10**6])
+    (good / ".metadata").write_bytes(pickle.dumps(md))
+    reseal(good)
+    with pytest.raises(UntrustedCheckpointError, match=r"chunks of 54 elements for a size \(1000000, 1000000\)"):
+        ck.export_safetensors(good, tmp_path / "hf", progress=False)
+
+
+# --------------------------------------------------------------------------- bytes and tensor items
+
+
+def test_bytes_item_refused_by_load(bad_param_groups, marker):
+    with _refused(marker, match=r"__0_0\.distcp' \(item 'optim\.param_groups'\).*weights_only.*" + NOT_TRUSTED):
+        _load_with_optimizer(bad_param_groups)
+
+
+def test_bytes_item_refused_by_load_latest(bad_param_groups, marker):
+    model, opt = _mlp_with_optimizer(seed=1)
+    with _refused(marker):
+        ck.load_latest(bad_param_groups.parent, model=model, optimizer=opt)
+
+
+def _load_on_every_rank(path: str) -> str:
+    model, opt = build(LAYOUTS["fsdp4"], seed=1)
+    try:
+        ck.load(path, model=model, optimizer=opt, rng=False)
+    except ValueError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_bytes_item_refused_on_every_rank(marker, tmp_path):
+    run_distributed(_save_fsdp4, str(tmp_path / "c"), world_size=4)
+    plant_item(tmp_path / "c", "optim.param_groups", torch_save(Payload(marker)))
+    errors = run_distributed(_load_on_every_rank, str(tmp_path / "c"), world_size=4)
+    assert all(NOT_TRUSTED in e and "optim.param_groups" in e for e in errors), errors
+    assert not marker.exists()
+
+
+def _save_fsdp4(path: str) -> None:
+    model, opt = build(LAYOUTS["fsdp4"])
+    ck.save(path, model=model, optimizer=opt)
+
+
+def test_extra_state_bytes_item_refused(tmp_path, marker):
+    """A TE-like bytes ``_extra_state`` loads with weights_only; a hostile one is refused."""
+    model = nn.Sequential(ExtraState())
+    path = ck.save(tmp_path / "c", model=model)
+    fresh = nn.Sequential(ExtraState())
+    ck.load(path, model=fresh)
+    assert torch.equal(torch.load(io.BytesIO(fresh[0].loaded), weights_only=True)["scale"], torch.arange(3.0))
+    plant_item(path, "model.0._extra_state", torch_save(Payload(marker)))
+    with _refused(marker, match=r"item 'model\.0\._extra_state'.*" + NOT_TRUSTED):
+        ck.load(path, model=nn.Sequential(ExtraState()))
+
+
+def test_tensor_record_refused(bad_tensor, marker, tmp_path):
+    with _refused(marker, match=r"tensor record.*weights_only.*" + NOT_TRUSTED):
+        ck.load(bad_tensor, model=Mlp())
+    with _refused(marker, match=r"tensor record.*" + NOT_TRUSTED):
+        ck.export_safetensors(bad_tensor, tmp_path / "hf", progress=False)
+
+
+def test_planner_without_weights_only_bytes_is_refused(good):
+    """TrustedReader never hands bytes items to DCP's default planner (weights_only=False)."""
+    import torch.distributed.checkpoint as dcp
+    from shardbridge.checkpoint._trust import TrustedReader
+
+    state = {"optim": {"param_groups": []}}
+    with pytest.raises(BaseException, match="without weights_only"):
+        dcp.load(state, storage_reader=TrustedReader(good), no_dist=True)
+
+
+# --------------------------------------------------------------------------- RNG files
+
+
+def test_rng_file_refused(good, marker):
+    (good / rng_file(0)).write_bytes(torch_save({"cpu": Payload(marker)}))
+    reseal(good)
+    with _refused(marker, match=r"rank-00000\.pt' holds a pickle.*" + NOT_TRUSTED):
+        ck.load(good, model=Mlp())
+
+
+# --------------------------------------------------------------------------- positive: real checkpoints
+
+
+def _save_real(path: str) -> None:
+    model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True)
+    model.extra = ExtraState()
+    ck.save(path, model=model, optimizer=opt, step=1)
+
+
+def test_every_real_checkpoint_reads_as_with_pickle(tmp_path, monkeypatch):
+    run_distributed(_save_real, str(tmp_path / "fused"), world_size=4)
+    model, opt = _mlp_with_optimizer()
+    monkeypatch.setattr(_state, "_pack_param_groups", lambda state: None)  # format 1: unpacked
+    ck.save(tmp_path / "v1", model=model, optimizer=opt)
+    monkeypatch.undo()
+    for name in ("fused", "v1"):
+        path = tmp_path / name
+        want = pickle.loads((path / ".metadata").read_bytes())
+        got = read_metadata(path)
+        assert got.state_dict_metadata == want.state_dict_metadata
+        assert got.storage_data == want.storage_data and got.planner_data == want.planner_data
+        assert str(got.storage_meta.checkpoint_id) == str(want.storage_meta.checkpoint_id)
+    keys = read_metadata(tmp_path / "fused").state_dict_metadata
+    assert {"model.gate_proj.weight", "model.extra._extra_state", "optim.param_groups"} <= set(keys)
+    assert "optim.param_groups.up.weight.lr" in read_metadata(tmp_path / "v1").state_dict_metadata
+
+
+def _load_real(path: str) -> bool:
+    model, opt = build(LAYOUTS["tp4"], fused=True, seed=5, lr=0.5)
+    model.extra = ExtraState()
+    ck.load(path, model=model, optimizer=opt, rng=False)
+    return opt.param_groups[0]["lr"] == 0.01 and isinstance(model.extra.loaded, bytes)
+
+
+def test_real_checkpoint_with_bytes_items_loads(tmp_path):
+    run_distributed(_save_real, str(tmp_path / "c"), world_size=4)
+    assert run_distributed(_load_real, str(tmp_path / "c"), world_size=4) == [True] * 4
