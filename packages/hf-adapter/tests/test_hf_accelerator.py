@@ -330,3 +330,94 @@ def test_bug3_upstream_broadcasts_tp_shards_as_full():
 def test_bug3_fixed_rank0_weights_reach_every_shard():
     for r in run_distributed(_ram_efficient, False, world_size=4, timeout=120):
         assert r == {"equal": True}
+
+
+# -- nothing the user sets is silently ignored (issue 11, item 5) --------------------------------
+
+
+def _lr_after(dims: dict, steps: int, total: int) -> float:
+    acc = H.sb_accelerator(ParallelDims(**dims))
+    model = H.tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.01, total_iters=total)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    H.train_steps(acc, model, opt, steps, scheduler=sched)
+    return sched.get_last_lr()[0]
+
+
+def test_lr_schedule_advances_by_dp_not_by_process_count():
+    # A schedule sized in batches of the unsharded loader (len(dataloader)): one optimizer step at
+    # dp2 x tp2 consumes dp=2 batches, so after 3 steps the lr is the one-process schedule's after 6
+    # steps. Accelerate's own AcceleratedScheduler steps num_processes=4 times per step (lr at 12).
+    steps, total = 3, 16
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    ref = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.01, total_iters=total)
+    for _ in range(steps * 2):
+        opt.step()
+        ref.step()
+    for lr in run_distributed(_lr_after, DP2_TP2, steps, total, world_size=4, timeout=180):
+        assert lr == ref.get_last_lr()[0]
+
+
+def _activation_checkpointing() -> dict:
+    from shardbridge_hf import HFConfig
+
+    out = {}
+    for ac in (False, True):
+        acc = H.sb_accelerator(ParallelDims(**DP2_TP2), config=HFConfig(activation_checkpointing=ac))
+        model = H.tiny_model("llama").train()
+        calls = []
+        # A pre-hook: the recompute stops as soon as it has what backward needs (before a post-hook).
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *args, calls=calls: calls.append(1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = acc.prepare(model, opt)
+        pm = acc.parallel_mesh
+        ids = H.local_batch(1, pm["dp"].get_local_rank(), pm.dims.degree("dp"))
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        out[ac] = {"loss": loss.item(), "grads": grads, "mlp_forwards": len(calls)}
+    return out
+
+
+def test_activation_checkpointing_recomputes_and_keeps_the_numerics():
+    for r in run_distributed(_activation_checkpointing, world_size=4, timeout=180):
+        plain, ac = r[False], r[True]
+        assert plain["mlp_forwards"] == 1 and ac["mlp_forwards"] == 2  # forward, then recompute in backward
+        assert ac["loss"] == plain["loss"]
+        assert ac["grads"].keys() == plain["grads"].keys()
+        for name, grad in plain["grads"].items():
+            torch.testing.assert_close(ac["grads"][name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_plain_accelerate_launch_is_refused_naming_shardbridge_launch(monkeypatch):
+    from shardbridge_hf import ENV_VAR, HFConfig, ShardbridgeAccelerator
+
+    # What a worker of `accelerate launch --config_file cfg.yaml` sees: Accelerate's FSDP env, no block.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match=r"started by `accelerate launch`.*`shardbridge launch --config_file"):
+        ShardbridgeAccelerator(cpu=True)
+    # Launched by `shardbridge launch` (the block in the env): no refusal.
+    from shardbridge_hf._accelerator import _refuse_plain_accelerate_launch
+
+    monkeypatch.setenv(ENV_VAR, HFConfig().to_json())
+    _refuse_plain_accelerate_launch()
+
+
+def _view_warnings() -> int:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every copy counts (the adapter's filter is installed in prepare)
+        acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+        model = H.tiny_model("llama")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = acc.prepare(model, opt)
+        H.train_steps(acc, model, opt, 2)
+    return sum("returned a view tensor" in str(w.message) for w in caught)
+
+
+def test_fsdp2_view_output_warning_is_filtered_for_tp_outputs():
+    # See [Note: FSDP2 view-output warning]: 3 copies per step and rank before.
+    assert run_distributed(_view_warnings, world_size=4, timeout=180) == [0, 0, 0, 0]

@@ -151,3 +151,18 @@ def test_ignored_arguments_are_refused_by_name():
         assert "does not use ['weights_only']" in r["load_func_kwargs"]
         assert "has 2 entries for 1 objects" in r["placement_length"]
         assert "device_placement[0]=False" in r["placement_model"] and "LlamaForCausalLM" in r["placement_model"]
+
+
+def test_core_cli_export_writes_a_folder_from_pretrained_loads(saved_run, tmp_path):
+    # `shardbridge ckpt export` is the core's (no adapter import): the config.json comes from the
+    # checkpoint's manifest (extra["export"], written by the adapter's save_state).
+    from shardbridge.cli._main import main
+    from transformers import AutoModelForCausalLM
+
+    root, first = saved_run
+    assert main(["ckpt", "export", f"{root}/step-4", str(tmp_path / "hf"), "--no-progress"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        logits = model(input_ids=H.global_batch(99, 1)).logits
+    torch.testing.assert_close(logits, first["logits"], rtol=1e-5, atol=1e-5)

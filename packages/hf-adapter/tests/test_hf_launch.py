@@ -127,3 +127,162 @@ def test_launcher_prints_one_line_for_a_bad_file(tmp_path, capsys):
     assert main(["--config_file", str(tmp_path / "cfg.yaml"), "train.py"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("shardbridge-launch: config file") and "is empty" in err[0]
+
+
+# -- nothing set on the command line or in the file is silently ignored (issue 11, item 5) -------
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Accelerate's launch_command replaced by a recorder: main validates, nothing starts."""
+    import accelerate.commands.launch as launch
+
+    calls = []
+    monkeypatch.setattr(launch, "launch_command", lambda args: calls.append(args))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    return calls
+
+
+def _plain(tmp_path, precision="fp32"):
+    """BASE without FP8 (bf16 compute is the question here) and with the given block precision."""
+    return _write(tmp_path, BASE.replace("precision: bf16", f"precision: {precision}").replace(_FP8_LINE + "\n", ""))
+
+
+def test_command_line_mixed_precision_reaches_the_workers(tmp_path, no_launch):
+    cfg = _write(tmp_path, BASE.replace("    precision: bf16\n", ""))
+    assert main(["--config_file", str(cfg), "--mixed_precision", "bf16", "train.py"]) == 0
+    assert len(no_launch) == 1
+    import os
+
+    assert HFConfig.from_json(os.environ[ENV_VAR]).policy().param_dtype == torch.bfloat16
+
+
+def test_command_line_mixed_precision_that_contradicts_the_block_is_refused(tmp_path, no_launch, capsys):
+    assert main(["--config_file", str(_plain(tmp_path)), "--mixed_precision", "bf16", "train.py"]) == 2
+    assert not no_launch
+    assert "--mixed_precision bf16" in capsys.readouterr().err
+
+
+def test_command_line_num_processes_is_validated_before_any_process_starts(tmp_path, no_launch, capsys):
+    assert main(["--config_file", str(_write(tmp_path, BASE)), "--num_processes", "2", "train.py"]) == 2
+    assert not no_launch
+    err = capsys.readouterr().err
+    assert "with --num_processes 2" in err and "do not fit num_processes=2" in err
+
+
+def test_command_line_parallelism_sizes_are_validated(tmp_path, no_launch, capsys):
+    argv = ["--config_file", str(_write(tmp_path, BASE)), "--parallelism_config_tp_size", "4", "train.py"]
+    assert main(argv) == 2 and not no_launch
+    assert "--parallelism_config_tp_size 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("line", "field", "value"),
+    [
+        ("fsdp_activation_checkpointing: true", "activation_checkpointing", True),
+        ("fsdp_reshard_after_forward: false", "reshard_after_forward", False),
+        ("fsdp_sync_module_states: false", "sync_module_states", False),
+        ("fsdp_state_dict_type: SHARDED_STATE_DICT", "reshard_after_forward", "default"),
+        ("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP", "reshard_after_forward", "default"),
+        ("fsdp_offload_params: false", "reshard_after_forward", "default"),
+    ],
+)
+def test_accelerate_fsdp_keys_are_honoured_or_agree(tmp_path, line, field, value):
+    cfg = _write(tmp_path, BASE.replace("  fsdp_version: 2\n", f"  fsdp_version: 2\n  {line}\n"))
+    assert getattr(read_config_file(cfg).config, field) == value
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("fsdp_offload_params: true", r"fsdp_config.fsdp_offload_params=True .*CPU offload is not supported"),
+        ("fsdp_sharding_strategy: SHARD_GRAD_OP", r"fsdp_sharding_strategy='SHARD_GRAD_OP' .*FSDP1's"),
+        ("fsdp_state_dict_type: FULL_STATE_DICT", r"fsdp_state_dict_type='FULL_STATE_DICT' .*export_pretrained"),
+        ("fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer", r"fsdp_transformer_layer_cls_to_wrap=.*wraps"),
+        ("fsdp_backward_prefetch: BACKWARD_PRE", r"fsdp_backward_prefetch=.*prefetches"),
+        ("fsdp_activation_checkpointing_offload: true", r"fsdp_activation_checkpointing_offload=True"),
+        ("fsdp_activation_checkpointing: maybe", r"fsdp_activation_checkpointing='maybe' must be true or false"),
+        (
+            "fsdp_cpu_ram_efficient_loading: true\n  shardbridge: {sync_module_states: false}",
+            "real weights on rank 0 only",
+        ),
+    ],
+)
+def test_accelerate_fsdp_keys_without_effect_are_refused_by_name(tmp_path, line, match):
+    text = BASE.replace("  fsdp_version: 2\n", f"  fsdp_version: 2\n  {line}\n")
+    if "shardbridge: {" in line:  # the block given inline instead
+        text = text.replace(
+            "  shardbridge:\n    precision: bf16\n" + _FP8_LINE + "\n    checkpoint: {export_dtype: bfloat16}\n", ""
+        )
+    with pytest.raises(ValueError, match=match):
+        read_config_file(_write(tmp_path, text))
+
+
+def test_accelerate_fsdp_key_that_contradicts_the_block_is_refused(tmp_path):
+    text = BASE.replace("  fsdp_version: 2\n", "  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n")
+    text = text.replace("    precision: bf16\n", "    precision: bf16\n    reshard_after_forward: false\n")
+    with pytest.raises(ValueError, match="fsdp_reshard_after_forward=True and fsdp_config.shardbridge.reshard"):
+        read_config_file(_write(tmp_path, text))
+
+
+def test_command_line_fsdp_flags_are_honoured_and_refused_too(tmp_path, no_launch, capsys):
+    import os
+
+    cfg = str(_write(tmp_path, BASE))
+    assert main(["--config_file", cfg, "--fsdp_activation_checkpointing", "true", "train.py"]) == 0
+    assert HFConfig.from_json(os.environ[ENV_VAR]).activation_checkpointing is True
+    assert main(["--config_file", cfg, "--fsdp_offload_params", "true", "train.py"]) == 2
+    assert "fsdp_offload_params='true'" in capsys.readouterr().err and len(no_launch) == 1
+
+
+def test_unsupported_parallelism_axes_are_refused(tmp_path):
+    text = BASE.replace(
+        "parallelism_config_tp_size: 2", "parallelism_config_tp_size: 2\n  parallelism_config_sp_size: 2"
+    )
+    with pytest.raises(NotImplementedError, match="parallelism_config_sp_size=2"):
+        read_config_file(_write(tmp_path, text))
+
+
+def test_launch_help_shows_config_file_and_every_option_group(monkeypatch, capsys):
+    # As the core CLI runs it: sys.argv is `shardbridge launch --help`, argv the words after the verb.
+    monkeypatch.setattr("sys.argv", ["shardbridge", "launch", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for shown in ("--config_file", "--num_processes", "--mixed_precision", "FSDP Arguments", "ParallelismConfig"):
+        assert shown in out, shown
+
+
+def test_launcher_without_the_hf_extra_prints_one_line(monkeypatch, capsys):
+    import importlib.metadata
+
+    from shardbridge_hf import _compat
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "accelerate":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    _compat.require_accelerate.cache_clear()
+    try:
+        assert main(["--config_file", "cfg.yaml", "train.py"]) == 2
+    finally:
+        _compat.require_accelerate.cache_clear()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardbridge-launch: error:"), err
+    assert 'pip install "shardbridge[hf]"' in err[0] and "accelerate is not installed" in err[0]
+
+
+def test_without_sync_module_states_rank0_only_loading_is_turned_off(tmp_path, no_launch):
+    # accelerate launch's default would make from_pretrained load real weights on rank 0 only.
+    cfg = _write(
+        tmp_path, BASE.replace("    precision: bf16\n", "    precision: bf16\n    sync_module_states: false\n")
+    )
+    assert main(["--config_file", str(cfg), "train.py"]) == 0
+    assert no_launch[0].fsdp_cpu_ram_efficient_loading == "false"
+    assert main(["--config_file", str(_write(tmp_path, BASE)), "train.py"]) == 0
+    assert no_launch[1].fsdp_cpu_ram_efficient_loading == "true"  # Accelerate's default: rank 0 loads, we broadcast

@@ -7,14 +7,15 @@ DTensor's local tensor without autograd, flattening a DeviceMesh, DCP's state-di
 flattening). Every such name is reached here and nowhere else in the monorepo: the core and
 all three adapters call the named helpers below. Each helper says which torch versions it
 was checked against; :data:`TORCH_CHECKED` is the range the test suite runs (``nox -s
-torch_versions`` runs it on the newest torch installable here). When torch renames one of
-these, this file is the only place to change, and :func:`require_attr` turns the
+torch_versions`` runs it on the floor, 2.11.0, and the newest installable here, 2.14.1). When
+torch renames one of these, this file is the only place to change, and :func:`require_attr` turns the
 ``AttributeError`` deep inside a training step into an error naming the torch version.
 
 Host-framework internals (Accelerate, megatron_fsdp, TE, torchao) live in each adapter's own
 ``_compat.py``; the version parser they share is :func:`parse_version`.
 
-Checked against torch 2.13.0 (CPU) and 2.14.1.
+Checked against torch 2.11.0, 2.13.0 (CPU) and 2.14.1 (2.11.0 and 2.14.1: CUDA builds run on CPU by
+``nox -s torch_versions``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "dcp_set_element",
     "compute_local_shape_and_global_offset",
     "distribution_version",
+    "dtensor_to_local",
     "fake_store",
     "flatten_mesh",
     "flatten_sharded_tensors",
@@ -60,7 +62,7 @@ __all__ = [
     "unflatten_mesh",
 ]
 
-TORCH_CHECKED = ((2, 13, 0), (2, 14, 1))
+TORCH_CHECKED = ((2, 11, 0), (2, 14, 1))
 """Oldest and newest torch the test suite has run on (inclusive)."""
 
 
@@ -141,7 +143,7 @@ def require_attr(obj: Any, name: str, *, what: str) -> Any:
 
 
 tree_map = importlib.import_module("torch.utils._pytree").tree_map
-"""``torch.utils._pytree.tree_map`` (private module, stable since 2.0). Checked: 2.13, 2.14."""
+"""``torch.utils._pytree.tree_map`` (private module, stable since 2.0). Checked: 2.11, 2.13, 2.14."""
 
 
 # -- DTensor ------------------------------------------------------------------------------
@@ -156,12 +158,48 @@ def local_tensor(t: DTensor) -> torch.Tensor:
     return t._local_tensor
 
 
+class _ToLocalKeepingLayout(torch.autograd.Function):
+    """``DTensor.to_local(grad_placements=...)`` whose gradient carries the DTensor's own stride.
+
+    torch 2.11 gives the gradient of ``to_local`` a global stride computed from the local
+    gradient (``compute_global_tensor_info``), which for an uneven shard (dim 9 as Shard(1) over
+    2 ranks: (10, 1) instead of (9, 1)) breaks AccumulateGrad's layout contract; AccumulateGrad
+    then re-creates ``param.grad`` as a Replicate DTensor. torch 2.13 keeps the placements.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: DTensor, grad_placements: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.meta = (t.device_mesh, tuple(grad_placements), t.shape, t.stride())
+        ctx.set_materialize_grads(False)
+        local = t._local_tensor
+        return local.view_as(local)  # a fresh tensor: autograd metadata must not land on _local_tensor
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[DTensor | None, None]:  # type: ignore[override]
+        if grad is None:
+            return None, None
+        mesh, placements, shape, stride = ctx.meta
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None
+
+
+def dtensor_to_local(t: DTensor, grad_placements: Any) -> torch.Tensor:
+    """``t.to_local(grad_placements=grad_placements)``: its gradient reaches ``t`` with those placements.
+
+    torch < 2.13 (checked: 2.11.0) returns an uneven sharded parameter's gradient as Replicate
+    (see ``_ToLocalKeepingLayout``); there the gradient is built with ``t``'s global shape and
+    stride instead. Checked: 2.11 (workaround), 2.13, 2.14 (public ``to_local``).
+    """
+    if torch_version() < (2, 13):  # torch 2.11: to_local's grad stride breaks AccumulateGrad's layout contract
+        return _ToLocalKeepingLayout.apply(t, tuple(grad_placements))
+    return t.to_local(grad_placements=grad_placements)
+
+
 def compute_local_shape_and_global_offset(
     global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements: list[Any]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """What torch (hence DCP) says a coordinate holds: ``tensor._utils``'s private function.
 
-    Checked: 2.13, 2.14 (the ``(global_shape, mesh_shape, coordinate, placements)`` form).
+    Checked: 2.11, 2.13, 2.14 (the ``(global_shape, mesh_shape, coordinate, placements)`` form).
     """
     from torch.distributed.tensor import _utils
 
@@ -178,14 +216,14 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 
 def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """``mesh._unflatten(dim, sizes, names)``, reusing ``mesh``'s groups. Checked: 2.13, 2.14."""
+    """``mesh._unflatten(dim, sizes, names)``, reusing ``mesh``'s groups. Checked: 2.11, 2.13, 2.14."""
     return require_attr(mesh, "_unflatten", what="ParallelMesh.fsdp_mesh (HSDP)")(dim, sizes, names)
 
 
 # -- FSDP2 --------------------------------------------------------------------------------
 
 AllGather = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_api").AllGather
-"""FSDP2's base class for ``set_custom_all_gather`` (private module ``_fsdp_api``). Checked: 2.13, 2.14."""
+"""FSDP2's base class for ``set_custom_all_gather`` (private module ``_fsdp_api``). Checked: 2.11, 2.13, 2.14."""
 
 
 def _fsdp_state(module: FSDPModule) -> Any:
@@ -193,7 +231,10 @@ def _fsdp_state(module: FSDPModule) -> Any:
 
 
 def fsdp_param_groups(module: FSDPModule) -> list[Any]:
-    """The ``FSDPParamGroup``s of one FSDP2 unit (0 or 1 in 2.13; a list since 2.11)."""
+    """The ``FSDPParamGroup``s of one FSDP2 unit.
+
+    torch 2.13, 2.14: the list ``_fsdp_param_groups``; 2.11: one ``_fsdp_param_group`` (or None).
+    """
     state = _fsdp_state(module)
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
@@ -222,7 +263,7 @@ def reset_sharded_params(module: FSDPModule) -> None:
     """Re-point FSDP2's sharded parameters at their (replaced) local tensors.
 
     Needed after a parameter's local tensor is swapped in place (materialising a meta
-    module, quantizing), as torch's own ``fully_shard`` tests do. Checked: 2.13, 2.14.
+    module, quantizing), as torch's own ``fully_shard`` tests do. Checked: 2.11, 2.13, 2.14.
     """
     for fsdp_param in fsdp_params(module):
         fsdp_param.reset_sharded_param()
@@ -239,13 +280,13 @@ def fsdp_shard_process_group(module: FSDPModule) -> Any:
 
 
 DCPStorageInfo = importlib.import_module("torch.distributed.checkpoint.filesystem")._StorageInfo
-"""Where one DCP item lives in its file (``filesystem._StorageInfo``); in every ``.metadata``. Checked: 2.13, 2.14."""
+"""Where one DCP item lives in its file (``filesystem._StorageInfo``); in every ``.metadata``. Checked: 2.11, 2.13, 2.14."""
 
 DCP_MEM_FORMAT_ENCODING = importlib.import_module("torch.distributed.checkpoint.metadata")._MEM_FORMAT_ENCODING
-"""How ``TensorProperties`` pickles a memory format (``metadata._MEM_FORMAT_ENCODING``). Checked: 2.13, 2.14."""
+"""How ``TensorProperties`` pickles a memory format (``metadata._MEM_FORMAT_ENCODING``). Checked: 2.11, 2.13, 2.14."""
 
 dcp_set_element = importlib.import_module("torch.distributed.checkpoint._traverse").set_element
-"""DCP's nested-dict setter (``_traverse.set_element``), as its load planner uses it. Checked: 2.13, 2.14."""
+"""DCP's nested-dict setter (``_traverse.set_element``), as its load planner uses it. Checked: 2.11, 2.13, 2.14."""
 
 PyUnpickler = pickle._Unpickler  # type: ignore[attr-defined]
 """Python's pure-Python unpickler (``pickle._Unpickler``): its dispatch table is a dict, so a subclass
@@ -253,14 +294,14 @@ can restrict single opcodes (BUILD) as well as globals. CPython 3.10 .. 3.13."""
 
 
 def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """DCP's nested -> dotted-key flattening (``checkpoint._nested_dict``). Checked: 2.13, 2.14."""
+    """DCP's nested -> dotted-key flattening (``checkpoint._nested_dict``). Checked: 2.11, 2.13, 2.14."""
     from torch.distributed.checkpoint import _nested_dict
 
     return require_attr(_nested_dict, "flatten_state_dict", what="checkpoint")(state_dict)
 
 
 def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """DCP's ShardedTensor flattening (``checkpoint._sharded_tensor_utils``). Checked: 2.13, 2.14."""
+    """DCP's ShardedTensor flattening (``checkpoint._sharded_tensor_utils``). Checked: 2.11, 2.13, 2.14."""
     from torch.distributed.checkpoint import _sharded_tensor_utils
 
     return require_attr(_sharded_tensor_utils, "_flatten_sharded_tensors", what="checkpoint")(state_dict)
@@ -272,7 +313,7 @@ def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
 def fake_store() -> Any:
     """A store for ``init_process_group("fake", ...)``: one process pretends to be any rank.
 
-    ``torch.testing._internal.distributed.fake_pg.FakeStore`` (private). Checked: 2.13, 2.14.
+    ``torch.testing._internal.distributed.fake_pg.FakeStore`` (private). Checked: 2.11, 2.13, 2.14.
     """
     from torch.testing._internal.distributed import fake_pg
 

@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from shardbridge._compat import dtensor_to_local
+
 __all__ = ["TPMode", "check_tp_divides", "convert_module_params", "local_view", "to_dtensor_param", "tp_placements"]
 
 
@@ -207,7 +209,7 @@ def local_view(param: torch.Tensor) -> torch.Tensor:
     """
     if isinstance(param, DTensor):
         # DTensor -> local tensor; grad: local -> DTensor with param.placements
-        return param.to_local(grad_placements=param.placements)
+        return dtensor_to_local(param, param.placements)  # torch 2.11 needs the workaround
     return param
 
 

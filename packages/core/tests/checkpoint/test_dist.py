@@ -62,6 +62,11 @@ def _bad_arg_on_rank2(root: str, what: str):
         "load_optimizer": lambda: ck.load(
             f"{root}/base", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1) if bad else None
         ),
+        # valid values that differ between ranks: rank 0's would be committed for everyone
+        "save_path_differs": lambda: ck.save(f"{root}/c{'x' if bad else ''}", model=model),
+        "save_step_differs": lambda: ck.save(f"{root}/c", model=model, step=4 if bad else 3),
+        "save_extra_differs": lambda: ck.save(f"{root}/c", model=model, extra={"seen": 2 if bad else 1}),
+        "load_rng_differs": lambda: ck.load(f"{root}/base", model=model, rng=not bad),
     }
     start = time.monotonic()
     try:
@@ -81,6 +86,10 @@ def _bad_arg_on_rank2(root: str, what: str):
         ("save_step", "step=-1 must be an int >= 0"),
         ("load_strict", "strict='yes' must be True or False"),
         ("load_optimizer", "has no optimizer state"),
+        ("save_path_differs", "path differs between ranks (rank 0: "),
+        ("save_step_differs", "step differs between ranks (rank 0: 3, rank 2: 4)"),
+        ("save_extra_differs", "extra differs between ranks"),
+        ("load_rng_differs", "rng differs between ranks (rank 0: True, rank 2: False)"),
     ],
 )
 def test_bad_argument_on_one_rank_raises_on_every_rank_within_seconds(tmp_path, what, match):
@@ -88,6 +97,7 @@ def test_bad_argument_on_one_rank_raises_on_every_rank_within_seconds(tmp_path, 
     results = run_distributed(_bad_arg_on_rank2, str(tmp_path), what, world_size=4, timeout=25)
     for rank, (outcome, elapsed, after) in enumerate(results):
         assert match in outcome, (rank, outcome)
-        assert ("[raised on rank 2" in outcome) == (rank != 2)
+        if "differs" not in what:  # a value compare raises alike on every rank, naming both values
+            assert ("[raised on rank 2" in outcome) == (rank != 2)
         assert elapsed < 10 and after == 7
-    assert not (tmp_path / "c").exists()
+    assert not (tmp_path / "c").exists() and not (tmp_path / "cx").exists()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -86,6 +88,7 @@ def test_parse_size():
 _MEASURE = """
 import sys
 from shardbridge.checkpoint import export_safetensors
+from shardbridge.checkpoint import _integrity  # noqa: F401 (imported before the baseline, as export imports it)
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -132,3 +135,117 @@ def test_export_refuses_non_floating_dtypes(tmp_path, dtype):
     with pytest.raises(ValueError, match=r"is not a floating dtype .*use one of bfloat16, float16, float32"):
         ck.export_safetensors(tmp_path / "c", tmp_path / "hf", dtype=dtype, progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+# --------------------------------------------------------------------------- verified before export
+
+
+def _flip_byte(path, name="__0_0.distcp"):
+    data = bytearray((path / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / name).write_bytes(bytes(data))
+
+
+@pytest.fixture
+def two_steps(tmp_path):
+    """step 1 and step 2 of one run: same shapes, different values."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    one = ck.save(ck.step_dir(tmp_path / "root", 1), model=model, step=1)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    two = ck.save(ck.step_dir(tmp_path / "root", 2), model=model, step=2)
+    return one, two
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (_flip_byte, "__0_0.distcp: checksum mismatch"),
+        (
+            lambda p: (p / "__0_0.distcp").write_bytes((p.parent / "step-00000001" / "__0_0.distcp").read_bytes()),
+            "__0_0.distcp: checksum mismatch (corrupted or from another checkpoint)",
+        ),
+        (lambda p: (p / "stray.distcp").write_bytes(b"x"), "stray.distcp: not recorded in the manifest"),
+        (lambda p: os.truncate(p / "__0_0.distcp", 100), "__0_0.distcp: size 100 != "),
+    ],
+    ids=["flipped-byte", "foreign-file", "extra-file", "truncated"],
+)
+def test_export_refuses_a_damaged_checkpoint(two_steps, tmp_path, damage, problem):
+    """Export verifies like load: before, a flipped byte or another step's file exported silently."""
+    path = two_steps[1]
+    assert (path / "__0_0.distcp").stat().st_size == (two_steps[0] / "__0_0.distcp").stat().st_size
+    damage(path)
+    with pytest.raises(ValueError, match=rf"{re.escape(problem)}.*not exporting it.*shardbridge ckpt verify"):
+        ck.export_safetensors(path, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
+    if "checksum" in problem:  # verify=False: sizes and listing only, documented
+        ck.export_safetensors(path, tmp_path / "hf", progress=False, verify=False)
+    else:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            ck.export_safetensors(path, tmp_path / "hf", progress=False, verify=False)
+
+
+def test_export_verify_must_be_a_bool(two_steps, tmp_path):
+    with pytest.raises(ValueError, match="verify='yes' must be True"):
+        ck.export_safetensors(two_steps[1], tmp_path / "hf", progress=False, verify="yes")
+
+
+# --------------------------------------------------------------------------- the output folder
+
+
+def _user_folder(out):
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    (out / "tokenizer.json").write_text("{}")
+    for i in (1, 2, 3):
+        (out / f"model-0000{i}-of-00003.safetensors").write_bytes(b"old")
+    (out / "model.safetensors.index.json").write_text('{"old": true}')
+
+
+def test_export_refuses_a_non_empty_folder(two_steps, tmp_path):
+    """Before: a user's model folder was silently overwritten (index replaced, old shards left)."""
+    out = tmp_path / "hf"
+    _user_folder(out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match=r"is not empty .*overwrite=True"):
+        ck.export_safetensors(two_steps[1], out, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_export_overwrite_replaces_only_its_own_files(two_steps, tmp_path):
+    out = tmp_path / "hf"
+    _user_folder(out)
+    ck.export_safetensors(two_steps[1], out, progress=False, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    ]
+    assert (out / "config.json").read_text() == '{"mine": true}'
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
+    # exporting again into its own output: the same files
+    ck.export_safetensors(two_steps[0], out, progress=False, overwrite=True)
+    assert len(list(out.iterdir())) == 4
+
+
+def test_export_overwrite_refuses_a_single_file_model(two_steps, tmp_path):
+    """``model.safetensors`` would be loaded by from_pretrained instead of the new index: not ours to delete."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old")
+    with pytest.raises(ValueError, match=r"model\.safetensors.*from_pretrained"):
+        ck.export_safetensors(two_steps[1], out, progress=False, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+
+
+def test_export_into_an_empty_folder_and_empty_path(two_steps, tmp_path, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    ck.export_safetensors(two_steps[1], tmp_path / "empty", progress=False)
+    monkeypatch.chdir(tmp_path / "empty")
+    for bad in ("", "  "):
+        with pytest.raises(ValueError, match="out_dir=.* is empty"):
+            ck.export_safetensors(two_steps[1], bad, progress=False)
+    assert len(list((tmp_path / "empty").iterdir())) == 2

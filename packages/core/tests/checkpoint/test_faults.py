@@ -54,6 +54,10 @@ def _model(value: float) -> nn.Module:
     return model
 
 
+NEXT_STEP = 10**7
+"""The step of the "next save still works" check: beyond any step a save loop reaches (it wrote
+past step 99 in a few seconds on an idle machine, and step 99 then already existed)."""
+
 def _save(root: Path, step: int, value: float, **kwargs) -> Path:
     return ck.save(ck.step_dir(root, step), model=_model(value), step=step, extra={"value": value}, **kwargs)
 
@@ -168,9 +172,9 @@ def _check_root(root: Path, allowed: dict[str, set[float]], *, at_least: float |
         assert value >= at_least, f"a save that returned (value {at_least}) was lost: latest has {value}"
     restored = path.name in missing
     # The next save succeeds and leaves no hidden entry behind; everything committed verifies.
-    _save(root, 99, 99.0)
+    _save(root, NEXT_STEP, 99.0)
     assert _hidden(root) == [], _hidden(root)
-    assert ck.latest(root) == ck.step_dir(root, 99)
+    assert ck.latest(root) == ck.step_dir(root, NEXT_STEP)
     for child in root.iterdir():
         assert ck.verify(child).ok, child
     if restored:
@@ -287,7 +291,7 @@ def test_kill_at_random_points_of_a_save_loop(tmp_path, world):
         if done is None:
             label = "killed before the first save returned"
             assert ck.latest(root) is None or ck.verify(ck.latest(root)).ok
-            _save(root, 99, 99.0)
+            _save(root, NEXT_STEP, 99.0)
             assert _hidden(root) == []
         else:
             names = {"step-00000000"} if overwrite else {ck.step_dir(root, v).name for v in range(1, done + 2)}

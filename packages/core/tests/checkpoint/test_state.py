@@ -169,19 +169,35 @@ def _non_contiguous(root: str):
         distribute_tensor(torch.arange(24.0).reshape(8, 3), mesh, [_StridedShard(0, split_factor=2)])
     )
     model.ok = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Replicate()]))
+    out = {}
     try:
-        ck.save(f"{root}/nc", model=model)
+        ck.save(f"{root}/strict", model=model, on_bad_layout="error")
+        out["error"] = None
     except ValueError as exc:
-        return str(exc)
-    return None
+        out["error"] = str(exc)
+    ck.save(f"{root}/nc", model=model)  # "repair" (the default): one box per range
+    out["boxes"] = len(model.w.to_local())  # rows this rank holds, in two ranges
+    return out
 
 
-def test_non_contiguous_shard_raises_on_every_rank(tmp_path):
-    errors = run_distributed(_non_contiguous, str(tmp_path), world_size=4)
-    for e in errors:
+def test_non_contiguous_shard_is_saved_as_one_box_per_range(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    results = run_distributed(_non_contiguous, str(tmp_path), world_size=4)
+    for r in results:
+        # on_bad_layout="error": refused on every rank, naming the tensor and the fix
+        e = r["error"]
         assert e is not None
         assert "'w' (shape (8, 3), placements (_StridedShard(dim=0, sf=2),), mesh (dp=4))" in e
         assert "redistribute it to Shard/Replicate placements" in e
+        assert "on_bad_layout='repair'" in e
+        assert r["boxes"] == 2
+    assert not (tmp_path / "strict").exists()
+    # "repair": DCP's own reader reassembles exactly the global tensor (the oracle)
+    dcp_to_torch_save(tmp_path / "nc", tmp_path / "nc.pt")
+    full = torch.load(tmp_path / "nc.pt", weights_only=True)["model"]
+    assert torch.equal(full["w"], torch.arange(24.0).reshape(8, 3))
+    assert torch.equal(full["ok"], torch.ones(4, 2))
 
 
 def _plain_local_state(root: str):

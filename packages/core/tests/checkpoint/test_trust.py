@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -302,3 +303,113 @@ def _load_real(path: str) -> bool:
 def test_real_checkpoint_with_bytes_items_loads(tmp_path):
     run_distributed(_save_real, str(tmp_path / "c"), world_size=4)
     assert run_distributed(_load_real, str(tmp_path / "c"), world_size=4) == [True] * 4
+
+
+# --------------------------------------------------------------------------- every chunk has its record
+
+
+def _drop_record(md, key):
+    for index in [i for i in md.storage_data if i.fqn == key]:
+        del md.storage_data[index]
+
+
+def _add_unstored_tensor(md, key):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    size = torch.Size([3 * 2**28])  # 3 GiB of float32; the checkpoint holds a few KiB
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size)
+    md.state_dict_metadata[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, [chunk])
+
+
+def _add_unstored_bytes(md, key):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md.state_dict_metadata[key] = BytesStorageMetadata()
+
+
+def _duplicate_chunk(md, key):
+    entry = md.state_dict_metadata[key]
+    (chunk,) = entry.chunks  # a plain tensor: one chunk covering it
+    half = chunk.sizes[0] // 2
+    entry.chunks = [type(chunk)(chunk.offsets, torch.Size([half, *chunk.sizes[1:]]))] * 2
+    entry.size = torch.Size([2 * half, *entry.size[1:]])
+
+
+@pytest.mark.parametrize(
+    ("craft", "key", "match"),
+    [
+        (_add_unstored_tensor, "model.huge", r"describes a chunk of 'model\.huge' at \(0,\) but stores no record"),
+        (_drop_record, "model.up.weight", r"describes a chunk of 'model\.up\.weight' at \(0, 0\) but stores no record"),
+        (_add_unstored_bytes, "optim.extra", r"describes 'optim\.extra' but stores no record of it"),
+        (_duplicate_chunk, "model.up.weight", r"describes a chunk of 'model\.up\.weight' at \(0, 0\) twice"),
+    ],
+    ids=["unstored-huge-tensor", "dropped-record", "unstored-bytes", "duplicate-chunk"],
+)
+def test_every_chunk_needs_exactly_one_storage_record(good, tmp_path, craft, key, match):
+    """A declared chunk without its record is refused before export allocates its shape.
+
+    Before: a 3 GiB tensor entry with no record passed the structure check; export zeroed 3 GiB
+    (peak RSS 3.4 GB for a checkpoint of a few KiB) and then failed with a raw KeyError.
+    """
+    md = pickle.loads((good / ".metadata").read_bytes())
+    craft(md, key)
+    (good / ".metadata").write_bytes(pickle.dumps(md))
+    reseal(good)  # as an attacker would: the integrity checks pass
+    for data_files in (True, False):  # inspect's read (no data files) refuses it too
+        with pytest.raises(UntrustedCheckpointError, match=match + ".*" + NOT_TRUSTED):
+            read_metadata(good, data_files=data_files)
+    with pytest.raises(UntrustedCheckpointError, match=match):
+        ck.export_safetensors(good, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+# --------------------------------------------------------------------------- links out of the directory
+
+
+def _link_out(good: Path, name: str, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir()
+    (good / name).rename(outside)
+    (good / name).symlink_to(outside)
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp", "shardbridge.json"])
+def test_inspect_and_export_refuse_a_linked_file(good, tmp_path, name):
+    """A checkpoint file that is a symbolic link (here: to a copy of itself outside) is never followed.
+
+    Before: inspect and export read through the link (the same data: they succeeded).
+    """
+    _link_out(good, name, tmp_path)
+    with pytest.raises(ValueError, match=rf"{re.escape(name)}: a symbolic link .*shardbridge ckpt verify"):
+        ck.inspect(good)
+    for verify in (True, False):
+        with pytest.raises(ValueError, match=rf"{re.escape(name)}: .*link.*shardbridge ckpt verify"):
+            ck.export_safetensors(good, tmp_path / "hf", progress=False, verify=verify)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [
+        (b"hello", r"optim\.param_groups \(the optimizer's hyperparameters\) is a bytes, not a list of \(key, value\)"),
+        ([("lr", 0.1)], r"is a list, not a list of \(key, value\) pairs"),
+        ([("param_groups.up.weight.lr", "notanumber")], r"lacks \d+ of this optimizer's hyperparameters"),
+    ],
+)
+def test_param_groups_item_of_the_wrong_shape_is_refused(good, payload, match):
+    """weights_only stops code, not nonsense: a damaged or crafted item must not load silently."""
+    plant_item(good, "optim.param_groups", torch_save(payload))
+    with pytest.raises(ValueError, match=match):
+        _load_with_optimizer(good)
+
+
+def test_param_groups_value_of_the_wrong_kind_is_refused(good):
+    model, opt = _mlp_with_optimizer(seed=1)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    flat = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    pairs = [(k, v) for k, v in flat.items() if k.startswith("param_groups.")]
+    pairs = [(k, "notanumber" if k.endswith(".lr") else v) for k, v in pairs]
+    plant_item(good, "optim.param_groups", torch_save(pairs))
+    with pytest.raises(ValueError, match=r"\.lr' is a string \('notanumber'\) in the checkpoint but a number"):
+        _load_with_optimizer(good)

@@ -170,3 +170,81 @@ def test_one_line_caps_long_messages():
 
     assert one_line("a\n\n  b  \nc") == "a b c"
     assert len(one_line("x" * 5000)) == 600
+
+
+def test_export_applies_what_the_saver_recorded(capsys, tmp_path):
+    # [Note: export recorded in a checkpoint]: a name map and JSON files from the manifest's extra.
+    import json
+
+    recorded = {"name_map": {"weight": "lin.weight"}, "files": {"config.json": {"model_type": "toy", "n": 8}}}
+    ck.save(tmp_path / "c", model=nn.Linear(8, 8), step=1, extra={"export": recorded})
+    assert main(["ckpt", "export", str(tmp_path / "c"), str(tmp_path / "hf"), "--no-progress"]) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == ["bias", "lin.weight"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "toy", "n": 8}
+
+
+@pytest.mark.parametrize("name", ["../escape.json", "/tmp/abs.json", "sub/config.json", "config.py", ".hidden.json"])
+def test_export_refuses_recorded_files_outside_the_folder(capsys, tmp_path, name):
+    ck.save(tmp_path / "c", model=nn.Linear(8, 8), step=1, extra={"export": {"files": {name: {}}}})
+    line = _error_line(capsys, ["ckpt", "export", str(tmp_path / "c"), str(tmp_path / "hf"), "--no-progress"])
+    assert "extra['export'] is malformed" in line
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "escape.json").exists()
+
+
+def _flip_byte(path):
+    data = bytearray((path / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "__0_0.distcp").write_bytes(bytes(data))
+
+
+def test_export_verifies_the_checkpoint(capsys, saved, tmp_path):
+    """Before: another checkpoint's data file exported with exit 0. ``--no-verify`` skips the checksums only."""
+    other = ck.save(tmp_path / "other", model=nn.Linear(8, 8), step=1)
+    path = _damaged(saved, tmp_path, lambda p: shutil.copy(other / "__0_0.distcp", p / "__0_0.distcp"))
+    assert (path / "__0_0.distcp").stat().st_size == (saved / "__0_0.distcp").stat().st_size
+    line = _error_line(capsys, ["ckpt", "export", str(path), str(tmp_path / "hf"), "--no-progress"])
+    assert "__0_0.distcp: checksum mismatch" in line and f"shardbridge ckpt verify {path}" in line
+    assert not (tmp_path / "hf").exists()
+    assert main(["ckpt", "export", str(path), str(tmp_path / "hf"), "--no-progress", "--no-verify"]) == 0
+
+
+def test_export_of_a_root_takes_the_newest_checkpoint_that_verifies(capsys, tmp_path):
+    import json
+
+    model = nn.Linear(8, 8)
+    ck.save(ck.step_dir(tmp_path / "root", 1), model=model, step=1)
+    _flip_byte(ck.save(ck.step_dir(tmp_path / "root", 2), model=model, step=2))
+    assert main(["ckpt", "export", str(tmp_path / "root"), str(tmp_path / "hf"), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "skipping" in captured.err and "step-00000002" in captured.err and "checksum mismatch" in captured.err
+    assert json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    _flip_byte(tmp_path / "root" / "step-00000001")
+    assert main(["ckpt", "export", str(tmp_path / "root"), str(tmp_path / "hf2"), "--no-progress"]) == 2
+    *skipped, line = capsys.readouterr().err.strip().splitlines()
+    assert len(skipped) == 2 and all(s.startswith("shardbridge ckpt export: skipping ") for s in skipped)
+    assert line.startswith("shardbridge ckpt export: error: every checkpoint under") and "step-00000002" in line
+    assert "shardbridge ckpt verify" in line
+    assert not (tmp_path / "hf2").exists()
+
+
+def test_export_refuses_a_non_empty_out_dir_unless_overwrite(capsys, saved, tmp_path):
+    """Before: a user's config.json, index and shards were replaced silently (old shards left)."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("mine")
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    line = _error_line(capsys, ["ckpt", "export", str(saved), str(out), "--no-progress"])
+    assert "is not empty" in line and "--overwrite" in line
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00002.safetensors"]
+    assert main(["ckpt", "export", str(saved), str(out), "--no-progress", "--overwrite"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert (out / "config.json").read_text() == "mine"  # not the export's: untouched
+
+
+def test_export_refuses_an_empty_out_dir_argument(capsys, saved, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _error_line(capsys, ["ckpt", "export", str(saved), "", "--no-progress"])
+    assert "is empty" in line
+    assert list(tmp_path.iterdir()) == []

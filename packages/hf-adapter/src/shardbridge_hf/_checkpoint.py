@@ -8,6 +8,8 @@ One :func:`shardbridge.checkpoint.save` directory (atomic, portable, reshardable
     rng/rank-*.pt                            each rank's torch RNG (core)
     manifest extra["hf"]                     {"step": accelerator.step, "schedulers": [state_dict...],
                                               "python_rng": ..., "numpy_rng": ..., "model_config": {...}}
+    manifest extra["export"]                 {"files": {"config.json": {...}}}: what the core's
+                                              `shardbridge ckpt export` writes beside the weights
 
 Accelerate's own format (``pytorch_model_fsdp_0/``, ``optimizer_0/``, pickled scheduler and
 RNG files) is not written: it pickles Python objects and cannot change layout for TP. The
@@ -72,6 +74,17 @@ def save_state(
             "model_config": None if config is None else config.to_diff_dict(),
         }
     }
+    if config is not None:
+        # For `shardbridge ckpt export` (the core CLI, no adapter import): the config.json that
+        # save_pretrained would write. See [Note: export recorded in a checkpoint] in the core CLI.
+        # The checkpoint's FQNs are transformers' own, so no name map is needed.
+        extra["export"] = {"files": {"config.json": json.loads(config.to_json_string(use_diff=True))}}
+    if torch.distributed.is_initialized():
+        # The manifest holds rank 0's RNG and scheduler state (each rank's differs): every rank
+        # passes rank 0's extra, as checkpoint.save requires the same extra on all ranks.
+        box = [extra]
+        torch.distributed.broadcast_object_list(box, src=0)
+        extra = box[0]
     return checkpoint.save(
         path,
         model=model,

@@ -15,6 +15,7 @@ __all__ = [
     "accelerate_version",
     "accelerator_models",
     "accelerator_schedulers",
+    "enable_activation_checkpointing",
     "float8_weight_data",
     "has_replicate_parallel",
     "require_accelerate",
@@ -54,6 +55,27 @@ def has_replicate_parallel() -> bool:
     except ImportError:
         return False
     return True
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """transformers' own per-decoder-layer checkpointing, non-reentrant (FSDP2 needs that).
+
+    transformers 5.23 names it ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+    is its deprecated alias); 5.0 has only ``gradient_checkpointing_enable``.
+
+    Raises:
+        ValueError: the model does not support it.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"fsdp_config.shardbridge.activation_checkpointing: {type(model).__name__} does not support activation "
+            "checkpointing (supports_gradient_checkpointing is False); set it to false"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 # -- Accelerate / torchao internals (checked against accelerate 1.10.1-1.15.0, torchao 0.18.0) --

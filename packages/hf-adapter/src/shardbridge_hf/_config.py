@@ -224,6 +224,11 @@ class HFConfig:
     sync_module_states: bool = True
     """Broadcast rank 0's weights before sharding (ranks may have initialised differently)."""
 
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them
+    (transformers' gradient checkpointing, non-reentrant). Accelerate's
+    ``fsdp_activation_checkpointing`` sets it."""
+
     dims: ParallelDims | None = None
     """The parallel degrees (filled by the launcher from ``parallelism_config``). None = read
     Accelerate's ``ParallelismConfig``."""
@@ -268,6 +273,7 @@ class HFConfig:
                 f"{BLOCK_KEY}.reshard_after_forward={self.reshard_after_forward!r}: use true, false or 'default'"
             )
         _bool("sync_module_states", self.sync_module_states)
+        _bool("activation_checkpointing", self.activation_checkpointing)
         if self.dims is not None and not isinstance(self.dims, ParallelDims):
             raise ValueError(f"dims must be a shardbridge.ParallelDims, got {self.dims!r}")
         if self.dims is not None:

@@ -8,9 +8,28 @@
 Steps: parse the arguments with Accelerate's own ``launch`` parser; read the config file with
 Accelerate's own loader (so whatever it rejects is rejected the same way); validate the
 ``fsdp_config.shardbridge`` block and its consistency with the rest of the file (FSDP2, the
-parallelism sizes, the process count) BEFORE any process starts; put the validated config in
-the environment (:data:`~shardbridge_hf.ENV_VAR`, JSON); call Accelerate's ``launch_command``.
-See [Note: where the block lives in the yaml] in ``_config.py``.
+parallelism sizes, the process count, Accelerate's own ``fsdp_*`` keys) BEFORE any process
+starts, with the command-line flags that restate a key of the file applied on top (as
+``accelerate launch`` applies them); put the validated config in the environment
+(:data:`~shardbridge_hf.ENV_VAR`, JSON); call Accelerate's ``launch_command``.
+See [Note: where the block lives in the yaml] in ``_config.py`` and [Note: Accelerate's fsdp keys].
+
+[Note: Accelerate's fsdp keys]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``accelerate launch`` exports a fixed list of ``fsdp_config`` keys as ``FSDP_*`` env, which
+Accelerate's own FSDP plugin reads; ``ShardbridgeAccelerator`` builds its own plugin, so
+none of them would take effect. Each key is therefore honoured, accepted, or refused here::
+
+    honoured (-> block key)             fsdp_activation_checkpointing -> activation_checkpointing
+                                        fsdp_reshard_after_forward    -> reshard_after_forward
+                                        fsdp_sync_module_states       -> sync_module_states
+    accepted: what shardbridge does     fsdp_version: 2, fsdp_state_dict_type: SHARDED_STATE_DICT,
+                                        fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP,
+                                        fsdp_use_orig_params: true, fsdp_offload_params: false,
+                                        fsdp_cpu_ram_efficient_loading (read by transformers'
+                                        from_pretrained in the workers; needs sync_module_states)
+    refused, by name                    everything else (sharding strategy, wrap classes and
+                                        sizes, prefetch, ignored modules, CPU offload, ...)
 
 On CPU (``use_cpu: true``) Accelerate still starts the workers with torchrun (its FSDP
 launcher); each worker's ``ShardbridgeAccelerator`` then initialises gloo.
@@ -18,13 +37,14 @@ launcher); each worker's ``ShardbridgeAccelerator`` then initialises gloo.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from shardbridge import ParallelDims
 from shardbridge.cli._plugins import Verb
@@ -46,6 +66,41 @@ _ACCELERATE_FP8_ALIASES = {
 }
 
 
+# ``accelerate launch`` flags that restate a top-level key of the config file (the flag wins).
+_TOP_LEVEL_FLAGS = ("num_processes", "mixed_precision")
+
+# See [Note: Accelerate's fsdp keys].
+_FSDP_HONOURED = {
+    "fsdp_activation_checkpointing": "activation_checkpointing",
+    "fsdp_reshard_after_forward": "reshard_after_forward",
+    "fsdp_sync_module_states": "sync_module_states",
+}
+_FSDP_ACCEPTED = {  # key -> the values that say what shardbridge does anyway
+    "fsdp_version": ("2",),  # checked first, with its own message
+    "fsdp_state_dict_type": ("SHARDED_STATE_DICT",),
+    "fsdp_auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
+    "fsdp_use_orig_params": ("true",),
+    "fsdp_offload_params": ("false",),
+    "fsdp_cpu_ram_efficient_loading": ("true", "false"),
+}
+_FSDP_WHY_REFUSED = {
+    "fsdp_sharding_strategy": "it is FSDP1's; FSDP2 shards over parallelism_config_dp_shard_size and replicates "
+    "over parallelism_config_dp_replicate_size",
+    "fsdp_transformer_layer_cls_to_wrap": "shardbridge wraps the embeddings, each decoder layer and [norm, lm_head] "
+    "itself",
+    "fsdp_min_num_params": "shardbridge wraps the embeddings, each decoder layer and [norm, lm_head] itself",
+    "fsdp_auto_wrap_policy": "shardbridge wraps each decoder layer (TRANSFORMER_BASED_WRAP) and nothing else",
+    "fsdp_state_dict_type": "save_state always writes a sharded, reshardable checkpoint; export_pretrained (or "
+    "`shardbridge ckpt export`) writes the full model",
+    "fsdp_backward_prefetch": "FSDP2 prefetches one unit ahead by itself",
+    "fsdp_forward_prefetch": "FSDP2 prefetches one unit ahead by itself",
+    "fsdp_offload_params": "CPU offload is not supported by shardbridge_hf yet",
+    "fsdp_activation_checkpointing_offload": "offloading checkpointed activations is not supported; use "
+    "fsdp_activation_checkpointing",
+    "fsdp_use_orig_params": "FSDP2 always keeps the original parameters",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
     """What a config file asks for, validated.
@@ -64,17 +119,32 @@ class LaunchPlan:
     """Total number of processes the file asks for."""
 
 
-def read_config_file(path: str | os.PathLike[str]) -> LaunchPlan:
+def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None) -> LaunchPlan:
     """Read and validate an Accelerate config file with a shardbridge block.
 
+    Args:
+        path: the Accelerate config file (yaml or json).
+        overrides: ``accelerate launch`` flags that restate a key of the file, by argument
+            name (``num_processes``, ``mixed_precision``, ``fsdp_*``, ``parallelism_config_*``);
+            they win over the file, as in ``accelerate launch``.
+
     Raises:
-        ValueError: naming the yaml key and the fix: not FSDP2, ``mixed_precision: fp8``,
-            sizes that do not multiply to ``num_processes``, a bad shardbridge key.
+        ValueError: naming the yaml key (or flag) and the fix: not FSDP2, ``mixed_precision:
+            fp8``, sizes that do not multiply to ``num_processes``, a bad shardbridge key, an
+            Accelerate ``fsdp_*`` key shardbridge cannot honour.
         NotImplementedError: ``parallelism_config_cp_size > 1`` (context parallel).
+
+    Example:
+        >>> read_config_file("cfg.yaml", overrides={"num_processes": 8}).num_processes  # doctest: +SKIP
+        8
     """
     require_accelerate()
+    overrides = dict(overrides or {})
     where = f"config file {str(path)!r}"
     cluster = _load_cluster_config(path, where)
+    if overrides:
+        where += " with " + " ".join(f"--{k} {v}" for k, v in sorted(overrides.items()))
+        _apply_overrides(cluster, overrides)
     for key in ("fsdp_config", "parallelism_config", "fp8_config"):
         if getattr(cluster, key, None) is not None and not isinstance(getattr(cluster, key), dict):
             raise ValueError(f"{where}: {key} must be a mapping, got {getattr(cluster, key)!r}")
@@ -110,6 +180,7 @@ def read_config_file(path: str | os.PathLike[str]) -> LaunchPlan:
                 "block wins when mixed_precision is 'no')"
             )
     _merge_accelerate_fp8(cluster.fp8_config or {}, block, where)
+    _merge_accelerate_fsdp(fsdp, block, where)
     num_processes = cluster.num_processes
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         hint = " (it is not set: add num_processes: N)" if num_processes == -1 else ""
@@ -122,6 +193,12 @@ def read_config_file(path: str | os.PathLike[str]) -> LaunchPlan:
             raise ValueError(f"{where}: parallelism_config_{name}_size={value!r} must be an int >= 1")
         return value
 
+    for key in sorted(pc):
+        name = key.removeprefix("parallelism_config_").removesuffix("_size")
+        if key.endswith("_size") and name not in ("dp_replicate", "dp_shard", "cp", "tp") and pc[key] != 1:
+            raise NotImplementedError(
+                f"{where}: {key}={pc[key]!r}: shardbridge_hf runs dp_replicate, dp_shard and tp; remove the key"
+            )
     dims = ParallelDims(dp_replicate=size("dp_replicate"), dp_shard=size("dp_shard"), cp=size("cp"), tp=size("tp"))
     if "parallelism_config_dp_shard_size" not in pc:
         dims = dataclasses.replace(dims, dp_shard=-1)
@@ -141,6 +218,16 @@ def read_config_file(path: str | os.PathLike[str]) -> LaunchPlan:
     return LaunchPlan(config=config, dims=dims, num_processes=num_processes)
 
 
+def _one_line_usage_error(prog: str) -> Any:
+    """argparse's ``error`` as one line naming the fix, exit 2 (see [Note: CLI errors] in the core)."""
+
+    def error(message: str) -> NoReturn:
+        print(f"{prog}: error: {' '.join(message.split())}; see `{prog} --help`", file=sys.stderr)
+        sys.exit(2)
+
+    return error
+
+
 def _load_cluster_config(path: str | os.PathLike[str], where: str) -> Any:
     """Accelerate's own loader, after checks that turn its crashes on bad files into ValueErrors."""
     import json
@@ -154,6 +241,10 @@ def _load_cluster_config(path: str | os.PathLike[str], where: str) -> Any:
     except OSError as exc:
         raise ValueError(
             f"{where} cannot be read ({exc.strerror or exc}); pass an existing Accelerate config file"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{where} is not UTF-8 text (byte {exc.start}: {exc.reason}); pass the Accelerate yaml/json config file"
         ) from None
     is_json = str(path).endswith(".json")
     try:
@@ -172,6 +263,58 @@ def _load_cluster_config(path: str | os.PathLike[str], where: str) -> Any:
         # Accelerate's own message (unknown keys, a bad enum value) or its crash on a wrong type.
         detail = " ".join(str(exc).split())
         raise ValueError(f"{where}: Accelerate cannot read it: {type(exc).__name__}: {detail}") from None
+
+
+def _apply_overrides(cluster: Any, overrides: Mapping[str, Any]) -> None:
+    """Command-line flags over the file, where ``accelerate launch`` puts them."""
+    for name, value in overrides.items():
+        if name.startswith("fsdp_"):
+            cluster.fsdp_config = {**(cluster.fsdp_config or {}), name: value}
+        elif name.startswith("parallelism_config_"):
+            cluster.parallelism_config = {**(cluster.parallelism_config or {}), name: value}
+        else:
+            setattr(cluster, name, value)
+
+
+def _merge_accelerate_fsdp(fsdp: Mapping[str, Any], block: dict[str, Any], where: str) -> None:
+    """Accelerate's own ``fsdp_config`` keys: honour, accept or refuse each. See [Note: Accelerate's fsdp keys]."""
+    for raw_key, value in fsdp.items():
+        if raw_key == "shardbridge":
+            continue
+        # accelerate launch copies fsdp_config.x to args.fsdp_x (keys without the prefix too).
+        key = raw_key if raw_key.startswith("fsdp") else f"fsdp_{raw_key}"
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        if key in _FSDP_HONOURED:
+            ours = _FSDP_HONOURED[key]
+            flag = _flag(f"fsdp_config.{raw_key}", value, where)
+            if ours in block and block[ours] not in ("default", flag):
+                raise ValueError(
+                    f"{where}: fsdp_config.{raw_key}={value!r} and {BLOCK_KEY}.{ours}={block[ours]!r} disagree; "
+                    "keep one"
+                )
+            block[ours] = flag
+        elif key in _FSDP_ACCEPTED and text.upper() in {v.upper() for v in _FSDP_ACCEPTED[key]}:
+            continue
+        else:
+            why = _FSDP_WHY_REFUSED.get(key, "shardbridge_hf does not know this key")
+            raise ValueError(
+                f"{where}: fsdp_config.{raw_key}={value!r} cannot take effect under shardbridge ({why}); remove it"
+            )
+    if str(fsdp.get("fsdp_cpu_ram_efficient_loading", "false")).lower() == "true" and not block.get(
+        "sync_module_states", True
+    ):
+        raise ValueError(
+            f"{where}: fsdp_cpu_ram_efficient_loading: true loads real weights on rank 0 only, which needs "
+            f"{BLOCK_KEY}.sync_module_states: true"
+        )
+
+
+def _flag(key: str, value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise ValueError(f"{where}: {key}={value!r} must be true or false")
 
 
 def _merge_accelerate_fp8(fp8_config: dict[str, Any], block: dict[str, Any], where: str) -> None:
@@ -209,22 +352,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     Example:
         >>> main(["--config_file", "examples/hf/cpu_fsdp2_tp2.yaml", "examples/hf/train.py"])  # doctest: +SKIP
     """
-    require_accelerate()
-    from accelerate.commands.launch import launch_command, launch_command_parser
-
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        require_accelerate()
+        from accelerate.commands.launch import launch_command, launch_command_parser
+    except ImportError as e:  # the hf extra is missing: one line, not a traceback
+        print(f"shardbridge-launch: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     parser = launch_command_parser()
     parser.prog = "shardbridge-launch"
-    args = parser.parse_args(argv)
+    parser.error = _one_line_usage_error(parser.prog)  # not Accelerate's 100-line usage dump
+    with _argv_for_help(parser.prog, argv):
+        args = parser.parse_args(argv)
     if args.config_file is None:
         parser.error("--config_file is required: the shardbridge block lives in the Accelerate config file")
     try:
-        plan = read_config_file(args.config_file)
+        plan = read_config_file(args.config_file, overrides=_command_line_overrides(args))
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"shardbridge-launch: {e}", file=sys.stderr)
         return 2
     os.environ[ENV_VAR] = plan.config.to_json()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not plan.config.sync_module_states:
+        # accelerate launch exports FSDP_CPU_RAM_EFFICIENT_LOADING=true by default, and transformers'
+        # from_pretrained then loads real weights on rank 0 only; without the rank-0 broadcast the
+        # other ranks would train from meta tensors. (A file asking for it was refused above.)
+        args.fsdp_cpu_ram_efficient_loading = "false"
     try:
         launch_command(args)
     except (ValueError, NotImplementedError) as e:  # Accelerate refused an argument
@@ -237,6 +390,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def _command_line_overrides(args: Any) -> dict[str, Any]:
+    """The flags given on the command line that restate a key of the config file."""
+    given = getattr(args, "nondefault", set())  # Accelerate's parser records the flags actually given
+    return {
+        name: getattr(args, name)
+        for name in sorted(given)
+        if name in _TOP_LEVEL_FLAGS or name.startswith(("fsdp_", "parallelism_config_"))
+    }
+
+
+@contextlib.contextmanager
+def _argv_for_help(prog: str, argv: list[str]) -> Iterator[None]:
+    """``sys.argv`` as ``accelerate launch`` would see it, while the parser may print help.
+
+    Accelerate's ``CustomHelpFormatter`` reads ``sys.argv`` (not the parsed arguments) and hides
+    every option group when it holds more than one word besides ``accelerate launch`` -- as
+    ``shardbridge launch --help`` does. With ``[prog, *argv]`` it shows what
+    ``accelerate launch --help`` shows.
+    """
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 if __name__ == "__main__":

@@ -24,53 +24,19 @@ by the undo kept on the model (:func:`shardbridge_hf._te.remove_fp8_autocast`).
     prepare_tp_noop             Accelerator._prepare_tp (bug 1; PR #3945 partial)    skip
     te_fp8_autocast             <model>.forward under te.fp8_autocast (bug 5,        error
                                   accelerate #3710 / PR #3585)
+    scheduler_dp_steps          Accelerator.prepare_scheduler /                      error
+                                  AcceleratedScheduler.step (subclass; steps dp,
+                                  not num_processes, times: [Note: LR schedule
+                                  under TP] in _accelerator.py)
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from shardbridge._patching import Patch, PatchPlan, fmt_version, patch_attr, patch_item
 
 from shardbridge_hf import _compat
 
-__all__ = ["PATCHES", "Patch", "gate", "patch_attr"]
-
-Version = tuple[int, ...]
-
-
-def _fmt(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Patch:
-    """One change to an upstream object, the issue/PR it covers, and the versions it was checked against."""
-
-    name: str
-    """Short identifier (errors, warnings, tests)."""
-    target: str
-    """The upstream object changed or overridden."""
-    covers: str
-    """The upstream issue or PR (or the reproduced bug, where none is filed)."""
-    checked: tuple[Version, Version]
-    """``(oldest, newest)`` accelerate versions checked, inclusive; ``(1, 15)`` admits every 1.15.x."""
-    outside: Literal["error", "skip"]
-    """Outside ``checked``: ``"error"`` (RuntimeError) or ``"skip"`` (a warning; Accelerate's own code runs)."""
-    undo: str
-    """How the patch is undone, or why nothing is left to undo."""
-
-    def in_checked_range(self, version: tuple[int, ...]) -> bool:
-        """Whether ``version`` lies in :attr:`checked`, compared on the bounds' length.
-
-        Example:
-            >>> PATCHES[0].in_checked_range((1, 15, 3)), PATCHES[0].in_checked_range((1, 16, 0))
-            (True, False)
-        """
-        low, high = self.checked
-        return low <= tuple(version)[: len(low)] and tuple(version)[: len(high)] <= high
-
+__all__ = ["PATCHES", "Patch", "gate", "patch_attr", "patch_item", "plan"]
 
 _CHECKED = ((1, 10), (1, 15))  # the hf matrix: accelerate 1.10.1 and 1.15.0 (noxfile.py HF_MATRIX)
 
@@ -92,6 +58,8 @@ PATCHES: tuple[Patch, ...] = (
         checked=_CHECKED,
         outside="skip",
         undo="nothing to undo: a subclass override, accelerate.Accelerator is unchanged",
+        lost_when_skipped="Accelerate's own _prepare_tp runs (it imports transformers' ReplicateParallel, "
+        "an ImportError on transformers >= 5.1)",
     ),
     Patch(
         name="te_fp8_autocast",
@@ -101,13 +69,35 @@ PATCHES: tuple[Patch, ...] = (
         outside="error",
         undo="shardbridge_hf._te.remove_fp8_autocast(model) (the undo is kept on the model)",
     ),
+    Patch(
+        name="scheduler_dp_steps",
+        target="accelerate.Accelerator.prepare_scheduler and AcceleratedScheduler.step (overridden in "
+        "ShardbridgeAccelerator / a subclass of AcceleratedScheduler)",
+        covers="AcceleratedScheduler steps the schedule num_processes times per optimizer step; under TP only the "
+        "dp ranks read distinct batches, so the schedule runs tp times too fast (reproduced; no upstream issue filed)",
+        checked=_CHECKED,
+        outside="error",
+        undo="nothing to undo: subclass overrides, Accelerate's classes are unchanged",
+    ),
 )
 """Every run-time patch of shardbridge_hf."""
 
-_LOST_WHEN_SKIPPED = {
-    "prepare_tp_noop": "Accelerate's own _prepare_tp runs (it imports transformers' ReplicateParallel, "
-    "an ImportError on transformers >= 5.1)",
-}
+def plan() -> PatchPlan:
+    """The hf adapter's patch plan (the rules: [Note: patch plans] in the core's ``_patching.py``).
+
+    Built from the module's current :data:`PATCHES` and version probe on each call (tests
+    replace them), so it is cheap and never stale.
+    """
+    return PatchPlan(
+        owner="shardbridge_hf",
+        framework="accelerate",
+        patches=PATCHES,
+        installed=_compat.accelerate_version,
+        install_hint=lambda low, high: f"pip install 'accelerate>={fmt_version(low)},<{high[0]}.{high[1] + 1}'",
+        widen_hint="run the hf matrix (nox -s hf_matrix) against this one and widen Patch.checked in "
+        "shardbridge_hf/_patches.py",
+        newest_suffix=".x",
+    )
 
 
 def gate(name: str, version: tuple[int, ...] | None = None) -> bool:
@@ -121,71 +111,4 @@ def gate(name: str, version: tuple[int, ...] | None = None) -> bool:
         >>> gate("prepare_tp_noop", (1, 15, 0))
         True
     """
-    patch = next((p for p in PATCHES if p.name == name), None)
-    if patch is None:
-        raise KeyError(f"no shardbridge_hf patch named {name!r}; known: {[p.name for p in PATCHES]}")
-    version = _compat.accelerate_version() if version is None else tuple(version)
-    if patch.in_checked_range(version):
-        return True
-    low, high = patch.checked
-    where = (
-        f"shardbridge_hf's patch {patch.name!r} ({patch.target}; covers {patch.covers}) was checked against "
-        f"accelerate {_fmt(low)} to {_fmt(high)}.x; this is accelerate {_fmt(version)}"
-    )
-    if patch.outside == "error":
-        raise RuntimeError(
-            f"{where}. Install a checked accelerate (pip install 'accelerate>={_fmt(low)},<{high[0]}.{high[1] + 1}'), "
-            "or run the hf matrix (nox -s hf_matrix) against this one and widen Patch.checked in "
-            "shardbridge_hf/_patches.py"
-        )
-    warnings.warn(f"{where}: the patch is skipped, so {_LOST_WHEN_SKIPPED[patch.name]}.", stacklevel=3)
-    return False
-
-
-def patch_attr(obj: Any, attr: str, value: Any) -> Callable[[], None]:
-    """Set ``obj.attr = value``; return an undo that restores the identical previous attribute.
-
-    Deletes the attribute instead when ``obj`` had none of its own (an instance then sees its
-    class's attribute again).
-
-    Example:
-        >>> class A: ...
-        >>> a = A()
-        >>> undo = patch_attr(a, "x", 1)
-        >>> undo(); hasattr(a, "x")
-        False
-    """
-    own = vars(obj)
-    had = attr in own
-    previous = own.get(attr)
-    setattr(obj, attr, value)
-
-    def undo() -> None:
-        if had:
-            setattr(obj, attr, previous)
-        elif attr in vars(obj):
-            delattr(obj, attr)
-
-    return undo
-
-
-def patch_item(mapping: Any, key: str, value: Any) -> Callable[[], None]:
-    """Set ``mapping[key] = value``; return an undo that restores the identical previous entry (or removes it).
-
-    Example:
-        >>> d = {}
-        >>> undo = patch_item(d, "k", 1)
-        >>> undo(); d
-        {}
-    """
-    had = key in mapping
-    previous = mapping.get(key)
-    mapping[key] = value
-
-    def undo() -> None:
-        if had:
-            mapping[key] = previous
-        else:
-            mapping.pop(key, None)
-
-    return undo
+    return plan().gate(name, version)

@@ -6,20 +6,47 @@ transformers 5.23 applies its own plan only through ``from_pretrained(tp_plan=..
 then over the WHOLE world: the ``device_mesh`` argument is ignored (upstream bug 2), so TP
 cannot be combined with FSDP that way. We read the plan the model declares (``model.tp_plan``
 merges ``config.base_model_tp_plan`` with the class's ``_tp_plan``, FQN patterns with ``*``
-for a layer index) and lower each style to torch's ``parallelize_module`` on the 1-D
-``pm["tp"]`` mesh::
+for a layer index; a pattern names a module or a bare parameter) and lower each style of
+transformers' ``ParallelInterface`` to a torch ``ParallelStyle`` on the 1-D ``pm["tp"]`` mesh,
+so every sharded parameter is a DTensor (FSDP2, clipping, checkpoints and export see it)::
 
-    HF style               torch ParallelStyle                                  weight
-    colwise                ColwiseParallel()                                    Shard(0)
-    rowwise                RowwiseParallel()          Partial -> Replicate out  Shard(1)
-    colwise_gather_output  ColwiseParallel(output_layouts=Replicate())          Shard(0), full logits
-    embedding_rowwise      RowwiseParallel(input_layouts=Replicate(),           Shard(0) vocab rows
-                                           output_layouts=Replicate())
+    HF style (module)        torch ParallelStyle                                  weight
+    colwise                  ColwiseParallel()                                    Shard(0)
+    rowwise                  RowwiseParallel()          Partial -> Replicate out  Shard(1)
+    colwise_gather_output,   ColwiseParallel(output_layouts=Replicate())          Shard(0), full output
+      colwise_rep
+    rowwise_split_input,     RowwiseParallel(input_layouts=Replicate())           Shard(1), full input
+      rowwise_rep                                       (split locally)
+    embedding_rowwise        RowwiseParallel(Replicate in / out)                  Shard(0) vocab rows
+    embedding_colwise        ColwiseParallel(Replicate in / out)                  Shard(1) hidden
+    sequence_parallel        SequenceParallel(use_local_output=True)              Replicate
+    replicated_with_grad_allreduce, packed_colwise, moe_tp_experts, moe_identity_expert,
+    local_params, all_reduce, mla_kv_a_proj: see [Note: HF styles beyond colwise / rowwise]
+    replicate                nothing: plain replicated parameters (as unplanned modules)
+
+    HF style (parameter)     placement
+    colwise*                 Shard(ndim - 2)        (experts [E, out, in]: the out dim)
+    rowwise*                 Shard(ndim - 1); a bias Replicate
+    packed_colwise           _StridedShard(ndim - 2, sf=2)   [gate; up]: each rank a slice of each
+    packed_rowwise           _StridedShard(ndim - 1, sf=2)
+
+``grouped_gemm`` and ``ep_dispatch_experts`` belong to transformers' expert-parallel plan
+(``base_model_ep_plan``, an ``ep`` axis), which shardbridge does not build: refused by name
+(:data:`REFUSED_STYLES`); the TP plan of the same models shards the experts with
+``moe_tp_experts``.
 
 ``colwise`` outputs stay local tensors (``use_local_output=True``): the attention reshapes
 them with ``view(..., -1, head_dim)`` into the local heads, which is why heads must divide
-evenly (checked by :func:`check_tp_divides`). Modules the plan does not name (norms) keep
-plain replicated parameters: every TP rank computes the same values from the same batch.
+evenly (checked by :func:`check_tp_divides`). Modules the plan does not name keep plain
+replicated parameters: every TP rank computes the same values from the same batch -- unless
+the module sits between a local-output colwise layer and its rowwise partner (a per-head
+norm): it then sees only this rank's heads and its replicas would drift apart, so
+:func:`resolve_tp_plan` refuses such a plan (``check_head_norms``).
+
+Tied input / output embeddings: ``embedding_rowwise`` and ``colwise_gather_output`` both
+shard the ``[vocab, hidden]`` weight as Shard(0), so the tied weight stays ONE DTensor
+parameter (re-tied after the styles ran): one gradient, one FSDP2 parameter, one checkpoint
+entry. Plans that would shard the two uses differently are refused.
 With FP8 (torchao), Linears converted to ``Float8Linear`` take torchao's float8 styles.
 """
 
@@ -31,35 +58,93 @@ from typing import TYPE_CHECKING, Any
 
 from shardbridge import check_tp_divides as check_sizes_divide
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from shardbridge_hf import _styles
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SUPPORTED_STYLES", "apply_tp", "check_tp_divides", "resolve_tp_plan"]
+__all__ = [
+    "REFUSED_STYLES",
+    "SUPPORTED_STYLES",
+    "apply_tp",
+    "check_head_norms",
+    "check_tp_divides",
+    "installed_hf_styles",
+    "resolve_tp_plan",
+]
 
-#: The transformers plan styles this adapter lowers (others raise NotImplementedError).
-SUPPORTED_STYLES: tuple[str, ...] = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
+_COLWISE = ("colwise", "colwise_gather_output", "colwise_rep")
+_ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep")
+
+#: The transformers plan styles this adapter lowers (see [Note: HF TP plan on the shardbridge mesh]).
+SUPPORTED_STYLES: tuple[str, ...] = (
+    *_COLWISE,
+    *_ROWWISE,
+    "embedding_rowwise",
+    "embedding_colwise",
+    "replicated_with_grad_allreduce",
+    "sequence_parallel",
+    "packed_colwise",
+    "packed_rowwise",
+    "moe_tp_experts",
+    "moe_identity_expert",
+    "local_params",
+    "all_reduce",
+    "mla_kv_a_proj",
+    "replicate",
+)
+
+#: Styles refused by name, with why and what to do instead.
+REFUSED_STYLES: dict[str, str] = {
+    "grouped_gemm": "expert parallelism (transformers' base_model_ep_plan) needs an ep mesh axis, which shardbridge "
+    "does not build; shard the experts over tp with the model's TP plan instead ('moe_tp_experts' on the experts "
+    "module, 'packed_colwise' / 'rowwise' on its gate_up_proj / down_proj parameters)",
+    "ep_dispatch_experts": "expert parallelism (transformers' base_model_ep_plan) needs an ep mesh axis, which "
+    "shardbridge does not build; use 'moe_tp_experts' on the experts module (the model's TP plan) instead",
+}
+
+# Styles whose module output is this rank's LOCAL shard of the features (heads).
+_LOCAL_OUTPUT = ("colwise", "packed_colwise")
+
+
+def installed_hf_styles() -> set[str]:
+    """The style names transformers' ``ParallelInterface`` registers in the installed version."""
+    try:  # transformers >= 5.21: the registry lives in transformers.distributed
+        import transformers.distributed.expert_parallel  # noqa: F401  registers the EP styles
+        import transformers.distributed.tensor_parallel  # noqa: F401  registers the TP styles
+        from transformers.distributed.parallel_utils import ParallelInterface
+    except ImportError:  # older 5.x: one module
+        from transformers.integrations.tensor_parallel import ParallelInterface
+    return set(ParallelInterface._global_mapping)
 
 
 def resolve_tp_plan(model: nn.Module, plan: str | Mapping[str, Any] = "auto") -> dict[str, Any]:
-    """Expand a TP plan to ``{module FQN: style}`` for the modules of ``model``.
+    """Expand a TP plan to ``{module or parameter FQN: style}`` for ``model``.
 
     Args:
         model: a transformers model (or any module when ``plan`` is explicit).
         plan: "auto" = ``model.tp_plan``; or ``{pattern: style}``, patterns relative to the
-            top model, ``*`` matching one FQN component. Styles are HF names or torch
-            ``ParallelStyle`` instances.
+            top model, ``*`` matching one FQN component, naming a module or a parameter.
+            Styles are HF names or torch ``ParallelStyle`` instances.
 
     Raises:
-        ValueError: no plan on the model, or a pattern that matches no module.
+        ValueError: no plan on the model, a pattern that matches nothing, or a plan that
+            leaves a per-head norm unplanned (:func:`check_head_norms`).
         NotImplementedError: a style outside :data:`SUPPORTED_STYLES`.
 
     Example:
         >>> resolve_tp_plan(model)["model.layers.0.self_attn.q_proj"]  # doctest: +SKIP
         'colwise'
     """
+    auto = isinstance(plan, str)
     if isinstance(plan, str):
         if plan != "auto":
             raise ValueError(f"tp_plan={plan!r}: use 'auto' or a mapping {{pattern: style}}")
@@ -70,23 +155,80 @@ def resolve_tp_plan(model: nn.Module, plan: str | Mapping[str, Any] = "auto") ->
                 "tp_plan={'pattern': 'colwise'|'rowwise'|...} or set tp=1"
             )
     names = [name for name, _ in model.named_modules() if name]
+    names += [name for name, _ in model.named_parameters(remove_duplicate=False)]
     out: dict[str, Any] = {}
     for pattern, style in plan.items():
-        if isinstance(style, str) and style not in SUPPORTED_STYLES:
-            raise NotImplementedError(
-                f"TP style {style!r} (for {pattern!r}) is not supported by shardbridge_hf; supported: "
-                f"{list(SUPPORTED_STYLES)} (or pass a torch ParallelStyle in an explicit tp_plan)"
-            )
         regex = re.compile("^" + r"[^.]+".join(re.escape(p) for p in pattern.split("*")) + "$")
         matched = [name for name in names if regex.match(name)]
+        if isinstance(style, str):
+            _check_style(style, pattern)
+        if not matched and auto:
+            continue  # the model's own plan covers layer variants this config may not build (dense / MoE)
         if not matched:
             raise ValueError(
-                f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__}; patterns are FQNs "
-                "relative to the top model with '*' for one component, e.g. 'model.layers.*.mlp.up_proj'"
+                f"tp_plan pattern {pattern!r} matches no module or parameter of {type(model).__name__}; patterns "
+                "are FQNs relative to the top model with '*' for one component, e.g. 'model.layers.*.mlp.up_proj'"
             )
         for name in matched:
             out[name] = style
+    for name in check_head_norms(model, out, refuse=not auto):
+        # The model's own plan misses it (e.g. Apertus' learnable XIELU activation): handled.
+        out[name] = "replicated_with_grad_allreduce"
     return out
+
+
+def _check_style(style: str, pattern: str) -> None:
+    if style in REFUSED_STYLES:
+        raise NotImplementedError(f"TP style {style!r} (for {pattern!r}): {REFUSED_STYLES[style]}")
+    if style not in SUPPORTED_STYLES:
+        raise NotImplementedError(
+            f"TP style {style!r} (for {pattern!r}) is not supported by shardbridge_hf; supported: "
+            f"{list(SUPPORTED_STYLES)} (or pass a torch ParallelStyle in an explicit tp_plan)"
+        )
+
+
+def check_head_norms(model: nn.Module, plan: Mapping[str, Any], *, refuse: bool = True) -> list[str]:
+    """Modules with parameters left unplanned between a colwise layer and its rowwise partner.
+
+    A parent whose children include a local-output ``colwise`` layer hands its other children
+    this rank's heads only (Qwen3's ``q_norm`` / ``k_norm``): left as plain replicated
+    parameters their gradients differ per TP rank and the replicas drift apart.
+
+    Args:
+        model: the model.
+        plan: ``{FQN: style}`` (resolved).
+        refuse: raise ValueError naming the first one (a user-written plan); False = return
+            their FQNs (the model's own plan: they get ``replicated_with_grad_allreduce``).
+    """
+    modules = dict(model.named_modules())
+    planned = set(plan)
+    found: list[str] = []
+    for parent_name, parent in modules.items():
+        children = {f"{parent_name}.{n}" if parent_name else n: c for n, c in parent.named_children()}
+        if not any(isinstance(plan.get(n), str) and plan[n] in _LOCAL_OUTPUT for n in children):
+            continue
+        if not any(isinstance(plan.get(n), str) and plan[n] in _ROWWISE for n in children):
+            continue
+        if any(isinstance(c, nn.Linear) and n not in planned for n, c in children.items()):
+            # An unplanned projection beside them (MLA's q_a_proj -> q_a_layernorm -> q_b_proj):
+            # its modules work on replicated activations; a norm there must stay plain.
+            continue
+        for name, child in children.items():
+            has_params = any(True for _ in child.parameters())
+            covered = any(p == name or p.startswith(name + ".") for p in planned)
+            if has_params and not covered and not refuse:
+                found.append(name)
+            elif has_params and not covered:
+                last = name.rsplit(".", 1)[-1]
+                generic = re.sub(r"\.\d+(\.|$)", r".*\1", name)
+                raise ValueError(
+                    f"tp_plan leaves {name} ({type(child).__name__}) unplanned, but it sits between the colwise and "
+                    f"rowwise layers of {parent_name or 'the model'} and sees only this rank's heads: its replicas "
+                    f"would drift apart across TP ranks. Add {generic!r}: 'replicated_with_grad_allreduce' to the "
+                    f"plan (a per-head norm like {last}), or plan the projections around it colwise_gather_output / "
+                    "rowwise_split_input"
+                )
+    return found
 
 
 def check_tp_divides(config: Any, tp: int) -> None:
@@ -104,13 +246,10 @@ def check_tp_divides(config: Any, tp: int) -> None:
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
         "intermediate_size": getattr(config, "intermediate_size", None),
+        "moe_intermediate_size": getattr(config, "moe_intermediate_size", None),
     }
+    sizes = {k: v for k, v in sizes.items() if isinstance(v, int)}
     check_sizes_divide(sizes, tp, fix="choose parallelism_config_tp_size dividing each of them")
-    if getattr(config, "tie_word_embeddings", False):
-        raise NotImplementedError(
-            "tie_word_embeddings=True with tp > 1: the embedding and lm_head are sharded on different dims; "
-            "build the model with tie_word_embeddings=False or set tp=1"
-        )
 
 
 def apply_tp(
@@ -126,7 +265,7 @@ def apply_tp(
     Args:
         model: the model (parameters identical on every TP rank, or on meta).
         tp_mesh: the 1-D ``pm["tp"]`` mesh.
-        plan: ``{module FQN: style}`` from :func:`resolve_tp_plan`.
+        plan: ``{module or parameter FQN: style}`` from :func:`resolve_tp_plan`.
         float8_styles: ``{"colwise": cls, "rowwise": cls}`` for torchao ``Float8Linear``
             modules (``shardbridge_hf._fp8.tp_styles()``); None = no FP8.
         src_data_rank: rank whose weights are scattered; None = every rank keeps its own
@@ -134,29 +273,144 @@ def apply_tp(
             and when some ranks are on meta, where a scatter would hang).
 
     Returns:
-        The torch plan that was applied.
+        The torch plan that was applied (a parameter's entry is the style applied to its module).
+
+    Raises:
+        ValueError: tied embeddings that the plan shards differently in their two uses.
     """
+    tied = _tied_embeddings(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
     torch_plan: dict[str, ParallelStyle] = {}
+    by_owner: dict[str, dict[str, Any]] = {}
     for fqn, style in plan.items():
-        module = model.get_submodule(fqn)
-        torch_plan[fqn] = _lower(style, module, float8_styles)
-    parallelize_module(model, tp_mesh, torch_plan, src_data_rank=src_data_rank)
+        if fqn in params and not isinstance(style, ParallelStyle):
+            owner, _, name = fqn.rpartition(".")
+            by_owner.setdefault(owner, {})[name] = _param_placement(style, fqn)
+            continue
+        lowered = _lower(style, model.get_submodule(fqn), float8_styles, model)
+        if lowered is not None:
+            torch_plan[fqn] = lowered
+    for owner, placements in by_owner.items():
+        style = _styles.ParamPlacement({k: v for k, v in placements.items() if v is not None})
+        for name in placements:
+            torch_plan[f"{owner}.{name}" if owner else name] = style
+    # Parameter placements first (their module's forward style may swap them for local views).
+    applied: set[int] = set()
+    ordered = [f for f in torch_plan if f in params] + [f for f in torch_plan if f not in params]
+    for fqn in ordered:
+        style = torch_plan[fqn]
+        if id(style) in applied:
+            continue
+        applied.add(id(style))
+        style.src_data_rank = src_data_rank
+        target = fqn.rpartition(".")[0] if fqn in params else fqn
+        style._apply(model.get_submodule(target), tp_mesh)
+    if tied is not None:
+        _retie(model, *tied)
     return torch_plan
 
 
-def _lower(style: Any, module: nn.Module, float8_styles: Mapping[str, type] | None) -> ParallelStyle:
+def _tied_embeddings(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    embed, head = (get_in() if get_in else None), (get_out() if get_out else None)
+    if embed is None or head is None or getattr(head, "weight", None) is not getattr(embed, "weight", 0):
+        return None
+    return embed, head
+
+
+def _retie(model: nn.Module, embed: nn.Module, head: nn.Module) -> None:
+    """One DTensor for the tied weight. See [Note: HF TP plan on the shardbridge mesh]."""
+    e, h = embed.weight, head.weight
+    if e is h:
+        return
+    e_pl = e.placements if isinstance(e, DTensor) else (Replicate(),)
+    h_pl = h.placements if isinstance(h, DTensor) else (Replicate(),)
+    if e_pl != h_pl or isinstance(e, DTensor) != isinstance(h, DTensor):
+        raise ValueError(
+            f"tie_word_embeddings=True: the TP plan shards the input embedding as {e_pl} and the output head as "
+            f"{h_pl}; a tied weight must be one parameter: plan them as 'embedding_rowwise' and "
+            "'colwise_gather_output' (both Shard(0), the model's own plan), or untie them"
+        )
+    head.weight = e  # the same Parameter object: one gradient, one FSDP2 parameter, one checkpoint entry
+
+
+def _param_placement(style: str, fqn: str) -> Any:
+    """A placement (or ``ndim -> placement``) for a bare-parameter plan entry; None = keep it plain."""
+    name = fqn.rsplit(".", 1)[-1]
+    if style in _COLWISE:
+        return lambda ndim: Shard(max(ndim - 2, 0))
+    if style in _ROWWISE:
+        return Replicate() if name == "bias" else (lambda ndim: Shard(ndim - 1))
+    if style == "packed_colwise":
+        return lambda ndim: _styles.packed_placement(ndim, -2)
+    if style == "packed_rowwise":
+        return lambda ndim: Replicate() if ndim == 1 else _styles.packed_placement(ndim, -1)
+    if style == "embedding_rowwise":
+        return Shard(0)
+    if style == "embedding_colwise":
+        return Shard(1)
+    if style == "replicate":
+        return None
+    raise NotImplementedError(
+        f"TP style {style!r} on the bare parameter {fqn!r}: parameter entries take colwise*, rowwise*, packed_*, "
+        "embedding_* or replicate; plan the owning module instead"
+    )
+
+
+def _lower(
+    style: Any, module: nn.Module, float8_styles: Mapping[str, type] | None, model: nn.Module
+) -> ParallelStyle | None:
     if isinstance(style, ParallelStyle):
         return style
     is_float8 = float8_styles is not None and type(module).__name__ == "Float8Linear"
+    colwise = float8_styles["colwise"] if is_float8 else ColwiseParallel
+    rowwise = float8_styles["rowwise"] if is_float8 else _styles.RowwiseOwnOutput
     if style == "colwise":
-        return float8_styles["colwise"]() if is_float8 else ColwiseParallel()
+        return colwise()
     if style == "rowwise":
-        return float8_styles["rowwise"]() if is_float8 else RowwiseParallel()
-    if style == "colwise_gather_output":
-        # Shard(-1) logits -> Replicate: full-vocab logits on every TP rank, so the HF loss runs unchanged.
-        cls = float8_styles["colwise"] if is_float8 else ColwiseParallel
-        return cls(output_layouts=Replicate())
+        return rowwise()
+    if style in ("colwise_gather_output", "colwise_rep"):
+        # Shard(-1) output -> Replicate: full features on every TP rank (full logits: the HF loss runs unchanged).
+        return colwise(output_layouts=Replicate())
+    if style in ("rowwise_split_input", "rowwise_rep"):
+        # A full (Replicate) input is split locally to Shard(-1); Partial -> Replicate output.
+        return rowwise(input_layouts=Replicate())
     if style == "embedding_rowwise":
         # Shard(0) vocab rows; Partial -> Replicate (all-reduce) of the looked-up rows.
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    raise NotImplementedError(f"TP style {style!r}; supported: {list(SUPPORTED_STYLES)}")
+    if style == "embedding_colwise":
+        # Shard(1) hidden; Shard(-1) -> Replicate (all-gather) of the looked-up rows.
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if style == "replicated_with_grad_allreduce":
+        return _styles.HeadNormParallel()
+    if style == "sequence_parallel":
+        return SequenceParallel(use_local_output=True)
+    if style == "packed_colwise":
+        return _styles.PackedColwiseParallel()
+    if style == "packed_rowwise":
+        return _styles.ParamPlacement(
+            {"*": lambda ndim: Replicate() if ndim == 1 else _styles.packed_placement(ndim, -1)}
+        )
+    if style == "moe_tp_experts":
+        return _styles.MoeExpertsParallel()
+    if style == "moe_identity_expert":
+        return _styles.MoeIdentityParallel()
+    if style == "local_params":
+        return _styles.LocalParamsForward()
+    if style == "all_reduce":
+        return _styles.AllReduceOutput()
+    if style == "mla_kv_a_proj":
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        rope = getattr(text, "qk_rope_head_dim", None)
+        if rope is None:
+            raise ValueError(
+                f"TP style 'mla_kv_a_proj' on {type(module).__name__} needs config.qk_rope_head_dim; set it in the "
+                "model config or plan the module otherwise"
+            )
+        return _styles.MlaKvAProjParallel(int(rope))
+    if style == "replicate":
+        return None
+    _check_style(style, type(module).__name__)
+    raise AssertionError(f"unhandled supported style {style!r}")

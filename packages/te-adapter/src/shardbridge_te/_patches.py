@@ -28,11 +28,11 @@ explicitly), GroupedLinear, an amax-reduction group that does not depend on a me
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
 
+from shardbridge._patching import Patch as _CorePatch
+from shardbridge._patching import PatchPlan, fmt_version, patch_attr
 from torch import nn
 
 __all__ = [
@@ -58,49 +58,12 @@ _UNDO_ATTR = "_shardbridge_te_undo"
 """Attribute on a patched TE module: ``{patch name: undo}`` of its instance patches."""
 
 
-def _fmt(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version))
-
-
 @dataclass(frozen=True, kw_only=True)
-class Patch:
-    """One change to TE, the upstream issue/PR it covers, and the versions it was checked against."""
+class Patch(_CorePatch):
+    """The core's :class:`~shardbridge._patching.Patch`, checked against ``MIN_VERSION .. LAST_CHECKED`` by default."""
 
-    name: str
-    """Short identifier (used in logs, errors and tests)."""
-    target: str = ""
-    """The upstream object changed or replaced, e.g. ``"Float8Tensor.fsdp_pre_all_gather"``."""
-    covers: str
-    """The upstream issue or PR, e.g. ``"TE PR #2713"``."""
-    what: str
-    """What the patch does, in one sentence."""
-    checked: tuple[Version, Version] = (MIN_VERSION, LAST_CHECKED)
+    checked: tuple[tuple[int, ...], tuple[int, ...]] = (MIN_VERSION, LAST_CHECKED)
     """``(oldest, newest)`` TE versions the patch was checked against, both inclusive."""
-    outside: Literal["error", "skip"] = "error"
-    """Outside ``checked``: ``"error"`` (RuntimeError) or ``"skip"`` (a warning, patch not applied)."""
-    undo: str = ""
-    """How the patch is undone, or why nothing is left to undo."""
-    fixed_in: Version | None = None
-    """First TE release with the upstream fix (the patch is then not applied); None = none yet."""
-
-    def applies(self, version: tuple[int, int, int]) -> bool:
-        """Whether TE ``version`` needs this patch (the upstream fix is not in it).
-
-        Example:
-            >>> Patch(name="x", covers="TE #1", what="-", fixed_in=(2, 21, 0)).applies((2, 20, 2))
-            True
-        """
-        return self.fixed_in is None or tuple(version) < self.fixed_in
-
-    def in_checked_range(self, version: tuple[int, int, int]) -> bool:
-        """Whether ``version`` lies in :attr:`checked` (inclusive).
-
-        Example:
-            >>> Patch(name="x", covers="TE #1", what="-").in_checked_range((2, 21, 0))
-            False
-        """
-        low, high = self.checked
-        return low <= tuple(version) <= high
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -135,6 +98,8 @@ PATCHES: tuple[Patch, ...] = (
         what="a pinned amax_reduction_group survives FSDP2 all-gathers",
         outside="skip",
         undo="unpatch() restores the identical class attribute (undo kept in _patches)",
+        lost_when_skipped="FP8 current-scaling weights may reduce amax over FSDP's shard mesh only "
+        "(not the TP ranks) after an all-gather",
     ),
     Patch(
         name="portable_extra_state",
@@ -143,16 +108,33 @@ PATCHES: tuple[Patch, ...] = (
         what="_extra_state is saved as fixed-structure bytes readable with torch alone, loadable at any layout",
         outside="skip",
         undo="unpatch(model) removes the instance attributes (TE's native extra state again)",
+        lost_when_skipped="_extra_state stays TE's native per-rank pickle, which DCP cannot load across "
+        "ranks or layouts (TE #1860)",
     ),
 )
 """Every patch, in the order the adapter applies them."""
 
-_LOST_WHEN_SKIPPED = {
-    "float8_pre_all_gather_amax_group": "FP8 current-scaling weights may reduce amax over FSDP's shard mesh only "
-    "(not the TP ranks) after an all-gather",
-    "portable_extra_state": "_extra_state stays TE's native per-rank pickle, which DCP cannot load across "
-    "ranks or layouts (TE #1860)",
-}
+def _installed() -> tuple[int, ...]:
+    from shardbridge_te._compat import te_version
+
+    return te_version()
+
+
+def plan() -> PatchPlan:
+    """The TE adapter's patch plan (the rules: [Note: patch plans] in the core's ``_patching.py``).
+
+    Built from the module's current :data:`PATCHES` on each call (tests replace them).
+    """
+    return PatchPlan(
+        owner="shardbridge_te",
+        framework="TransformerEngine",
+        patches=PATCHES,
+        installed=_installed,
+        install_hint=lambda low, high: f"pip install 'transformer_engine[pytorch]=={fmt_version(high)}'",
+        widen_hint="check the patch against this TE (docs/te.md, GPU tier) and widen Patch.checked in "
+        "shardbridge_te/_patches.py",
+        kind="TE patch",
+    )
 
 
 def patch_plan(version: tuple[int, int, int]) -> tuple[Patch, ...]:
@@ -168,8 +150,8 @@ def patch_plan(version: tuple[int, int, int]) -> tuple[Patch, ...]:
     version = tuple(version)
     if version < MIN_VERSION:
         raise ValueError(
-            f"TransformerEngine {_fmt(version)} is older than the supported "
-            f"{_fmt(MIN_VERSION)}; upgrade: pip install 'transformer_engine[pytorch]>=2.8'"
+            f"TransformerEngine {fmt_version(version)} is older than the supported "
+            f"{fmt_version(MIN_VERSION)}; upgrade: pip install 'transformer_engine[pytorch]>=2.8'"
         )
     return tuple(p for p in PATCHES if p.applies(version))
 
@@ -182,6 +164,7 @@ def gate(name: str, version: tuple[int, int, int]) -> bool:
     is lost).
 
     Raises:
+        ValueError: ``version`` is older than :data:`MIN_VERSION`.
         RuntimeError: ``version`` is outside the range of an ``outside="error"`` patch.
         KeyError: no patch is named ``name``.
 
@@ -189,55 +172,10 @@ def gate(name: str, version: tuple[int, int, int]) -> bool:
         >>> gate("local_forward", (2, 20, 2))
         True
     """
-    patch = next((p for p in PATCHES if p.name == name), None)
-    if patch is None:
-        raise KeyError(f"no TE patch named {name!r}; known: {[p.name for p in PATCHES]}")
-    version = tuple(version)
-    if patch not in patch_plan(version):
-        return False
-    if patch.in_checked_range(version):
-        return True
-    low, high = patch.checked
-    where = (
-        f"shardbridge_te's patch {patch.name!r} ({patch.target}; covers {patch.covers}) was checked against "
-        f"TransformerEngine {_fmt(low)} to {_fmt(high)}; this is TransformerEngine {_fmt(version)}"
-    )
-    if patch.outside == "error":
-        raise RuntimeError(
-            f"{where}. Install a checked TE (pip install 'transformer_engine[pytorch]=={_fmt(high)}'), or check "
-            f"the patch against this TE (docs/te.md, GPU tier) and widen Patch.checked in shardbridge_te/_patches.py"
-        )
-    warnings.warn(f"{where}: the patch is skipped, so {_LOST_WHEN_SKIPPED[patch.name]}.", stacklevel=3)
-    return False
-
-
-def patch_attr(obj: Any, attr: str, value: Any) -> Callable[[], None]:
-    """Set ``obj.attr = value``; return an undo that restores exactly what was there.
-
-    ``obj`` is a class or an instance. The undo puts back the identical object that was in
-    ``vars(obj)`` (a class's raw function, staticmethod, ...), or deletes the attribute when
-    ``obj`` had none of its own (an instance then sees its class's attribute again).
-
-    Example:
-        >>> class A:
-        ...     def f(self): ...
-        >>> original = vars(A)["f"]
-        >>> undo = patch_attr(A, "f", lambda self: 1)
-        >>> undo(); vars(A)["f"] is original
-        True
-    """
-    own = vars(obj)
-    had = attr in own
-    previous = own.get(attr)
-    setattr(obj, attr, value)
-
-    def undo() -> None:
-        if had:
-            setattr(obj, attr, previous)
-        elif attr in vars(obj):
-            delattr(obj, attr)
-
-    return undo
+    current = plan()
+    current.get(name)
+    patch_plan(version)  # refuses a TE older than MIN_VERSION
+    return current.gate(name, version)
 
 
 def keep_instance_undo(module: nn.Module, name: str, undo: Callable[[], None]) -> None:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["barrier", "broadcast_from_rank0", "is_distributed", "on_all_ranks", "rank", "world_size"]
+__all__ = ["barrier", "broadcast_from_rank0", "check_same_on_all_ranks", "is_distributed", "on_all_ranks", "rank", "world_size"]
 
 T = TypeVar("T")
 
@@ -84,3 +84,26 @@ def on_all_ranks(fn: Callable[..., T], *args: Any, only_rank0: bool = False, **k
         replay = next((t for t in _REPLAYED if t.__name__ == type_name), RuntimeError)
         raise replay(f"{message} [raised on rank {first_rank}; {len(failed)} rank(s) failed]")
     return result
+
+
+def check_same_on_all_ranks(where: str, values: dict[str, Any]) -> None:
+    """ValueError on every rank if any argument in ``values`` differs between ranks.
+
+    ``save(path=...)`` with a rank-dependent path (or step, extra ...) would otherwise commit
+    rank 0's value for everyone without a word. One ``all_gather_object`` of the values'
+    reprs; a no-op in one process.
+    """
+    if not is_distributed():
+        return
+    mine = {k: repr(v) for k, v in values.items()}
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, mine)
+    for key in values:
+        seen = {r: g[key] for r, g in enumerate(gathered) if g[key] != gathered[0][key]}
+        if seen:
+            other, value = next(iter(seen.items()))
+            raise ValueError(
+                f"{where}: {key} differs between ranks (rank 0: {gathered[0][key]}, rank {other}: {value}"
+                f"{f', and {len(seen) - 1} more rank(s)' if len(seen) > 1 else ''}); every rank must pass the same "
+                f"{key} (compute it on rank 0 and broadcast it, or from values all ranks share)"
+            )

@@ -21,6 +21,20 @@ Memory stays near ONE tensor, whatever the model size:
   (``test_export.py``).
 
 Files are written under temporary names and renamed when complete; the index last.
+
+[Note: export checks]
+~~~~~~~~~~~~~~~~~~~~~
+Before anything is read or written:
+
+- the output folder must be new or empty; ``overwrite=True`` allows a non-empty one and
+  replaces only what an export writes (``model-NNNNN-of-NNNNN.safetensors`` and the index;
+  stale shards of a previous export are removed after the new index is in place, the old
+  index before the first new shard), never other files. ``model.safetensors`` is refused
+  even then: ``from_pretrained`` prefers it to the index, and it is not an export's file.
+- the checkpoint is verified as ``load`` verifies it ([Note: checkpoint integrity] in
+  ``_integrity.py``): no symbolic links or special files, every recorded file present with
+  its size, nothing extra, and (``verify=True``, the default) every xxh3_128 checksum, in
+  this one process. Cost: docs/checkpoints.md, Export.
 """
 
 from __future__ import annotations
@@ -42,9 +56,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from shardbridge.checkpoint._inspect import natural_key
-from shardbridge.checkpoint._manifest import read_manifest, write_file_durably
+from shardbridge.checkpoint._integrity import FileProblem, _log_unverified, check_files
+from shardbridge.checkpoint._manifest import FILES_SINCE_VERSION, Manifest, read_manifest, write_file_durably
 from shardbridge.checkpoint._state import MODEL_KEY
-from shardbridge.checkpoint._trust import TrustedReader
+from shardbridge.checkpoint._trust import TrustedReader, check_no_links
 
 __all__ = ["NameMap", "export_safetensors", "parse_size", "read_tensor"]
 
@@ -52,6 +67,9 @@ NameMap = Union[Mapping[str, str | None], Callable[[str], str | None]]
 """Checkpoint FQN -> output name; None drops the tensor. A mapping keeps unlisted names."""
 
 INDEX_NAME = "model.safetensors.index.json"
+_OWN_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors(\.tmp)?|" + re.escape(INDEX_NAME) + r"(\.tmp)?")
+"""Names an export writes (and their temporaries): all that ``overwrite=True`` removes."""
+_SINGLE_FILE = "model.safetensors"
 
 _ST_DTYPES = {
     torch.float64: "F64",
@@ -191,6 +209,8 @@ def export_safetensors(
     name_map: NameMap | None = None,
     dtype: torch.dtype | str | None = None,
     progress: bool = True,
+    verify: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Write a checkpoint's model tensors as Hugging Face safetensors shards + index.
 
@@ -202,19 +222,27 @@ def export_safetensors(
 
     Args:
         checkpoint_path: a checkpoint directory written by :func:`save`.
-        out_dir: output directory (created).
+        out_dir: output directory: new or empty (created), see ``overwrite``.
         max_shard_size: bytes per shard file, or "2GB" / "500MB" / "1GiB".
         name_map: checkpoint FQN -> output name (e.g. add ``model.`` for transformers);
             a mapping keeps unlisted names, a function or mapping returning None drops one.
         dtype: cast floating-point tensors to this dtype (e.g. torch.bfloat16); None keeps.
         progress: show a tqdm bar (only when stderr is a terminal).
+        verify: before anything is read, compare every file's xxh3_128 checksum with the
+            manifest, as :func:`load` does (reads every byte once more). False checks
+            links, existence, sizes and extra files only (always done).
+        overwrite: allow a non-empty ``out_dir``: replace the files an export writes there
+            (``model-*-of-*.safetensors`` and the index), keep every other file. False
+            (default) refuses a non-empty folder before anything is read or written.
 
     Returns:
         The path of the index file.
 
     Raises:
-        ValueError: not a shardbridge checkpoint, two tensors mapped to one name, a dtype
-            safetensors cannot store, or a bad ``max_shard_size``.
+        ValueError: not a shardbridge checkpoint, a damaged one (a file missing, truncated,
+            corrupted, foreign, extra or a link; the first is named), an empty ``out_dir``
+            string, a non-empty ``out_dir`` without ``overwrite``, two tensors mapped to one
+            name, a dtype safetensors cannot store, or a bad ``max_shard_size``.
 
     Example:
         >>> export_safetensors("/ckpt/step-00000100", "/hf/model", dtype="bfloat16",
@@ -222,10 +250,15 @@ def export_safetensors(
     """
     from tqdm.auto import tqdm
 
+    for name, value in (("verify", verify), ("overwrite", overwrite)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False")
+    out_path = _check_out_dir(out_dir, overwrite=overwrite)
     path = Path(checkpoint_path)
-    read_manifest(path)
     limit = parse_size(max_shard_size)
     cast = _out_dtype(dtype)
+    check_no_links(path)  # never read through a link: see [Note: export checks]
+    _verify(path, read_manifest(path), checksums=verify)
     reader = TrustedReader(path)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
@@ -268,8 +301,8 @@ def export_safetensors(
     if not shards:
         shards.append([])
 
-    out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
+    previous = _remove_previous_index(out_path)
     total = sum(e[4] for e in entries)
     weight_map: dict[str, str] = {}
     bar = tqdm(
@@ -290,7 +323,59 @@ def export_safetensors(
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     index_path = out_path / INDEX_NAME
     write_file_durably(index_path, (json.dumps(index, indent=2) + "\n").encode("ascii"))
+    for stale in previous - set(weight_map.values()):  # shards of a previous export (overwrite=True)
+        (out_path / stale).unlink(missing_ok=True)
     return index_path
+
+
+def _verify(path: Path, manifest: Manifest, *, checksums: bool) -> None:
+    """ValueError naming the first damaged file, as ``load`` does. See [Note: export checks]."""
+    if manifest.format_version < FILES_SINCE_VERSION:
+        _log_unverified(path, manifest.format_version)
+        return
+    problems = check_files(path, manifest, checksums=checksums, listing=True)
+    if problems:
+        raise ValueError(_damage_message(path, problems))
+
+
+def _damage_message(path: Path, problems: list[FileProblem]) -> str:
+    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    return (
+        f"checkpoint {str(path)!r} is damaged: {problems[0]}{more}; not exporting it. "
+        f"`shardbridge ckpt verify {path}` lists every problem"
+    )
+
+
+def _check_out_dir(out_dir: str | os.PathLike[str], *, overwrite: bool) -> Path:
+    """The output folder, or ValueError before anything is read or written. See [Note: export checks]."""
+    if not isinstance(out_dir, (str, os.PathLike)) or not str(os.fspath(out_dir)).strip():
+        # Path("") is the current directory: never a silent default for where files go.
+        raise ValueError(f"out_dir={out_dir!r} is empty; pass the folder to write the safetensors into")
+    out = Path(out_dir)
+    if not out.is_dir():
+        return out
+    names = sorted(entry.name for entry in out.iterdir())
+    if names and not overwrite:
+        shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
+        raise ValueError(
+            f"out_dir {str(out)!r} is not empty ({shown}); nothing was written. Pass a new or empty folder, "
+            f"or overwrite=True (CLI: --overwrite) to replace the files an export writes there "
+            f"(model-*-of-*.safetensors, {INDEX_NAME}) and keep the others"
+        )
+    if _SINGLE_FILE in names:
+        raise ValueError(
+            f"out_dir {str(out)!r} holds {_SINGLE_FILE}, which from_pretrained would load instead of the exported "
+            f"{INDEX_NAME}; it is not a file an export writes, so it is not deleted: move it away first"
+        )
+    return out
+
+
+def _remove_previous_index(out: Path) -> set[str]:
+    """Delete a previous export's index (before any new shard is written); the names of its shard files."""
+    names = {entry.name for entry in out.iterdir() if entry.is_file() and _OWN_FILE.fullmatch(entry.name)}
+    for name in names & {INDEX_NAME, INDEX_NAME + ".tmp"}:
+        (out / name).unlink()
+    return names - {INDEX_NAME, INDEX_NAME + ".tmp"}
 
 
 def _write_shard(

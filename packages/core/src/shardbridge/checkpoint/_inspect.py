@@ -11,7 +11,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardbridge.checkpoint._manifest import read_manifest
-from shardbridge.checkpoint._trust import read_metadata
+from shardbridge.checkpoint._trust import check_no_links, read_metadata
 
 __all__ = ["CheckpointInfo", "TensorInfo", "format_bytes", "inspect"]
 
@@ -127,7 +127,10 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe a checkpoint without reading its tensors.
 
     Raises:
-        ValueError: missing path, not a shardbridge checkpoint, or a damaged manifest.
+        ValueError: missing path, not a shardbridge checkpoint, a damaged manifest, or a
+            symbolic link (or special file) in the directory: never read through (see
+            [Note: untrusted checkpoints] in ``_trust.py``). Damaged data files are not
+            looked at (``verify`` does that).
 
     Example:
         >>> print(inspect("/shared/ckpt/step-00000100"))  # doctest: +SKIP
@@ -135,6 +138,7 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
           step 100, saved by 4 rank(s) (dp_shard_cp=2, tp=2), torch 2.13.0+cpu, ...
     """
     path = Path(path)
+    check_no_links(path)
     manifest = read_manifest(path)
     metadata = read_metadata(path, data_files=False)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
     tensors = []

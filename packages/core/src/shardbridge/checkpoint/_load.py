@@ -112,6 +112,10 @@ def load(
     checked = _dist.on_all_ranks(_check_args, path, optimizer=optimizer, strict=strict, rng=rng, provider=state_dicts)
     assert checked is not None
     path, manifest = checked
+    _dist.check_same_on_all_ranks(
+        "shardbridge.checkpoint.load",
+        {"path": str(path), "strict": strict, "rng": rng, "verify": verify, "optimizer": optimizer is not None},
+    )
     _verify(path, manifest, checksums=verify)  # before DCP unpickles or reads anything
     state = _dist.on_all_ranks(
         build_portable_state, model, optimizer, on_bad_layout="repair", log=False, provider=state_dicts, for_load=True

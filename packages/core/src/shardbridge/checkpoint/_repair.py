@@ -16,8 +16,10 @@ with the layout algebra for EVERY mesh coordinate (pure, so all ranks agree with
 communicating). Where the rank's true box differs from DCP's, the entry is replaced by a
 :class:`~shardbridge.checkpoint._chunks.LocalChunks` holding the true box and a view of the
 local tensor ("repair"), or ``on_bad_layout="error"`` raises. Entries DCP describes right stay
-DTensors. Data that is not one box (several ranges along a dim) cannot be described by one
-write item per rank and raises. The same objects serve loading (views into the live local
+DTensors. Data that is not one box (several ranges along a dim, e.g. a packed ``[gate; up]``
+weight under ``_StridedShard`` TP) is written as one box per range when the algebra explains
+the local tensor's order (``_multi_box_pieces``; ``on_bad_layout="error"`` raises instead),
+and raises otherwise. The same objects serve loading (views into the live local
 tensors), so a checkpoint saved by any layout loads into any other.
 """
 
@@ -142,6 +144,34 @@ def local_box(fqn: str, t: DTensor) -> Box:
     )
 
 
+def _multi_box_pieces(t: DTensor) -> list[tuple[tuple[int, ...], torch.Tensor]] | None:
+    """This rank's local tensor as one view per box of its (several-range) chunk; None if unexplained.
+
+    The local tensor holds the chunk's ranges of each dim in increasing global order (how
+    ``_StridedShard`` and FSDP2 lay them out), so box ``(r_0, r_1, ...)`` is the local slice at
+    the summed lengths of the ranges before it.
+    """
+    shape, mesh_shape, placements = tuple(t.shape), tuple(t.device_mesh.shape), tuple(t.placements)
+    coordinate = t.device_mesh.get_coordinate()
+    local = local_tensor(t).detach()
+    for chunk in (
+        _true_chunk(shape, mesh_shape, placements, coordinate),
+        local_chunk(shape, mesh_shape, placements, coordinate),
+    ):
+        if tuple(sum(b - a for a, b in dim) for dim in chunk) != tuple(local.shape):
+            continue
+        pieces = []
+        for ranges in itertools.product(*(list(enumerate(dim)) for dim in chunk)):
+            view, offsets = local, []
+            for d, (i, (start, stop)) in enumerate(ranges):
+                before = sum(b - a for a, b in chunk[d][:i])
+                view = view.narrow(d, before, stop - start)
+                offsets.append(start)
+            pieces.append((tuple(offsets), view))
+        return pieces
+    return None
+
+
 def boxed_pieces(local: torch.Tensor, box: Box) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     sizes, offsets = box
     return [(offsets, local)] if 0 not in sizes else []
@@ -152,11 +182,17 @@ def check_dtensor(fqn: str, t: DTensor, on_bad_layout: OnBadLayout, log: bool) -
     mesh = t.device_mesh
     verdict = _verdict(tuple(t.shape), tuple(mesh.shape), tuple(t.placements), mesh.mesh_dim_names)
     if verdict.non_contiguous:
-        raise ValueError(
-            f"{describe(fqn, t)}: some rank holds several separate ranges of a dim, which DCP cannot "
-            f"describe with one box per rank ({verdict.detail or 'non-contiguous shard'}); redistribute it "
-            "to Shard/Replicate placements before saving"
-        )
+        # e.g. a packed [gate; up] weight under _StridedShard TP: each rank holds one range of each
+        # half. Written as several boxes (one per range), which DCP describes right.
+        pieces = _multi_box_pieces(t)
+        if pieces is None or on_bad_layout == "error":
+            raise ValueError(
+                f"{describe(fqn, t)}: some rank holds several separate ranges of a dim, which DCP cannot "
+                f"describe with one box per rank ({verdict.detail or 'non-contiguous shard'}); redistribute it "
+                "to Shard/Replicate placements before saving"
+                + ("" if pieces is None else ", or save with on_bad_layout='repair' to write one box per range")
+            )
+        return LocalChunks(t.shape, pieces)
     if not verdict.bad:
         return None
     if on_bad_layout == "error":
@@ -176,4 +212,3 @@ def check_dtensor(fqn: str, t: DTensor, on_bad_layout: OnBadLayout, log: bool) -
         )
     box = local_box(fqn, t)
     return LocalChunks(t.shape, boxed_pieces(local_tensor(t).detach(), box))
-

@@ -84,6 +84,11 @@ def save(
     # waiting in a collective. See [Note: symmetric errors] in _dist.py.
     extra = _dist.on_all_ranks(_check_args, step=step, extra=extra, parallel_dims=parallel_dims, provider=state_dicts)
     assert extra is not None
+    _dist.check_same_on_all_ranks(
+        "shardbridge.checkpoint.save",
+        {"path": str(path), "step": step, "extra": extra, "overwrite": overwrite, "on_bad_layout": on_bad_layout,
+         "optimizer": optimizer is not None, "parallel_dims": parallel_dims},
+    )  # fmt: skip
     rank, world_size = _dist.rank(), _dist.world_size()
 
     # 1. The portable state dict: layouts checked, fused params split.

@@ -65,6 +65,8 @@ class PortableState:
     """Manifest layout record per model key."""
     fused: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Manifest record per fused parameter."""
+    packed_param_groups: dict[str, Any] = field(default_factory=dict)
+    """The live ``optim.param_groups`` entries (component names) before a load replaced them."""
 
 
 
@@ -199,6 +201,7 @@ def _pack_param_groups(state: PortableState) -> None:
     keys = [k for k, v in optim.items() if k.startswith("param_groups.") and not isinstance(v, torch.Tensor)]
     if keys:
         optim[PACKED_PARAM_GROUPS] = [(k, optim.pop(k)) for k in keys]
+        state.packed_param_groups = dict(optim[PACKED_PARAM_GROUPS])  # the live values, before DCP replaces them
 
 
 def unpack_param_groups(state: PortableState) -> None:
@@ -206,6 +209,58 @@ def unpack_param_groups(state: PortableState) -> None:
     optim = state.dcp_state.get(OPTIM_KEY)
     if optim and isinstance(optim.get(PACKED_PARAM_GROUPS), list):
         optim.update(dict(optim.pop(PACKED_PARAM_GROUPS)))
+
+
+def _kind(value: Any) -> Any:
+    """What a hyperparameter must stay across a save/load: a number, a string, a sequence of a length."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, int, float, torch.Tensor)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return f"a sequence of {len(value)}"
+    return type(value).__name__
+
+
+def _check_loaded_param_groups(state: PortableState, *, strict: bool) -> None:
+    """ValueError unless the loaded ``optim.param_groups`` is what save writes, fitting this optimizer.
+
+    It is a bytes item (``torch.load(weights_only=True)``: no code runs), but a damaged or
+    crafted one could still hold anything; without this check the optimizer would silently
+    keep its own hyperparameters. See [Note: packed param groups].
+    """
+    optim = state.dcp_state.get(OPTIM_KEY)
+    if not optim or PACKED_PARAM_GROUPS not in optim or not state.packed_param_groups:
+        return
+    loaded = optim[PACKED_PARAM_GROUPS]
+    where = f"checkpoint entry {OPTIM_KEY}.{PACKED_PARAM_GROUPS} (the optimizer's hyperparameters)"
+    pairs = isinstance(loaded, list) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and p[0].startswith("param_groups.")
+        for p in loaded
+    )
+    if not pairs:
+        raise ValueError(
+            f"{where} is a {type(loaded).__name__}, not a list of (key, value) pairs: the checkpoint is damaged or "
+            "was not written by shardbridge (run `shardbridge ckpt verify` on it)"
+        )
+    got = dict(loaded)
+    live_values = state.packed_param_groups
+    missing = [k for k in live_values if k not in got]
+    if strict and missing:
+        raise ValueError(
+            f"{where} lacks {len(missing)} of this optimizer's hyperparameters ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}); load it into the optimizer type it was saved from, or pass "
+            "strict=False to keep this optimizer's values for those"
+        )
+    for key, value in got.items():
+        live = live_values.get(key)
+        if key in live_values and None not in (_kind(live), _kind(value)) and _kind(live) != _kind(value):
+            raise ValueError(
+                f"{where}: {key!r} is {_kind(value)} ({value!r:.60}) in the checkpoint but {_kind(live)} in this "
+                "optimizer: the checkpoint is damaged or comes from another optimizer type"
+            )
 
 
 def _provided_box(provider: StateDictProvider, fqn: str, t: DTensor) -> Box | None:
@@ -294,6 +349,7 @@ def finish_load(
 ) -> None:
     """After DCP filled ``state.dcp_state`` in place: copy aliased values back, then
     set_state_dict (or the provider's ``load_state_dicts``)."""
+    _check_loaded_param_groups(state, strict=strict)
     unpack_param_groups(state)  # See [Note: packed param groups]
     for (top, key), (src_top, src_key) in state.aliases.items():
         target = state.model_sd if top == MODEL_KEY else state.optim_sd

@@ -34,11 +34,14 @@ state) only applies to instances of the admitted dataclasses, never to a class, 
 cannot rewrite an admitted class for the rest of the process.
 
 After unpickling, the structure is checked as DCP itself would write it: every tensor's
-chunks lie inside it and their volumes add up to it (DCP's save-time rule), every item lives
-in a ``.distcp`` file of this directory (no ``/``, no ``..``) inside the file's size, items of
-one file do not overlap, no stream transforms (shardbridge writes none), and each tensor
-chunk's record is at least as long as its raw bytes. So the bytes a reader allocates for a
-declared shape are bounded by the bytes on disk.
+chunks lie inside it and their volumes add up to it (DCP's save-time rule), every chunk of
+every tensor and every bytes item has exactly one storage record (and every record a chunk or
+item), every item lives in a ``.distcp`` file of this directory (no ``/``, no ``..``) inside
+the file's size, items of one file do not overlap, no stream transforms (shardbridge writes
+none), and each tensor chunk's record is at least as long as its raw bytes. So the bytes a
+reader allocates for a declared shape are bounded by the bytes on disk. Readers also refuse
+symbolic links and special files in the directory (:func:`check_no_links`; ``load``'s
+integrity check in ``_integrity.py``).
 
 Still possible with a hostile checkpoint (see docs/checkpoints.md, "Threat model"): wrong
 values (see Integrity: checksums and ``shardbridge ckpt verify``), large allocations up to the
@@ -58,6 +61,7 @@ import math
 import os
 import pickle
 import re
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -92,6 +96,7 @@ __all__ = [
     "MetadataUnpickler",
     "TrustedReader",
     "UntrustedCheckpointError",
+    "check_no_links",
     "load_bytes_weights_only",
     "load_file_weights_only",
     "raise_untrusted",
@@ -300,7 +305,7 @@ def _check_storage(md: Metadata, checkpoint_dir: Path | None, where: str) -> Non
     spans: dict[str, list[tuple[int, int]]] = {}
     chunks: dict[str, dict[torch.Size, ChunkStorageMetadata]] = {}
     for index, info in storage.items():
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo or not isinstance(index.fqn, str):
             raise _refuse(where, f"holds a storage entry {index!r:.80} -> {info!r:.80}")
         entry = md.state_dict_metadata.get(index.fqn)
         if entry is None:
@@ -324,7 +329,10 @@ def _check_storage(md: Metadata, checkpoint_dir: Path | None, where: str) -> Non
                     where,
                     f"stores {raw} bytes of {index.fqn!r} at {tuple(chunk.offsets)} in a {info.length}-byte record",
                 )
+        elif index.offset is not None:
+            raise _refuse(where, f"stores the bytes item {index.fqn!r} at {index.offset!r}, as a tensor chunk")
         spans.setdefault(name, []).append((info.offset, info.length))
+    _check_every_chunk_stored(md, where)
     for name, items in spans.items():
         items.sort()
         end = 0
@@ -340,6 +348,61 @@ def _check_storage(md: Metadata, checkpoint_dir: Path | None, where: str) -> Non
         size = file.stat().st_size
         if end > size:
             raise ValueError(f"data file {str(file)!r} is truncated ({size} of {end} bytes); the checkpoint is damaged")
+
+
+def _check_every_chunk_stored(md: Metadata, where: str) -> None:
+    """Every chunk of every tensor (and every bytes item) has exactly one storage record.
+
+    With the checks above (each record lies inside its file and is at least as long as its
+    chunk's raw bytes), this bounds the bytes a reader allocates for a declared shape by the
+    bytes on disk: a chunk without a record would let a few-KiB checkpoint declare GiBs.
+    """
+    stored = {(index.fqn, index.offset) for index in md.storage_data}
+    for key, entry in md.state_dict_metadata.items():
+        if type(entry) is BytesStorageMetadata:
+            if (key, None) not in stored:
+                raise _refuse(where, f"describes {key!r} but stores no record of it")
+            continue
+        seen: set[torch.Size] = set()
+        for chunk in entry.chunks:
+            at = tuple(chunk.offsets)
+            if chunk.offsets in seen:
+                raise _refuse(where, f"describes a chunk of {key!r} at {at} twice")
+            seen.add(chunk.offsets)
+            if (key, chunk.offsets) not in stored:
+                raise _refuse(where, f"describes a chunk of {key!r} at {at} but stores no record of it")
+
+
+def check_no_links(checkpoint_dir: str | os.PathLike[str]) -> None:
+    """ValueError naming the first entry of ``checkpoint_dir`` that is a symbolic link or special file.
+
+    shardbridge and DCP write regular files and directories only; a link (to a file outside
+    the directory, or to another checkpoint's file) is never read through, as ``load``'s
+    integrity check refuses it ("not a regular file"). A FIFO would block a reader. One
+    directory walk, no data read; nothing is checked when ``checkpoint_dir`` is not a directory
+    (the manifest reader reports that).
+    """
+    top = Path(checkpoint_dir)
+    if not top.is_dir():
+        return
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+        for name in sorted((*dirnames, *filenames)):
+            entry = Path(dirpath) / name
+            try:
+                st = entry.lstat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                what = f"a symbolic link (to {os.readlink(entry)!r})"
+            elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                what = "not a regular file"
+            else:
+                continue
+            rel = entry.relative_to(top).as_posix()
+            raise ValueError(
+                f"checkpoint {str(top)!r} is damaged: {rel}: {what}, which shardbridge never writes; not reading "
+                f"through it. Copy the real file in; `shardbridge ckpt verify {top}` lists every problem"
+            )
 
 
 # -- weights_only loads ------------------------------------------------------------------------

@@ -462,7 +462,8 @@ def _export_phase(cfg: DemoConfig, ckpt_path: str) -> dict[str, Any]:
 
     out_dir = os.path.join(cfg.out, "hf")
     start = time.perf_counter()
-    export_hf_llama(ckpt_path, out_dir, cfg.llama_config(), progress=False)
+    # The demo's own output folder (see [Note: demo output]); --keep leaves a previous export there.
+    export_hf_llama(ckpt_path, out_dir, cfg.llama_config(), progress=False, overwrite=True)
     export_s = time.perf_counter() - start
     reference = torch.load(os.path.join(cfg.out, "reference.pt"), weights_only=True)
     index = json.loads(Path(out_dir, "model.safetensors.index.json").read_text())

@@ -7,6 +7,7 @@ environment or argv.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import traceback
 from collections.abc import Sequence
@@ -20,9 +21,24 @@ __all__ = ["main", "build_parser"]
 _DEBUG = "--debug"
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is ONE line naming the fix (not the usage dump); exit 2.
+
+    Subparsers inherit the class (``add_subparsers`` uses ``type(self)``). See [Note: CLI errors].
+    """
+
+    def error(self, message: str):  # type: ignore[override]
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+_MAX_SHAPE_DIM = 2**62
+_MAX_MESH_COORDINATES = 2**16  # the picture and the mismatch search visit every coordinate
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``shardbridge`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrorParser(
         prog="shardbridge",
         description="FSDP2 x tensor parallelism with DCP checkpoints that reshard across layouts.",
     )
@@ -71,11 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     verify_p.add_argument("--sizes-only", action="store_true", help="skip the checksums (no data is read)")
     verify_p.set_defaults(func=_run_ckpt_verify)
     export_p = ckpt_sub.add_parser("export", help="stream a checkpoint into Hugging Face-style sharded safetensors")
-    export_p.add_argument("path", help="a checkpoint directory (or a root: its latest checkpoint)")
-    export_p.add_argument("out_dir", help="output folder (created)")
+    export_p.add_argument("path", help="a checkpoint directory (or a root: its newest checkpoint that verifies)")
+    export_p.add_argument("out_dir", help="output folder: new or empty (created), see --overwrite")
     export_p.add_argument("--max-shard-size", default="2GB", help="e.g. 500MB, 2GB (default 2GB)")
     export_p.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bfloat16")
     export_p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    export_p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="allow a non-empty OUT_DIR: replace the files an export writes (shards, index, recorded JSON files), "
+        "keep the others",
+    )
+    export_p.add_argument(
+        "--no-verify", action="store_true", help="skip the checksums (links, sizes and extra files are still checked)"
+    )
     export_p.set_defaults(func=_run_ckpt_export)
     return parser
 
@@ -145,6 +170,11 @@ def _run_layout(args: argparse.Namespace) -> int:
 
     shape = _parse_shape(args.shape)
     mesh_shape, mesh_names = _layout.parse_mesh(args.mesh)
+    if math.prod(mesh_shape) > _MAX_MESH_COORDINATES:
+        raise ValueError(
+            f"--mesh {args.mesh!r} has {math.prod(mesh_shape)} ranks; `shardbridge layout` draws every coordinate and "
+            f"handles up to {_MAX_MESH_COORDINATES}: use a smaller mesh with the same pattern (e.g. fewer dp ranks)"
+        )
     placements = _layout.parse_placements(args.placements)
     if len(placements) != len(mesh_shape):
         raise ValueError(
@@ -165,7 +195,10 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     parts = [part.strip() for part in text.replace("x", ",").split(",")]
     if not all(part.isdigit() for part in parts):
         raise ValueError(f"--shape {text!r} is not a list of non-negative integers; write e.g. 9,16 or 9x16")
-    return tuple(int(part) for part in parts)
+    shape = tuple(int(part) for part in parts)
+    if any(size > _MAX_SHAPE_DIM for size in shape):
+        raise ValueError(f"--shape {text!r} has a dim larger than 2**62, which no tensor can have; pass real sizes")
+    return shape
 
 
 def _run_ckpt_inspect(args: argparse.Namespace) -> int:
@@ -202,24 +235,107 @@ def _run_ckpt_verify(args: argparse.Namespace) -> int:
 
 
 def _run_ckpt_export(args: argparse.Namespace) -> int:
+    """Weights as safetensors, plus the name map and files the saver recorded (see _recorded_export)."""
+    import json
+    from pathlib import Path
+
     import torch
 
     from shardbridge import checkpoint
+    from shardbridge.checkpoint._manifest import write_file_durably
 
     dtype = None
     if args.dtype is not None:
         dtype = getattr(torch, args.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype; use e.g. bfloat16 or float32")
+    path, verified = _resolve_export_checkpoint(args.path, checksums=not args.no_verify)
+    recorded = _recorded_export(path)
     result = checkpoint.export_safetensors(
-        _resolve_checkpoint(args.path),
+        path,
         args.out_dir,
         max_shard_size=args.max_shard_size,
+        name_map=recorded.get("name_map"),
         dtype=dtype,
         progress=not args.no_progress,
+        verify=not (verified or args.no_verify),  # a root's pick was just verified: read it once, not twice
+        overwrite=args.overwrite,
     )
+    for name, content in recorded.get("files", {}).items():  # e.g. an adapter's config.json
+        # tmp + rename: with --overwrite, a link at that name is replaced, never written through
+        text = json.dumps(content, indent=2, sort_keys=True) + "\n"
+        write_file_durably(Path(args.out_dir, name), text.encode("utf-8"))
     print(result)
     return 0
+
+
+def _resolve_export_checkpoint(path: str, *, checksums: bool) -> tuple[str, bool]:
+    """The checkpoint to export and whether its checksums were verified here.
+
+    A checkpoint directory is returned as given (export verifies it). For a root: the newest
+    checkpoint that verifies, as ``load_latest`` picks (a damaged one is skipped with a line on
+    stderr, then the next older one is tried); every one damaged is an error, never a silent
+    export of an older step without saying so.
+    """
+    import os
+    from pathlib import Path
+
+    from shardbridge import checkpoint
+    from shardbridge.checkpoint._commit import newest
+
+    if os.path.isfile(os.path.join(path, "shardbridge.json")):
+        return path, False
+    skip: list[Path] = []
+    while os.path.isdir(path):
+        candidate = newest(path, skip=frozenset(skip))
+        if candidate is None:
+            break
+        report = checkpoint.verify(candidate, checksums=checksums)
+        if report.ok:
+            return str(candidate), checksums
+        print(f"shardbridge ckpt export: skipping {candidate}: {report.problems[0]}", file=sys.stderr)
+        skip.append(candidate)
+    if skip:
+        raise ValueError(
+            f"every checkpoint under {path!r} is damaged (the newest: {str(skip[0])!r}); nothing was exported. "
+            f"See what is wrong with `shardbridge ckpt verify {path}`"
+        )
+    raise ValueError(f"{path} is neither a shardbridge checkpoint nor a folder holding committed ones")
+
+
+def _recorded_export(path: str) -> dict:
+    """What the saver recorded for export in the manifest: ``extra["export"]``, checked.
+
+    [Note: export recorded in a checkpoint]: an adapter that knows its host framework's folder
+    format stores ``{"name_map": {fqn: name}, "files": {"config.json": {...}}}`` under the
+    manifest's ``extra["export"]``; ``shardbridge ckpt export`` applies the name map and writes
+    each file as JSON beside the safetensors, so the core needs no adapter to make a real model
+    folder. The checkpoint may be untrusted: file names are plain ``*.json`` names, no paths.
+    """
+    import os
+
+    from shardbridge import checkpoint
+
+    recorded = (checkpoint.inspect(path).extra or {}).get("export") or {}
+    name_map = recorded.get("name_map") if isinstance(recorded, dict) else None
+    files = recorded.get("files", {}) if isinstance(recorded, dict) else None
+    ok = isinstance(files, dict) and (
+        name_map is None or (isinstance(name_map, dict) and all(isinstance(v, str) for v in name_map.values()))
+    )
+    ok = ok and all(
+        isinstance(n, str)
+        and n.endswith(".json")
+        and os.path.basename(n) == n
+        and not n.startswith(".")
+        and n != "model.safetensors.index.json"  # the export's own index
+        for n in files
+    )
+    if not ok:
+        raise ValueError(
+            f"checkpoint {path!r}: manifest extra['export'] is malformed (want {{'name_map': {{fqn: name}}, 'files': "
+            "{'name.json': {...}}}); export it with the adapter that wrote it"
+        )
+    return recorded
 
 
 def _resolve_checkpoint(path: str) -> str:

@@ -106,6 +106,7 @@ def export_hf_llama(
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str = "2GB",
     progress: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Export a reference-Llama checkpoint (from any framework or layout) as a HF model folder.
 
@@ -114,11 +115,13 @@ def export_hf_llama(
 
     Args:
         checkpoint_path: a ``shardbridge.checkpoint`` directory of a reference Llama.
-        out_dir: the model folder (created).
+        out_dir: the model folder: new or empty (created), see ``overwrite``.
         config: the model's :class:`LlamaConfig`.
         dtype: cast floating tensors (e.g. "bfloat16"); None keeps the saved dtype (fp32).
         max_shard_size: bytes per safetensors file, or "2GB" / "500MB".
         progress: show a progress bar when stderr is a terminal.
+        overwrite: allow a non-empty ``out_dir``; replaces the export's own files (shards,
+            index, ``config.json``), keeps the others (``export_safetensors``).
 
     Returns:
         The folder.
@@ -128,7 +131,13 @@ def export_hf_llama(
     """
     out = Path(out_dir)
     export_safetensors(
-        checkpoint_path, out, name_map=hf_llama_name, dtype=dtype, max_shard_size=max_shard_size, progress=progress
+        checkpoint_path,
+        out,
+        name_map=hf_llama_name,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        progress=progress,
+        overwrite=overwrite,
     )
     (out / "config.json").write_text(json.dumps(hf_llama_config(config, dtype=dtype or "float32"), indent=2) + "\n")
     return out
