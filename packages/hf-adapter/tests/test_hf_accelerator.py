@@ -421,3 +421,29 @@ def _view_warnings() -> int:
 def test_fsdp2_view_output_warning_is_filtered_for_tp_outputs():
     # See [Note: FSDP2 view-output warning]: 3 copies per step and rank before.
     assert run_distributed(_view_warnings, world_size=4, timeout=180) == [0, 0, 0, 0]
+
+
+def _cpu_offload() -> dict:
+    from shardbridge._compat import fsdp_param_groups
+    from shardbridge_hf import HFConfig
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    out = {}
+    for offload in (False, True):
+        acc = H.sb_accelerator(ParallelDims(**DP2_TP2), config=HFConfig(cpu_offload=offload))
+        model = H.tiny_model("llama")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = acc.prepare(model, opt)
+        groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in fsdp_param_groups(m)]
+        offloaded = all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+        out[offload] = {"losses": H.train_steps(acc, model, opt, 2), "offloaded": offloaded, "units": len(groups)}
+    return out
+
+
+def test_cpu_offload_is_honoured_and_keeps_the_numerics():
+    """fsdp_offload_params / cpu_offload: every FSDP unit gets CPUOffloadPolicy; on this CPU-only
+    machine the placement is degenerate, so the numerics must be exactly those without offload."""
+    for r in run_distributed(_cpu_offload, world_size=4, timeout=180):
+        assert r[True]["units"] == r[False]["units"] > 0
+        assert r[True]["offloaded"] and not r[False]["offloaded"]
+        assert r[True]["losses"] == r[False]["losses"]

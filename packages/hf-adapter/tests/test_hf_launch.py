@@ -184,7 +184,8 @@ def test_command_line_parallelism_sizes_are_validated(tmp_path, no_launch, capsy
         ("fsdp_sync_module_states: false", "sync_module_states", False),
         ("fsdp_state_dict_type: SHARDED_STATE_DICT", "reshard_after_forward", "default"),
         ("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP", "reshard_after_forward", "default"),
-        ("fsdp_offload_params: false", "reshard_after_forward", "default"),
+        ("fsdp_offload_params: false", "cpu_offload", False),
+        ("fsdp_offload_params: true", "cpu_offload", True),
     ],
 )
 def test_accelerate_fsdp_keys_are_honoured_or_agree(tmp_path, line, field, value):
@@ -195,7 +196,6 @@ def test_accelerate_fsdp_keys_are_honoured_or_agree(tmp_path, line, field, value
 @pytest.mark.parametrize(
     ("line", "match"),
     [
-        ("fsdp_offload_params: true", r"fsdp_config.fsdp_offload_params=True .*CPU offload is not supported"),
         ("fsdp_sharding_strategy: SHARD_GRAD_OP", r"fsdp_sharding_strategy='SHARD_GRAD_OP' .*FSDP1's"),
         ("fsdp_state_dict_type: FULL_STATE_DICT", r"fsdp_state_dict_type='FULL_STATE_DICT' .*export_pretrained"),
         ("fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer", r"fsdp_transformer_layer_cls_to_wrap=.*wraps"),
@@ -231,8 +231,10 @@ def test_command_line_fsdp_flags_are_honoured_and_refused_too(tmp_path, no_launc
     cfg = str(_write(tmp_path, BASE))
     assert main(["--config_file", cfg, "--fsdp_activation_checkpointing", "true", "train.py"]) == 0
     assert HFConfig.from_json(os.environ[ENV_VAR]).activation_checkpointing is True
-    assert main(["--config_file", cfg, "--fsdp_offload_params", "true", "train.py"]) == 2
-    assert "fsdp_offload_params='true'" in capsys.readouterr().err and len(no_launch) == 1
+    assert main(["--config_file", cfg, "--fsdp_offload_params", "true", "train.py"]) == 0
+    assert HFConfig.from_json(os.environ[ENV_VAR]).cpu_offload is True
+    assert main(["--config_file", cfg, "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "train.py"]) == 2
+    assert "fsdp_sharding_strategy='SHARD_GRAD_OP'" in capsys.readouterr().err and len(no_launch) == 2
 
 
 def test_unsupported_parallelism_axes_are_refused(tmp_path):

@@ -229,6 +229,10 @@ class HFConfig:
     (transformers' gradient checkpointing, non-reentrant). Accelerate's
     ``fsdp_activation_checkpointing`` sets it."""
 
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer states on CPU (FSDP2's
+    ``CPUOffloadPolicy`` through the core's ``apply_fsdp``). Accelerate's ``fsdp_offload_params`` sets it."""
+
     dims: ParallelDims | None = None
     """The parallel degrees (filled by the launcher from ``parallelism_config``). None = read
     Accelerate's ``ParallelismConfig``."""
@@ -274,6 +278,7 @@ class HFConfig:
             )
         _bool("sync_module_states", self.sync_module_states)
         _bool("activation_checkpointing", self.activation_checkpointing)
+        _bool("cpu_offload", self.cpu_offload)
         if self.dims is not None and not isinstance(self.dims, ParallelDims):
             raise ValueError(f"dims must be a shardbridge.ParallelDims, got {self.dims!r}")
         if self.dims is not None:

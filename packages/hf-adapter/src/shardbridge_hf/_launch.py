@@ -74,13 +74,13 @@ _FSDP_HONOURED = {
     "fsdp_activation_checkpointing": "activation_checkpointing",
     "fsdp_reshard_after_forward": "reshard_after_forward",
     "fsdp_sync_module_states": "sync_module_states",
+    "fsdp_offload_params": "cpu_offload",
 }
 _FSDP_ACCEPTED = {  # key -> the values that say what shardbridge does anyway
     "fsdp_version": ("2",),  # checked first, with its own message
     "fsdp_state_dict_type": ("SHARDED_STATE_DICT",),
     "fsdp_auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
     "fsdp_use_orig_params": ("true",),
-    "fsdp_offload_params": ("false",),
     "fsdp_cpu_ram_efficient_loading": ("true", "false"),
 }
 _FSDP_WHY_REFUSED = {
@@ -94,7 +94,6 @@ _FSDP_WHY_REFUSED = {
     "`shardbridge ckpt export`) writes the full model",
     "fsdp_backward_prefetch": "FSDP2 prefetches one unit ahead by itself",
     "fsdp_forward_prefetch": "FSDP2 prefetches one unit ahead by itself",
-    "fsdp_offload_params": "CPU offload is not supported by shardbridge_hf yet",
     "fsdp_activation_checkpointing_offload": "offloading checkpointed activations is not supported; use "
     "fsdp_activation_checkpointing",
     "fsdp_use_orig_params": "FSDP2 always keeps the original parameters",

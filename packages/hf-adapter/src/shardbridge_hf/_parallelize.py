@@ -94,7 +94,14 @@ def parallelize(
         fix=f"build it in that dtype (from_config(cfg, torch_dtype={policy.main_params_dtype})) or set "
         "fsdp_config.shardbridge.precision.main_params_dtype accordingly",
     )
-    apply_fsdp(model, pm, policy, units=fsdp_units(model), reshard_after_forward=config.reshard_after_forward)
+    apply_fsdp(
+        model,
+        pm,
+        policy,
+        units=fsdp_units(model),
+        reshard_after_forward=config.reshard_after_forward,
+        cpu_offload=config.cpu_offload,
+    )
 
     if config.sync_module_states:
         load_full_from_rank0(model, full, device=device)
