@@ -106,8 +106,57 @@ def faults(session):
 
 
 @nox.session(python="3.11")
+def fp8_matrix(session):
+    """Every FP8 recipe x layout: torchao through the hf adapter and `shardbridge launch`, TE structural (docs/concepts/fp8.md)."""
+    _install(session, "all,te-structural,test")
+    env = {**ENV, "SHARDBRIDGE_FP8_MATRIX": "all"}
+    session.run(
+        "python", "-m", "pytest", "packages/hf-adapter/tests/test_hf_fp8.py", "packages/hf-adapter/tests/test_hf_te.py",
+        "integration_tests/test_launch_fp8.py", *session.posargs, env=env,
+    )
+
+
+@nox.session(python="3.11")
+def megatron_tp_sweep(session):
+    """Megatron-FSDP x TP (full TP plan): every strategy x layout incl. tp4 and 8-rank HSDP (docs/megatron-fsdp.md)."""
+    _install(session, "megatron,test")
+    env = {**ENV, "SHARDBRIDGE_MFSDP_TP_SWEEP": "1"}
+    session.run(
+        "python", "-m", "pytest", "packages/megatron-fsdp-adapter/tests/test_mfsdp_train.py", *session.posargs, env=env
+    )
+
+
+@nox.session(python="3.11")
+def megatron_core(session):
+    """Megatron-Core GPTModel under Megatron-Core's own Megatron-FSDP (megatron-core 0.16.1, never beside
+    megatron-fsdp): training, checkpoints, fsdp_dtensor reads, Hugging Face conversion; every case
+    (SHARDBRIDGE_MCORE_FULL=1), CI runs a slice (docs/megatron-fsdp.md, Megatron-Core)."""
+    _install(session, "megatron-core,test")
+    env = {**ENV, "SHARDBRIDGE_MCORE_FULL": "1"}
+    session.run("python", "-m", "pytest", "packages/megatron-fsdp-adapter/tests/mcore", *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
+def hf_sweep(session):
+    """Every transformers architecture with a TP plan through the hf adapter (docs/hf.md, Architecture sweep).
+
+    CI runs hf_sweep.CI_ARCHS; this runs all but the documented exceptions (hours on 2 cores).
+    """
+    _install(session, "hf,test")
+    env = {**ENV, "SHARDBRIDGE_HF_SWEEP": "all"}
+    session.run("python", "-m", "pytest", "packages/hf-adapter/tests/test_hf_sweep.py", *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
+def bench_hf_pretrained(session):
+    """Shard-on-read pretrained loading vs from_pretrained on every rank (docs/hf.md, Pretrained weights)."""
+    _install(session, "hf,test")
+    session.run("python", "tools/bench/bench_pretrained.py", *session.posargs, env=ENV)
+
+
+@nox.session(python="3.11")
 def bench(session):
     """The benchmarks in tools/bench (ratios measured side by side in one run)."""
     _install(session)
-    for script in ("bench_step.py", "bench_checkpoint.py", "bench_export.py"):
+    for script in ("bench_step.py", "bench_checkpoint.py", "bench_export.py", "bench_fp8.py"):
         session.run("python", f"tools/bench/{script}", *session.posargs, env=ENV)

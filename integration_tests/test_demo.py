@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-# Three runs (each ~12 s on 2 cores): the default, HSDP, and uneven sizes. Every other layout
+# Four runs (each ~12 s on 2 cores): the default, HSDP, uneven sizes, and context parallel. Every other layout
 # pair is covered in-process by packages/core/tests/checkpoint (the same save/load code).
 LAYOUTS = {
     "dp_shard=2 x tp=2 -> dp_shard=4 (default)": [],
@@ -28,6 +28,9 @@ LAYOUTS = {
         "1",
         "--reload-tp",
         "2",
+    ],
+    "context parallel dp_shard=2 x cp=2 -> cp=2 x tp=2": [
+        "--cp", "2", "--dp-shard", "2", "--tp", "1", "--reload-cp", "2", "--reload-dp-shard", "1", "--reload-tp", "2",
     ],
 }
 

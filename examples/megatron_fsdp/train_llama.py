@@ -4,7 +4,7 @@ Run (CPU, gloo, 4 processes; on GPUs use --device cuda)::
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 examples/megatron_fsdp/train_llama.py --out /tmp/mfsdp_ckpt
 
-1. Megatron-FSDP (optim_grads_params over dp_shard=2, dim-0 TP over tp=2), bf16 compute with
+1. Megatron-FSDP (optim_grads_params over dp_shard=2, column+row TP over tp=2), bf16 compute with
    bf16 gradient communication (fp32 main weights and grads), a few steps (``--microbatches 2``:
    gradient accumulation with ``shardbridge_megatron_fsdp.microbatches``), checkpoint.
 2. torch FSDP2 (the core's parallelize_llama, dp_shard=4) loads the checkpoint and checks

@@ -1,17 +1,23 @@
-"""Checkpoint throughput: shardbridge.checkpoint vs torch.save/torch.load of the same bytes.
+"""Checkpoint speed: shardbridge.checkpoint vs torch.save/torch.load of the same bytes and plain DCP.
 
-On 4 gloo ranks (layout A = dp_shard=2 x tp=2) a model with AdamW state is saved with
-``shardbridge.checkpoint.save`` and, as the baseline, every rank ``torch.save``s exactly its own
-local shards (model + optimizer) to the same disk. Then the checkpoint is loaded back into the
-same layout, and into a different one (dp_shard=4), against ``torch.load`` of the per-rank files.
-Plain torch DCP (get_state_dict + dcp.save / dcp.load + set_state_dict) runs alongside, so
-the table separates DCP's own cost from shardbridge's. Rounds alternate between the
-contenders; the table shows medians and ratios (1.00 = as fast as torch.save / torch.load).
-Verification ([Note: checkpoint integrity]) is timed on its own too: the checksums of every
-file split over the 4 ranks (what ``load(verify=True)`` adds), the same in one process
-(``checkpoint.verify``), and a load with ``verify=False``; all with the page cache warm.
+On 4 gloo ranks (layout A = dp_shard=2 x tp=2) a Llama with AdamW state is saved and loaded
+by every contender, side by side in one run, rounds alternating the order; medians:
 
-    python tools/bench/bench_checkpoint.py [--rounds 3] [--dir /tmp/sb-bench]
+- save: ``shardbridge save`` (sync), per-rank ``torch.save`` of exactly this rank's local
+  shards with and without ``fsync`` (shardbridge and DCP fsync every file), plain DCP
+  (``get_state_dict`` + ``dcp.save``);
+- training blocked by a save: the time until the call returns, for the sync save,
+  ``save(..., async_=True)`` and plain ``dcp.async_save`` (torch's thread-based async save
+  on its own gloo group, as torchtitan sets it up), each followed by waiting for the save;
+- load: ``shardbridge load`` into the same layout and into dp_shard=4, per-rank
+  ``torch.load`` (``weights_only=True``), plain DCP (``dcp.load`` + ``set_state_dict``).
+
+Ratios are throughput ratios (baseline time / our time: 1.00 = as fast as the baseline,
+0.5 = half as fast). The page cache is warm for every contender alike.
+
+    python tools/bench/bench_checkpoint.py [--sizes 252MB,1GB] [--rounds 3] [--dir /tmp/x]
+    python tools/bench/bench_checkpoint.py --sizes 64MB,252MB,1GB   # the size curve
+    python tools/bench/bench_checkpoint.py --profile save --sizes 252MB   # cProfile of rank 0
 """
 
 from __future__ import annotations
@@ -24,22 +30,30 @@ import sys
 import tempfile
 import time
 
-import torch.distributed.checkpoint as dcp
+# name -> (vocab, dim, layers, intermediate): model + AdamW state on disk ~ the name.
+SIZES = {
+    "64MB": (4096, 384, 3, 1024),
+    "252MB": (8192, 512, 4, 1536),
+    "1GB": (8192, 1024, 5, 3072),
+}
 
 
-def _model_config():
+def _model_config(size: str):
     from shardbridge.models import LlamaConfig
 
-    return LlamaConfig.tiny(vocab_size=8192, dim=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1536)
+    vocab, dim, layers, inter = SIZES[size]
+    return LlamaConfig.tiny(
+        vocab_size=vocab, dim=dim, num_layers=layers, num_heads=8, num_kv_heads=4, intermediate_size=inter
+    )
 
 
-def _build(layout):
+def _build(size, layout):
     import torch
     from shardbridge import ParallelDims
     from shardbridge.models import Llama, parallelize_llama, synthetic_batch
 
     pm = ParallelDims(**layout).build_mesh("cpu")
-    model = parallelize_llama(Llama(_model_config(), seed=0), pm)
+    model = parallelize_llama(Llama(_model_config(size), seed=0), pm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens, labels = synthetic_batch(
         model.config, 4, 16, dp_rank=pm["dp"].get_local_rank(), dp_size=pm.dims.degree("dp")
@@ -65,6 +79,16 @@ def _local_state(model, opt):
     return state
 
 
+def _torch_save(local, path, fsync):
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(local, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def _dcp_state(model, opt):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -74,6 +98,7 @@ def _dcp_state(model, opt):
 
 def _dcp_load(model, opt, path):
     """Plain torch DCP, the way its docs show it: get_state_dict, dcp.load, set_state_dict."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _dcp_state(model, opt)
@@ -81,7 +106,24 @@ def _dcp_load(model, opt, path):
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def _dcp_async(model, opt, path, group):
+    """torchtitan's setup: dcp.async_save on a gloo group of its own; returns the future."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(_dcp_state(model, opt), checkpoint_id=path, process_group=group)
+
+
+def _max_over_ranks(value):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def _timed(fn):
+    """Wall time of fn on all ranks (barrier before and after)."""
     import torch.distributed as dist
 
     dist.barrier()
@@ -91,77 +133,177 @@ def _timed(fn):
     return time.perf_counter() - start
 
 
-def _worker(root: str, rounds: int):
+def _timed_blocking(start_fn, wait_fn):
+    """(time until start_fn returned, slowest rank; total until wait_fn returned on all ranks)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    handle = start_fn()
+    blocked = time.perf_counter() - start
+    wait_fn(handle)
+    dist.barrier()
+    total = time.perf_counter() - start
+    return _max_over_ranks(blocked), total
+
+
+def _worker(root: str, size: str, rounds: int, profile: str | None):
+    import torch.distributed as dist
+
+    a = {"dp_shard": 2, "tp": 2}
+    b = {"dp_shard": 4, "tp": 1}
+    model, opt = _build(size, a)
+    model_a, opt_a = _build(size, a)
+    model_b, opt_b = _build(size, b)
+    group = dist.new_group(backend="gloo")
+    times: dict[str, list[float]] = {}
+    sizes: dict[str, float] = {}
+
+    def add(name, value):
+        times.setdefault(name, []).append(value)
+
+    if profile:
+        return _profile(root, profile, model, opt, model_a, opt_a)
+    for r in range(rounds):
+        sizes = _round(r, root, add, group, (model, opt), (model_a, opt_a), (model_b, opt_b))
+    return {"times": times, "sizes": sizes}
+
+
+def _round(r, root, add, group, source, same, other):
+    """One round: every save contender, then every load contender; order alternates."""
     import torch
     import torch.distributed as dist
     from shardbridge import checkpoint
 
     rank = dist.get_rank()
-    a = {"dp_shard": 2, "tp": 2}
-    b = {"dp_shard": 4, "tp": 1}
-    model, opt = _build(a)
-    model_a, opt_a = _build(a)
-    model_b, opt_b = _build(b)
-    names = ("save", "torch.save", "dcp.save", "load same", "load other", "torch.load", "dcp.load")
-    names += ("load same, verify=False", "verify, 4 ranks", "verify, 1 process")
-    times = {k: [] for k in names}
-    sizes = {}
-    for r in range(rounds):
-        ckpt = os.path.join(root, f"sb-{r}")
-        raw = os.path.join(root, f"raw-{r}")
-        os.makedirs(raw, exist_ok=True)
-        local = _local_state(model, opt)
-        raw_file = os.path.join(raw, f"rank{rank}.pt")
-        dcp_dir = os.path.join(root, f"dcp-{r}")
-        contenders = [
-            ("save", lambda ckpt=ckpt, r=r: checkpoint.save(ckpt, model=model, optimizer=opt, step=r)),
-            ("torch.save", lambda local=local, raw_file=raw_file: torch.save(local, raw_file)),
-            ("dcp.save", lambda dcp_dir=dcp_dir: dcp.save(_dcp_state(model, opt), checkpoint_id=dcp_dir)),
-        ]
-        for name, fn in contenders if r % 2 == 0 else reversed(contenders):
-            times[name].append(_timed(fn))
-        loads = [
-            ("load same", lambda ckpt=ckpt: checkpoint.load(ckpt, model=model_a, optimizer=opt_a)),
-            ("load other", lambda ckpt=ckpt: checkpoint.load(ckpt, model=model_b, optimizer=opt_b)),
-            ("torch.load", lambda raw_file=raw_file: torch.load(raw_file, weights_only=True)),
-            ("dcp.load", lambda dcp_dir=dcp_dir: _dcp_load(model_a, opt_a, dcp_dir)),
-            (
-                "load same, verify=False",
-                lambda ckpt=ckpt: checkpoint.load(ckpt, model=model_a, optimizer=opt_a, verify=False),
-            ),
-            ("verify, 4 ranks", lambda ckpt=ckpt: _verify_all_ranks(ckpt)),
-            ("verify, 1 process", lambda ckpt=ckpt: rank == 0 and checkpoint.verify(ckpt).ok),
-        ]
-        for name, fn in loads if r % 2 == 0 else reversed(loads):
-            times[name].append(_timed(fn))
-        if rank == 0:
-            sizes = {"checkpoint": _dir_bytes(ckpt), "torch.save": _dir_bytes(raw)}
-        dist.barrier()
-        if rank == 0:
-            for path in (ckpt, raw, dcp_dir):
-                shutil.rmtree(path)
-        dist.barrier()
-    return {"times": times, "sizes": sizes}
+    (model, opt), (model_a, opt_a), (model_b, opt_b) = source, same, other
+    ckpt, raw, dcp_dir = (os.path.join(root, f"{k}-{r}") for k in ("sb", "raw", "dcp"))
+    sb_async, dcp_async = os.path.join(root, f"sba-{r}"), os.path.join(root, f"dcpa-{r}")
+    os.makedirs(raw, exist_ok=True)
+    local = _local_state(model, opt)
+    raw_file = os.path.join(raw, f"rank{rank}.pt")
+    raw_nofsync = os.path.join(raw, f"nofsync-rank{rank}.pt")
+    saves = [
+        lambda: add("save", _timed(lambda: checkpoint.save(ckpt, model=model, optimizer=opt, step=r))),
+        lambda: add("torch.save+fsync", _timed(lambda: _torch_save(local, raw_file, True))),
+        lambda: add("torch.save", _timed(lambda: _torch_save(local, raw_nofsync, False))),
+        lambda: add("dcp.save", _timed(lambda: _dcp_save(model, opt, dcp_dir))),
+        lambda: _add_pair(add, "async", _timed_blocking(
+            lambda: checkpoint.save(sb_async, model=model, optimizer=opt, step=r, async_=True), lambda h: h.wait())),
+        lambda: _add_pair(add, "dcp.async_save", _timed_blocking(
+            lambda: _dcp_async(model, opt, dcp_async, group), lambda f: f.result())),
+    ]  # fmt: skip
+    for fn in saves if r % 2 == 0 else reversed(saves):
+        fn()
+    loads = [
+        ("load same", lambda: checkpoint.load(ckpt, model=model_a, optimizer=opt_a)),
+        ("load other", lambda: checkpoint.load(ckpt, model=model_b, optimizer=opt_b)),
+        ("torch.load", lambda: torch.load(raw_file, weights_only=True)),
+        ("dcp.load", lambda: _dcp_load(model_a, opt_a, dcp_dir)),
+        ("load same, verify=False", lambda: checkpoint.load(ckpt, model=model_a, optimizer=opt_a, verify=False)),
+    ]
+    for name, fn in loads if r % 2 == 0 else reversed(loads):
+        add(name, _timed(fn))
+    sizes = {"checkpoint": _dir_bytes(ckpt), "torch.save": _dir_bytes(raw) / 2} if rank == 0 else {}
+    dist.barrier()
+    if rank == 0:
+        for path in (ckpt, raw, dcp_dir, sb_async, dcp_async):
+            shutil.rmtree(path)
+    dist.barrier()
+    return sizes
 
 
-def _verify_all_ranks(path):
-    from pathlib import Path
+def _dcp_save(model, opt, path):
+    import torch.distributed.checkpoint as dcp
 
-    from shardbridge.checkpoint._integrity import verify_on_all_ranks
-    from shardbridge.checkpoint._manifest import read_manifest
+    dcp.save(_dcp_state(model, opt), checkpoint_id=path)
 
-    assert not verify_on_all_ranks(Path(path), read_manifest(path), checksums=True)
+
+def _add_pair(add, name, pair):
+    add(f"{name} (blocking)", pair[0])
+    add(f"{name} (total)", pair[1])
+
+
+def _profile(root, what, model, opt, model_a, opt_a):
+    """cProfile of rank 0 for one shardbridge save or load (after a warm-up one)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch.distributed as dist
+    from shardbridge import checkpoint
+
+    path = os.path.join(root, "prof")
+    checkpoint.save(path, model=model, optimizer=opt, overwrite=True)
+    run = {
+        "save": lambda: checkpoint.save(path, model=model, optimizer=opt, overwrite=True),
+        "load": lambda: checkpoint.load(path, model=model_a, optimizer=opt_a),
+    }[what]
+    run()
+    prof = cProfile.Profile()
+    dist.barrier()
+    start = time.perf_counter()
+    prof.enable()
+    run()
+    prof.disable()
+    seconds = time.perf_counter() - start
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
+    return {"profile": f"{what}: {seconds:.3f} s on rank {dist.get_rank()}\n{out.getvalue()}"}
 
 
 def _dir_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+def _report(size: str, result: dict, rounds: int) -> None:
+    t = {k: statistics.median(v) for k, v in result["times"].items()}
+    mb = result["sizes"]["checkpoint"] / 1e6
+    print(f"\n== {size}: {_model_config(size)}")
+    print(f"checkpoint {mb:.1f} MB on disk; torch.save files {result['sizes']['torch.save'] / 1e6:.1f} MB; "
+          f"4 gloo ranks, dp_shard=2 x tp=2, {rounds} rounds, medians\n")  # fmt: skip
+    print(f"{'operation':<44} {'seconds':>8} {'MB/s':>8} {'vs base':>8}  base")
+    rows = [
+        ("torch.save per rank, fsync", "torch.save+fsync", None),
+        ("torch.save per rank, no fsync", "torch.save", None),
+        ("plain DCP save", "dcp.save", "torch.save+fsync"),
+        ("shardbridge save", "save", "torch.save+fsync"),
+        ("shardbridge save (vs no-fsync torch.save)", "save", "torch.save"),
+        ("torch.load per rank", "torch.load", None),
+        ("plain DCP load (+set_state_dict)", "dcp.load", "torch.load"),
+        ("shardbridge load, same layout", "load same", "torch.load"),
+        ("shardbridge load, same layout, verify=False", "load same, verify=False", "torch.load"),
+        ("shardbridge load, into dp_shard=4", "load other", "torch.load"),
+    ]
+    for label, key, base in rows:
+        sec = t[key]
+        ratio = "" if base is None else f"{t[base] / sec:.2f}x"
+        print(f"{label:<44} {sec:>8.3f} {mb / sec:>8.1f} {ratio:>8}  {base or ''}")
+    print(f"\n{'training blocked by a save':<44} {'blocked s':>9} {'total s':>8}")
+    for label, key in (("shardbridge save (sync)", None), ("shardbridge save(async_=True)", "async"),
+                       ("plain dcp.async_save (own gloo group)", "dcp.async_save")):  # fmt: skip
+        blocked = t["save"] if key is None else t[f"{key} (blocking)"]
+        total = t["save"] if key is None else t[f"{key} (total)"]
+        print(f"{label:<44} {blocked:>9.3f} {total:>8.3f}")
+    print(
+        f"\nshardbridge / plain DCP throughput: save {t['dcp.save'] / t['save']:.2f}x, "
+        f"load {t['dcp.load'] / t['load same']:.2f}x; load into dp_shard=4 / same layout (time): "
+        f"{t['load other'] / t['load same']:.2f}; async blocking / dcp.async_save blocking: "
+        f"{t['async (blocking)'] / t['dcp.async_save (blocking)']:.2f}"
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="252MB,1GB", help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--profile", choices=("save", "load"), default=None, help="cProfile rank 0 instead")
     args = parser.parse_args(argv)
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    bad = [s for s in sizes if s not in SIZES]
+    if bad:
+        parser.error(f"--sizes: unknown {bad}; choose from {', '.join(SIZES)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from shardbridge.testing import WorkerPool
 
@@ -169,41 +311,16 @@ def main(argv=None) -> int:
     os.makedirs(root, exist_ok=True)
     pool = WorkerPool(4)
     try:
-        result = pool.run(_worker, (root, args.rounds), {}, timeout=3600)[0]
+        for size in sizes:
+            result = pool.run(_worker, (root, size, args.rounds, args.profile), {}, timeout=3600)[0]
+            if args.profile:
+                print(result["profile"])
+            else:
+                _report(size, result, args.rounds)
     finally:
         pool.close()
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    t = {k: statistics.median(v) for k, v in result["times"].items()}
-    size = result["sizes"]["checkpoint"]
-    mb = size / 1e6
-    print(f"model {_model_config()}\n4 gloo ranks, layout A = dp_shard=2 x tp=2, {args.rounds} rounds, medians\n")
-    print(f"checkpoint {mb:.1f} MB on disk; torch.save files {result['sizes']['torch.save'] / 1e6:.1f} MB\n")
-    print(f"{'operation':<36} {'seconds':>8} {'MB/s':>8} {'ratio':>7}")
-    rows = [
-        ("torch.save (per-rank local shards)", t["torch.save"], None),
-        ("torch DCP save (get_state_dict)", t["dcp.save"], t["dcp.save"] / t["torch.save"]),
-        ("shardbridge save", t["save"], t["save"] / t["torch.save"]),
-        ("torch.load (per-rank local shards)", t["torch.load"], None),
-        ("torch DCP load (+set_state_dict)", t["dcp.load"], t["dcp.load"] / t["torch.load"]),
-        ("shardbridge load, same layout", t["load same"], t["load same"] / t["torch.load"]),
-        ("shardbridge load, dp_shard=4", t["load other"], t["load other"] / t["torch.load"]),
-    ]
-    for name, sec, ratio in rows:
-        print(f"{name:<36} {sec:>8.3f} {mb / sec:>8.1f} {'' if ratio is None else f'{ratio:.2f}':>7}")
-    rows = [
-        ("shardbridge load, verify=False", t["load same, verify=False"], t["load same, verify=False"] / t["torch.load"]),
-        ("verify checksums, split on 4 ranks", t["verify, 4 ranks"], None),
-        ("checkpoint.verify, one process", t["verify, 1 process"], None),
-    ]
-    for name, sec, ratio in rows:
-        print(f"{name:<36} {sec:>8.3f} {mb / sec:>8.1f} {'' if ratio is None else f'{ratio:.2f}':>7}")
-    print(f"\nshardbridge / torch DCP: save {t['save'] / t['dcp.save']:.2f}, load {t['load same'] / t['dcp.load']:.2f}")
-    print(
-        f"verification (4 ranks) / load (verify=True, same layout): {t['verify, 4 ranks'] / t['load same']:.1%}; "
-        f"load verify=True / verify=False: {t['load same'] / t['load same, verify=False']:.2f}"
-    )
-    print(f"load into a different layout / same layout: {t['load other'] / t['load same']:.2f}")
     return 0
 
 

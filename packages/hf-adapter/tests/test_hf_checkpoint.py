@@ -102,6 +102,12 @@ def test_export_loads_with_from_pretrained(saved_run, tmp_path):
     torch.testing.assert_close(logits, first["logits"], rtol=1e-5, atol=1e-5)
     for name, value in first["params"].items():
         assert torch.equal(model.state_dict()[name], value), name
+    # A second export into the same folder: refused without overwrite, replaces it with overwrite=True.
+    with pytest.raises(ValueError, match="overwrite"):
+        export_pretrained(f"{root}/step-2", out)
+    export_pretrained(f"{root}/step-2", out, overwrite=True)
+    again = AutoModelForCausalLM.from_pretrained(out)
+    assert not torch.equal(again.lm_head.weight, model.lm_head.weight)  # step 2's weights, not step 4's
 
 
 def test_save_state_before_prepare_is_refused():
@@ -166,3 +172,66 @@ def test_core_cli_export_writes_a_folder_from_pretrained_loads(saved_run, tmp_pa
     with torch.no_grad():
         logits = model(input_ids=H.global_batch(99, 1)).logits
     torch.testing.assert_close(logits, first["logits"], rtol=1e-5, atol=1e-5)
+
+
+# -- async save and tied embeddings (core [Note: async save], [Note: tied tensors]) ------------
+
+
+def _tied_async_save(root: str) -> dict:
+    from shardbridge import checkpoint
+
+    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    model = H.tiny_model("llama", tie_word_embeddings=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = acc.prepare(model, opt)
+    H.train_steps(acc, model, opt, 1)
+    want = H.full_params(model)
+    acc.step = 1
+    pending = acc.save_state(f"{root}/tied", async_=True)  # the accelerator passes async_ through
+    assert isinstance(pending, checkpoint.AsyncSave)
+    H.train_steps(acc, model, opt, 1, start=1)  # changes the weights while the writer runs
+    pending.wait()
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    return {"want": want, "tied": tied}
+
+
+def _tied_load(root: str) -> dict:
+    acc = H.sb_accelerator(ParallelDims(dp_shard=4))
+    model = H.tiny_model("llama", seed=5, tie_word_embeddings=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = acc.prepare(model, opt)
+    acc.load_state(f"{root}/tied")
+    return {"params": H.full_params(model), "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+
+
+def test_async_save_state_of_tied_embeddings_is_one_entry_and_bit_exact(tmp_path):
+    """accelerator.save_state(async_=True) holds the weights of its call; the tied embedding is stored
+    once (no lm_head.weight entry) and loads bit-exact into dp_shard=4, still tied."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = run_distributed(_tied_async_save, str(tmp_path), world_size=4, timeout=240)[0]
+    assert saved["tied"]
+    keys = dcp.FileSystemReader(tmp_path / "tied").read_metadata().state_dict_metadata
+    assert "model.model.embed_tokens.weight" in keys
+    assert not [k for k in keys if "lm_head" in k]
+    loaded = run_distributed(_tied_load, str(tmp_path), world_size=4, timeout=240)[0]
+    assert loaded["tied"]
+    assert sorted(loaded["params"]) == sorted(saved["want"])
+    assert all(torch.equal(loaded["params"][k], v) for k, v in saved["want"].items())
+
+
+def test_non_finite_config_values_round_trip_through_the_strict_json_manifest(tmp_path):
+    """GraniteMoeHybrid's time_step_limit holds inf ([Note: non-finite config values])."""
+    import json
+    import math
+
+    from shardbridge_hf import _checkpoint as C
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("granitemoehybrid", num_hidden_layers=2, time_step_limit=(0.5, float("inf")))
+    recorded = C._config_record(config)
+    text = json.dumps(recorded, allow_nan=False)  # strict JSON: the manifest accepts it
+    back = C._decode_nonfinite(json.loads(text))
+    assert back["time_step_limit"][0] == 0.5 and math.isinf(back["time_step_limit"][1])
+    (tmp_path / "config.json").write_text(text)  # what `shardbridge ckpt export` writes
+    assert AutoConfig.from_pretrained(tmp_path).time_step_limit == (0.5, math.inf)

@@ -24,7 +24,7 @@ def test_precision_mapping_and_fsdp2_rule():
     assert cfg.policy().effective_grad_comm_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="main_grads_dtype"):
         HFConfig.from_block({"precision": {"main_grads_dtype": "bf16"}})
-    with pytest.raises(ValueError, match="fp8_params=true needs backend: te"):
+    with pytest.raises(ValueError, match="fp8_params=true with backend torchao"):
         FP8Config(backend="torchao", fp8_params=True)
 
 
@@ -54,12 +54,12 @@ def test_bug7_fixed_block_and_accelerate_keys_reach_the_recipe(tmp_path):
     block = HFConfig.from_block(
         {"fp8": {"backend": "te", "recipe": "delayed", "amax_history_length": 16, "amax_compute_algo": "max"}}
     )
-    assert block.fp8.te_recipe_kwargs() == {
-        "fp8_format": "HYBRID",
-        "amax_history_len": 16,
-        "amax_compute_algo": "max",
-        "margin": 0,
-    }
+    from shardbridge_te import recipe_spec  # pure: the TE recipe class and kwargs the te backend builds
+
+    assert recipe_spec(block.policy().fp8) == (
+        "DelayedScaling",
+        {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max", "margin": 0},
+    )
     # The same keys written in Accelerate's fp8_config section are translated (with a warning).
     text = BASE.replace("backend: torchao, recipe: tensorwise", "backend: te, recipe: delayed")
     # TE runs data-parallel only (te.Linear cannot take torch's TP styles): dp_shard=4, tp=1.
@@ -68,8 +68,7 @@ def test_bug7_fixed_block_and_accelerate_keys_reach_the_recipe(tmp_path):
     ) + ("fp8_config:\n  amax_history_length: 16\n  amax_compute_algorithm: max\n")
     with pytest.warns(UserWarning, match="TERecipeKwargs never reads"):
         plan = read_config_file(_write(tmp_path, text))
-    assert plan.config.fp8.te_recipe_kwargs()["amax_history_len"] == 16
-    assert plan.config.fp8.te_recipe_kwargs()["amax_compute_algo"] == "max"
+    assert plan.config.policy().fp8.params == {"amax_history_len": 16, "amax_compute_algo": "max"}
 
 
 def test_importing_the_package_imports_no_host_framework():
@@ -84,10 +83,14 @@ def test_importing_the_package_imports_no_host_framework():
     assert run.stdout.strip() == "[]"
 
 
-def test_te_backend_with_tp_is_refused_before_launch():
+def test_te_backend_with_tp_is_accepted_and_bad_te_recipes_refused():
     from shardbridge import ParallelDims
     from shardbridge_hf import FP8Config, HFConfig
 
-    with pytest.raises(ValueError, match=r"fp8.backend='te' with tp=2: te.Linear cannot be sharded.*tp=1"):
-        HFConfig(fp8=FP8Config(backend="te"), dims=ParallelDims(dp_shard=2, tp=2))
-    HFConfig(fp8=FP8Config(backend="te"), dims=ParallelDims(dp_shard=4))  # data parallel only: fine
+    # TE's own TP modules (te backend convert): tp > 1 is no longer refused.
+    cfg = HFConfig(fp8=FP8Config(backend="te", recipe="mxfp8"), dims=ParallelDims(dp_shard=2, tp=2))
+    assert (cfg.policy().fp8.backend, cfg.policy().fp8.name) == ("te", "mxfp8")
+    with pytest.raises(ValueError, match=r"fp8.params.amax_history_len: TE recipe 'tensorwise'"):
+        HFConfig(fp8=FP8Config(backend="te", amax_history_length=16), dims=ParallelDims(dp_shard=2, tp=2))
+    with pytest.raises(ValueError, match=r"not supported by backend 'te'.*\['torchao'\] run 'rowwise'"):
+        FP8Config(backend="te", recipe="rowwise")

@@ -49,7 +49,7 @@ def test_read_config_file(tmp_path):
         ('mixed_precision: "no"', "mixed_precision: fp8", "fsdp_config.shardbridge.fp8.backend"),
         ("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 3", "num_processes=4"),
         ("backend: torchao, recipe: tensorwise", "backend: tensorrt", r"fp8.backend='tensorrt'"),
-        ("backend: torchao, recipe: tensorwise", "backend: torchao, recipe: rowwise", "recipe: tensorwise"),
+        ("backend: torchao, recipe: tensorwise", "backend: torchao, recipe: mxfp8", r"'mxfp8' \(torchao 0.18\) with tp=2"),
         ("precision: bf16", "precision: fp8", "precision='fp8'"),
         ("precision: bf16", "precison: bf16", "unknown key"),
         ("export_dtype: bfloat16", "export_dtype: int8", "checkpoint.export_dtype"),
@@ -60,12 +60,12 @@ def test_bad_config_names_the_key(tmp_path, old, new, match):
         read_config_file(_write(tmp_path, BASE.replace(old, new)))
 
 
-def test_cp_is_not_implemented(tmp_path):
+def test_cp_size_is_read(tmp_path):
     text = BASE.replace(
         "parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 1\n  parallelism_config_cp_size: 2"
     )
-    with pytest.raises(NotImplementedError, match="context parallel"):
-        read_config_file(_write(tmp_path, text))
+    dims = read_config_file(_write(tmp_path, text)).dims
+    assert (dims.dp_shard, dims.cp, dims.tp) == (1, 2, 2)
 
 
 def test_launcher_refuses_before_starting_processes(tmp_path, capsys, monkeypatch):

@@ -6,6 +6,7 @@ Every distributed function here is module-level so the gloo worker pool can run 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -80,7 +81,7 @@ def local_grads(pm, model) -> dict[str, tuple[tuple[slice, ...], torch.Tensor]]:
 
 
 def build(dims: dict, strategy: str, outer=None, policy: MixedPrecisionPolicy | None = None, adam: bool = False):
-    """Llama (+ dim-0 TP) sharded by shard_model; returns (pm, model, opt)."""
+    """Llama (+ the full TP plan when tp > 1) sharded by shard_model; returns (pm, model, opt)."""
     from shardbridge_megatron_fsdp import apply_llama_tp, shard_model
 
     pm = ParallelDims(**dims).build_mesh("cpu")
@@ -175,6 +176,34 @@ CONFIGS = [
 ]
 
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
+
+# The full TP plan (row-parallel o_proj/down, vocab-parallel embedding) under the strategies and
+# HSDP modes CONFIGS does not cover with TP (CONFIGS has fsdp2_tp2 and optim_tp2), on 4 ranks.
+TP_CONFIGS = [
+    ("no_shard_tp2", {"dp_shard": 2, "tp": 2}, "no_shard", None),
+    ("optim_grads_tp2", {"dp_shard": 2, "tp": 2}, "optim_grads", None),
+    ("hsdp_optim_tp2", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}, "optim_grads_params", "optim"),
+]
+# The rest of the strategy x layout sweep: nox -s megatron_tp_sweep (SHARDBRIDGE_MFSDP_TP_SWEEP=1).
+TP_SWEEP = [
+    *(
+        (f"{s}_tp4", {"dp_shard": 1, "tp": 4}, s, None)
+        for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")
+    ),
+    ("hsdp_no_shard_tp2", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}, "optim_grads_params", "no_shard"),
+    ("hsdp_optim_grads_tp2", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}, "optim_grads", "no_shard"),
+    # 8 ranks
+    ("fsdp4_tp2", {"dp_shard": 4, "tp": 2}, "optim_grads_params", None),
+    ("hsdp2x2_no_shard_tp2", {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, "optim_grads_params", "no_shard"),
+    ("hsdp2x2_optim_tp2", {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, "optim_grads_params", "optim"),
+]
+TP_SWEEP_ENV = "SHARDBRIDGE_MFSDP_TP_SWEEP"
+
+
+def world_size(dims: dict) -> int:
+    """Ranks a mesh of ``dims`` needs."""
+    return math.prod(dims.values())
+
 
 # fp32 everywhere; only the reduction order differs from the single-process oracle.
 RTOL_LOSS, ATOL_PARAM = 1e-5, 1e-5

@@ -3,6 +3,8 @@ meshes; tp=2 -> tp=1 / tp=4; optimizer states included; HF export names."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from mfsdp_helpers import CFG, build, full_params, full_states, item_to_plain, make_optimizer, train
@@ -60,8 +62,10 @@ def _mfsdp_to_fsdp2_and_back(root: str) -> list[bool]:
         avg3 = _plain(full_states(m3, o3, "exp_avg"), pm3.dims.tp)
         ok.append(all(torch.equal(params3[k], src_params[k]) for k in src_params))
         ok.append(all(torch.equal(avg3[k], src_avg[k]) for k in src_avg))
-        # training continues identically to the source run (compute weights were installed)
-        ok.append(train(pm3, m3, o3, steps=1, start=2) == train(pm, model, opt, steps=1, start=2))
+        # training continues as the source run (compute weights were installed); not bit-equal:
+        # the tp=2 source sums row-parallel partial products over tp (measured: ~1e-7 relative)
+        after, source = train(pm3, m3, o3, steps=1, start=2), train(pm, model, opt, steps=1, start=2)
+        ok.append(math.isclose(after[0], source[0], rel_tol=1e-6))
         # the source run advanced one step; reload it for the next mesh
         load(f"{root}/a", model=model, optimizer=opt)
     dist.barrier()
@@ -122,3 +126,26 @@ def test_export_hf_names(tmp_path):
     q, k, v = (tensors[f"layers.1.attention.{n}_proj.weight"] for n in "qkv")
     assert torch.equal(torch.cat([q, k, v]), src["layers.1.attention.qkv.weight"])
     assert "layers.0.feed_forward.gate_up.weight" not in tensors
+
+
+def _async_save_then_load(root: str) -> list[bool]:
+    """save(async_=True) holds the state of its call while training goes on; loads bit-exact."""
+    from shardbridge_megatron_fsdp import load, save
+
+    pm, model, opt = build({"dp_shard": 2, "tp": 2}, "optim_grads_params", adam=True)
+    train(pm, model, opt, steps=1)
+    want_params, want_avg = full_params(model), full_states(model, opt, "exp_avg")
+    pending = save(f"{root}/async", model=model, optimizer=opt, step=1, async_=True)
+    train(pm, model, opt, steps=1, start=1)  # changes params and states while the writer runs
+    pending.wait()
+    _, m2, o2 = build({"dp_shard": 2, "tp": 2}, "optim_grads_params", adam=True)
+    load(f"{root}/async", model=m2, optimizer=o2)
+    got_params, got_avg = full_params(m2), full_states(m2, o2, "exp_avg")
+    return [
+        all(torch.equal(got_params[k], v) for k, v in want_params.items()),
+        all(torch.equal(got_avg[k], v) for k, v in want_avg.items()),
+    ]
+
+
+def test_async_save_round_trips_bit_exact(tmp_path):
+    assert all(all(r) for r in run_distributed(_async_save_then_load, str(tmp_path), world_size=4, timeout=240))

@@ -1,8 +1,9 @@
-"""Every Megatron-FSDP strategy, HSDP mode and FSDP x TP on 4 gloo ranks vs the fp32 oracle."""
+"""Every Megatron-FSDP strategy, HSDP mode and FSDP x TP (full TP plan) vs the fp32 oracle."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ from mfsdp_helpers import (
     CONFIGS,
     HSDP,
     RTOL_LOSS,
+    TP_CONFIGS,
+    TP_SWEEP,
+    TP_SWEEP_ENV,
     build,
     full_params,
     item_to_plain,
@@ -18,18 +22,24 @@ from mfsdp_helpers import (
     reference,
     reference_grads,
     train,
+    world_size,
 )
 from shardbridge.testing import run_distributed
 
 
-def _run_all() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+def _run_configs(configs: list) -> dict[str, tuple[list[float], dict[str, torch.Tensor], list]]:
     out = {}
-    for name, dims, strategy, outer in CONFIGS:
+    for name, dims, strategy, outer in configs:
         pm, model, opt = build(dims, strategy, outer)
         losses = train(pm, model, opt)
         full = {fqn: item_to_plain(fqn, t, pm.dims.tp) for fqn, t in full_params(model).items()}
         groups = [(g["weight_decay"], len(g["params"])) for g in opt.param_groups]
         out[name] = (losses, full, groups)
+    return out
+
+
+def _run_all(configs: list) -> dict[str, object]:
+    out: dict[str, object] = dict(_run_configs(configs))
     # AdamW: the upstream zero-gradient step must not count (step == STEPS, not STEPS + 1).
     pm, model, opt = build({"dp_shard": 4}, "optim_grads_params", adam=True)
     losses = train(pm, model, opt)
@@ -40,16 +50,32 @@ def _run_all() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
     return out
 
 
+# CI: every strategy and HSDP x TP with the full TP plan on 4 ranks; the sweep (tp4, 8 ranks) on demand.
+SWEEP = TP_SWEEP if os.environ.get(TP_SWEEP_ENV) == "1" else []
+TRAINED = CONFIGS + TP_CONFIGS + SWEEP
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_run_all, world_size=4, timeout=300)
+def results() -> dict[str, list]:
+    """name -> per-rank results, for every config in TRAINED (grouped by world size)."""
+    four = [c for c in TRAINED if world_size(c[1]) == 4]
+    by_name: dict[str, list] = {}
+    for rank_result in run_distributed(_run_all, four, world_size=4, timeout=600):
+        for name, value in rank_result.items():
+            by_name.setdefault(name, []).append(value)
+    for size in sorted({world_size(c[1]) for c in TRAINED} - {4}):
+        group = [c for c in TRAINED if world_size(c[1]) == size]
+        for rank_result in run_distributed(_run_configs, group, world_size=size, timeout=600):
+            for name, value in rank_result.items():
+                by_name.setdefault(name, []).append(value)
+    return by_name
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CONFIGS])
+@pytest.mark.parametrize("name", [c[0] for c in TRAINED])
 def test_matches_fp32_reference(results, oracle, name):
     ref_losses, ref_params = oracle
-    for rank_result in results:
-        losses, params, groups = rank_result[name]
+    for rank_result in results[name]:
+        losses, params, groups = rank_result
         assert losses == pytest.approx(ref_losses, rel=RTOL_LOSS)
         assert set(params) == set(ref_params)
         for fqn, value in params.items():
@@ -61,8 +87,7 @@ def test_matches_fp32_reference(results, oracle, name):
 @pytest.mark.parametrize("name", ["adam", "adam_hsdp_optim"])
 def test_adam_matches_and_counts_steps_from_zero(results, name):
     ref_losses, _ = reference(adam=True)
-    for rank_result in results:
-        losses, steps = rank_result[name]
+    for losses, steps in results[name]:
         # Adam amplifies reduction-order noise (see make_optimizer): 1e-4; the extra upstream
         # step would shift step 2's bias correction by ~1e-3 relative.
         assert losses == pytest.approx(ref_losses, rel=1e-4)

@@ -294,7 +294,8 @@ class _CudaToDevice(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = dict(kwargs or {})
         dev = kwargs.get("device")
-        if dev is not None and torch.device(dev).type == "cuda":
+        # An int is a CUDA device index (TE passes torch.cuda.current_device(), e.g. NVFP4's sign vectors).
+        if dev is not None and (isinstance(dev, int) or torch.device(dev).type == "cuda"):
             kwargs["device"] = self._device
         return func(*args, **kwargs)
 

@@ -254,3 +254,56 @@ def test_float8_class_patch_undo_is_kept_and_unpatch_restores_it() -> None:
         assert unpatch() == ["float8_pre_all_gather_amax_group"]
     assert vars(_PreAllGatherHost)["fsdp_pre_all_gather"] is original
     assert unpatch() == []
+
+
+# --------------------------------------------------------------------------- the FP8 backend (pure)
+
+
+def test_te_backend_is_registered_and_maps_every_recipe():
+    import sys
+
+    from shardbridge.fp8 import FP8Recipe, get_backend
+    from shardbridge_te import TEBackend, recipe_spec
+
+    assert isinstance(get_backend("te"), TEBackend)
+    assert "transformer_engine" not in sys.modules  # check() and recipe_spec() import no TE
+    want = {
+        "tensorwise": ("Float8CurrentScaling", {"fp8_format": "HYBRID"}),
+        "delayed": (
+            "DelayedScaling",
+            {"fp8_format": "HYBRID", "amax_history_len": 1024, "amax_compute_algo": "most_recent", "margin": 0},
+        ),
+        "mxfp8": ("MXFP8BlockScaling", {"fp8_format": "E4M3", "margin": 0}),
+        "blockwise": ("Float8BlockScaling", {"fp8_format": "E4M3"}),
+        "nvfp4": ("NVFP4BlockScaling", {}),
+    }
+    for name, spec in want.items():
+        recipe = FP8Recipe(backend="te", name=name)
+        get_backend("te").check(recipe, tp=2)
+        assert recipe_spec(recipe) == spec
+
+
+def test_te_backend_refuses_by_name():
+    import pytest
+    from shardbridge.fp8 import FP8Recipe, get_backend
+
+    te = get_backend("te")
+    with pytest.raises(ValueError, match=r"'rowwise' is not supported by backend 'te'.*\['torchao'\] run 'rowwise'"):
+        te.check(FP8Recipe(backend="te", name="rowwise"))
+    with pytest.raises(ValueError, match=r"fp8.params.margin: TE recipe 'nvfp4' \(NVFP4BlockScaling\) takes no parameters"):
+        te.check(FP8Recipe(backend="te", name="nvfp4", params={"margin": 1}))
+    with pytest.raises(ValueError, match=r"fp8.params.amax_compute_algo='mean': choose one of \['max', 'most_recent'\]"):
+        te.check(FP8Recipe(backend="te", name="delayed", params={"amax_compute_algo": "mean"}))
+    with pytest.raises(ValueError, match=r"all_gather_fp8=true with backend te needs fp8_params: true"):
+        te.check(FP8Recipe(backend="te", all_gather_fp8=True))
+
+
+def test_parallelize_refuses_a_non_te_fp8_recipe_by_name():
+    import pytest
+    import shardbridge_te
+    from shardbridge import FP8Recipe, MixedPrecisionPolicy
+    from torch import nn
+
+    policy = MixedPrecisionPolicy(fp8=FP8Recipe(backend="torchao", name="rowwise"))
+    with pytest.raises(NotImplementedError, match=r"shardbridge_te.parallelize runs TransformerEngine modules.*backend='te'"):
+        shardbridge_te.parallelize(nn.Linear(2, 2), None, policy)

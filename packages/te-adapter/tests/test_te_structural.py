@@ -575,3 +575,83 @@ def test_native_extra_state_does_not_survive_dcp_without_the_patch(tmp_path) -> 
     # TE pickles per-rank Python values into a uint8 tensor whose size differs by rank: DCP keeps
     # one rank's size, and every other layout's model disagrees with it.
     assert all(r["stage"] == "load" and "shape mismatch for 'model.te._extra_state'" in r["error"] for r in res), res
+
+
+# --------------------------------------------------------------------------- FP8 parameters per recipe
+
+# FP8Recipe.name -> the weight quantizer TE's quantized_model_init gives a Linear. NVFP4 is GPU-only
+# even structurally: NVFP4Quantizer.__init__ builds its Hadamard sign mask with `bool << int` and
+# `.item()` on the device (CUDA semantics), which neither meta nor CPU tensors support.
+FP8_PARAM_QUANTIZERS = {
+    "tensorwise": "Float8CurrentScalingQuantizer",
+    "delayed": "Float8Quantizer",
+    "mxfp8": "MXFP8Quantizer",
+    "blockwise": "Float8BlockQuantizer",
+}
+
+
+def _fp8_params_lifecycle() -> dict:
+    import shardbridge_te
+    import torch.distributed as dist
+    from shardbridge import FP8Recipe, MixedPrecisionPolicy
+    from shardbridge.fp8 import get_backend
+    from shardbridge.fp8 import recipe_of as get_recipe_of
+
+    te = import_te()
+    pm = ParallelDims(**FSDP2_TP2).build_mesh("cpu")
+    weight_ranks = dist.get_process_group_ranks(pm["weight"].get_group())
+    out = {"registered": sorted(c.__name__ for c in shardbridge_te.register_te_fp8_types())}
+    for name in FP8_PARAM_QUANTIZERS:
+        recipe = FP8Recipe(backend="te", name=name, fp8_params=True)
+        with cuda_construction("meta"), torch.device("meta"), get_backend("te").model_init_context(recipe):
+            linear = te.Linear(HIDDEN_, HIDDEN_, bias=False, parallel_mode="column", tp_size=2, device="meta")
+        holder = torch.nn.Sequential(linear)
+        try:
+            with cuda_construction("cpu"):
+                shardbridge_te.parallelize(holder, pm, MixedPrecisionPolicy(fp8=recipe), units=[linear])
+            reached = "no kernel"
+        except RuntimeError as e:
+            reached = str(e)
+        quantizer = linear.quantizers["scaling_fwd"][1]  # GEMM1_WEIGHT
+        group = getattr(quantizer, "amax_reduction_group", None)
+        out[name] = {
+            "fp8_params": linear.primary_weights_in_fp8,
+            "recipe": type(linear.fp8_meta["recipe"]).__name__,
+            "quantizer": type(quantizer).__name__,
+            "amax_group_is_weight": None if group is None else dist.get_process_group_ranks(group) == weight_ranks,
+            "reached": reached,
+            # policy.fp8 read by parallelize: the recipe recorded, forward wrapped in te.autocast.
+            "policy_read": get_recipe_of(holder) == recipe and "forward" in vars(holder),
+        }
+    return out
+
+
+HIDDEN_ = 64
+
+
+def test_fp8_parameters_of_every_recipe_reach_te_quantization_with_the_weight_mesh() -> None:
+    """quantized_model_init(recipe) -> set_device_mesh -> fully_shard -> materialize, per recipe.
+
+    Structural: the module holds FP8-parameter state of the recipe's quantizer type, the current-scaling
+    quantizer's amax group is the weight mesh, and materialize hands the local shard to TE's quantize
+    kernel (the stand-in raises there: the quantized values themselves are GPU-tier).
+    """
+    out = run_distributed(_fp8_params_lifecycle, world_size=4, timeout=TIMEOUT)[0]
+    # Every TE FP8 tensor class is registered for portable checkpoints (saved via dequantize()).
+    assert out["registered"] == [
+        "Float8BlockwiseQTensor",
+        "Float8Tensor",
+        "HybridQuantizedTensor",
+        "MXFP8Tensor",
+        "NVFP4Tensor",
+    ]
+    recipes = {"tensorwise": "Float8CurrentScaling", "delayed": "DelayedScaling", "mxfp8": "MXFP8BlockScaling",
+               "blockwise": "Float8BlockScaling"}  # fmt: skip
+    for name, quantizer in FP8_PARAM_QUANTIZERS.items():
+        got = out[name]
+        assert got["fp8_params"] is True and got["recipe"] == recipes[name], (name, got)
+        assert got["quantizer"] == quantizer, (name, got)
+        assert got["reached"] == "structural tier: kernel quantize not available", (name, got)
+        assert got["policy_read"] is True, (name, got)
+        if name == "tensorwise":
+            assert got["amax_group_is_weight"] is True, got

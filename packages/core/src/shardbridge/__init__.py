@@ -5,8 +5,8 @@ The core package imports torch only. Host-framework adapters live in ``shardbrid
 
 Public surface: the names in ``__all__`` (grouped below as configuration, entry points and
 types, as torchao's ``float8`` does). Public subpackages with their own ``__all__``:
-``shardbridge.checkpoint``, ``shardbridge.layout`` (the layout algebra), ``shardbridge.models``
-and ``shardbridge.testing``. Modules whose names start with ``_`` are implementation details;
+``shardbridge.checkpoint``, ``shardbridge.fp8`` (FP8 recipes and backends), ``shardbridge.layout``
+(the layout algebra), ``shardbridge.models`` and ``shardbridge.testing``. Modules whose names start with ``_`` are implementation details;
 ``shardbridge._compat`` is the one home of torch's private names, shared with the adapters
 (see [Note: upstream internals] there).
 """
@@ -15,6 +15,14 @@ import importlib as _importlib
 import warnings as _warnings
 
 from shardbridge._clip import clip_grad_norm_
+from shardbridge._cp import (
+    check_cp_seq_len,
+    cp_attention,
+    cp_cross_entropy,
+    cp_positions,
+    cp_split,
+    cp_unsplit,
+)
 from shardbridge._fp8 import (
     FP8_DTYPES,
     Uint8AllGather,
@@ -72,6 +80,13 @@ __all__ = [
     "fsdp_unit_params",
     "param_group_fqns",
     "rebind_param_groups",
+    # context parallelism
+    "check_cp_seq_len",
+    "cp_attention",
+    "cp_cross_entropy",
+    "cp_positions",
+    "cp_split",
+    "cp_unsplit",
     # fused parameters
     "fused_params",
     "merge_fused",

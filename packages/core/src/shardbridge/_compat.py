@@ -44,6 +44,8 @@ __all__ = [
     "distribution_version",
     "dtensor_to_local",
     "fake_store",
+    "flash_attention_cpu",
+    "flash_attention_cpu_backward",
     "flatten_mesh",
     "flatten_sharded_tensors",
     "flatten_state_dict",
@@ -52,6 +54,7 @@ __all__ = [
     "fsdp_shard_process_group",
     "fsdp_unit_key",
     "fsdp_unit_modules",
+    "group_timeout",
     "local_tensor",
     "parse_version",
     "require_attr",
@@ -220,6 +223,37 @@ def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tu
     return require_attr(mesh, "_unflatten", what="ParallelMesh.fsdp_mesh (HSDP)")(dim, sizes, names)
 
 
+# -- attention ----------------------------------------------------------------------------
+
+
+def flash_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
+    """SDPA's CPU flash kernel with its log-sum-exp: ``(out, lse)``, lse ``[b, h, q]`` float32/64.
+
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` (what SDPA dispatches to on CPU; public
+    SDPA drops the lse). Equal q and kv heads. Checked: 2.13 (2.11 and 2.14 not yet run).
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+
+
+def flash_attention_cpu_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`flash_attention_cpu` given the (possibly merged) ``out`` and ``lse``.
+
+    ``aten._scaled_dot_product_flash_attention_for_cpu_backward``. Checked: 2.13 (2.11, 2.14 not yet run).
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale
+    )
+
+
 # -- FSDP2 --------------------------------------------------------------------------------
 
 AllGather = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_api").AllGather
@@ -305,6 +339,21 @@ def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint import _sharded_tensor_utils
 
     return require_attr(_sharded_tensor_utils, "_flatten_sharded_tensors", what="checkpoint")(state_dict)
+
+
+def group_timeout(group: Any = None) -> Any:
+    """The timeout (a ``timedelta``) of ``group`` (None = the default group), or None if unknown.
+
+    The gloo backend's ``options._timeout``; used to give a checkpoint writer's own group the
+    timeout the user chose for the job. Checked: 2.13.
+    """
+    import torch.distributed as dist
+
+    pg = dist.group.WORLD if group is None else group
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 # -- testing ------------------------------------------------------------------------------

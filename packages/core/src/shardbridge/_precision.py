@@ -2,8 +2,9 @@
 
 :class:`MixedPrecisionPolicy` names the four dtypes of a training step once; the core lowers
 it to torch FSDP2 (:meth:`MixedPrecisionPolicy.to_fsdp2`), the adapters lower it to
-Megatron-FSDP and Accelerate. :class:`FP8Recipe` is a placeholder the core carries and the
-adapters interpret.
+Megatron-FSDP and Accelerate. Its ``fp8`` field is the one FP8 setting of a run: an
+:class:`~shardbridge.fp8.FP8Recipe` that a registered backend runs (``shardbridge.fp8``; see
+[Note: one FP8 recipe] there).
 
 [Note: the dtypes of one training step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -33,6 +34,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from shardbridge.fp8._recipe import FP8Recipe
+
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
@@ -40,35 +43,6 @@ __all__ = ["FP8Recipe", "MixedPrecisionPolicy", "ALLOWED_DTYPES"]
 
 #: dtypes a policy field may name. FP8 is not a field dtype: it is a recipe (``fp8=``).
 ALLOWED_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True, kw_only=True)
-class FP8Recipe:
-    """Which FP8 scaling recipe to train with; the core carries it, adapters interpret it.
-
-    The core does not quantize anything: ``shardbridge_te`` maps the recipe to a
-    TransformerEngine recipe, a torchao-based path maps it to ``Float8LinearConfig``. An
-    adapter that cannot run a recipe raises ``NotImplementedError`` naming what it supports.
-
-    Example:
-        >>> FP8Recipe(name="tensorwise").all_gather_fp8
-        True
-    """
-
-    NAMES: ClassVar[tuple[str, ...]] = ("tensorwise", "delayed", "rowwise", "mxfp8", "blockwise")
-
-    name: str = "tensorwise"
-    """Scaling recipe: "tensorwise" (per-tensor current scaling: TE Float8CurrentScaling,
-    torchao tensorwise), "delayed" (TE DelayedScaling), "rowwise" (torchao), "mxfp8"
-    (MX block scaling), "blockwise" (TE Float8BlockScaling)."""
-
-    all_gather_fp8: bool = True
-    """All-gather weights in FP8 (1 byte per element on the wire) instead of in
-    ``param_dtype``. False = all-gather in ``param_dtype`` and quantize after."""
-
-    def __post_init__(self) -> None:
-        if self.name not in self.NAMES:
-            raise ValueError(f"FP8Recipe.name={self.name!r} is not a known recipe; choose one of {self.NAMES}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,7 +87,9 @@ class MixedPrecisionPolicy:
     False = the caller feeds inputs in the right dtype."""
 
     fp8: FP8Recipe | None = None
-    """FP8 recipe for the linear layers, interpreted by an adapter. None = no FP8."""
+    """FP8 recipe for the linear layers: which backend ("torchao", "te") runs which scaling
+    recipe (see :class:`~shardbridge.fp8.FP8Recipe`). Every adapter either runs it through the
+    backend's hooks or refuses it by name. None = no FP8."""
 
     def __post_init__(self) -> None:
         for field_name in ("param_dtype", "grad_comm_dtype", "output_dtype"):
@@ -244,9 +220,14 @@ class MixedPrecisionPolicy:
         ``output_dtype`` and ``cast_forward_inputs`` unchanged. ``main_params_dtype`` has no
         FSDP2 field: it is the dtype of the model at wrap time, checked by ``apply_fsdp``.
 
+        ``fp8`` changes no FSDP2 dtype: its backend converts the modules before wrapping
+        (:func:`shardbridge.fp8.convert`) and ``apply_fsdp`` runs its after-FSDP work (float8
+        all-gather hooks, first scales); ``apply_fsdp`` refuses a policy whose recipe the model
+        was not converted for.
+
         Raises:
-            NotImplementedError: ``main_grads_dtype != main_params_dtype`` or ``fp8`` is set;
-                torch FSDP2 cannot express them, the message names what can.
+            NotImplementedError: ``main_grads_dtype != main_params_dtype``; torch FSDP2 cannot
+                express it, the message names what can.
 
         Example:
             >>> MixedPrecisionPolicy.bf16_comm().to_fsdp2()
@@ -255,12 +236,6 @@ class MixedPrecisionPolicy:
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
         self.check_grads_match_params()
-        if self.fp8 is not None:
-            raise NotImplementedError(
-                f"fp8={self.fp8} is interpreted by an adapter, not by the core FSDP2 lowering; use "
-                'shardbridge_te (pip install "shardbridge[te]") or the torchao path '
-                '(pip install "shardbridge[fp8]"), or set fp8=None'
-            )
         return TorchMixedPrecisionPolicy(
             param_dtype=self.param_dtype,
             reduce_dtype=self.effective_grad_comm_dtype,

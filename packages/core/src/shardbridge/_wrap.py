@@ -82,7 +82,10 @@ def apply_fsdp(
     """Wrap ``model`` in FSDP2 units over the data-parallel part of ``mesh``; root last.
 
     The FSDP mesh is ``mesh.fsdp_mesh``: ``dp_shard_cp``, or ``(dp_replicate, dp_shard_cp)``
-    for HSDP. Parameters already tensor-parallel (DTensors on ``mesh["tp"]``) become 2-D/3-D
+    for HSDP. With cp > 1 the cp axis is folded into the FLATTENED shard axis (a 2-D
+    ``(dp_shard, cp)`` mesh would mean HSDP to ``fully_shard``), so FSDP's default gradient
+    average divides by ``dp_replicate * dp_shard * cp``, as ``shardbridge.cp_cross_entropy``
+    expects (see [Note: loss over dp_cp] in ``shardbridge._cp``). Parameters already tensor-parallel (DTensors on ``mesh["tp"]``) become 2-D/3-D
     DTensors, e.g. ``(_StridedShard(0, sf=tp), Shard(0))``. See [Note: FSDP units] and
     [Note: FSDP over a degree-1 data-parallel axis].
 
@@ -90,6 +93,8 @@ def apply_fsdp(
         model: the model, in ``policy.main_params_dtype``, after tensor parallelism.
         mesh: the :class:`~shardbridge.ParallelMesh` of the run.
         policy: mixed precision. None = torch defaults (no casting, reduce in the params' dtype).
+            With ``policy.fp8`` the model must have been converted by
+            :func:`shardbridge.fp8.convert`; the backend's after-FSDP work runs at the end.
         units: the units in forward order (see :class:`SupportsFSDPUnits`). None = ask
             ``model.fsdp_units()``.
         reshard_after_forward: "default" = every unit but the last reshards (the last is
@@ -106,7 +111,8 @@ def apply_fsdp(
         data-parallel and nothing is cast (see [Note: FSDP over a degree-1 data-parallel axis]).
 
     Raises:
-        ValueError: bad units, a parameter not in ``policy.main_params_dtype``, or a bad
+        ValueError: bad units, a parameter not in ``policy.main_params_dtype``, ``policy.fp8``
+            without a converted model, or a bad
             ``reshard_after_forward``; the message says what to change.
 
     Example:
@@ -121,6 +127,7 @@ def apply_fsdp(
     if mesh.dims.degree("dp_cp") == 1 and not needs_cast and not cpu_offload:
         if policy is not None:
             policy.check_model_dtype(model)
+            _fp8_after_fsdp(model, mesh, policy)
         return model  # See [Note: FSDP over a degree-1 data-parallel axis]
     if policy is not None:
         policy.check_model_dtype(model)
@@ -130,6 +137,7 @@ def apply_fsdp(
 
         mp_policy = TorchMixedPrecisionPolicy()
     fsdp_mesh = mesh.fsdp_mesh
+    assert "cp" not in (fsdp_mesh.mesh_dim_names or ()), "cp must be folded into dp_shard_cp"
     offload: OffloadPolicy = OffloadPolicy()
     if cpu_offload:
         offload = CPUOffloadPolicy(pin_memory=fsdp_mesh.device_type != "cpu")
@@ -142,6 +150,8 @@ def apply_fsdp(
     # Root: reshard_after_forward=None lets FSDP keep it unsharded (it is needed first in backward).
     fully_shard(model, **common)
     _warn_if_root_manages_params(model, unit_list)
+    if policy is not None:
+        _fp8_after_fsdp(model, mesh, policy)
 
     if gradient_divide_factor is not None:
         for module in model.modules():
@@ -150,6 +160,14 @@ def apply_fsdp(
                 module.set_force_sum_reduction_for_comms(True)
                 module.set_gradient_divide_factor(gradient_divide_factor)
     return model
+
+
+def _fp8_after_fsdp(model: nn.Module, mesh: ParallelMesh, policy: MixedPrecisionPolicy) -> None:
+    """``policy.fp8``: the backend's after-FSDP work; ValueError if the model was not converted for it."""
+    if policy.fp8 is not None:
+        from shardbridge import fp8
+
+        fp8.after_fsdp(model, mesh, policy.fp8)
 
 
 def fsdp_unit_params(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -13,7 +13,8 @@ child ends, the zygote writes its exit code (negative: killed by that signal) to
 Modes (``ARGS["mode"]``):
 
 - ``loop``: save values 1, 2, 3 ... until killed; ``overwrite`` saves all into step 0's
-  directory, else each into its own ``step_dir``.
+  directory, else each into its own ``step_dir``. ``async``: each save is
+  ``save(..., async_=True)``, the model is changed at once, then the save is waited for.
 - ``once``: one save of ``value``; optional faults: ``crash_at`` = k (the k-th call of an
   instrumented file-system function, counted from the start of the save, exits the
   process with ``how="exit"`` or raises ``OSError`` with ``how="raise"``; 0 = count only),
@@ -131,7 +132,17 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
             while True:
                 set_value(model, float(value))
                 path = ck.step_dir(root, 0 if ARGS["overwrite"] else value)
-                ck.save(path, model=model, step=value, extra={"value": value}, overwrite=ARGS["overwrite"])
+                pending = ck.save(
+                    path,
+                    model=model,
+                    step=value,
+                    extra={"value": value},
+                    overwrite=ARGS["overwrite"],
+                    async_=ARGS.get("async", False),
+                )
+                if ARGS.get("async", False):
+                    set_value(model, -7.0)  # training changes the model while the writer runs
+                    pending.wait()
                 if rank == 0:
                     _write_json(os.path.join(out, "done"), {"value": value})
                 value += 1

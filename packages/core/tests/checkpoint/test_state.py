@@ -221,3 +221,102 @@ def _plain_local_state(root: str):
 
 def test_plain_local_shard_states_are_placed_like_their_param(tmp_path):
     assert run_distributed(_plain_local_state, str(tmp_path), world_size=4) == [True] * 4
+
+
+# --------------------------------------------------------------------------- tied tensors
+
+
+def _tied_llama(root: str, layout: dict | None, mode: str, seed: int, async_: bool = False):
+    """The reference Llama with tied embeddings, one real step; saved, or loaded into.
+
+    Returns (full state, whether output.weight is still tok_embeddings.weight) on rank 0.
+    """
+    import torch.nn.functional as F
+    from ckpt_helpers import full_state
+    from shardbridge import checkpoint as ck
+    from shardbridge._mesh import ParallelDims
+    from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
+
+    cfg = LlamaConfig.tiny(num_layers=1, vocab_size=64, tie_word_embeddings=True)
+    model = Llama(cfg, seed=seed)
+    dp_rank, dp_size = 0, 1
+    if layout is not None:
+        pm = ParallelDims(**layout).build_mesh("cpu")
+        model = parallelize_llama(model, pm)
+        dp_rank, dp_size = pm["dp"].get_local_rank(), pm["dp"].size()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, labels = synthetic_batch(cfg, 4, 8, seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+    F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
+    opt.step()
+    if mode == "save":
+        ck.save(f"{root}/tied", model=model, optimizer=opt, step=1, async_=async_)
+        ck.wait()
+    else:
+        ck.load(f"{root}/tied", model=model, optimizer=opt, rng=False)
+    state = full_state(model, opt)  # named_parameters: the tied weight once, as tok_embeddings.weight
+    tied = model.output.weight is model.tok_embeddings.weight
+    return (state, tied) if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
+def test_tied_embeddings_are_one_entry_and_round_trip_bit_exact(tmp_path):
+    """[Note: tied tensors]: output.weight IS tok_embeddings.weight (one DTensor under FSDP2 x
+    TP); the checkpoint holds it once, records the alias, and loads bit-exact into another
+    layout and into one process, the tie intact; torch alone reads it (dcp_to_torch_save)."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from ckpt_helpers import assert_equal_states
+    from test_load import _oracle
+
+    want, tied = run_distributed(_tied_llama, str(tmp_path), {"dp_shard": 2, "tp": 2}, "save", 0, True, world_size=4)[0]
+    assert tied
+    path = tmp_path / "tied"
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert "model.tok_embeddings.weight" in keys and "model.output.weight" not in keys
+    assert [k for k in keys if "output.weight" in k] == []  # no optimizer state under the alias either
+    record = json.loads((path / "shardbridge.json").read_text())["layout"]["tensors"]["output.weight"]
+    assert record["stored_as"] == "tied" and record["tied_to"] == "tok_embeddings.weight"
+    stored = {k: v for k, v in want.items() if ".rope_" not in k}  # non-persistent buffers
+    assert_equal_states(_oracle(path, tmp_path), stored)
+    got, tied = run_distributed(_tied_llama, str(tmp_path), {"dp_shard": 4}, "load", 1, world_size=4)[0]
+    assert tied
+    assert_equal_states(got, want)
+    got, tied = _tied_llama(str(tmp_path), None, "load", 2)
+    assert tied
+    assert_equal_states(got, want)
+
+
+def test_tied_alias_is_exported_when_the_name_map_asks(tmp_path):
+    from safetensors.torch import load_file
+    from shardbridge import checkpoint as ck
+    from shardbridge.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(num_layers=1, vocab_size=64, tie_word_embeddings=True), seed=0)
+    ck.save(tmp_path / "c", model=model)
+    for name_map, has_alias in ((None, True), ({"output.weight": None}, False)):
+        out = tmp_path / f"hf-{has_alias}"
+        ck.export_safetensors(tmp_path / "c", out, name_map=name_map, progress=False)
+        sd = {}
+        for f in sorted(out.glob("*.safetensors")):
+            sd.update(load_file(f))
+        assert ("output.weight" in sd) == has_alias
+        assert torch.equal(sd["tok_embeddings.weight"], model.tok_embeddings.weight.detach())
+        if has_alias:
+            assert torch.equal(sd["output.weight"], model.tok_embeddings.weight.detach())
+
+
+def test_checkpoint_holding_both_tied_names_still_loads(tmp_path, monkeypatch):
+    """A checkpoint written before ties were detected (both names stored) loads strictly."""
+    from shardbridge import checkpoint as ck
+    from shardbridge.checkpoint import _state
+    from shardbridge.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig.tiny(num_layers=1, vocab_size=64, tie_word_embeddings=True)
+    model = Llama(cfg, seed=0)
+    monkeypatch.setattr(_state, "_tied_keys", lambda *args: {})
+    ck.save(tmp_path / "old", model=model)
+    monkeypatch.undo()
+    fresh = Llama(cfg, seed=5)
+    ck.load(tmp_path / "old", model=fresh)
+    assert fresh.output.weight is fresh.tok_embeddings.weight
+    assert torch.equal(fresh.output.weight, model.output.weight)

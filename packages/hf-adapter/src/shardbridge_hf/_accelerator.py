@@ -15,8 +15,9 @@
       removed in transformers >= 5.1 (bug 1)       pm["tp"] (bug 2: transformers ignores it)
     fsdp2_prepare_model + load_full_state_dict   shardbridge_hf.parallelize: core apply_fsdp
       (TP shards broadcast as full, bug 3)         units + MixedPrecisionPolicy, rank-0 weights
-    _prepare_te: no fp8_autocast (bug 5)         _te.apply_fp8_autocast + recipe from yaml (7)
-    _prepare_ao: hook on AcceleratedOptimizer    hook on the inner torch optimizer (bug 6)
+    _prepare_te: no fp8_autocast (bug 5)         policy.fp8 through shardbridge.fp8: the te backend
+                                                   converts with TE's own TP and autocasts (5, 7)
+    _prepare_ao: hook on AcceleratedOptimizer    fp8.install_step_hook on the inner optimizer (6)
     AcceleratedScheduler: num_processes steps    dp steps per optimizer step (tp ranks share a
       per optimizer step (tp x too fast)           batch): [Note: LR schedule under TP]
     save_state: pickles, layout-bound            shardbridge.checkpoint: portable, reshardable
@@ -37,10 +38,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import ParallelDims, ParallelMesh, checkpoint, clip_grad_norm_, param_group_fqns, rebind_param_groups
+from shardbridge import (
+    ParallelDims,
+    ParallelMesh,
+    checkpoint,
+    clip_grad_norm_,
+    fp8,
+    param_group_fqns,
+    rebind_param_groups,
+)
 from torch import nn
 
-from shardbridge_hf import _checkpoint, _patches
+from shardbridge_hf import _checkpoint, _patches, _pretrained
 from shardbridge_hf._compat import (
     accelerator_models,
     accelerator_schedulers,
@@ -185,11 +194,10 @@ class ShardbridgeAccelerator(Accelerator):
             for i in optimizers:
                 result[i] = self.prepare_optimizer(args[i], device_placement=False)
                 self._sb_optimizer = result[i]
-            if self.shardbridge_config.fp8.backend == "torchao":
-                from shardbridge_hf import _fp8
-
+            if fp8.recipe_of(self._sb_model) is not None:
                 for i in optimizers:
-                    _fp8.install_step_hook(result[i], self._sb_model)  # upstream bug 6
+                    # On the torch optimizer inside AcceleratedOptimizer (upstream bug 6).
+                    fp8.install_step_hook(result[i], self._sb_model)
         rest = [i for i in range(len(args)) if i not in models and i not in optimizers]
         if rest:
             keep = None if placement is None else [placement[i] for i in rest]
@@ -211,6 +219,8 @@ class ShardbridgeAccelerator(Accelerator):
         parallelize(model, self.parallel_mesh, self.shardbridge_config, device=device)
         _quiet_tp_view_outputs(model, self.parallel_mesh.dims.tp)
         new = dict(model.named_parameters())
+        # A tie restored in parallelize (init_empty_weights breaks it) leaves one parameter for two FQNs.
+        fqn_groups = [_pretrained.tied_groups(model, groups) for groups in fqn_groups]
         for opt, groups in zip(optimizers, fqn_groups):
             rebind_param_groups(opt, groups, new)  # See [Note: param groups by FQN] in the core
         accelerator_models(self).append(model)
@@ -263,6 +273,17 @@ class ShardbridgeAccelerator(Accelerator):
         """The mesh of ranks that see different batches (``dp_replicate x dp_shard``)."""
         return self.parallel_mesh["dp"]
 
+    def cp_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's part of a causal-LM batch under context parallelism (unchanged at cp=1).
+
+        See :func:`shardbridge_hf.cp_batch`: splits ``input_ids``, global ``position_ids`` and
+        shifted labels over ``cp``, and sets ``num_items_in_batch`` so the model's loss is the
+        token-weighted mean over ``dp_cp``.
+        """
+        from shardbridge_hf._cp import cp_batch
+
+        return cp_batch(batch, self.parallel_mesh)
+
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of ``loss`` over the ``dp_cp`` mesh (for logging; TP ranks hold equal losses)."""
         out = loss.detach().clone()
@@ -280,10 +301,8 @@ class ShardbridgeAccelerator(Accelerator):
         return clip_grad_norm_(parameters, max_norm, norm_type)
 
     def model_init_context(self) -> contextlib.AbstractContextManager:
-        """Build the model inside this for TE FP8 parameters (``fp8.fp8_params``); else a no-op."""
-        from shardbridge_hf import _te
-
-        return _te.model_init_context(self.shardbridge_config.fp8)
+        """The FP8 backend's model-building context (te with ``fp8_params``: ``quantized_model_init``); else a no-op."""
+        return fp8.model_init_context(self.shardbridge_config.policy().fp8)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -293,8 +312,9 @@ class ShardbridgeAccelerator(Accelerator):
         safe_serialization: bool = True,
         *,
         overwrite: bool = False,
+        async_: bool = False,
         **save_model_func_kwargs: Any,
-    ) -> str:
+    ) -> str | checkpoint.AsyncSave:
         """Save model, optimizer, schedulers, RNG and ``self.step`` as a shardbridge checkpoint.
 
         ``output_dir`` None = ``checkpoint.step_dir(project_dir/checkpoints, step)``. The
@@ -305,6 +325,9 @@ class ShardbridgeAccelerator(Accelerator):
             safe_serialization: must stay True: a shardbridge checkpoint holds plain tensors
                 only (no pickled objects to opt into); False is refused.
             overwrite: replace an existing checkpoint at ``output_dir``.
+            async_: return once the state is staged in host memory and write it in the
+                background (``shardbridge.checkpoint.save``'s ``async_``); returns its
+                handle (``.wait()`` before relying on the files) instead of the path.
             **save_model_func_kwargs: Accelerate passes these to its model-saving function,
                 which shardbridge does not use: any is refused by name.
 
@@ -316,7 +339,7 @@ class ShardbridgeAccelerator(Accelerator):
                 "save_state(safe_serialization=False): shardbridge checkpoints are always safe (plain tensors, "
                 "loaded with weights_only; see docs/checkpoints.md#threat-model); drop the argument"
             )
-        _refuse_kwargs("save_state", save_model_func_kwargs, "output_dir, safe_serialization=True, overwrite")
+        _refuse_kwargs("save_state", save_model_func_kwargs, "output_dir, safe_serialization=True, overwrite, async_")
         if output_dir is None:
             if not self.project_dir:
                 raise ValueError("save_state(output_dir=None) needs Accelerator(project_dir=...); pass output_dir")
@@ -332,8 +355,9 @@ class ShardbridgeAccelerator(Accelerator):
             on_bad_layout=cfg.on_bad_layout,
             parallel_dims=self.parallel_mesh.dims,
             overwrite=overwrite,
+            async_=async_,
         )
-        return str(path)
+        return path if async_ else str(path)
 
     def load_state(
         self,
@@ -370,14 +394,44 @@ class ShardbridgeAccelerator(Accelerator):
             schedulers=list(accelerator_schedulers(self)),
             strict=strict,
         )
-        if self.shardbridge_config.fp8.backend == "torchao":
-            from shardbridge_hf import _fp8
-
-            _fp8.after_load(model)
+        fp8.after_load(model)  # FP8 scales from the loaded weights (nothing without FP8)
         return self.step
 
-    def export_pretrained(self, checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> str:
-        """Export a checkpoint to a ``from_pretrained`` folder (rank 0 writes; all ranks wait)."""
+    def load_pretrained(self, path: str | os.PathLike[str], *, cast_dtype: bool = False) -> Any:
+        """Load a ``from_pretrained`` folder into the prepared model, each rank reading only its slices.
+
+        Call after ``prepare``, on every rank. Build the model without weights for the memory
+        win (see [Note: pretrained weights without materialising the model] in ``_pretrained``)::
+
+            with accelerate.init_empty_weights():
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+            accelerator.load_pretrained(path)
+
+        Args:
+            path: a ``save_pretrained`` folder (safetensors; sharded with its index, or one file).
+            cast_dtype: cast floating-point checkpoint values to the model's dtype (e.g. a
+                bfloat16 checkpoint into float32 master weights); False = a mismatch is an error.
+
+        Returns:
+            The core's :class:`shardbridge.pretrained.PretrainedReport` for this rank.
+
+        Raises:
+            ValueError: missing / unexpected keys, shape or dtype mismatches (named, before
+                anything is written).
+        """
+        model, _ = self._require_prepared("load_pretrained")
+        report = _pretrained.load_pretrained(model, path, cast_dtype=cast_dtype)
+        fp8.after_load(model)  # FP8 scales from the loaded weights (nothing without FP8)
+        return report
+
+    def export_pretrained(
+        self, checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False
+    ) -> str:
+        """Export a checkpoint to a ``from_pretrained`` folder (rank 0 writes; all ranks wait).
+
+        ``overwrite=True`` replaces an earlier export in ``out_dir``; False = it must be new or empty.
+        """
         model, _ = self._require_prepared("export_pretrained")
         if self.is_main_process:
             _checkpoint.export_pretrained(
@@ -386,6 +440,7 @@ class ShardbridgeAccelerator(Accelerator):
                 config=model.config,
                 dtype=self.shardbridge_config.checkpoint.export_dtype,
                 max_shard_size=self.shardbridge_config.checkpoint.max_shard_size,
+                overwrite=overwrite,
             )
         self.wait_for_everyone()
         return str(out_dir)

@@ -20,6 +20,7 @@ functions are stored as None by torch itself). Python's and numpy's RNG are rank
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -44,8 +45,13 @@ def save_state(
     on_bad_layout: str = "repair",
     parallel_dims: Any = None,
     overwrite: bool = False,
-) -> Path:
+    async_: bool = False,
+) -> Path | checkpoint.AsyncSave:
     """Save model, optimizer, schedulers, RNG and step. Call on every rank.
+
+    ``async_=True`` returns once the state is staged in host memory (scheduler, Python and
+    numpy RNG states are captured at the call); the checkpoint is written and committed in
+    the background: ``shardbridge.checkpoint.save``'s ``async_``. Returns its handle.
 
     Raises:
         ValueError: a scheduler whose state is not JSON (the message names it).
@@ -71,14 +77,15 @@ def save_state(
             "schedulers": scheduler_states,
             "python_rng": _jsonable(random.getstate()),
             "numpy_rng": [np_state[0], np_state[1].tolist(), *[_jsonable(x) for x in np_state[2:]]],
-            "model_config": None if config is None else config.to_diff_dict(),
+            # See [Note: non-finite config values].
+            "model_config": None if config is None else _config_record(config),
         }
     }
     if config is not None:
         # For `shardbridge ckpt export` (the core CLI, no adapter import): the config.json that
         # save_pretrained would write. See [Note: export recorded in a checkpoint] in the core CLI.
         # The checkpoint's FQNs are transformers' own, so no name map is needed.
-        extra["export"] = {"files": {"config.json": json.loads(config.to_json_string(use_diff=True))}}
+        extra["export"] = {"files": {"config.json": _config_record(config)}}
     if torch.distributed.is_initialized():
         # The manifest holds rank 0's RNG and scheduler state (each rank's differs): every rank
         # passes rank 0's extra, as checkpoint.save requires the same extra on all ranks.
@@ -94,6 +101,7 @@ def save_state(
         on_bad_layout=on_bad_layout,
         parallel_dims=parallel_dims,
         overwrite=overwrite,
+        async_=async_,
     )
 
 
@@ -138,6 +146,7 @@ def export_pretrained(
     config: Any = None,
     dtype: str | torch.dtype | None = None,
     max_shard_size: str | int = "2GB",
+    overwrite: bool = False,
 ) -> Path:
     """Write a folder ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. One process.
 
@@ -148,6 +157,8 @@ def export_pretrained(
         dtype: cast floating-point weights (e.g. "bfloat16"); None = as trained. Also
             recorded as the config's ``dtype``.
         max_shard_size: largest safetensors file.
+        overwrite: replace an earlier export in ``out_dir`` (its safetensors, index and
+            ``config.json``); False = ``out_dir`` must be new or empty.
 
     Returns:
         ``out_dir``.
@@ -164,16 +175,47 @@ def export_pretrained(
             raise ValueError(f"checkpoint {str(checkpoint_dir)!r} records no model config; pass config=model.config")
         from transformers import AutoConfig
 
-        recorded = dict(recorded)
+        recorded = _decode_nonfinite(dict(recorded))
         model_type = recorded.pop("model_type")
         config = AutoConfig.for_model(model_type, **recorded)
     checkpoint.export_safetensors(
-        checkpoint_dir, out, name_map=None, dtype=dtype, max_shard_size=max_shard_size, progress=False
+        checkpoint_dir,
+        out,
+        name_map=None,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        progress=False,
+        overwrite=overwrite,
     )
     if dtype is not None:
         config.dtype = str(dtype).replace("torch.", "")
     config.save_pretrained(out)
     return out
+
+
+# [Note: non-finite config values]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some configs hold inf (GraniteMoeHybrid's Mamba ``time_step_limit = (0.0, inf)``); the manifest is
+# strict JSON (``to_diff_dict()`` with a bare inf is refused). The config is recorded as transformers
+# writes config.json (``to_json_string``), which tags non-finite floats as
+# ``{"__float__": "Infinity"}`` (strict JSON, and what ``from_pretrained`` reads back); export
+# decodes the tags before building the config.
+_FLOAT_TAG = "__float__"
+_FLOAT_VALUES = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _config_record(config: Any) -> dict[str, Any]:
+    return json.loads(config.to_json_string(use_diff=True))
+
+
+def _decode_nonfinite(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_FLOAT_TAG} and value[_FLOAT_TAG] in _FLOAT_VALUES:
+            return _FLOAT_VALUES[value[_FLOAT_TAG]]
+        return {k: _decode_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_nonfinite(v) for v in value]
+    return value
 
 
 def _jsonable(value: Any) -> Any:

@@ -16,8 +16,9 @@ __all__ = [
     "accelerator_models",
     "accelerator_schedulers",
     "enable_activation_checkpointing",
-    "float8_weight_data",
     "has_replicate_parallel",
+    "init_module_buffers",
+    "no_split_modules",
     "require_accelerate",
     "transformers_version",
 ]
@@ -91,6 +92,21 @@ def accelerator_schedulers(accelerator: Any) -> list:
     return accelerator._schedulers
 
 
-def float8_weight_data(t: Any) -> Any:
-    """The high-precision tensor inside torchao's ``WeightWithDynamicFloat8CastTensor`` (``._tensor``)."""
-    return t._tensor
+def init_module_buffers(model: Any, module: Any) -> None:
+    """transformers' own initialisation of one module (``PreTrainedModel._init_weights``).
+
+    Used to recompute non-persistent buffers (RoPE ``inv_freq``) of a model built on ``meta``:
+    transformers 5.x recomputes every ``*RotaryEmbedding``'s buffers there. Checked: 5.0 .. 5.23.
+    """
+    init = getattr(model, "_init_weights", None)
+    if init is not None:
+        init(module)
+
+
+def no_split_modules(model: Any) -> list[str]:
+    """Class names of the blocks transformers never splits (``PreTrainedModel._no_split_modules``).
+
+    The decoder-layer classes, e.g. ``["LlamaDecoderLayer"]``; [] when the model has none.
+    Checked: transformers 5.0 .. 5.23.
+    """
+    return list(getattr(model, "_no_split_modules", None) or [])

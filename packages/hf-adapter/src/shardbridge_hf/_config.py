@@ -30,13 +30,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from shardbridge import FP8Recipe, MixedPrecisionPolicy, ParallelDims
+from shardbridge import MixedPrecisionPolicy, ParallelDims, fp8
 from shardbridge.checkpoint._export import parse_size
+from shardbridge.fp8 import FP8Recipe
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardbridge_hf._tp import SUPPORTED_STYLES
@@ -64,100 +66,109 @@ _DTYPES = {
 }
 
 
-def check_te_tp(backend: str, tp: int) -> None:
-    """fp8.backend te converts Linears to te.Linear, which torch's TP styles cannot shard."""
-    if backend == "te" and tp > 1:
-        raise ValueError(
-            f"{BLOCK_KEY}.fp8.backend='te' with tp={tp}: te.Linear cannot be sharded by torch's TP styles "
-            "(ColwiseParallel supports nn.Linear only); with TransformerEngine use data parallelism only "
-            "(dp_shard / dp_replicate, tp=1), or build the model from TE modules and use shardbridge_te"
-        )
-
-
 @dataclass(frozen=True, kw_only=True)
 class FP8Config:
-    """FP8 training: which backend, which recipe, and TransformerEngine's recipe knobs.
+    """The yaml block ``fsdp_config.shardbridge.fp8``: the core's :class:`~shardbridge.fp8.FP8Recipe`, spelled for yaml.
+
+    :meth:`to_recipe` gives the recipe that becomes ``policy.fp8``; validation is the backend's
+    (``shardbridge.fp8.get_backend(backend).check``), so every error names a yaml key and what
+    the backend supports. The TE knobs keep Accelerate's yaml names (``amax_history_length``,
+    upstream bug 7) and become recipe parameters; ``params`` passes any other backend parameter.
 
     Example:
-        >>> FP8Config(backend="torchao").enabled
-        True
+        >>> FP8Config(backend="torchao", recipe="rowwise").to_recipe().name
+        'rowwise'
     """
 
-    BACKENDS: ClassVar[tuple[str, ...]] = ("none", "torchao", "te")
-    AMAX_ALGOS: ClassVar[tuple[str, ...]] = ("max", "most_recent")
-    FORMATS: ClassVar[tuple[str, ...]] = ("HYBRID", "E4M3")
+    PARAM_KEYS: ClassVar[Mapping[str, str]] = {
+        "amax_history_length": "amax_history_len",
+        "amax_compute_algo": "amax_compute_algo",
+        "fp8_format": "fp8_format",
+        "margin": "margin",
+    }
+    """yaml key -> recipe parameter name."""
 
     backend: str = "none"
-    """"none" = no FP8; "torchao" = torchao float8 with FP8 all-gather (CPU/gloo and GPU);
-    "te" = TransformerEngine (GPU only; the model's Linears must already be TE modules)."""
+    """"none" = no FP8; "torchao" (CPU/gloo and GPU) or "te" (TransformerEngine, GPU): the
+    registered backend (``shardbridge.fp8.backend_names()``)."""
 
     recipe: str = "tensorwise"
-    """Scaling recipe, see :class:`shardbridge.FP8Recipe`. torchao: "tensorwise" only;
-    te: "tensorwise" (Float8CurrentScaling) or "delayed" (DelayedScaling)."""
+    """Scaling recipe (:class:`shardbridge.fp8.FP8Recipe` names): torchao tensorwise, rowwise,
+    rowwise_with_gw_hp, mxfp8; te tensorwise (= current), delayed, mxfp8, blockwise, nvfp4."""
 
     fp8_params: bool = False
-    """te only: keep the weights themselves in FP8 (``te.quantized_model_init``), so FSDP
-    all-gathers 1 byte per element. False = FP8 compute only."""
+    """te only: keep the weights themselves in FP8 (``te.quantized_model_init``)."""
 
-    amax_history_length: int = 1024
-    """te "delayed" only: length of the amax history window (TE ``amax_history_len``)."""
+    all_gather_fp8: bool | None = None
+    """None = the recipe's own choice (torchao tensorwise: float8 all-gather)."""
 
-    amax_compute_algo: str = "most_recent"
-    """te "delayed" only: "max" or "most_recent" amax over the history."""
+    amax_history_length: int | None = None
+    """te delayed: TE ``amax_history_len`` (None = 1024)."""
 
-    fp8_format: str = "HYBRID"
-    """te: "HYBRID" (E4M3 forward, E5M2 backward) or "E4M3"."""
+    amax_compute_algo: str | None = None
+    """te delayed: "max" or "most_recent" (None = most_recent)."""
 
-    margin: int = 0
-    """te "delayed" only: scaling-factor margin (powers of 2)."""
+    fp8_format: str | None = None
+    """te: "HYBRID" or "E4M3" (None = the TE recipe's default)."""
+
+    margin: int | None = None
+    """te delayed / mxfp8: scaling-factor margin (None = 0)."""
+
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Further recipe parameters, e.g. torchao mxfp8 ``{kernel: emulated}``."""
 
     def __post_init__(self) -> None:
-        _one_of("fp8.backend", self.backend, self.BACKENDS)
-        _one_of("fp8.recipe", self.recipe, FP8Recipe.NAMES)
-        if self.backend == "torchao" and self.recipe != "tensorwise":
-            raise ValueError(
-                f"{BLOCK_KEY}.fp8.recipe={self.recipe!r} with backend torchao: only 'tensorwise' all-gathers "
-                "float8 under FSDP2; set recipe: tensorwise or backend: te"
-            )
-        if self.backend == "te" and self.recipe not in ("tensorwise", "delayed"):
-            raise ValueError(
-                f"{BLOCK_KEY}.fp8.recipe={self.recipe!r} with backend te: supported are 'tensorwise' and "
-                "'delayed'; choose one of them"
-            )
+        _one_of("fp8.backend", self.backend, ("none", *fp8.backend_names()))
         _bool("fp8.fp8_params", self.fp8_params)
-        if self.fp8_params and self.backend != "te":
-            raise ValueError(
-                f"{BLOCK_KEY}.fp8.fp8_params=true needs backend: te (torchao keeps high-precision weights and "
-                "all-gathers them in float8 anyway); set fp8_params: false"
-            )
-        _int("fp8.amax_history_length", self.amax_history_length, minimum=1)
-        _one_of("fp8.amax_compute_algo", self.amax_compute_algo, self.AMAX_ALGOS)
-        _one_of("fp8.fp8_format", self.fp8_format, self.FORMATS)
-        _int("fp8.margin", self.margin, minimum=0)
+        if not isinstance(self.params, Mapping):
+            raise ValueError(f"{BLOCK_KEY}.fp8.params={self.params!r} must be a mapping")
+        self.check_tp(1)
 
     @property
     def enabled(self) -> bool:
         """Whether FP8 is on."""
         return self.backend != "none"
 
-    def te_recipe_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the TransformerEngine recipe (names TE reads).
-
-        Fixes upstream bug 7: Accelerate exports yaml ``fp8_config.amax_history_length`` /
-        ``amax_compute_algorithm`` under environment names ``TERecipeKwargs`` never reads.
+    def recipe_params(self) -> dict[str, Any]:
+        """The recipe parameters the block sets (yaml names translated; upstream bug 7).
 
         Example:
-            >>> FP8Config(backend="te", recipe="delayed", amax_history_length=16).te_recipe_kwargs()["amax_history_len"]
-            16
+            >>> FP8Config(backend="te", recipe="delayed", amax_history_length=16).recipe_params()
+            {'amax_history_len': 16}
         """
-        if self.recipe == "delayed":
-            return {
-                "fp8_format": self.fp8_format,
-                "amax_history_len": self.amax_history_length,
-                "amax_compute_algo": self.amax_compute_algo,
-                "margin": self.margin,
-            }
-        return {"fp8_format": self.fp8_format}
+        out = {ours: getattr(self, key) for key, ours in self.PARAM_KEYS.items() if getattr(self, key) is not None}
+        return {**out, **dict(self.params)}
+
+    def to_recipe(self) -> FP8Recipe | None:
+        """The core recipe (``policy.fp8``), or None for backend "none".
+
+        Raises:
+            ValueError: a bad recipe name or field, naming the yaml key.
+        """
+        if not self.enabled:
+            if self.fp8_params or self.recipe_params() or self.all_gather_fp8 is not None:
+                raise ValueError(f"{BLOCK_KEY}.fp8 sets recipe options with backend: none; set backend: torchao or te")
+            return None
+        try:
+            return FP8Recipe(
+                backend=self.backend,
+                name=self.recipe,
+                params=self.recipe_params(),
+                all_gather_fp8=self.all_gather_fp8,
+                fp8_params=self.fp8_params,
+            )
+        except ValueError as e:
+            raise ValueError(f"{BLOCK_KEY}.fp8: {e}") from None
+
+    def check_tp(self, tp: int) -> None:
+        """The backend's own check of the recipe at this TP degree (ValueError naming the yaml block)."""
+        recipe = self.to_recipe()
+        if recipe is None:
+            return
+        try:
+            fp8.get_backend(recipe.backend).check(recipe, tp=tp)
+        except (ValueError, NotImplementedError) as e:
+            raise ValueError(f"{BLOCK_KEY}.fp8 (backend {recipe.backend!r}, recipe {recipe.name!r}, tp={tp}): {e}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,12 +293,12 @@ class HFConfig:
         if self.dims is not None and not isinstance(self.dims, ParallelDims):
             raise ValueError(f"dims must be a shardbridge.ParallelDims, got {self.dims!r}")
         if self.dims is not None:
-            check_te_tp(self.fp8.backend, self.dims.tp)
+            self.fp8.check_tp(self.dims.tp)
         # Building the policy validates the dtype combination (FSDP2 rules included).
         self.policy()
 
     def policy(self) -> MixedPrecisionPolicy:
-        """The core :class:`~shardbridge.MixedPrecisionPolicy` this config asks for.
+        """The core :class:`~shardbridge.MixedPrecisionPolicy` this config asks for (``fp8`` from the fp8 block).
 
         Raises:
             ValueError: a dtype combination torch FSDP2 cannot run; the message says which key.
@@ -304,7 +315,12 @@ class HFConfig:
             policy.check_grads_match_params()  # the core's FSDP2 rule, named by its yaml key here
         except NotImplementedError as e:
             raise ValueError(f"{BLOCK_KEY}.precision: {e}") from None
-        return policy
+        recipe = self.fp8.to_recipe()
+        if recipe is None:
+            return policy
+        with warnings.catch_warnings():  # the dtype warnings were given when the policy was built
+            warnings.simplefilter("ignore", UserWarning)
+            return dataclasses.replace(policy, fp8=recipe)
 
     # -- yaml block <-> config <-> JSON --------------------------------------------------------
 

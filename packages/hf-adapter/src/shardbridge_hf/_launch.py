@@ -131,7 +131,8 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
         ValueError: naming the yaml key (or flag) and the fix: not FSDP2, ``mixed_precision:
             fp8``, sizes that do not multiply to ``num_processes``, a bad shardbridge key, an
             Accelerate ``fsdp_*`` key shardbridge cannot honour.
-        NotImplementedError: ``parallelism_config_cp_size > 1`` (context parallel).
+        NotImplementedError: a ``parallelism_config_*_size`` axis other than dp_replicate,
+            dp_shard, cp and tp.
 
     Example:
         >>> read_config_file("cfg.yaml", overrides={"num_processes": 8}).num_processes  # doctest: +SKIP
@@ -196,7 +197,7 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
         name = key.removeprefix("parallelism_config_").removesuffix("_size")
         if key.endswith("_size") and name not in ("dp_replicate", "dp_shard", "cp", "tp") and pc[key] != 1:
             raise NotImplementedError(
-                f"{where}: {key}={pc[key]!r}: shardbridge_hf runs dp_replicate, dp_shard and tp; remove the key"
+                f"{where}: {key}={pc[key]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key"
             )
     dims = ParallelDims(dp_replicate=size("dp_replicate"), dp_shard=size("dp_shard"), cp=size("cp"), tp=size("tp"))
     if "parallelism_config_dp_shard_size" not in pc:
@@ -208,11 +209,6 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
             f"{where}: parallelism_config sizes do not fit num_processes={num_processes}: {e} "
             "(set parallelism_config_dp_shard_size, or num_processes)"
         ) from None
-    if dims.cp > 1:
-        raise NotImplementedError(
-            f"{where}: parallelism_config_cp_size={dims.cp}: context parallelism is not supported by shardbridge_hf "
-            "yet; use dp_replicate, dp_shard and tp"
-        )
     config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
     return LaunchPlan(config=config, dims=dims, num_processes=num_processes)
 

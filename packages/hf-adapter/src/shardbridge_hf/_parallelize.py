@@ -4,6 +4,7 @@ The steps, in the order they must run::
 
     1. fp8 convert (torchao)    nn.Linear -> Float8Linear        BEFORE TP / FSDP
     2. tensor parallelism       model.tp_plan on pm["tp"]         see [Note: HF TP plan on the shardbridge mesh]
+       context parallelism      attention over pm["cp"]           see [Note: HF context parallel] (_cp.py)
     3. FSDP2 units (core)       embed | each decoder layer | [norm, lm_head] | root
     4. rank-0 weights           broadcast full tensors, each rank keeps its piece
     5. fp8 after_fsdp           uint8 all-gather on gloo, first scales
@@ -26,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import apply_fsdp
+from shardbridge import apply_fsdp, fp8
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardbridge_hf._config import check_te_tp
+from shardbridge_hf._compat import no_split_modules
+from shardbridge_hf._pretrained import guard_until_loaded, materialise_on, on_meta_everywhere
 from shardbridge_hf._tp import apply_tp, check_tp_divides, resolve_tp_plan
 
 if TYPE_CHECKING:
@@ -44,7 +46,7 @@ __all__ = ["fsdp_units", "load_full_from_rank0", "parallelize"]
 def parallelize(
     model: nn.Module, pm: ParallelMesh, config: HFConfig, *, device: torch.device | None = None
 ) -> nn.Module:
-    """Apply FP8 (torchao), TP and FSDP2 to a transformers causal LM, in place.
+    """Apply FP8 (``policy.fp8``'s backend), TP and FSDP2 to a transformers causal LM, in place.
 
     Call on every rank with the same arguments. Parameters may differ between ranks (or be
     on ``meta`` off rank 0) when ``config.sync_module_states``: rank 0's weights win.
@@ -66,34 +68,42 @@ def parallelize(
         >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
         >>> model = parallelize(LlamaForCausalLM(cfg), pm, HFConfig())  # doctest: +SKIP
     """
-    check_te_tp(config.fp8.backend, pm.dims.tp)
+    config.fp8.check_tp(pm.dims.tp)
     device = device or torch.device(pm.mesh.device_type)
     policy = config.policy()
-    full = _rank0_full_tensors(model) if config.sync_module_states else None
+    # Every parameter on meta on every rank: the weights come from accelerator.load_pretrained
+    # (shard-on-read), not from rank 0. See [Note: pretrained weights without materialising the model].
+    deferred = on_meta_everywhere(model)
+    full = _rank0_full_tensors(model) if config.sync_module_states and not deferred else None
 
-    float8_styles = None
-    if config.fp8.backend == "torchao":
-        from shardbridge_hf import _fp8
-
-        _fp8.convert(model, config.fp8.recipe)
-        float8_styles = _fp8.tp_styles()
-    elif config.fp8.backend == "te":
-        from shardbridge_hf import _te
-
-        _te.check_te_model(model)
-
+    plan: dict[str, Any] = {}
     if pm.dims.tp > 1:
         check_tp_divides(getattr(model, "config", None), pm.dims.tp)
-        plan = resolve_tp_plan(model, config.tp_plan)
+        plan = dict(resolve_tp_plan(model, config.tp_plan))
+    fp8_styles = None
+    if policy.fp8 is not None:
+        # Before TP / FSDP. A backend with its own TP modules (te) shards them itself: the torch
+        # TP pass skips what it reports done. See [Note: the FP8 backend protocol] in the core.
+        done = fp8.convert(model, policy.fp8, mesh=pm, tp_plan={k: v for k, v in plan.items() if isinstance(v, str)})
+        plan = {k: v for k, v in plan.items() if k not in done.tp_done}
+        fp8_styles = fp8.get_backend(policy.fp8.backend).tp_styles(policy.fp8)
+
+    if pm.dims.tp > 1:
         # Rank-0 weights are broadcast after sharding: no scatter here (it would hang with meta ranks).
-        src = None if config.sync_module_states else 0
-        apply_tp(model, pm["tp"], plan, float8_styles=float8_styles, src_data_rank=src)
+        src = None if config.sync_module_states or deferred else 0
+        apply_tp(model, pm["tp"], plan, float8_styles=fp8_styles, src_data_rank=src)
+    if pm.dims.cp > 1:
+        from shardbridge_hf._cp import enable_cp
+
+        enable_cp(model, pm["cp"])  # FSDP2 below shards over the flattened dp_shard_cp
 
     policy.check_model_dtype(
         model,
         fix=f"build it in that dtype (from_config(cfg, torch_dtype={policy.main_params_dtype})) or set "
         "fsdp_config.shardbridge.precision.main_params_dtype accordingly",
     )
+    # With policy.fp8, apply_fsdp also runs the backend's after-FSDP work (float8 all-gather on
+    # gloo, first scales, TE autocast).
     apply_fsdp(
         model,
         pm,
@@ -103,16 +113,12 @@ def parallelize(
         cpu_offload=config.cpu_offload,
     )
 
-    if config.sync_module_states:
+    if deferred:
+        materialise_on(model, device)
+        guard_until_loaded(model)
+    elif config.sync_module_states:
         load_full_from_rank0(model, full, device=device)
-    if config.fp8.backend == "torchao":
-        from shardbridge_hf import _fp8
-
-        _fp8.after_fsdp(model, pm)
-    elif config.fp8.backend == "te":
-        from shardbridge_hf import _te
-
-        _te.apply_fp8_autocast(model, config.fp8)
+        fp8.after_load(model)  # the weights changed: per-tensor scales from rank 0's weights
     return model
 
 
@@ -130,6 +136,12 @@ def fsdp_units(model: nn.Module) -> list[Any]:
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     norm = getattr(base, "norm", None)
+    if layers is None and base is not None:
+        # No `model.layers` (HRM: `L_module.layers` + `H_module.layers`): the blocks transformers
+        # itself never splits (Accelerate's TRANSFORMER_BASED_WRAP reads the same list), in module order.
+        blocks = set(no_split_modules(model))
+        found = [m for m in base.modules() if type(m).__name__ in blocks]
+        layers = found or None
     if layers is None or embed is None:
         raise ValueError(
             f"{type(model).__name__} has no model.layers / input embeddings; shardbridge_hf wraps decoder-only "

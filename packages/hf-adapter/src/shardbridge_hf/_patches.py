@@ -10,8 +10,9 @@ here, and the code that makes it asks :func:`gate` first with the installed acce
 - ``"skip"`` (a warning, Accelerate's own code runs) where Accelerate without it fails loudly.
 
 Reversible where the upstream object outlives the call: the ``PartialState._shared_state``
-entry is restored by ``ShardbridgeAccelerator.unpatch()``, the ``fp8_autocast`` forward wrap
-by the undo kept on the model (:func:`shardbridge_hf._te.remove_fp8_autocast`).
+entry is restored by ``ShardbridgeAccelerator.unpatch()``. The TE FP8 autocast forward wrap
+(upstream bug 5, accelerate #3710) is no longer an hf patch: the TE FP8 backend does it for every
+adapter (``shardbridge_te._fp8.TEBackend.after_fsdp``, undone by ``remove_autocast``).
 ``_prepare_tp`` is a subclass override: Accelerate's class itself is never changed.
 
 [Note: hf patch plan]
@@ -22,8 +23,6 @@ by the undo kept on the model (:func:`shardbridge_hf._te.remove_fp8_autocast`).
     partial_state_fsdp          accelerate.state.PartialState._shared_state          error
                                   ["distributed_type"] (bug 4)
     prepare_tp_noop             Accelerator._prepare_tp (bug 1; PR #3945 partial)    skip
-    te_fp8_autocast             <model>.forward under te.fp8_autocast (bug 5,        error
-                                  accelerate #3710 / PR #3585)
     scheduler_dp_steps          Accelerator.prepare_scheduler /                      error
                                   AcceleratedScheduler.step (subclass; steps dp,
                                   not num_processes, times: [Note: LR schedule
@@ -60,14 +59,6 @@ PATCHES: tuple[Patch, ...] = (
         undo="nothing to undo: a subclass override, accelerate.Accelerator is unchanged",
         lost_when_skipped="Accelerate's own _prepare_tp runs (it imports transformers' ReplicateParallel, "
         "an ImportError on transformers >= 5.1)",
-    ),
-    Patch(
-        name="te_fp8_autocast",
-        target="<model>.forward (instance attribute) wrapped in transformer_engine.pytorch.fp8_autocast",
-        covers="upstream bug 5: accelerate #3710 / PR #3585 (FSDP2 path never enters fp8_autocast)",
-        checked=_CHECKED,
-        outside="error",
-        undo="shardbridge_hf._te.remove_fp8_autocast(model) (the undo is kept on the model)",
     ),
     Patch(
         name="scheduler_dp_steps",

@@ -15,7 +15,8 @@ must see::
     moe_tp_experts                  (its parameters' own entries)    local params; input and routing-weight
                                                                      grads all-reduced; output all-reduced
     local_params                    (its parameters' own entries)    forward with local params
-    all_reduce                      -                                output Partial -> Replicate (all-reduce)
+    all_reduce                      (its parameters' own entries)    local params; input grads all-reduced;
+                                                                     output Partial -> Replicate (all-reduce)
     mla_kv_a_proj                   -                                rope part of the output: grad all-reduced
     moe_identity_expert             -                                input / tp (moe_tp_experts sums it tp times)
 
@@ -178,6 +179,11 @@ class HeadNormParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if not any(p is not None for p in module._parameters.values()):
+            # No weight (Gemma 3n's `v_norm`, with_scale=False): no gradient to all-reduce, and the
+            # forward must stay on the local heads -- a Shard(-1) DTensor input would make its
+            # mean over head_dim a mean across the TP ranks' heads.
+            return module
         for name in list(module._parameters):
             distribute_param(module, name, Replicate(), device_mesh, self.src_data_rank)
 
@@ -264,14 +270,28 @@ class MoeIdentityParallel(ParallelStyle):
 
 
 class AllReduceOutput(ParallelStyle):
-    """``all_reduce``: the module's output is a partial sum; all-reduce it (identity backward)."""
+    """``all_reduce``: the module's output is a partial sum; all-reduce it (identity backward).
+
+    Its sharded parameters (their own plan entries, e.g. Inkling's shared experts: bare 3-D
+    ``colwise`` / ``rowwise`` parameters used in ``torch.bmm``) are local tensors during the
+    forward, and the gradients of its (replicated) tensor inputs, partial per rank's slice,
+    are all-reduced -- as under ``moe_tp_experts``.
+    """
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         group = device_mesh.get_group()
+        local = _LocalParams()
+
+        def pre(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+            local.pre(mod, args)
+            args = tuple(_grad_allreduce(a, group) for a in args)
+            return args, {k: _grad_allreduce(v, group) for k, v in kwargs.items()}
 
         def post(mod: nn.Module, args: Any, output: Any) -> Any:
+            local.post(mod, args, output)
             return None if output is None else _AllReduceForward.apply(output, group)
 
+        module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post)
         return module
 

@@ -174,7 +174,43 @@ def resolve_tp_plan(model: nn.Module, plan: str | Mapping[str, Any] = "auto") ->
     for name in check_head_norms(model, out, refuse=not auto):
         # The model's own plan misses it (e.g. Apertus' learnable XIELU activation): handled.
         out[name] = "replicated_with_grad_allreduce"
+    if auto:
+        _fix_packed_experts(out)
+        _fix_dynamic_mask_attention(model, out)
     return out
+
+
+def _fix_dynamic_mask_attention(model: nn.Module, plan: dict[str, Any]) -> None:
+    """Doge's dynamic-mask attention: its per-kv-head mask is computed for this rank's heads only.
+
+    ``DogeAttention`` turns the (colwise, local) value heads into one mask value per kv head:
+    ``exp(A * softplus(dt_proj(v)))``. transformers' plan makes ``dt_proj`` ``rowwise``, whose
+    all-reduced output holds EVERY kv head, while the attention runs on this rank's heads
+    (``size of tensor a (4) must match b (8)``). Here ``dt_proj``'s partial output is
+    reduce-scattered over the kv heads (``Shard(-1)``) and ``A`` (one value per kv head) is
+    sharded the same way, used as a local tensor in the forward (``local_params``).
+    """
+    for fqn, module in model.named_modules():
+        if type(module).__name__ != "DogeAttention" or plan.get(f"{fqn}.dt_proj") != "rowwise":
+            continue
+        plan[f"{fqn}.dt_proj"] = _styles.RowwiseOwnOutput(output_layouts=Shard(-1))  # one instance per module
+        plan[f"{fqn}.A"] = "colwise"  # 1-D: Shard(0), the kv heads
+        plan[fqn] = "local_params"
+
+
+def _fix_packed_experts(plan: dict[str, Any]) -> None:
+    """A model plan's plain ``colwise`` on a packed ``experts.gate_up_proj`` becomes ``packed_colwise``.
+
+    transformers' experts modules hold ``[gate; up]`` stacked along the output dim of the 3-D
+    ``gate_up_proj`` and split each expert's output with ``chunk(2, dim=-1)``. Inkling /
+    Inkling2 (transformers 5.23) plan it ``colwise``: a plain Shard would give one TP rank the
+    gate rows and the other the up rows, whose local ``chunk`` then pairs gate with gate (step-1
+    expert gradients off by 140% relative norm). Every other model plans it ``packed_colwise``.
+    """
+    for fqn, style in plan.items():
+        owner, _, name = fqn.rpartition(".")
+        if style == "colwise" and name == "gate_up_proj" and plan.get(owner) == "moe_tp_experts":
+            plan[fqn] = "packed_colwise"
 
 
 def _check_style(style: str, pattern: str) -> None:
@@ -376,6 +412,12 @@ def _lower(
     if style in ("rowwise_split_input", "rowwise_rep"):
         # A full (Replicate) input is split locally to Shard(-1); Partial -> Replicate output.
         return rowwise(input_layouts=Replicate())
+    if style in ("embedding_rowwise", "embedding_colwise") and any(True for _ in module.children()):
+        # An embedding module with parametrised children (Inkling's normed embedding: lookup, then
+        # `embed_norm`): torch's styles would register the child's `embed_norm.weight` on the module
+        # (KeyError) and all-reduce / gather only AFTER the norm, i.e. norm the partial lookups.
+        # Left replicated over tp: same input on every tp rank, so same output and gradient.
+        return None
     if style == "embedding_rowwise":
         # Shard(0) vocab rows; Partial -> Replicate (all-reduce) of the looked-up rows.
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())

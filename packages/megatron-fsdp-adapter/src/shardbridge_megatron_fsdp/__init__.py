@@ -9,11 +9,13 @@ Public: the names in ``__all__``::
     save(path, model=..., optimizer=..., step=...)     # the core's checkpoint format
     load(path, model=..., optimizer=...)               # from Megatron-FSDP or torch FSDP2 runs
     to_megatron_policy(policy)                         # MixedPrecisionPolicy lowering
-    apply_llama_tp(llama, mesh["tp"])                   # dim-0-only TP plan for the reference Llama
+    apply_llama_tp(llama, mesh["tp"])                   # the full TP plan (column + row) for the reference Llama
     cpu_patch() / install_cpu_patch()                  # CPU/gloo support for megatron-fsdp 0.6.x
     megatron_fsdp_version()
 
-Not public: ``_compat`` (version probes), ``_cpu_patch`` internals, ``_checkpoint``'s
+Not public: ``_compat`` (version probes), ``_cpu_patch`` internals, ``_tp_patch`` (TP DTensor
+parameters in either Megatron-FSDP copy: ``install(package)``, ``align_tp_grads``; used by
+``shard_model`` and the Megatron-Core path), ``_checkpoint``'s
 provider and box helpers (``MegatronFSDPStateDicts``, the ``StateDictProvider`` that
 ``save``/``load`` hand to ``shardbridge.checkpoint``; ``dist_params``, ``local_box``: used by
 tests and the benchmark).

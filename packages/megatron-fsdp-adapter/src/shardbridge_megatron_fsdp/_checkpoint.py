@@ -232,7 +232,8 @@ def save(
     step: int | None = None,
     extra: dict[str, Any] | None = None,
     overwrite: bool = False,
-) -> Path:
+    async_: bool = False,
+) -> Path | core.AsyncSave:
     """Save a Megatron-FSDP model (and optimizer) as a shardbridge checkpoint. Call on every rank.
 
     ``shardbridge.checkpoint.save`` with :class:`MegatronFSDPStateDicts`, so the checkpoint
@@ -249,9 +250,13 @@ def save(
         step: training step for the manifest.
         extra: JSON-serialisable user state.
         overwrite: replace an existing checkpoint at ``path``.
+        async_: return as soon as the state is staged in host memory; the checkpoint is
+            written and committed in the background (``shardbridge.checkpoint.save``'s
+            ``async_``; wait with the returned handle's ``wait()``).
 
     Returns:
-        The committed checkpoint directory.
+        The committed checkpoint directory, or (``async_=True``) the
+        ``shardbridge.checkpoint.AsyncSave`` whose ``wait()`` returns it.
 
     Example:
         >>> from shardbridge.checkpoint import step_dir
@@ -266,6 +271,7 @@ def save(
         extra=extra,
         overwrite=overwrite,
         state_dicts=MegatronFSDPStateDicts(),
+        async_=async_,
     )
 
 

@@ -30,12 +30,14 @@ __all__ = [
     "attached_main_grads",
     "chunk_offsets",
     "disable_grad_div_fusion",
+    "fsdp_tensor_spec",
     "has_local_data",
     "install_distributed_params",
     "megatron_core_version",
     "megatron_fsdp_version",
     "optimizer_named_parameters",
     "parameter_groups",
+    "raw_parameters",
     "require_megatron_fsdp",
 ]
 
@@ -132,6 +134,22 @@ def parameter_groups(wrapped: Any) -> list[Any]:
 def optimizer_named_parameters(wrapped: Any) -> list[tuple[str, Any]]:
     """``(fqn, distributed DTensor parameter)`` pairs the optimizer steps, in a fixed order."""
     return list(wrapped.param_and_grad_buffer.optimizer_named_parameters)
+
+
+def fsdp_tensor_spec(pgb: Any, param: Any, dist_index: Any, *, is_sharded_param: bool, is_expert_param: bool) -> Any:
+    """``(mesh, placements)`` Megatron-FSDP gives a parameter's distributed DTensor.
+
+    ``pgb`` is the ``param_and_grad_buffer`` module of either Megatron-FSDP copy (its private
+    ``_get_fsdp_tensor_spec``; same signature in megatron-fsdp 0.6.1 and megatron-core 0.16.1).
+    """
+    return pgb._get_fsdp_tensor_spec(
+        param, dist_index, is_sharded_param=is_sharded_param, is_expert_param=is_expert_param
+    )
+
+
+def raw_parameters(wrapped: Any) -> list[Any]:
+    """The parameters the wrapped module computes with (``wrapped.raw_param``, by FQN order)."""
+    return list(wrapped.raw_param.values())
 
 
 def attached_main_grads(wrapped: Any) -> dict[Any, Any]:

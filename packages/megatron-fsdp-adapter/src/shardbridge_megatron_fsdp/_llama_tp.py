@@ -1,39 +1,44 @@
-"""A column-parallel-only TP plan for the reference Llama (megatron-fsdp 0.6.1 takes Shard(0) only).
+"""The reference Llama's full TP plan (the core's), for Megatron-FSDP.
 
-[Note: dim-0 TP plan]
-~~~~~~~~~~~~~~~~~~~~~
-The core's plan (``shardbridge.models._parallelize``) makes ``o_proj``/``down`` row-parallel
-(``Shard(1)``), which megatron-fsdp 0.6.1 cannot shard (``shard_model`` refuses it). This plan
-keeps every TP weight on dim 0::
+[Note: Llama TP under Megatron-FSDP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``apply_llama_tp`` applies the core's plan (``shardbridge.models._parallelize``, [Note: Llama TP
+plan]) unchanged::
 
-    tok_embeddings  replicated over tp (see below)
-    qkv, gate_up    Shard(0), fused (shard_fused)  out: local [q_j|k_j|v_j], [gate_j|up_j]
-    o_proj, down    Shard(0)                       in: Shard(-1) -> Replicate (all-gather)
-                                                   out: Shard(-1) -> Replicate
-    output          Shard(0) vocab rows            out: Shard(-1) -> Replicate logits
+    tok_embeddings  Shard(0) vocab rows      (vocab-parallel; Partial -> Replicate output)
+    qkv, gate_up    Shard(0), fused          (column-parallel)
+    o_proj, down    Shard(1)                 (row-parallel; Partial -> Replicate output)
+    norms           replicated plain tensors
+    output          Shard(0) vocab rows      (Shard(-1) -> Replicate logits)
 
-The embedding stays replicated over tp: with torch's ``RowwiseParallel`` on ``nn.Embedding``
-megatron-fsdp 0.6.1 receives a gradient of the global shape for the TP-local main grad and
-fails in ``_grad_acc`` ("size of tensor a (128) must match ... (256)"). It costs an extra activation all-gather per projection against the row-parallel plan, and
-it stores the same parameters under the same names, so its checkpoints load into models
-parallelized with the core plan (any layout) and back.
+Megatron-FSDP 0.6.1 mis-describes ``Shard(1)`` DTensor parameters and receives the vocab-parallel
+embedding's gradient as ``Replicate``; ``shard_model`` fixes both (see [Note: TP DTensor
+parameters in Megatron-FSDP] in ``_tp_patch.py``). Earlier versions of this adapter turned
+o_proj/down column-parallel instead (an extra activation all-gather per projection); that
+workaround is gone. A model built with this plan holds exactly the parameters, names and
+placements of ``shardbridge.models.parallelize_llama``'s TP step, so checkpoints move between
+Megatron-FSDP and torch FSDP2 in both directions at any layout.
 """
 
 from __future__ import annotations
 
-from shardbridge import FUSED_SPECS_ATTR, check_tp_divides, shard_fused
-from torch import nn
+from shardbridge import check_tp_divides
+from shardbridge.models import Llama
+from shardbridge.models._parallelize import apply_tp
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 __all__ = ["apply_llama_tp"]
 
 
-def apply_llama_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard a :class:`shardbridge.models.Llama` over ``tp_mesh`` with dim-0 weights only.
+def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
+    """Shard a :class:`shardbridge.models.Llama` over ``tp_mesh`` with the core's full TP plan.
 
-    See [Note: dim-0 TP plan]. Call before :func:`~shardbridge_megatron_fsdp.shard_model`.
+    Column-parallel qkv/gate_up, row-parallel o_proj/down, vocab-parallel embedding and output
+    (see [Note: Llama TP under Megatron-FSDP]). Call before
+    :func:`~shardbridge_megatron_fsdp.shard_model`; a 1-rank ``tp_mesh`` changes nothing.
+
+    Raises:
+        ValueError: ``num_kv_heads`` or ``intermediate_size`` not divisible by the tp size.
 
     Example:
         >>> apply_llama_tp(model, pm["tp"])  # doctest: +SKIP
@@ -43,18 +48,5 @@ def apply_llama_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     cfg = model.config
     sizes = {"num_kv_heads": cfg.num_kv_heads, "intermediate_size": cfg.intermediate_size}
     check_tp_divides(sizes, tp_mesh.size(), owner="LlamaConfig.")
-    plan: dict[str, ParallelStyle] = {
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
-    for index, block in enumerate(model.layers):
-        for linear in (block.attention.qkv, block.feed_forward.gate_up):
-            spec = getattr(linear, FUSED_SPECS_ATTR)["weight"]
-            # plain [gate; up] -> Shard(0), rank j holds [gate_j; up_j]
-            linear.weight = nn.Parameter(shard_fused(linear.weight.detach(), spec, tp_mesh))
-        prefix = f"layers.{index}"
-        plan[f"{prefix}.attention.qkv"] = ColwiseParallel()
-        plan[f"{prefix}.feed_forward.gate_up"] = ColwiseParallel()
-        for name in ("attention.o_proj", "feed_forward.down"):
-            plan[f"{prefix}.{name}"] = ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
-    parallelize_module(model, tp_mesh, plan)
+    apply_tp(model, tp_mesh)
     return model

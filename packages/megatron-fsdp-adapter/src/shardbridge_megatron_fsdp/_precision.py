@@ -30,11 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from shardbridge import MixedPrecisionPolicy
+from shardbridge import MixedPrecisionPolicy, fp8
 
 from shardbridge_megatron_fsdp._compat import require_megatron_fsdp
 
-__all__ = ["compute_dtype", "to_megatron_policy"]
+__all__ = ["compute_dtype", "fp8_ddp_kwargs", "to_megatron_policy"]
 
 
 def compute_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:
@@ -59,9 +59,12 @@ def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
             "e.g. MixedPrecisionPolicy.bf16()"
         )
     if policy.fp8 is not None:
+        fp8_ddp_kwargs(policy, device_type="cuda")  # refuses torchao / non-FP8-parameter recipes by name
         raise NotImplementedError(
-            f"fp8={policy.fp8} with Megatron-FSDP needs TransformerEngine layers (shardbridge_te, "
-            'pip install "shardbridge[te]"); the megatron adapter supports fp8=None only'
+            f"fp8={policy.fp8} with Megatron-FSDP: FP8 parameters are all-gathered by "
+            "DistributedDataParallelConfig(fp8_param_gather=True) with TransformerEngine's CUDA kernels: not on "
+            "CPU (set fp8=None there); on a GPU the keywords come from fp8_ddp_kwargs(policy, device_type='cuda'), "
+            "which shard_model does not pass to Megatron-FSDP yet"
         )
     if policy.output_dtype is not None:
         raise NotImplementedError(
@@ -78,3 +81,41 @@ def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
         # "size of tensor a (128) must match ... (256)" in _grad_acc).
         grad_comm_dtype=None if comm == policy.main_grads_dtype else comm,
     )
+
+
+def fp8_ddp_kwargs(policy: MixedPrecisionPolicy, *, device_type: str) -> dict[str, Any]:
+    """``DistributedDataParallelConfig`` keywords for ``policy.fp8`` (GPU); ``{}`` without FP8.
+
+    Megatron-FSDP's FP8 parameters are TransformerEngine's: TE modules built under
+    ``te.quantized_model_init`` (``FP8Recipe(backend="te", fp8_params=True)``) and all-gathered
+    in FP8 with ``DistributedDataParallelConfig(fp8_param_gather=True)``. That needs TE's CUDA
+    kernels, so on CPU it is refused by name; torchao's weight wrappers are not Megatron-FSDP
+    parameters it can gather (it flattens parameters into its own buffers), so they are refused too.
+
+    Raises:
+        NotImplementedError: CPU, a backend other than "te", or ``fp8_params=False``.
+
+    Example:
+        >>> from shardbridge import FP8Recipe
+        >>> fp8_ddp_kwargs(MixedPrecisionPolicy(fp8=FP8Recipe(backend="te", fp8_params=True)), device_type="cuda")
+        {'fp8_param_gather': True}
+    """
+    recipe = policy.fp8
+    if recipe is None:
+        return {}
+    try:
+        fp8.get_backend(recipe.backend).check(recipe)  # e.g. torchao refuses fp8_params (it keeps hp weights)
+    except ValueError as e:
+        raise NotImplementedError(f"fp8={recipe} with Megatron-FSDP: {e}") from None
+    if not recipe.fp8_params:
+        raise NotImplementedError(
+            f"fp8={recipe} with Megatron-FSDP: its FP8 parameters are TransformerEngine's (fp8_param_gather); "
+            'use FP8Recipe(backend="te", fp8_params=True) with TE modules, or the torch FSDP2 path '
+            "(shardbridge.apply_fsdp / shardbridge_hf) for torchao recipes"
+        )
+    if device_type != "cuda":
+        raise NotImplementedError(
+            f"fp8={recipe} with Megatron-FSDP on {device_type}: fp8_param_gather all-gathers TransformerEngine FP8 "
+            "parameters, which need TE's CUDA kernels; run on a GPU machine, or set fp8=None on CPU"
+        )
+    return {"fp8_param_gather": True}

@@ -17,8 +17,11 @@
     after dcp.load, model.load_state_dict is needed      shardbridge_megatron_fsdp.load does it
     average_in_collective=True without an expert mesh    ValueError (upstream: crash dividing by the
                                                           size of a None group)
-    TP DTensor params with Shard(1) (row-parallel)       NotImplementedError: 0.6.1 reshapes local
-                                                          shards as (-1, *global_shape[1:])
+    TP DTensor params with Shard(1) (row-parallel):      the TP patch (_tp_patch.py): local slices
+      local slices viewed as (-1, *global_shape[1:]);     viewed with the TP-local shape; gradients
+      no_shard x TP: "Mismatch between param shape";      redistributed to the parameter's placements
+      vocab-parallel embedding: Replicate gradient        (see [Note: TP DTensor parameters in
+      copied into a TP-local slot (size mismatch)         Megatron-FSDP])
     gloo has no PREMUL_SUM                               gradient_reduce_div_fusion=False on gloo
     optim_grads_params without FSDP units:               ValueError naming unit_modules
       ZeroDivisionError in fully_shard_model
@@ -32,7 +35,9 @@
 
 Meshes: the ParallelMesh's full 4-D mesh is handed over with ``dp_shard_dim="dp_shard"``,
 ``tp_dim="tp"`` and, for HSDP, ``dp_outer_dim="dp_replicate"`` plus the flattened ``dp`` group
-as ``hybrid_fsdp_group``. Context parallelism is not wired (cp must be 1).
+as ``hybrid_fsdp_group``. With cp > 1 Megatron-FSDP shards over the flattened
+``dp_shard_cp`` (its documented DP x CP use, ``dp_shard_dim``), the HSDP group is ``dp_cp``, and
+the model's attention spans ``cp`` (``model.set_context_parallel(pm["cp"])``).
 """
 
 from __future__ import annotations
@@ -45,13 +50,15 @@ import torch
 from shardbridge import MixedPrecisionPolicy, ParallelMesh, param_group_fqns, rebind_param_groups
 from torch import distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardbridge_megatron_fsdp import _tp_patch
 from shardbridge_megatron_fsdp._accumulate import accumulation_is_wrong, install_guard
 from shardbridge_megatron_fsdp._compat import (
     disable_grad_div_fusion,
     install_distributed_params,
     parameter_groups,
+    raw_parameters,
     require_megatron_fsdp,
 )
 
@@ -81,10 +88,10 @@ def _validate(
             f"mesh must be a shardbridge.ParallelMesh (ParallelDims(...).build_mesh(device)), got {type(pm).__name__}"
         )
     dims = pm.dims
-    if dims.cp > 1:
+    if dims.cp > 1 and not callable(getattr(model, "set_context_parallel", None)):
         raise NotImplementedError(
-            f"cp={dims.cp}: context parallelism is not wired to Megatron-FSDP by shardbridge yet; use cp=1 "
-            "(dp_shard, dp_replicate and tp are supported)"
+            f"cp={dims.cp}: {type(model).__name__} has no set_context_parallel(cp_mesh), so its attention cannot "
+            "span the cp axis (shardbridge.models.Llama has one, over shardbridge.cp_attention); use cp=1"
         )
     if average_in_collective:
         raise ValueError(
@@ -107,20 +114,24 @@ def _validate(
                 "strategy='optim_grads_params' or outer_strategy='no_shard'"
             )
     for fqn, param in model.named_parameters():
+        stride = getattr(param, "partition_stride", 1)
+        if _tp_patch.megatron_partition_dim(param) is not None and stride != 1:
+            raise NotImplementedError(
+                f"parameter {fqn!r} is a Megatron-style TP parameter with partition_stride={stride}; "
+                "Megatron-FSDP describes TP pieces as contiguous (partition_stride=1) only"
+            )
         if not isinstance(param, DTensor):
             continue
-        bad = [p for p in param.placements if isinstance(p, Shard) and p.dim != 0]
-        if bad:
-            raise NotImplementedError(
-                f"parameter {fqn!r} is a TP DTensor with placements {tuple(param.placements)}; megatron-fsdp "
-                "0.6.1 supports TP parameters sharded on dim 0 only (it views local shards as "
-                "(-1, *global_shape[1:])). Use column-parallel (Shard(0)) layers, e.g. "
-                "ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate()) instead of RowwiseParallel"
-            )
         if param.device_mesh.mesh_dim_names != ("tp",):
             raise ValueError(
                 f"parameter {fqn!r} is a DTensor on mesh {param.device_mesh.mesh_dim_names}; before shard_model "
                 "parameters may only be tensor-parallel, on mesh['tp'] of the same ParallelMesh"
+            )
+        (placement,) = param.placements
+        if type(placement) not in (Shard, Replicate):
+            raise NotImplementedError(
+                f"parameter {fqn!r} is a TP DTensor with placement {placement!r}; shard_model takes TP parameters "
+                "placed Shard(d) (column-parallel d=0, row-parallel d=1) or Replicate() on mesh['tp']"
             )
     return outer_strategy
 
@@ -171,12 +182,23 @@ def _fix_hfsdp_gradient_scaling(wrapped: nn.Module) -> int:
     return fixed
 
 
-def _full_values(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full-precision global values (item coordinates for TP DTensors) by FQN."""
+def _full_values(model: nn.Module, pm: ParallelMesh) -> dict[str, torch.Tensor]:
+    """Full-precision global values by FQN (item coordinates for TP DTensors).
+
+    Megatron-style TP parameters (plain local tensors with ``partition_dim``) are all-gathered
+    over ``tp``: a collective, run for the same parameters in the same order on every rank.
+    """
     out = {}
     with torch.no_grad():
         for fqn, p in model.named_parameters():
-            out[fqn] = p.full_tensor().clone() if isinstance(p, DTensor) else p.detach().clone()
+            dim = _tp_patch.megatron_partition_dim(p)
+            if isinstance(p, DTensor):
+                out[fqn] = p.full_tensor().clone()
+            elif dim is not None and pm.dims.tp > 1:
+                # plain TP-local piece -> Shard(dim) on tp -> global (Megatron's even split)
+                out[fqn] = DTensor.from_local(p.detach(), pm["tp"], [Shard(dim)], run_check=False).full_tensor()
+            else:
+                out[fqn] = p.detach().clone()
     return out
 
 
@@ -194,14 +216,16 @@ def shard_model(
     """Shard ``model`` (and its optimizer) with Megatron-FSDP over a shardbridge mesh.
 
     Call on every rank with the same arguments, on a model whose parameters are equal on
-    every rank (tensor-parallel ones already DTensors on ``mesh["tp"]``, sharded on dim 0) and
+    every rank (tensor-parallel ones already DTensors on ``mesh["tp"]``: ``Shard(0)``
+    column-parallel, ``Shard(1)`` row-parallel, or ``Replicate()``) and
     an optimizer built over ``model.parameters()`` (any param groups). See
     [Note: what shard_model handles] for what differs from ``megatron_fsdp.fully_shard``.
 
     Args:
         model: the module to shard (in ``policy.main_params_dtype``, usually fp32).
         optimizer: its optimizer, or None (then only the model is sharded).
-        mesh: the run's :class:`~shardbridge.ParallelMesh` (cp must be 1).
+        mesh: the run's :class:`~shardbridge.ParallelMesh`; with cp > 1 the model needs
+            ``set_context_parallel`` (called here).
         policy: mixed precision (see ``_precision.py``); None = fp32.
         strategy: what is sharded over ``dp_shard``: one of :data:`STRATEGIES` or 0..3.
         outer_strategy: HSDP over ``dp_replicate`` (dp_replicate > 1 only): "no_shard"
@@ -238,14 +262,20 @@ def shard_model(
     strategy = _strategy("strategy", strategy, STRATEGIES)
     outer_strategy = _validate(model, mesh, strategy, outer_strategy, average_in_collective)
     unit_modules = _unit_modules(model, unit_modules, strategy)
+    if mesh.dims.cp > 1:
+        model.set_context_parallel(mesh["cp"])  # attention over cp; params replicated over cp
     on_cpu = mesh.mesh.device_type == "cpu"
     patched = _cpu_patch.install(pin=True) if on_cpu else False
+    if any(_tp_patch.is_tp_dtensor(p) for p in model.parameters()):
+        # Row-parallel, no_shard x TP: see [Note: TP DTensor parameters in Megatron-FSDP]. Only
+        # for TP DTensor models: the gate then refuses unchecked megatron-fsdp versions.
+        _tp_patch.install(require_megatron_fsdp())
     # 1. Remember the optimizer's groups by FQN (fully_shard would merge them into one).
     group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
     # 2. Compute dtype: Megatron-FSDP computes in the module's dtype at wrap time.
     originals = None
     if policy.param_dtype is not None:
-        originals = _full_values(model)
+        originals = _full_values(model, mesh)
         model.to(policy.param_dtype)
     # 3. Wrap, and fix what megatron-fsdp 0.6.1 gets wrong after wrapping.
     with _quiet_device_warning(patched):
@@ -302,14 +332,14 @@ def _wrap(
     if outer_strategy is not None:
         hsdp = {
             "dp_outer_dim": "dp_replicate",
-            "hybrid_fsdp_group": mesh["dp"].get_group(),
+            "hybrid_fsdp_group": mesh["dp_cp" if mesh.dims.cp > 1 else "dp"].get_group(),
             "outer_dp_sharding_strategy": outer_strategy,
         }
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     return mfsdp.fully_shard_model(
         model,
         device_mesh=mesh.mesh,
-        dp_shard_dim="dp_shard",
+        dp_shard_dim="dp_shard_cp" if mesh.dims.cp > 1 else "dp_shard",  # cp folded into sharding
         tp_dim="tp",
         fsdp_unit_modules=unit_modules,
         zero_dp_strategy=strategy,
@@ -329,6 +359,8 @@ def _after_wrap(wrapped: nn.Module, mesh: ParallelMesh, strategy: str, outer_str
     _fix_hfsdp_gradient_scaling(wrapped)
     if accumulation_is_wrong(strategy, outer_strategy):
         install_guard(wrapped, strategy, outer_strategy)
+    # After wrapping: module.to() inside MegatronFSDP.__init__ swaps DTensor params (hooks lost).
+    _tp_patch.align_tp_grads(raw_parameters(wrapped))
     install_distributed_params(wrapped)
 
 

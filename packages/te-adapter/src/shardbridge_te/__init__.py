@@ -14,24 +14,37 @@ Every change to TE objects is a version-gated, reversible entry of the patch pla
 hint when it is missing).
 """
 
+from shardbridge.fp8 import register_backend as _register_backend
+
 from shardbridge_te._apply import TEModuleState, set_device_mesh
 from shardbridge_te._checkpoint import register_te_fp8_types
 from shardbridge_te._compat import te_version
+from shardbridge_te._cp import CP_COMM_TYPES, set_context_parallel
+from shardbridge_te._fp8 import TEBackend, build_recipe, recipe_spec, remove_autocast
+from shardbridge_te._fp8 import backend as _backend
 from shardbridge_te._lifecycle import default_units, materialize, parallelize
 from shardbridge_te._patches import PATCHES, Patch, patch_plan, unpatch
 from shardbridge_te._placements import tp_mode
 
 __all__ = [
+    "CP_COMM_TYPES",
     "PATCHES",
     "Patch",
+    "TEBackend",
     "TEModuleState",
     "default_units",
     "materialize",
     "parallelize",
     "patch_plan",
     "register_te_fp8_types",
+    "set_context_parallel",
     "set_device_mesh",
+    "build_recipe",
+    "recipe_spec",
+    "remove_autocast",
     "te_version",
     "tp_mode",
     "unpatch",
 ]
+
+_register_backend(_backend)  # FP8Recipe(backend="te"); also declared as an entry point

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from shardbridge import FSDPUnit, MixedPrecisionPolicy, ParallelMesh, apply_fsdp
+from shardbridge import FSDPUnit, MixedPrecisionPolicy, ParallelMesh, apply_fsdp, fp8
 from shardbridge._compat import local_tensor, reset_sharded_params
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -178,18 +178,23 @@ def parallelize(
     global_shapes: Mapping[str, Sequence[int]] | None = None,
     device: torch.device | str | None = None,
     reshard_after_forward: bool | Literal["default"] = "default",
+    cp_comm_type: str = "p2p",
     **fsdp_kwargs: Any,
 ) -> nn.Module:
-    """The whole lifecycle in one call: TP DTensors + amax group, FSDP2 units, materialize.
+    """The whole lifecycle in one call: TP DTensors + amax group, cp group, FSDP2 units, materialize.
 
     Args:
         model: built with TE modules, ideally on ``torch.device("meta")``.
         mesh: the run's :class:`~shardbridge.ParallelMesh`.
-        policy: mixed precision for FSDP2 (None = no casting).
+        policy: mixed precision for FSDP2 (None = no casting). ``policy.fp8`` must be a TE recipe
+            (``FP8Recipe(backend="te", ...)``): forward then runs under ``te.autocast`` with it and
+            the ``weight`` mesh as amax group; other backends are refused by name.
         units: FSDP units; None = :func:`default_units` (each outermost TE module).
         global_shapes: see :func:`set_device_mesh` (uneven TP pieces).
         device: see :func:`materialize`.
         reshard_after_forward: passed to :func:`shardbridge.apply_fsdp`.
+        cp_comm_type: with cp > 1, TE's context-parallel communication (see
+            :func:`~shardbridge_te.set_context_parallel`; call that for ``a2a+p2p``).
         **fsdp_kwargs: passed to :func:`shardbridge.apply_fsdp`.
 
     Returns:
@@ -201,7 +206,26 @@ def parallelize(
         ...     model = MyTEModel(tp_size=2)
         >>> parallelize(model, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
     """
+    recipe = None if policy is None else policy.fp8
+    if recipe is not None:
+        from shardbridge_te._fp8 import TEBackend
+
+        if not isinstance(fp8.get_backend(recipe.backend), TEBackend):
+            raise NotImplementedError(
+                f"policy.fp8={recipe}: shardbridge_te.parallelize runs TransformerEngine modules, whose FP8 is "
+                "TE's: use FP8Recipe(backend='te', name=...) (build the model in "
+                "shardbridge.fp8.model_init_context(recipe) for FP8 parameters); torchao recipes run on nn.Linear "
+                "models (shardbridge.fp8.convert + apply_fsdp, or shardbridge_hf)"
+            )
     set_device_mesh(model, mesh, global_shapes=global_shapes)
+    if recipe is not None:
+        # The model is TE modules already: nothing to convert; this records the recipe, and
+        # apply_fsdp then runs the backend's after-FSDP work (forward under te.autocast).
+        fp8.convert(model, recipe, mesh=mesh, module_filter=lambda module, fqn: False)
+    if mesh.dims.cp > 1:
+        from shardbridge_te._cp import set_context_parallel
+
+        set_context_parallel(model, mesh, cp_comm_type=cp_comm_type)  # FSDP below: over dp_shard_cp
     apply_fsdp(
         model,
         mesh,

@@ -9,6 +9,9 @@ any other, export to Hugging Face safetensors::
     state = checkpoint.load_latest(root, model=model, optimizer=opt)   # None if no checkpoint
     checkpoint.export_safetensors(checkpoint.latest(root), "hf_out", dtype="bfloat16")
     print(checkpoint.inspect(checkpoint.latest(root)))
+    pending = checkpoint.save(path, model=model, optimizer=opt, step=step, async_=True)
+    ...                                            # training goes on; the save commits meanwhile
+    pending.wait()                                 # or checkpoint.wait(); the next save waits too
     assert checkpoint.verify(checkpoint.latest(root)).ok   # sizes + checksums of every file
 
 What a checkpoint directory holds: [Note: checkpoint format] in ``_manifest.py``. How a half-
@@ -19,11 +22,14 @@ describes wrongly are repaired: [Note: DCP layout repair] in ``_repair.py``. How
 parameters are named: [Note: component names] in ``_components.py``. How a framework whose
 DTensors' placements do not describe its data (Megatron-FSDP) plugs in its own state dicts
 and boxes: [Note: state-dict providers] in ``_provider.py`` (:class:`StateDictProvider`).
+How an asynchronous save stages and commits in the background: [Note: async save] in
+``_async.py``. How tied parameters are stored once: [Note: tied tensors] in ``_state.py``.
 
 Public: the names in ``__all__``. The ``_``-prefixed modules (the chunk objects handed to DCP,
 the planners, the manifest schema, the collective helpers) are not public.
 """
 
+from shardbridge.checkpoint._async import AsyncSave, wait
 from shardbridge.checkpoint._commit import latest, step_dir
 from shardbridge.checkpoint._export import NameMap, export_safetensors
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
@@ -34,6 +40,7 @@ from shardbridge.checkpoint._save import save
 from shardbridge.checkpoint._state import component_fqn
 
 __all__ = [
+    "AsyncSave",
     "CheckpointInfo",
     "FileProblem",
     "NameMap",
@@ -50,4 +57,5 @@ __all__ = [
     "save",
     "step_dir",
     "verify",
+    "wait",
 ]

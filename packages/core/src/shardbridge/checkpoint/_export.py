@@ -12,13 +12,14 @@ Memory stays near ONE tensor, whatever the model size:
   bytes as soon as it is read. safetensors' own ``save_file`` needs the whole shard in
   memory; the format (8-byte little-endian header length, JSON header padded with spaces
   to 8 bytes, raw little-endian data) does not.
-- Each tensor is read alone from the DCP files by DCP's own reader
-  (``FileSystemReader.read_data``) into a zeroed full tensor: the read plan for one key
-  (``create_read_items_for_chunk_list``), no process group. DCP stores every box as one
-  ``torch.save`` record that its reader loads whole before copying it in, so the peak is
-  the full tensor plus its largest stored box plus the record's bytes (plus a cast copy
-  when ``dtype`` is given): measured ~2.5x the largest tensor, whatever the shard size
-  (``test_export.py``).
+- Each tensor is read alone into a zeroed full tensor, each stored box straight from its
+  file into its place (see [Note: reading boxes in place] in ``_read.py``; DCP's own
+  reader, which ``torch.load``s every box whole before copying it, is the fallback), then
+  cast and written 8 MB at a time. The peak is the full tensor plus a few MB, whatever the
+  shard size or the number of ranks that saved (``tools/bench/bench_export.py``).
+- A tied alias (see [Note: tied tensors] in ``_state.py``) is written only if the name map
+  gives it a name (``name_map=None`` keeps every name, so both are written); its bytes are
+  read from the entry it is stored under.
 
 Files are written under temporary names and renamed when complete; the index last.
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import struct
@@ -51,13 +53,14 @@ from typing import Union
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from shardbridge.checkpoint._inspect import natural_key
 from shardbridge.checkpoint._integrity import FileProblem, _log_unverified, check_files
 from shardbridge.checkpoint._manifest import FILES_SINCE_VERSION, Manifest, read_manifest, write_file_durably
+from shardbridge.checkpoint._read import EXPORT_IN_PLACE_MIN_BYTES, read_box_into
 from shardbridge.checkpoint._state import MODEL_KEY
 from shardbridge.checkpoint._trust import TrustedReader, check_no_links
 
@@ -70,6 +73,8 @@ INDEX_NAME = "model.safetensors.index.json"
 _OWN_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors(\.tmp)?|" + re.escape(INDEX_NAME) + r"(\.tmp)?")
 """Names an export writes (and their temporaries): all that ``overwrite=True`` removes."""
 _SINGLE_FILE = "model.safetensors"
+_WRITE_BYTES = 8 << 20
+"""Bytes of a tensor cast and written at a time."""
 
 _ST_DTYPES = {
     torch.float64: "F64",
@@ -153,19 +158,42 @@ class _OneTensorPlanner(LoadPlanner):
         pass
 
 
-def read_tensor(reader: dcp.FileSystemReader, metadata: Metadata, key: str) -> torch.Tensor:
+def read_tensor(
+    reader: dcp.FileSystemReader, metadata: Metadata, key: str, arena: torch.Tensor | None = None
+) -> torch.Tensor:
     """The full tensor ``key`` of a DCP checkpoint, read alone (no process group).
 
     ``reader`` must have been set up with ``reader.set_up_storage_reader(metadata, True)``.
+    Each stored box is read straight into the result (see [Note: reading boxes in place]
+    in ``_read.py``); if one cannot be, the whole tensor is read by DCP's reader instead.
+    ``arena``: a uint8 buffer at least as large as the tensor, which the result then views
+    (one allocation reused for every tensor of an export); None allocates.
     """
     md = metadata.state_dict_metadata[key]
     assert isinstance(md, TensorStorageMetadata), key
+    dtype = md.properties.dtype
     # zeros, not empty: a hostile .metadata with overlapping chunks must not leak process memory.
-    target = torch.zeros(md.size, dtype=md.properties.dtype)
-    whole = ChunkStorageMetadata(offsets=torch.Size([0] * len(md.size)), sizes=md.size)
-    plan = LoadPlan(create_read_items_for_chunk_list(key, md, [whole]))
-    reader.read_data(plan, _OneTensorPlanner(target)).wait()
+    if arena is None:
+        target = torch.zeros(md.size, dtype=dtype)
+    else:
+        nbytes = md.size.numel() * dtype.itemsize
+        target = arena[:nbytes].view(dtype).view(md.size).zero_()
+    for chunk in md.chunks:
+        view = target
+        for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+            view = view.narrow(dim, offset, size)
+        if not _read_box(reader, key, chunk, view):
+            # DCP's reader for this box: it torch.loads the record whole, then copies it in.
+            plan = LoadPlan(create_read_items_for_chunk_list(key, md, [chunk]))
+            reader.read_data(plan, _OneTensorPlanner(view)).wait()
     return target
+
+
+def _read_box(reader: dcp.FileSystemReader, key: str, chunk: ChunkStorageMetadata, view: torch.Tensor) -> bool:
+    info = reader.storage_data.get(MetadataIndex(key, chunk.offsets))
+    if info is None or info.length < EXPORT_IN_PLACE_MIN_BYTES or getattr(info, "transform_descriptors", None):
+        return False
+    return read_box_into(Path(reader.path) / info.relative_path, info.offset, info.length, view)
 
 
 def _resolve_name(name_map: NameMap | None, fqn: str) -> str | None:
@@ -258,7 +286,8 @@ def export_safetensors(
     limit = parse_size(max_shard_size)
     cast = _out_dtype(dtype)
     check_no_links(path)  # never read through a link: see [Note: export checks]
-    _verify(path, read_manifest(path), checksums=verify)
+    manifest = read_manifest(path)
+    _verify(path, manifest, checksums=verify)
     reader = TrustedReader(path)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
@@ -271,8 +300,16 @@ def export_safetensors(
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     ]
-    for key in sorted(keys, key=natural_key):
-        md = metadata.state_dict_metadata[key]
+    # Tied aliases, read from the entry they are stored under: [Note: tied tensors] in _state.py.
+    tied = {
+        f"{prefix}{alias}": f"{prefix}{record.get('tied_to')}"
+        for alias, record in manifest.layout.get("tensors", {}).items()
+        if record.get("stored_as") == "tied" and f"{prefix}{record.get('tied_to')}" in keys
+    }
+    tied = {alias: source for alias, source in tied.items() if alias not in metadata.state_dict_metadata}
+    for key in sorted([*keys, *tied], key=natural_key):
+        source = tied.get(key, key)
+        md = metadata.state_dict_metadata[source]
         fqn = key[len(prefix) :]
         name = _resolve_name(name_map, fqn)
         if name is None:
@@ -288,7 +325,7 @@ def export_safetensors(
         numel = 1
         for s in md.size:
             numel *= s
-        entries.append((key, name, out, tuple(md.size), numel * out.itemsize))
+        entries.append((source, name, out, tuple(md.size), numel * out.itemsize))
 
     shards: list[list[tuple[str, str, torch.dtype, tuple[int, ...], int]]] = []
     size = 0
@@ -313,10 +350,15 @@ def export_safetensors(
         desc="export",
         disable=not (progress and sys.stderr.isatty()),
     )
+    # One buffer for every tensor read: no allocator churn, the peak stays one tensor.
+    largest = max(
+        (metadata.state_dict_metadata[e[0]].properties.dtype.itemsize * math.prod(e[3]) for e in entries), default=0
+    )
+    arena = torch.empty(largest, dtype=torch.uint8)
     try:
         for i, shard in enumerate(shards, start=1):
             file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _write_shard(out_path / file_name, shard, reader, metadata, bar)
+            _write_shard(out_path / file_name, shard, reader, metadata, bar, arena)
             weight_map.update({name: file_name for _, name, *_ in shard})
     finally:
         bar.close()
@@ -384,16 +426,19 @@ def _write_shard(
     reader: dcp.FileSystemReader,
     metadata: Metadata,
     bar: object,
+    arena: torch.Tensor,
 ) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(_header([(name, dtype, shape, nbytes) for _, name, dtype, shape, nbytes in shard]))
         for key, name, dtype, _, nbytes in shard:
-            tensor = read_tensor(reader, metadata, key).to(dtype).contiguous()
-            if nbytes:
-                f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-            assert tensor.numel() * tensor.element_size() == nbytes, name
-            del tensor
+            tensor = read_tensor(reader, metadata, key, arena).reshape(-1)
+            assert tensor.numel() * dtype.itemsize == nbytes, name
+            # Cast and written a slice at a time: no second full copy of the tensor.
+            step = max(1, _WRITE_BYTES // max(1, tensor.element_size()))
+            for start in range(0, tensor.numel(), step):
+                f.write(tensor[start : start + step].to(dtype).view(torch.uint8).numpy().data)
+            del tensor  # no view of it may outlive this line: the next tensor reuses the memory
             bar.update(nbytes)  # type: ignore[attr-defined]
         f.flush()
         os.fsync(f.fileno())

@@ -42,7 +42,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,8 @@ __all__ = [
     "check_files",
     "damage_message",
     "file_checksum",
+    "merge_records",
+    "own_files",
     "record_files",
     "verify",
     "verify_on_all_ranks",
@@ -113,7 +115,7 @@ def _walk(checkpoint_dir: Path) -> dict[str, Path]:
     return found
 
 
-def _own_files(checkpoint_dir: Path, rank: int) -> dict[str, dict[str, Any]]:
+def own_files(checkpoint_dir: Path, rank: int) -> dict[str, dict[str, Any]]:
     """Records of the files this rank wrote: its DCP data files and its RNG file."""
     names = [p.name for p in checkpoint_dir.glob(f"__{rank}_*.distcp")]
     names.append(rng_file(rank))
@@ -121,13 +123,7 @@ def _own_files(checkpoint_dir: Path, rank: int) -> dict[str, dict[str, Any]]:
 
 
 def _all_gather(obj: Any) -> list[Any]:
-    if not _dist.is_distributed():
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * _dist.world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return _dist.all_gather(obj)
 
 
 def _add_unrecorded(checkpoint_dir: Path, files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -142,12 +138,16 @@ def record_files(checkpoint_dir: Path) -> dict[str, dict[str, Any]] | None:
 
     See [Note: checkpoint integrity]. An unreadable file raises on every rank.
     """
-    own = _dist.on_all_ranks(_own_files, checkpoint_dir, _dist.rank())
-    gathered = _all_gather(own)
+    parts = _dist.one_round(own_files, (checkpoint_dir, _dist.rank()), result="all")
+    return _dist.on_all_ranks(merge_records, checkpoint_dir, parts, only_rank0=True)
+
+
+def merge_records(checkpoint_dir: Path, parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Rank 0: every rank's :func:`own_files` records, plus records of any file none claimed."""
     files: dict[str, dict[str, Any]] = {}
-    for part in gathered:
+    for part in parts:
         files.update(part)
-    return _dist.on_all_ranks(_add_unrecorded, checkpoint_dir, files, only_rank0=True)
+    return _add_unrecorded(checkpoint_dir, files)
 
 
 @dataclass(frozen=True)
@@ -332,28 +332,41 @@ def _share(files: dict[str, dict[str, Any]], rank: int, world_size: int) -> list
     return mine
 
 
-def verify_on_all_ranks(path: Path, manifest: Manifest, *, checksums: bool) -> list[FileProblem]:
+def verify_on_all_ranks(
+    path: Path, manifest: Manifest, *, checksums: bool, rank0: Callable[[], Any] | None = None
+) -> list[FileProblem] | tuple[list[FileProblem], Any]:
     """Call on every rank: the problems of ``path`` (the same list on every rank).
 
     Rank 0 checks existence, sizes and extra files; checksums are split across the ranks.
-    Formats 1 and 2 (no record) return [] after a one-time log line.
+    Formats 1 and 2 (no record) return [] after a one-time log line. ``rank0``: also run
+    this on rank 0 after its checks and return ``(problems, its result or None if it
+    raised)``, the result shared in the same round (picklable).
     """
-    if manifest.format_version < FILES_SINCE_VERSION:
-        if _dist.rank() == 0:
-            _log_unverified(path, manifest.format_version)
-        return []
     rank, world_size = _dist.rank(), _dist.world_size()
-    mine = _share(manifest.files, rank, world_size) if checksums else []
-    if rank == 0:
-        problems = check_files(path, manifest, checksums=mine, listing=True)
+    if manifest.format_version < FILES_SINCE_VERSION:
+        if rank == 0:
+            _log_unverified(path, manifest.format_version)
+        problems: list[FileProblem] = []
     else:
-        # The other ranks stat and hash their share only: one rank walks the directory.
-        problems = check_files(path, dataclasses.replace(manifest, files=_subset(manifest, mine)), listing=False)
+        mine = _share(manifest.files, rank, world_size) if checksums else []
+        if rank == 0:
+            problems = check_files(path, manifest, checksums=mine, listing=True)
+        else:
+            # The other ranks stat and hash their share only: one rank walks the directory.
+            problems = check_files(path, dataclasses.replace(manifest, files=_subset(manifest, mine)), listing=False)
+    extra = None
+    if rank0 is not None and rank == 0 and not problems:
+        try:
+            extra = rank0()
+        except Exception:  # noqa: BLE001 (the caller redoes it where the error is raised on every rank)
+            extra = None
     merged: dict[tuple[str, str], FileProblem] = {}
-    for part in _all_gather(problems):
+    gathered = _all_gather((problems, extra))
+    for part, _ in gathered:
         for problem in part:
             merged.setdefault((problem.name, problem.problem), problem)
-    return sorted(merged.values(), key=lambda p: p.name)
+    result = sorted(merged.values(), key=lambda p: p.name)
+    return result if rank0 is None else (result, gathered[0][1])
 
 
 def _subset(manifest: Manifest, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from shardbridge._compat import flatten_state_dict
 from shardbridge.checkpoint import _dist
@@ -20,7 +20,7 @@ from shardbridge.checkpoint._chunks import LoadPlanner
 from shardbridge.checkpoint._commit import newest
 from shardbridge.checkpoint._errors import dcp_errors
 from shardbridge.checkpoint._integrity import damage_message, verify_on_all_ranks
-from shardbridge.checkpoint._manifest import MANIFEST_NAME, Manifest, read_manifest
+from shardbridge.checkpoint._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest, read_manifest
 from shardbridge.checkpoint._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint._rng import restore_rng
 from shardbridge.checkpoint._state import (
@@ -28,7 +28,9 @@ from shardbridge.checkpoint._state import (
     OPTIM_KEY,
     PortableState,
     build_portable_state,
+    drop_optim_entries,
     finish_load,
+    optim_state_owner,
     unpack_param_groups,
 )
 from shardbridge.checkpoint._trust import TrustedReader, raise_untrusted, read_metadata
@@ -107,37 +109,74 @@ def load(
         >>> state.step  # doctest: +SKIP
         100
     """
-    # Checked on every rank together: one rank's bad argument must not leave the others
-    # waiting in a collective. See [Note: symmetric errors] in _dist.py.
-    checked = _dist.on_all_ranks(_check_args, path, optimizer=optimizer, strict=strict, rng=rng, provider=state_dicts)
-    assert checked is not None
-    path, manifest = checked
-    _dist.check_same_on_all_ranks(
-        "shardbridge.checkpoint.load",
-        {"path": str(path), "strict": strict, "rng": rng, "verify": verify, "optimizer": optimizer is not None},
+    # Checked on every rank together, arguments compared between ranks, in one round: one
+    # rank's bad argument must not leave the others waiting in a collective. See
+    # [Note: symmetric errors] in _dist.py.
+    same = {"path": str(path), "strict": strict, "rng": rng, "verify": verify, "optimizer": optimizer is not None}
+    path, manifest = _dist.one_round(
+        _check_args,
+        (path,),
+        {"optimizer": optimizer, "strict": strict, "rng": rng, "provider": state_dicts},
+        same=("shardbridge.checkpoint.load", same),
     )
-    _verify(path, manifest, checksums=verify)  # before DCP unpickles or reads anything
+    # Before DCP reads anything; rank 0 also reads .metadata (restricted unpickler) and shares
+    # the validated object in the same round, instead of every rank unpickling it.
+    metadata = _verify(path, manifest, checksums=verify, read=True)
+    # Each rank plans and reads only the boxes it needs, without DCP's planning collectives
+    # (a load plan needs no coordination); errors are made symmetric by on_all_ranks.
     state = _dist.on_all_ranks(
-        build_portable_state, model, optimizer, on_bad_layout="repair", log=False, provider=state_dicts, for_load=True
+        _read_state, path, manifest, metadata, model, optimizer, strict=strict, provider=state_dicts
     )
     assert state is not None
+    _dist.on_all_ranks(_finish, path, state, model, optimizer, manifest, strict=strict, rng=rng, provider=state_dicts)
+    return TrainState(step=manifest.step, extra=manifest.extra, path=path, world_size=manifest.world_size)
+
+
+def _read_state(
+    path: Path,
+    manifest: Manifest,
+    metadata: Metadata | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    strict: bool,
+    provider: StateDictProvider | None,
+) -> PortableState:
+    """This rank's part of :func:`load`: build the portable state, check it fits, read into it."""
+    state = build_portable_state(model, optimizer, on_bad_layout="repair", log=False, provider=provider, for_load=True)
     if manifest.format_version < 2:
         unpack_param_groups(state)  # format 1 stored each param_groups entry alone
-    _dist.on_all_ranks(_check_compatible, path, state, strict=strict)
+    # No code runs from the checkpoint's files: see [Note: untrusted checkpoints] in _trust.py.
+    if metadata is None:  # rank 0 could not read it: every rank reads it, to raise the error
+        metadata = read_metadata(path)
+    _skip_absent_optim_state(state, metadata, manifest)
+    _check_compatible(path, state, metadata, strict=strict)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        # No code runs from the checkpoint's files: see [Note: untrusted checkpoints] in _trust.py.
         with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
             dcp.load(
                 state.dcp_state,
-                storage_reader=TrustedReader(path),
+                storage_reader=TrustedReader(path, metadata),
                 planner=LoadPlanner(allow_partial_load=not strict),
-                no_dist=not _dist.is_distributed(),
+                no_dist=True,
             )
-    _dist.on_all_ranks(finish_load, state, model, optimizer, strict=strict, provider=state_dicts)
+    return state
+
+
+def _finish(
+    path: Path,
+    state: PortableState,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    manifest: Manifest,
+    *,
+    strict: bool,
+    rng: bool,
+    provider: StateDictProvider | None,
+) -> None:
+    finish_load(state, model, optimizer, strict=strict, provider=provider)
     if rng:
-        _dist.on_all_ranks(restore_rng, path, _dist.rank(), _dist.world_size(), manifest.world_size)
-    return TrainState(step=manifest.step, extra=manifest.extra, path=path, world_size=manifest.world_size)
+        restore_rng(path, _dist.rank(), _dist.world_size(), manifest.world_size)
 
 
 def load_latest(
@@ -201,12 +240,20 @@ def _check_verify(verify: bool) -> None:
         raise ValueError(f"verify={verify!r} must be True (checksums) or False (sizes only)")
 
 
-def _verify(path: Path, manifest: Manifest, *, checksums: bool) -> None:
-    """ValueError on every rank naming the first damaged file. See [Note: checkpoint integrity]."""
+def _verify(path: Path, manifest: Manifest, *, checksums: bool, read: bool = False) -> Metadata | None:
+    """ValueError on every rank naming the first damaged file. See [Note: checkpoint integrity].
+
+    ``read``: also return the checkpoint's DCP metadata, read on rank 0 (None if it could not be).
+    """
     _check_verify(checksums)
-    problems = verify_on_all_ranks(path, manifest, checksums=checksums)
+    if not read:
+        problems = verify_on_all_ranks(path, manifest, checksums=checksums)
+        metadata = None
+    else:
+        problems, metadata = verify_on_all_ranks(path, manifest, checksums=checksums, rank0=lambda: read_metadata(path))
     if problems:
         raise ValueError(damage_message(path, problems))
+    return metadata
 
 
 def _damaged(path: Path) -> bool:
@@ -253,21 +300,45 @@ def _names(keys: list[str]) -> str:
     return shown + (f", ... ({len(keys) - _MAX_NAMES} more)" if len(keys) > _MAX_NAMES else "")
 
 
-def _check_compatible(path: Path, state: PortableState, *, strict: bool) -> None:
+def _skip_absent_optim_state(state: PortableState, metadata: Metadata, manifest: Manifest) -> None:
+    """Parameters saved without optimizer state load without it. See [Note: parameters without optimizer state].
+
+    Only a parameter whose state keys are ALL absent from the checkpoint and which the manifest
+    records as saved without state; any other missing key is left to :func:`_check_compatible`.
+    """
+    recorded = set(manifest.layout.get(OPTIM_STATE_ABSENT, []))
+    if OPTIM_KEY not in state.dcp_state or not recorded:
+        return
+    names = set(state.dcp_state[MODEL_KEY])
+    head = f"{OPTIM_KEY}."
+    ours, _ = flatten_state_dict({OPTIM_KEY: state.dcp_state[OPTIM_KEY]})
+    owners = {optim_state_owner(k[len(head) :], names) for k in ours} - {None}
+    saved = {optim_state_owner(k[len(head) :], names) for k in metadata.state_dict_metadata if k.startswith(head)}
+    drop_optim_entries(state, sorted(o for o in owners if o not in saved and o in recorded))
+
+
+def _check_compatible(path: Path, state: PortableState, metadata: Metadata, *, strict: bool) -> None:
     """ValueError naming missing / unexpected keys and shape mismatches before DCP runs."""
-    # No code runs from .metadata: see [Note: untrusted checkpoints] in _trust.py. Damaged data
-    # files are reported by the load itself (see [Note: DCP errors]).
-    saved = read_metadata(path, data_files=False).state_dict_metadata
+    saved = metadata.state_dict_metadata
     ours, _ = flatten_state_dict(state.dcp_state)
     tops = tuple(f"{top}." for top in state.dcp_state)
     missing = [k for k in ours if k not in saved]
-    unexpected = [k for k in saved if k.startswith(tops) and k not in ours]
+    # A checkpoint saved before ties were detected also holds the alias: same values, ignored.
+    # See [Note: tied tensors] in _state.py.
+    aliases = {f"{MODEL_KEY}.{alias}" for alias in state.tied}
+    unexpected = [k for k in saved if k.startswith(tops) and k not in ours and k not in aliases]
     if strict and (missing or unexpected):
         parts = []
         if missing:
             parts.append(f"{len(missing)} key(s) of the model are not in the checkpoint: {_names(missing)}")
         if unexpected:
             parts.append(f"{len(unexpected)} key(s) of the checkpoint are not in the model: {_names(unexpected)}")
+        if any(k.startswith(f"{OPTIM_KEY}.state.") for k in missing):
+            parts.append(
+                "missing optimizer state is accepted only for a parameter whose state keys are all absent and that "
+                "the checkpoint's manifest records as saved without state (layout.optim_state_absent); otherwise "
+                "the state was lost after the save"
+            )
         raise ValueError(
             f"checkpoint {str(path)!r} does not fit this model: {'; '.join(parts)}. Build the model the "
             "checkpoint was saved from (same architecture, module names and fused specs; "

@@ -35,7 +35,10 @@ The manifest (JSON object, ASCII) has::
                        "mesh_axes": {axis name: size} seen on the DTensors,
                        "tensors": {state-dict key: {"mesh": {axis: size}, "placements": [str],
                                                    "stored_as": "dtensor" | "repaired" |
-                                                   "components" | "plain"}}}
+                                                   "components" | "plain"}},
+                       "optim_state_absent": [stored names of parameters the optimizer held
+                                              no state for (no gradient yet); absent before
+                                              this record existed or without optimizer]}
     fused             {fused fqn: {"dim", "tp_size", "components": [{"name", "size", "fqn"}]}}
     rng               {"world_size", "files": "rng/rank-{rank:05d}.pt"}
     extra             the user's JSON dict
@@ -66,6 +69,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "Manifest",
+    "OPTIM_STATE_ABSENT",
     "RNG_PATTERN",
     "check_json_extra",
     "read_manifest",
@@ -84,6 +88,8 @@ SELF_CHECKSUM_KEY = "manifest_xxh3_128"
 _HEX_128 = re.compile(r"^[0-9a-f]{32}$")
 _FILE_NAME = re.compile(r"^(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+$")
 DCP_METADATA_NAME = ".metadata"
+OPTIM_STATE_ABSENT = "optim_state_absent"
+"""``layout`` key: stored names of the parameters saved without optimizer state (no gradient yet)."""
 RNG_PATTERN = "rng/rank-{rank:05d}.pt"
 """Per-rank RNG file, relative to the checkpoint directory."""
 
@@ -261,6 +267,9 @@ def _check_values(data: dict[str, Any], where: str) -> None:
             and isinstance(record.get("stored_as", ""), str)
         )
 
+    absent = layout.get(OPTIM_STATE_ABSENT, [])
+    if not isinstance(absent, list) or not all(isinstance(n, str) for n in absent):
+        raise bad(f"layout.{OPTIM_STATE_ABSENT}", absent, "a list of parameter names (str)")
     mapping(
         "layout.tensors",
         layout.get("tensors", {}),

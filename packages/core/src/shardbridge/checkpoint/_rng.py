@@ -11,16 +11,22 @@ import torch
 from shardbridge.checkpoint._manifest import rng_file
 from shardbridge.checkpoint._trust import UntrustedCheckpointError, load_file_weights_only
 
-__all__ = ["restore_rng", "save_rng"]
+__all__ = ["restore_rng", "rng_states", "save_rng"]
 
 _RNG_KEYS = ("cpu", "cuda")
 
 
-def save_rng(checkpoint_dir: Path, rank: int) -> None:
-    """Write this rank's CPU (and current CUDA device's) generator state, fsynced."""
+def rng_states() -> dict[str, torch.Tensor]:
+    """This rank's CPU (and current CUDA device's) generator state, now."""
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def save_rng(checkpoint_dir: Path, rank: int, states: dict[str, torch.Tensor] | None = None) -> None:
+    """Write this rank's generator states (``states``, or :func:`rng_states` now), fsynced."""
+    states = rng_states() if states is None else states
     path = checkpoint_dir / rng_file(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:

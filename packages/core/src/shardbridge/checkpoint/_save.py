@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -15,16 +16,51 @@ from torch import nn
 import shardbridge
 from shardbridge._mesh import ParallelDims
 from shardbridge.checkpoint import _dist
+from shardbridge.checkpoint._async import AsyncSave, IfBusy, finish_previous, stage_state, start_async
 from shardbridge.checkpoint._chunks import SavePlanner
 from shardbridge.checkpoint._commit import abandon, commit, new_tmp_dir
 from shardbridge.checkpoint._errors import dcp_errors
-from shardbridge.checkpoint._integrity import record_files
-from shardbridge.checkpoint._manifest import RNG_PATTERN, Manifest, check_json_extra, utc_now
+from shardbridge.checkpoint._integrity import merge_records, own_files
+from shardbridge.checkpoint._manifest import OPTIM_STATE_ABSENT, RNG_PATTERN, Manifest, check_json_extra, utc_now
 from shardbridge.checkpoint._provider import StateDictProvider, check_provider
-from shardbridge.checkpoint._rng import save_rng
+from shardbridge.checkpoint._rng import rng_states, save_rng
 from shardbridge.checkpoint._state import OPTIM_KEY, OnBadLayout, PortableState, build_portable_state
 
-__all__ = ["save"]
+__all__ = ["SaveJob", "save", "write_and_commit"]
+
+
+@overload
+def save(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = ...,
+    step: int | None = ...,
+    extra: dict[str, Any] | None = ...,
+    overwrite: bool = ...,
+    on_bad_layout: OnBadLayout = ...,
+    parallel_dims: ParallelDims | None = ...,
+    state_dicts: StateDictProvider | None = ...,
+    async_: Literal[False] = ...,
+    if_busy: IfBusy = ...,
+) -> Path: ...
+
+
+@overload
+def save(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = ...,
+    step: int | None = ...,
+    extra: dict[str, Any] | None = ...,
+    overwrite: bool = ...,
+    on_bad_layout: OnBadLayout = ...,
+    parallel_dims: ParallelDims | None = ...,
+    state_dicts: StateDictProvider | None = ...,
+    async_: Literal[True],
+    if_busy: IfBusy = ...,
+) -> AsyncSave: ...
 
 
 def save(
@@ -38,16 +74,24 @@ def save(
     on_bad_layout: OnBadLayout = "repair",
     parallel_dims: ParallelDims | None = None,
     state_dicts: StateDictProvider | None = None,
-) -> Path:
+    async_: bool = False,
+    if_busy: IfBusy = "wait",
+) -> Path | AsyncSave:
     """Save a checkpoint to the directory ``path``, atomically. Call on every rank.
 
     Saves the model and optimizer through torch's ``get_state_dict`` (the model's own FQNs,
     optimizer state flattened per parameter), every rank's torch RNG state, ``step`` and
     ``extra``. Fused parameters and their optimizer states are stored as their components,
-    and DTensors whose layout DCP would describe wrongly are repaired (see
-    :mod:`shardbridge.checkpoint._state`). The directory appears only when complete (see
+    DTensors whose layout DCP would describe wrongly are repaired (see
+    :mod:`shardbridge.checkpoint._state`), and a tensor held under several names (tied
+    embeddings) is stored once. The directory appears only when complete (see
     [Note: atomic commit] in ``_commit.py``). With several nodes, ``path`` must be on a
     filesystem every node shares.
+
+    With ``async_=True`` the call returns once the state is copied to host memory; a
+    background thread writes and commits it (see [Note: async save] in ``_async.py``), and
+    training may change the model meanwhile. At most one save is in flight: the next
+    :func:`save` (or :func:`wait`) first waits for it, and raises its error if it failed.
 
     Args:
         path: the checkpoint directory to create, e.g. ``step_dir(root, step)``; its parent
@@ -65,64 +109,161 @@ def save(
             true boxes of its DTensors' local tensors), for frameworks torch's
             ``get_state_dict`` or the placements do not describe (Megatron-FSDP); None =
             torch's. See [Note: state-dict providers] in ``_provider.py``.
+        async_: False (default) returns when the checkpoint is committed; True returns an
+            :class:`AsyncSave` as soon as the state is staged in host memory.
+        if_busy: what this save does while a previous asynchronous save is still in flight:
+            "wait" (default) for it to finish, "error" raises ``RuntimeError`` (nothing of
+            this save is done; the previous one goes on).
 
     Returns:
-        The committed checkpoint directory.
+        The committed checkpoint directory, or (``async_=True``) the :class:`AsyncSave`
+        whose ``wait()`` returns it.
 
     Raises:
         ValueError: ``path`` exists (without ``overwrite``), ``extra`` is not JSON, a bad
             layout DCP cannot describe (or any with ``on_bad_layout="error"``). Raised on
             every rank.
+        RuntimeError: ``if_busy="error"`` and a save is in flight; or the previous
+            asynchronous save failed (its error, naming the checkpoint and cause).
 
     Example:
         >>> root = "/shared/ckpt"  # doctest: +SKIP
         >>> save(step_dir(root, 100), model=model, optimizer=opt, step=100,
         ...      extra={"tokens_seen": 123})  # doctest: +SKIP
+        >>> pending = save(step_dir(root, 200), model=model, optimizer=opt, step=200,
+        ...                async_=True)  # doctest: +SKIP
+        >>> pending.wait()  # doctest: +SKIP
     """
     final = Path(path)
-    # Checked on every rank together: one rank's bad argument must not leave the others
-    # waiting in a collective. See [Note: symmetric errors] in _dist.py.
-    extra = _dist.on_all_ranks(_check_args, step=step, extra=extra, parallel_dims=parallel_dims, provider=state_dicts)
-    assert extra is not None
-    _dist.check_same_on_all_ranks(
-        "shardbridge.checkpoint.save",
-        {"path": str(path), "step": step, "extra": extra, "overwrite": overwrite, "on_bad_layout": on_bad_layout,
-         "optimizer": optimizer is not None, "parallel_dims": parallel_dims},
-    )  # fmt: skip
+    if not isinstance(async_, bool):
+        raise ValueError(f"async_={async_!r} must be True (write in the background) or False")
+    if if_busy not in ("wait", "error"):
+        raise ValueError(f"if_busy={if_busy!r} must be 'wait' (for the save in flight) or 'error'")
+    # 0. At most one save in flight; the previous one's error surfaces here.
+    finish_previous(if_busy)
     rank, world_size = _dist.rank(), _dist.world_size()
-
-    # 1. The portable state dict: layouts checked, fused params split.
-    state = _dist.on_all_ranks(
-        build_portable_state, model, optimizer, on_bad_layout=on_bad_layout, log=rank == 0, provider=state_dicts
-    )
-    assert state is not None
-    # 2. Rank 0 creates the temporary directory.
-    tmp = _dist.on_all_ranks(new_tmp_dir, final, overwrite=overwrite, only_rank0=True)
-    tmp = _dist.broadcast_from_rank0(tmp)
+    # 1. Arguments checked, the portable state built (layouts checked, fused params split,
+    # FP8 made plain) and, for async_, staged to host memory: one round in which every rank
+    # also compares its arguments. See [Note: symmetric errors] in _dist.py.
+    same = {"path": str(path), "step": step, "extra": {} if extra is None else extra, "overwrite": overwrite,
+            "on_bad_layout": on_bad_layout, "optimizer": optimizer is not None, "parallel_dims": parallel_dims,
+            "async_": async_}  # fmt: skip
+    # 2. In the same round, rank 0 creates the temporary directory (once its own checks
+    # passed; deleted below if another rank failed) and every rank learns its name.
+    created: list[Path] = []
     try:
-        # 3. Every rank writes its DCP files and RNG file; DCP fsyncs and synchronises.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            with dcp_errors("save", final, data_dir=tmp):  # see [Note: DCP errors]
-                dcp.save(
-                    state.dcp_state,
-                    storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                    planner=SavePlanner(),
-                    no_dist=not _dist.is_distributed(),
-                )
-        _dist.on_all_ranks(save_rng, tmp, rank)
-        # 4. Every rank hashes its files; rank 0 gets every record ([Note: checkpoint integrity]).
-        files = record_files(tmp)
-        # 5. Rank 0 writes the manifest (the commit point) and renames; every rank learns the outcome.
-        manifest = _manifest(
-            state, step=step, extra=extra, world_size=world_size, parallel_dims=parallel_dims, files=files or {}
+        (extra, state, snapshot, _), tmp = _dist.one_round(
+            _prepare,
+            (model, optimizer),
+            {
+                "step": step,
+                "extra": extra,
+                "parallel_dims": parallel_dims,
+                "provider": state_dicts,
+                "on_bad_layout": on_bad_layout,
+                "log": rank == 0,
+                "stage": async_,
+                "tmp_for": (final, overwrite, created) if rank == 0 else None,
+            },
+            same=("shardbridge.checkpoint.save", same),
+            share=lambda prepared: prepared[3],
         )
-        _dist.on_all_ranks(commit, tmp, final, manifest, overwrite=overwrite, only_rank0=True)
+    except BaseException:
+        for made in created:
+            abandon(made, final)  # see [Note: atomic commit]
+        raise
+    job = SaveJob(
+        final=final,
+        tmp=tmp,
+        dcp_state=state.dcp_state if snapshot is None else snapshot,
+        rng=rng_states(),
+        overwrite=overwrite,
+        manifest=_manifest(state, step=step, extra=extra, world_size=world_size, parallel_dims=parallel_dims),
+    )
+    del state, snapshot
+    if not async_:
+        write_and_commit(job)
+        return final
+    try:
+        return start_async(job, write_and_commit)
     except BaseException:
         if rank == 0:
-            abandon(tmp, final)  # deletes tmp unless it is the only complete copy: [Note: atomic commit]
+            abandon(tmp, final)
         raise
-    return final
+
+
+@dataclass
+class SaveJob:
+    """Everything steps 3-5 of a save need: written in the foreground or by the writer thread."""
+
+    final: Path
+    tmp: Path
+    dcp_state: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    overwrite: bool
+    manifest: Manifest
+    """Without ``files`` (added at the commit)."""
+
+
+def write_and_commit(job: SaveJob) -> None:
+    """Steps 3-5 of :func:`save`: write, record, commit. Collectives on ``_dist``'s group."""
+    rank = _dist.rank()
+    try:
+        # 3. Every rank writes its DCP files; DCP fsyncs and synchronises.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            with dcp_errors("save", job.final, data_dir=job.tmp):  # see [Note: DCP errors]
+                dcp.save(
+                    job.dcp_state,
+                    storage_writer=dcp.FileSystemWriter(job.tmp, sync_files=True),
+                    planner=SavePlanner(),
+                    process_group=_dist.group(),
+                    no_dist=not _dist.is_distributed(),
+                )
+        # 4. Every rank writes its RNG file and hashes its files; rank 0 gets every record
+        # ([Note: checkpoint integrity]).
+        parts = _dist.one_round(_write_rng_and_record, (job.tmp, rank, job.rng), result="all")
+        # 5. Rank 0 writes the manifest (the commit point) and renames; every rank learns the outcome.
+        _dist.on_all_ranks(_commit_rank0, job, parts, only_rank0=True)
+    except BaseException:
+        if rank == 0:
+            abandon(job.tmp, job.final)  # deletes tmp unless it is the only complete copy: [Note: atomic commit]
+        raise
+
+
+def _prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    step: int | None,
+    extra: dict[str, Any] | None,
+    parallel_dims: ParallelDims | None,
+    provider: StateDictProvider | None,
+    on_bad_layout: OnBadLayout,
+    log: bool,
+    stage: bool,
+    tmp_for: tuple[Path, bool, list[Path]] | None,
+) -> tuple[dict[str, Any], PortableState, dict[str, Any] | None, Path | None]:
+    """Steps 1-2 of :func:`save` on one rank; rank 0 (``tmp_for``) also creates the tmp dir."""
+    extra = _check_args(step=step, extra=extra, parallel_dims=parallel_dims, provider=provider)
+    state = build_portable_state(model, optimizer, on_bad_layout=on_bad_layout, log=log, provider=provider)
+    snapshot = stage_state(state.dcp_state) if stage else None
+    tmp = None
+    if tmp_for is not None:
+        final, overwrite, created = tmp_for
+        tmp = new_tmp_dir(final, overwrite=overwrite)
+        created.append(tmp)
+    return extra, state, snapshot, tmp
+
+
+def _write_rng_and_record(tmp: Path, rank: int, rng: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    save_rng(tmp, rank, rng)
+    return own_files(tmp, rank)
+
+
+def _commit_rank0(job: SaveJob, parts: list[dict[str, dict[str, Any]]]) -> None:
+    manifest = dataclasses.replace(job.manifest, files=merge_records(job.tmp, parts))
+    commit(job.tmp, job.final, manifest, overwrite=job.overwrite)
 
 
 def _check_args(
@@ -152,22 +293,24 @@ def _manifest(
     extra: dict[str, Any],
     world_size: int,
     parallel_dims: ParallelDims | None,
-    files: dict[str, dict[str, Any]],
 ) -> Manifest:
     mesh_axes: dict[str, int] = {}
     for record in state.tensors.values():
         mesh_axes.update(record["mesh"])
     dims = None if parallel_dims is None else dataclasses.asdict(parallel_dims)
+    layout: dict[str, Any] = {"parallel_dims": dims, "mesh_axes": mesh_axes, "tensors": state.tensors}
+    if OPTIM_KEY in state.dcp_state:  # See [Note: parameters without optimizer state] in _state.py
+        layout[OPTIM_STATE_ABSENT] = state.no_optim_state
     return Manifest(
         step=step,
         world_size=world_size,
         has_optimizer=OPTIM_KEY in state.dcp_state,
-        layout={"parallel_dims": dims, "mesh_axes": mesh_axes, "tensors": state.tensors},
+        layout=layout,
         fused=state.fused,
         extra=extra,
         rng={"world_size": world_size, "files": RNG_PATTERN},
         torch_version=torch.__version__,
         shardbridge_version=shardbridge.__version__,
         created=utc_now(),
-        files=files,
+        files={},
     )

@@ -40,7 +40,9 @@ __all__ = [
     "PortableState",
     "build_portable_state",
     "component_fqn",
+    "drop_optim_entries",
     "finish_load",
+    "optim_state_owner",
     "unpack_param_groups",
 ]
 
@@ -67,6 +69,14 @@ class PortableState:
     """Manifest record per fused parameter."""
     packed_param_groups: dict[str, Any] = field(default_factory=dict)
     """The live ``optim.param_groups`` entries (component names) before a load replaced them."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """Model key of a tied alias -> the key it is stored under. See [Note: tied tensors]."""
+    no_optim_state: list[str] = field(default_factory=list)
+    """Stored names (component names for fused params) of parameters the optimizer holds no
+    state for. See [Note: parameters without optimizer state]."""
+    dropped_optim_state: list[str] = field(default_factory=list)
+    """Load only: stored names whose optimizer state is absent from the checkpoint as recorded;
+    their state is dropped after the load. See [Note: parameters without optimizer state]."""
 
 
 
@@ -102,6 +112,52 @@ def _normalised_fused(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, F
         if key in model_sd:
             out[key] = spec
     return out
+
+
+# [Note: tied tensors]
+# ~~~~~~~~~~~~~~~~~~~~
+# A parameter (or buffer) registered under several names, e.g. tied input/output embeddings
+# (``output.weight`` IS ``tok_embeddings.weight``; under FSDP2 x TP one DTensor), appears in
+# torch's model state dict once per name, each a view of the same storage (the optimizer
+# holds it once, under the first name). It is stored ONCE, under the first name in
+# ``named_parameters(remove_duplicate=False)`` order (the module registration order, the
+# same on every rank); the manifest records the alias as ``"stored_as": "tied", "tied_to":
+# <key>``. On load the stored entry is filled in place, and every name sees it (one
+# storage). Ties are found structurally (the same Parameter object), never by comparing
+# data pointers alone (an empty local shard has no storage to compare); a tie is kept only
+# where the state-dict values really share storage (a provider's copies are stored apart).
+# A checkpoint written before ties were detected holds both names: the alias key is then
+# ignored on load (same values). Export writes an alias only if its name map asks for it
+# (see [Note: streaming export] in ``_export.py``).
+
+
+def _tied_keys(model: nn.Module, model_sd: dict[str, Any], fused: dict[str, FusedSpec]) -> dict[str, str]:
+    """Alias key -> stored key for tensors registered under several names. See [Note: tied tensors]."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for fqn, tensor in named:
+        key = fqn if fqn in model_sd else ".".join(p for p in fqn.split(".") if p not in ("_orig_mod", "module"))
+        if key not in model_sd or key in fused:
+            continue
+        canonical = first.setdefault(id(tensor), key)
+        if canonical != key and canonical not in fused and _same_storage(model_sd[canonical], model_sd[key]):
+            tied[key] = canonical
+    return tied
+
+
+def _same_storage(a: Any, b: Any) -> bool:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or type(a) is not type(b):
+        return False
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if isinstance(a, DTensor):
+        if a.placements != b.placements or a.device_mesh != b.device_mesh:
+            return False
+        a, b = local_tensor(a), local_tensor(b)
+    if a.numel() == 0:
+        return a.shape == b.shape
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
 
 
 def _placements_record(t: torch.Tensor, stored_as: str) -> dict[str, Any]:
@@ -156,6 +212,7 @@ def build_portable_state(
                 "is unknown, so it cannot be checkpointed. Make it a DTensor first "
                 "(shardbridge._tp.to_dtensor_param)"
             )
+    tied = _tied_keys(model, model_sd, fused)
     params: dict[str, ParamInfo] = {}
     for fqn, value in model_sd.items():
         if isinstance(value, torch.Tensor):
@@ -163,12 +220,18 @@ def build_portable_state(
             local_shape = tuple(local_tensor(dt).shape) if dt is not None else tuple(value.shape)
             box = _provided_box(provider, fqn, dt) if dt is not None and provider is not None else None
             params[fqn] = ParamInfo(fqn, tuple(value.shape), local_shape, dt, fused.get(fqn), box)
-    state = PortableState(dcp_state={MODEL_KEY: {}}, model_sd=model_sd, optim_sd=optim_sd)
-    _add_entries(state, MODEL_KEY, model_sd, params, lambda key: ("", key, ""), on_bad_layout, log)
+    state = PortableState(dcp_state={MODEL_KEY: {}}, model_sd=model_sd, optim_sd=optim_sd, tied=tied)
+    stored_sd = {k: v for k, v in model_sd.items() if k not in tied}
+    _add_entries(state, MODEL_KEY, stored_sd, params, lambda key: ("", key, ""), on_bad_layout, log)
+    for alias, key in tied.items():
+        record = state.tensors.get(key) or _placements_record(model_sd[alias], "plain")
+        state.tensors[alias] = {**record, "stored_as": "tied", "tied_to": key}
     if optim_sd is not None:
         state.dcp_state[OPTIM_KEY] = {}
         names = set(params)
         _add_entries(state, OPTIM_KEY, optim_sd, params, lambda key: _split_optim_key(key, names), on_bad_layout, log)
+    if optim_sd is not None:
+        state.no_optim_state = _stateless_params(optim_sd, set(params), fused)
     for fqn, spec in fused.items():
         info = params[fqn]
         tp = fused_tp_size(fqn, info.dtensor, spec) if info.dtensor is not None else 1
@@ -179,6 +242,79 @@ def build_portable_state(
         }
     _pack_param_groups(state)
     return state
+
+
+# [Note: parameters without optimizer state]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A parameter that never gets a gradient (a DSA indexer behind a top-k, a compressor unused at
+# short sequences) has no optimizer state: AdamW creates it lazily at the first step with a
+# gradient. A fresh optimizer's ``get_state_dict`` initialises state for EVERY parameter, so a
+# load would miss that parameter's ``optim.state.<fqn>.*`` keys. Save records these parameters
+# (stored names) in the manifest, ``layout.optim_state_absent``. On load, a parameter whose
+# state keys are ALL absent from the checkpoint and that the manifest records so loads with no
+# state: its keys are not read, and after ``set_state_dict`` its state is removed from the
+# optimizer, as in the saved run (the next step with a gradient initialises it). Any other
+# missing key (some of a parameter's keys, or all of them without the record: state lost after
+# the save) stays an error under strict.
+
+
+def _stateless_params(optim_sd: dict[str, Any], names: set[str], fused: dict[str, FusedSpec]) -> list[str]:
+    """Stored names of the parameters in ``param_groups`` with no ``state.*`` key in ``optim_sd``."""
+    grouped, with_state = set(), set()
+    for key in optim_sd:
+        parsed = _split_optim_key(key, names)
+        if parsed is not None:
+            (grouped if parsed[0] == "param_groups." else with_state).add(parsed[1])
+    out = []
+    for fqn in sorted(grouped - with_state):
+        spec = fused.get(fqn)
+        out.extend([component_fqn(fqn, n) for n in spec.names] if spec is not None else [fqn])
+    return out
+
+
+def optim_state_owner(key: str, names: set[str]) -> str | None:
+    """The stored parameter name of a flattened optimizer ``state.<name>.<...>`` key, else None."""
+    parsed = _split_optim_key(key, names)
+    return parsed[1] if parsed is not None and parsed[0] == "state." else None
+
+
+def drop_optim_entries(state: PortableState, names: list[str]) -> None:
+    """Load only: do not read the optimizer state of ``names``; dropped after the load."""
+    if not names or OPTIM_KEY not in state.dcp_state:
+        return
+    wanted = set(names)
+    model_names = set(state.dcp_state[MODEL_KEY])
+    optim = state.dcp_state[OPTIM_KEY]
+    for key in [k for k in optim if optim_state_owner(k, model_names) in wanted]:
+        del optim[key]
+    state.aliases = {k: v for k, v in state.aliases.items() if v[0] != OPTIM_KEY or v[1] in optim}
+    state.dropped_optim_state = sorted(wanted)
+
+
+def _strip_wrappers(fqn: str) -> str:
+    return ".".join(p for p in fqn.split(".") if p not in ("_orig_mod", "module", "_checkpoint_wrapped_module"))
+
+
+def _drop_loaded_state(state: PortableState, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Remove the optimizer state of ``state.dropped_optim_state`` (after set_state_dict)."""
+    if not state.dropped_optim_state:
+        return
+    stored_to_param = {}
+    for fqn, record in state.fused.items():
+        for component in record["components"]:
+            stored_to_param[component["fqn"]] = fqn
+    by_name = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        by_name.setdefault(fqn, param)
+        by_name.setdefault(_strip_wrappers(fqn), param)
+    for name in state.dropped_optim_state:
+        param = by_name.get(stored_to_param.get(name, name))
+        if param is None:
+            raise ValueError(
+                f"parameter {name!r} has no optimizer state in the checkpoint, but this model has no parameter of "
+                "that name to clear it on; load into the model the checkpoint was saved from"
+            )
+        optimizer.state.pop(param, None)
 
 
 # [Note: packed param groups]
@@ -366,11 +502,13 @@ def finish_load(
                 sd[key] = value  # non-tensor values DCP replaced (param_groups entries)
     if provider is not None:
         provider.load_state_dicts(model, optimizer, state.model_sd, state.optim_sd, strict=strict)
-        return
-    options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
-    if optimizer is None:
-        set_model_state_dict(model, state.model_sd, options=options)
     else:
-        set_state_dict(
-            model, optimizer, model_state_dict=state.model_sd, optim_state_dict=state.optim_sd, options=options
-        )
+        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
+        if optimizer is None:
+            set_model_state_dict(model, state.model_sd, options=options)
+        else:
+            set_state_dict(
+                model, optimizer, model_state_dict=state.model_sd, optim_state_dict=state.optim_sd, options=options
+            )
+    if optimizer is not None:
+        _drop_loaded_state(state, model, optimizer)  # See [Note: parameters without optimizer state]

@@ -42,10 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default 1)")
     a.add_argument("--dp-shard", type=int, default=2, help="FSDP shard degree (default 2)")
     a.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    a.add_argument("--cp", type=int, default=1, help="context-parallel degree: sequence split (default 1)")
     b = parser.add_argument_group("reload layout (B)")
     b.add_argument("--reload-dp-replicate", type=int, default=1, help="default 1")
     b.add_argument("--reload-dp-shard", type=int, default=4, help="default 4")
     b.add_argument("--reload-tp", type=int, default=1, help="default 1")
+    b.add_argument("--reload-cp", type=int, default=1, help="default 1")
     m = parser.add_argument_group("model and data")
     m.add_argument("--model", choices=_MODELS, default="tiny", help="reference model size (default tiny)")
     m.add_argument(
@@ -114,14 +116,19 @@ class DemoConfig:
 
 
 def _world(layout: dict[str, int]) -> int:
-    return layout["dp_replicate"] * layout["dp_shard"] * layout["tp"]
+    return layout["dp_replicate"] * layout["dp_shard"] * layout.get("cp", 1) * layout["tp"]
 
 
 def _config_from_args(args: argparse.Namespace) -> DemoConfig:
     from shardbridge import ParallelDims
 
-    layout = {"dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard, "tp": args.tp}
-    reload_layout = {"dp_replicate": args.reload_dp_replicate, "dp_shard": args.reload_dp_shard, "tp": args.reload_tp}
+    layout = {"dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard, "cp": args.cp, "tp": args.tp}
+    reload_layout = {
+        "dp_replicate": args.reload_dp_replicate,
+        "dp_shard": args.reload_dp_shard,
+        "cp": args.reload_cp,
+        "tp": args.reload_tp,
+    }
     for prefix, lay in (("--", layout), ("--reload-", reload_layout)):
         for key, value in lay.items():
             if value < 1:
@@ -134,6 +141,11 @@ def _config_from_args(args: argparse.Namespace) -> DemoConfig:
     if args.batch_size % dp:
         raise ValueError(
             f"--batch-size={args.batch_size} does not divide over dp_replicate*dp_shard={dp}; use a multiple of {dp}"
+        )
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        raise ValueError(
+            f"--seq-len={args.seq_len} is not divisible by 2 * --cp = {2 * args.cp} (the load-balanced sequence "
+            f"split cuts it into 2 * cp chunks); use a multiple of {2 * args.cp}"
         )
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise ValueError(f"--lr={args.lr} must be a finite number > 0, e.g. 3e-3")
@@ -286,7 +298,7 @@ def _train_phase(cfg: DemoConfig) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from shardbridge import checkpoint
+    from shardbridge import checkpoint, cp_cross_entropy, cp_split
     from shardbridge._comm_stats import count_collectives
     from shardbridge.models import synthetic_batch
 
@@ -301,8 +313,12 @@ def _train_phase(cfg: DemoConfig) -> dict[str, Any]:
         dist.barrier()
         start = time.perf_counter()
         with count_collectives() as counts:
-            logits = model(tokens)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            if pm.dims.cp > 1:  # this rank's head-tail part of every sequence; loss over dp_cp
+                logits = model(cp_split(tokens, pm["cp"]))
+                loss = cp_cross_entropy(logits, cp_split(labels, pm["cp"]), pm)  # global on every rank
+            else:
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -316,17 +332,28 @@ def _train_phase(cfg: DemoConfig) -> dict[str, Any]:
     ckpt_path = os.path.join(cfg.checkpoint_root, f"step-{cfg.steps:08d}")
     dist.barrier()
     start = time.perf_counter()
-    checkpoint.save(
-        ckpt_path, model=model, optimizer=optimizer, step=cfg.steps, extra={"demo": True}, parallel_dims=pm.dims
+    # Asynchronous: returns once the state is staged in host memory; written and committed
+    # in the background while the reference below is computed.
+    pending = checkpoint.save(
+        ckpt_path,
+        model=model,
+        optimizer=optimizer,
+        step=cfg.steps,
+        extra={"demo": True},
+        parallel_dims=pm.dims,
+        async_=True,
     )
-    dist.barrier()
-    save_s = time.perf_counter() - start
+    save_blocked_s = time.perf_counter() - start
 
     reference = _full_components(model, optimizer, pm.dims.tp)
     picture = _layout_picture(model, pm)
     if dist.get_rank() == 0:
         torch.save(reference, os.path.join(cfg.out, "reference.pt"))
+    pending.wait()
+    dist.barrier()
+    save_s = time.perf_counter() - start
     return {
+        "save_blocked_s": save_blocked_s,
         "losses": losses,
         "step_times": step_times,
         "all_gather_bytes": gathered,
@@ -510,7 +537,8 @@ def _print_summary(cfg, train, reload_b, single, export) -> int:
         ("all-gathered per step (rank 0)", f"{statistics.median(train['all_gather_bytes']) / 1e6:.3f} MB"),
         ("reduce-scattered per step (rank 0)", f"{statistics.median(train['reduce_scatter_bytes']) / 1e6:.3f} MB"),
         ("checkpoint size", f"{mb:.2f} MB  ({train['checkpoint']})"),
-        ("save", f"{train['save_s']:.2f} s  ({mb / train['save_s']:.1f} MB/s)"),
+        ("save", f"{train['save_s']:.2f} s  ({mb / train['save_s']:.1f} MB/s; async: training blocked "
+                 f"{train['save_blocked_s']:.2f} s)"),
         (f"load into {_fmt(reload_b['layout'])}", f"{reload_b['load_s']:.2f} s  ({mb / reload_b['load_s']:.1f} MB/s)"),
         ("load into single process", f"{single['load_s']:.2f} s  ({mb / single['load_s']:.1f} MB/s)"),
         ("export safetensors", f"{export['export_s']:.2f} s, {export['files']} file(s)"),

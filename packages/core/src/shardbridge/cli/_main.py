@@ -73,10 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Verbs adapters contribute (entry-point group "shardbridge.cli"): listed for --help by name
     # only; main() hands "VERB ..." to the adapter before parsing. See [Note: adapter verbs].
+    # A dotted name ("ckpt.convert") is an action of a core group: ``shardbridge ckpt convert``.
     for name in verb_names():
-        sub.add_parser(name, help=f"contributed by an adapter: shardbridge {name} --help", add_help=False)
+        if "." not in name:
+            sub.add_parser(name, help=f"contributed by an adapter: shardbridge {name} --help", add_help=False)
     ckpt = sub.add_parser("ckpt", help="inspect or export a shardbridge checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    for name in verb_names():
+        if name.startswith("ckpt."):
+            action = name.split(".", 1)[1]
+            ckpt_sub.add_parser(action, help=f"contributed by an adapter: shardbridge ckpt {action} --help", add_help=False)
     inspect_p = ckpt_sub.add_parser("inspect", help="list the tensors, layout and size of a checkpoint")
     inspect_p.add_argument("path", help="a checkpoint directory (or a root: its latest checkpoint)")
     inspect_p.set_defaults(func=_run_ckpt_inspect)
@@ -117,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = argv[1:]
     if argv[:1] and argv[0] in verb_names():
         return _run_verb(argv[0], argv[1:], debug=debug)
+    if len(argv) >= 2 and ".".join(argv[:2]) in verb_names():  # an adapter's group action: ckpt convert
+        return _run_verb(".".join(argv[:2]), argv[2:], debug=debug)
     if _DEBUG in argv:  # also accepted after the command: shardbridge ckpt inspect DIR --debug
         debug, argv = True, [a for a in argv if a != _DEBUG]
     parser = build_parser()
@@ -143,7 +151,7 @@ def _report(prog: str, err: BaseException, args: argparse.Namespace | None, *, d
 
 def _run_verb(name: str, argv: list[str], *, debug: bool = False) -> int:
     """An adapter's verb (``shardbridge launch`` is the hf adapter's launcher). See [Note: adapter verbs]."""
-    prog = f"shardbridge {name}"
+    prog = f"shardbridge {name.replace('.', ' ')}"
     try:
         verb = load_verb(name)  # lazy: the core imports no adapter until a verb runs
     except ImportError as err:

@@ -13,7 +13,8 @@ function (``argv -> exit code``), and the install hint shown when loading it fai
 adapter's host framework is missing. ``shardbridge --help`` lists every registered verb by
 name without importing any adapter (the help text is read only when the verb runs or when
 its own ``--help`` is asked for). A verb's arguments are its own: everything after the verb
-name is handed to it unparsed.
+name is handed to it unparsed. A dotted name adds an action to a core group:
+``"ckpt.convert"`` (the megatron adapter's) runs as ``shardbridge ckpt convert``.
 """
 
 from __future__ import annotations

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from shardbridge._cp import cp_attention, cp_positions
 from shardbridge._fused import FusedSpec, fused_params, register_fused
 from shardbridge._tp import TPMode, tp_placements
 
@@ -170,8 +172,12 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.dim, spec.total, bias=False)
         register_fused(self.qkv, "weight", spec)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
+        self.cp_mesh: DeviceMesh | None = None  # set by Llama.set_context_parallel
+        self.cp_comm = "all_gather"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         qkv = self.qkv(x)  # TP-local [q_j | k_j | v_j]; see [Note: TP-local forward]
         num_kv = qkv.shape[-1] // ((self.q_per_kv + 2) * self.head_dim)
@@ -182,7 +188,10 @@ class Attention(nn.Module):
         v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         # q head i attends with kv head i // q_per_kv, locally as globally.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.q_per_kv > 1)
+        if positions is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.q_per_kv > 1)
+        else:  # context parallel: keys of the whole cp group, causal on global positions
+            out = cp_attention(q, k, v, positions, self.cp_mesh, enable_gqa=self.q_per_kv > 1, comm=self.cp_comm)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -207,8 +216,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -243,15 +254,45 @@ class Llama(nn.Module):
         if self.rope_cos.device.type != "meta":
             self.init_weights(seed)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]`` of ``tokens`` ``[batch, seq]``.
+
+        Under context parallelism (:meth:`set_context_parallel`) ``tokens`` is this cp rank's
+        part of the batch (``shardbridge.cp_split``) and the logits are that part's; RoPE and
+        the causal mask use the global ``positions`` (default: :func:`~shardbridge.cp_positions`
+        of this rank, i.e. the head-tail split of ``seq * cp`` tokens).
+        """
         seq = tokens.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq} > max_seq_len({self.config.max_seq_len}); raise max_seq_len")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cp_mesh = self.layers[0].attention.cp_mesh if len(self.layers) else None
+        if positions is None and cp_mesh is not None and cp_mesh.size() > 1:
+            positions = cp_positions(
+                seq * cp_mesh.size(), cp_mesh.size(), cp_mesh.get_local_rank(), device=tokens.device
+            )
+        global_seq = seq if positions is None else int(positions.max()) + 1
+        if global_seq > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {global_seq} > max_seq_len({self.config.max_seq_len}); raise max_seq_len"
+            )
+        if positions is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # global positions
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, positions)
         return self.output(self.norm(h))
+
+    def set_context_parallel(self, cp_mesh: DeviceMesh | None, *, comm: str = "all_gather") -> None:
+        """Run attention context-parallel over the 1-D ``cp_mesh`` (None = off).
+
+        ``comm`` is :func:`~shardbridge.cp_attention`'s: "all_gather" or "ring".
+
+        Called by :func:`~shardbridge.models.parallelize_llama` when cp > 1. Parameters are
+        untouched (replicated over cp; FSDP shards them over ``dp_shard_cp``), so
+        checkpoints do not depend on cp.
+        """
+        for layer in self.layers:
+            layer.attention.cp_mesh, layer.attention.cp_comm = cp_mesh, comm
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -318,6 +359,8 @@ class Llama(nn.Module):
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [batch, heads, seq, head_dim]; rotate-half rotary embedding.
+    if cos.ndim == 3:  # per-sample positions: [batch, seq, head_dim] -> [batch, 1, seq, head_dim]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)

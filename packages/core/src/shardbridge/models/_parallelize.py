@@ -49,17 +49,22 @@ def parallelize_llama(
     policy: MixedPrecisionPolicy | None = None,
     *,
     compile: bool = False,
+    cp_comm: str = "all_gather",
 ) -> Llama:
-    """Tensor parallelism (when tp > 1), per-block compile (optional), then FSDP2 units.
+    """Tensor parallelism (when tp > 1), context parallelism (cp > 1), per-block compile, then FSDP2 units.
 
     Call on an initialised model (``init_weights`` done) whose parameters are identical on
-    every rank; call with the same arguments on every rank.
+    every rank; call with the same arguments on every rank. With cp > 1, feed each rank its
+    part of the batch (``shardbridge.cp_split`` of tokens and labels over ``mesh["cp"]``) and
+    reduce the loss with ``shardbridge.cp_cross_entropy``.
 
     Args:
         model: the model, in ``policy.main_params_dtype``.
         mesh: the run's :class:`~shardbridge.ParallelMesh`.
         policy: mixed precision for FSDP2; None = no casting.
         compile: ``torch.compile`` each transformer block (before FSDP, as torchtitan).
+        cp_comm: with cp > 1, how attention spans cp: "all_gather" (K/V all-gathered) or
+            "ring" (K/V passed around the cp ring; CPU). See ``shardbridge.cp_attention``.
 
     Returns:
         ``model``, parallelized in place.
@@ -74,6 +79,10 @@ def parallelize_llama(
     if mesh.dims.tp > 1:
         _check_tp_divides(model, mesh.dims.tp)
         apply_tp(model, mesh["tp"])
+    if mesh.dims.cp > 1:
+        # Attention spans the cp axis; params stay replicated over cp, FSDP shards them over
+        # the flattened dp_shard_cp (see [Note: loss over dp_cp] in shardbridge._cp).
+        model.set_context_parallel(mesh["cp"], comm=cp_comm)
     if compile:
         for block in model.layers:
             block.compile()

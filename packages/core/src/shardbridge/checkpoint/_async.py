@@ -1,0 +1,177 @@
+"""Asynchronous saves: stage to host memory, write and commit in a background thread.
+
+[Note: async save]
+~~~~~~~~~~~~~~~~~~
+``save(..., async_=True)`` splits a save in two::
+
+    training thread (blocks)                  writer thread (background)
+    0. wait for the save in flight, if any;
+       raise its error
+    1. check args, build the portable state
+       (layout repair, fused splits, FP8 ->
+       plain), STAGE it: copy every box to
+       host memory (pinned on CUDA), capture
+       the RNG states; one collective round
+    2. rank 0 creates + locks the tmp dir
+    3. start the writer, return AsyncSave ->  4. dcp.save of the snapshot (fsynced)
+       training goes on and may change the    5. RNG files; hash every file
+       model and optimizer                    6. rank 0 writes the manifest and renames:
+                                                 the commit of [Note: atomic commit]
+
+The writer's collectives (DCP's planning, the file records, the commit's outcome) run on
+a gloo group of its own, created at the first asynchronous save, so they never interleave
+with the training thread's collectives (gloo matches collectives by order within a group).
+The commit is the synchronous one: the manifest is written only after every rank's files
+are fsynced and hashed, so a crash of the writer (or the process) at any point leaves what
+a crashed synchronous save leaves: the previous checkpoint intact, the hidden tmp directory
+deleted or restored by recovery, and :func:`latest` returns the last committed checkpoint.
+
+At most one save is in flight per process: the next ``save`` (sync or async) first waits
+for it (``if_busy="wait"``) or refuses (``if_busy="error"``: every rank raises if any rank
+is still busy). A failure of the writer is kept and raised by the next ``save``, by
+``AsyncSave.wait()`` or by :func:`wait`; it is the error a synchronous save would raise
+(naming the checkpoint, the file and the cause). It is also logged when it happens, so an
+error nobody waits for is not silent. The thread is not a daemon: a script that ends with
+a save in flight exits once it is committed; call :func:`wait` before
+``destroy_process_group``.
+
+Why a thread and not a process (torchtitan's ``async_with_pinned_mem``): the snapshot is
+already in host memory, writing is I/O that releases the GIL, and a thread needs no second
+copy into shared memory. The cost is DCP's Python planning competing for the GIL with the
+training thread while it runs (docs/benchmarks.md measures the blocking window).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch.distributed as dist
+
+from shardbridge._compat import group_timeout
+from shardbridge.checkpoint import _dist
+from shardbridge.checkpoint._stage import Stager
+
+__all__ = ["AsyncSave", "IfBusy", "finish_previous", "stage_state", "start_async", "wait"]
+
+logger = logging.getLogger("shardbridge.checkpoint")
+
+IfBusy = Literal["wait", "error"]
+
+_STAGER = Stager()
+_STATE: dict[str, Any] = {"in_flight": None, "group": None, "group_of": None}
+
+
+class AsyncSave:
+    """The handle of a save running in the background (what ``save(..., async_=True)`` returns).
+
+    Example:
+        >>> pending = save(step_dir(root, 100), model=model, optimizer=opt, step=100,
+        ...                async_=True)  # doctest: +SKIP
+        >>> train_some_more()  # doctest: +SKIP
+        >>> pending.wait()  # doctest: +SKIP
+        PosixPath('/ckpt/step-00000100')
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        """The checkpoint directory this save commits."""
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed); never blocks."""
+        return self._finished.is_set()
+
+    def wait(self) -> Path:
+        """Block until the save is committed; its directory.
+
+        Call on every rank (the ranks' writers finish together).
+
+        Raises:
+            Exception: the writer's error (as a synchronous save would raise it: naming
+                the checkpoint, file and cause); the previous checkpoint is intact.
+        """
+        self._finished.wait()
+        if _STATE["in_flight"] is self:
+            _STATE["in_flight"] = None
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def __repr__(self) -> str:
+        status = "failed" if self._error is not None else "committed" if self.done() else "in flight"
+        return f"AsyncSave({str(self.path)!r}, {status})"
+
+
+def wait() -> Path | None:
+    """Wait for this process's save in flight, if any; its directory (None if none was in flight).
+
+    Call on every rank, e.g. before ``destroy_process_group`` or the end of training.
+
+    Raises:
+        Exception: the save's error, as :meth:`AsyncSave.wait`.
+
+    Example:
+        >>> wait() is None  # nothing in flight
+        True
+    """
+    handle = _STATE["in_flight"]
+    return None if handle is None else handle.wait()
+
+
+def finish_previous(if_busy: IfBusy) -> None:
+    """Before a save: wait for the save in flight (or refuse, on every rank); raise its error."""
+    handle: AsyncSave | None = _STATE["in_flight"]
+    if if_busy == "error":
+        busy = handle is not None and not handle.done()
+        anyone = any(_dist.all_gather(busy))  # every rank refuses together
+        if anyone:
+            where = str(handle.path) if handle is not None else "a checkpoint (on another rank)"
+            raise RuntimeError(
+                f"a save of {where!r} is still in flight and if_busy='error'; call its wait() (or "
+                "shardbridge.checkpoint.wait()) first, or pass if_busy='wait'"
+            )
+    if handle is not None:
+        handle.wait()
+
+
+def stage_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A host-memory snapshot of ``state`` (see ``_stage.py``); no save may be in flight."""
+    assert _STATE["in_flight"] is None or _STATE["in_flight"].done()
+    return _STAGER.stage(state)
+
+
+def _writer_group() -> Any:
+    """The writer thread's gloo group over every rank (created once per default group)."""
+    if not _dist.is_distributed():
+        return None
+    world = dist.group.WORLD
+    if _STATE["group"] is None or _STATE["group_of"] is not world:
+        # A collective of every rank: every rank is in save(async_=True) at this point.
+        _STATE["group"] = dist.new_group(backend="gloo", timeout=group_timeout(world))
+        _STATE["group_of"] = world
+    return _STATE["group"]
+
+
+def start_async(job: Any, write: Callable[[Any], None]) -> AsyncSave:
+    """Start ``write(job)`` in the writer thread, on the writer group; the handle."""
+    group = _writer_group()
+    handle = AsyncSave(job.final)
+
+    def run() -> None:
+        try:
+            with _dist.using_group(group):
+                write(job)
+        except BaseException as exc:  # noqa: BLE001 (kept for wait(), logged now)
+            handle._error = exc
+            logger.error("shardbridge.checkpoint: the asynchronous save of %s failed: %s", job.final, exc)
+        finally:
+            handle._finished.set()
+
+    _STATE["in_flight"] = handle
+    threading.Thread(target=run, name="shardbridge-checkpoint-writer", daemon=False).start()
+    return handle

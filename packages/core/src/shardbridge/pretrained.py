@@ -1,0 +1,490 @@
+"""Load a Hugging Face ``from_pretrained`` folder into an already-parallelized model, shard-on-read.
+
+Public: :func:`load_pretrained`, :func:`read_index`, :class:`PretrainedReport`. Torch and
+``safetensors`` only; no process group is used (every rank reads its own slices).
+
+[Note: shard-on-read]
+~~~~~~~~~~~~~~~~~~~~~
+Each parameter of the parallelized model (a DTensor under FSDP2 x TP, or a plain tensor) is
+filled with exactly the global index ranges its local tensor holds, read from the safetensors
+files with ``safe_open(...).get_slice(key)[box]``::
+
+    checkpoint tensor [V, H] on disk        rank (dp_shard=1, tp=0) of a dp2 x tp2 mesh
+    +---------+---------+                   colwise weight (_StridedShard(0, sf=2), Shard(0)):
+    | tp0,dp0 |         |  rows [0, V/4)    holds rows [V/4, V/2) -> reads only those rows
+    | tp0,dp1 |         |  rows [V/4, V/2)
+    | tp1,dp0 |  ...    |
+    +---------+---------+
+
+What a rank holds comes from the layout algebra (``shardbridge.layout``: FSDP2's own chunking
+for the placements ``fully_shard`` builds, the DTensor reading otherwise), so uneven and strided
+layouts (a packed ``[gate; up]`` weight under ``_StridedShard``) read right; a local tensor the
+algebra cannot explain is refused. Fused parameters registered with
+:func:`shardbridge.register_fused` (``qkv``, ``gate_up``) are assembled from their components
+(``q_proj``, ``k_proj``, ...): each contiguous piece of the local tensor is split in item
+coordinates (:func:`shardbridge.split_local`) and each component piece read from the
+component's checkpoint tensor. Tied parameters (one tensor under several names) are filled
+once, from whichever of their names the checkpoint has.
+
+Peak host memory per rank: the model's local shards plus one slice being copied. Each key is
+read under its own ``safe_open`` (a memory map of the file, closed after the key), so the pages
+of a file a rank touched do not stay resident for the whole load.
+
+Everything is checked before anything is read, identically on every rank (headers only):
+missing and unexpected keys, shapes and dtypes; each error names the key and the fix. Nothing
+read executes code: the index is JSON, safetensors headers are JSON, data is raw bytes.
+
+Why not DCP's ``HuggingFaceStorageReader``: see docs/hf.md "Pretrained weights".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardbridge._compat import local_tensor
+from shardbridge._fused import FusedSpec, fused_params, split_local
+from shardbridge.checkpoint._components import component_fqn, fused_tp_size
+from shardbridge.checkpoint._repair import _multi_box_pieces, describe
+
+__all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "PretrainedReport", "load_pretrained", "read_index"]
+
+INDEX_NAME = "model.safetensors.index.json"
+"""The index ``save_pretrained`` writes beside sharded safetensors files."""
+SINGLE_FILE_NAME = "model.safetensors"
+"""The one file ``save_pretrained`` writes when the model fits one shard."""
+
+# safetensors dtype names (the format's header spelling) -> torch dtypes.
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+_MAX_LISTED = 8
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the checkpoint: its file, shape and dtype (from the header)."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class PretrainedReport:
+    """What :func:`load_pretrained` did on this rank."""
+
+    num_tensors: int = 0
+    """Model tensors filled (tied names count once)."""
+    bytes_read: int = 0
+    """Bytes of checkpoint data this rank read (its slices only: ~ model bytes / shards)."""
+    checkpoint_bytes: int = 0
+    """Bytes of every checkpoint tensor this load used (what a full read would read)."""
+    ignored_missing: list[str] = field(default_factory=list)
+    """Model names absent from the checkpoint that ``ignore_missing`` allowed (left as they were)."""
+    ignored_unexpected: list[str] = field(default_factory=list)
+    """Checkpoint keys no model tensor used that ``ignore_unexpected`` allowed."""
+
+
+# --------------------------------------------------------------------------- the folder
+
+
+def _safe_name(folder: Path, name: object) -> Path:
+    if (
+        not isinstance(name, str)
+        or not name
+        or name != os.path.basename(name)
+        or name in (".", "..")
+        or "\\" in name
+        or not name.endswith(".safetensors")
+    ):
+        raise ValueError(
+            f"{folder / INDEX_NAME}: weight_map names file {name!r}; it must be a plain '*.safetensors' file name "
+            "inside the folder (no directories); fix or regenerate the index with save_pretrained"
+        )
+    path = folder / name
+    if not path.is_file():
+        raise ValueError(
+            f"{folder / INDEX_NAME} names {name!r}, which is not a file in {folder}; the folder is incomplete"
+        )
+    return path
+
+
+def _read_headers(files: Iterable[Path]) -> dict[Path, dict[str, _Entry]]:
+    from safetensors import safe_open
+
+    out: dict[Path, dict[str, _Entry]] = {}
+    for path in files:
+        entries: dict[str, _Entry] = {}
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    dtype_name = sl.get_dtype()
+                    if dtype_name not in _DTYPES:
+                        raise ValueError(
+                            f"{path}: tensor {key!r} has safetensors dtype {dtype_name!r}, which this torch "
+                            f"cannot hold; supported: {sorted(_DTYPES)}"
+                        )
+                    entries[key] = _Entry(path, tuple(int(s) for s in sl.get_shape()), _DTYPES[dtype_name])
+        except ValueError:
+            raise
+        except Exception as exc:  # safetensors raises its own SafetensorError on a bad header
+            raise ValueError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+        out[path] = entries
+    return out
+
+
+def read_index(path: str | os.PathLike[str]) -> dict[str, tuple[Path, tuple[int, ...], torch.dtype]]:
+    """Every tensor of a ``from_pretrained`` folder: ``{key: (file, shape, dtype)}``, headers only.
+
+    Reads ``model.safetensors.index.json`` (sharded) or ``model.safetensors`` (one file). The
+    index must name plain file names inside the folder, and every key it lists must be in the
+    file it names.
+
+    Raises:
+        ValueError: no index or single file, a malformed index, a file outside the folder, or a
+            key the index and the file headers disagree on.
+
+    Example:
+        >>> read_index("Llama-3.2-1B")["model.norm.weight"]  # doctest: +SKIP
+        (PosixPath('Llama-3.2-1B/model.safetensors'), (2048,), torch.bfloat16)
+    """
+    folder = Path(path)
+    index_path, single = folder / INDEX_NAME, folder / SINGLE_FILE_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{index_path}: not valid JSON ({exc}); regenerate it with save_pretrained") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+            raise ValueError(
+                f"{index_path}: no 'weight_map' object of key -> file name; regenerate it with save_pretrained"
+            )
+        files = {name: _safe_name(folder, name) for name in sorted(set(weight_map.values()), key=str)}
+        headers = _read_headers(files.values())
+        out = {}
+        for key, name in weight_map.items():
+            entry = headers[files[name]].get(key)
+            if entry is None:
+                raise ValueError(
+                    f"{index_path} maps {key!r} to {name!r}, but that file has no such tensor; the index and "
+                    "the files disagree (regenerate the folder with save_pretrained)"
+                )
+            out[key] = (entry.file, entry.shape, entry.dtype)
+        return out
+    if single.is_file():
+        return {k: (e.file, e.shape, e.dtype) for k, e in _read_headers([single])[single].items()}
+    raise ValueError(
+        f"{folder} has neither {INDEX_NAME} nor {SINGLE_FILE_NAME}; pass a folder written by save_pretrained "
+        "(safetensors; *.bin pickles are not read, convert them with transformers first)"
+    )
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass
+class _Target:
+    """One model tensor to fill (tied names grouped), and where its data comes from."""
+
+    names: list[str]
+    tensor: torch.Tensor
+    spec: FusedSpec | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+    """Non-fused: {"": key}. Fused: {component: key}."""
+
+
+def _clean(fqn: str) -> str:
+    # torch.compile / activation-checkpoint wrappers are not part of the checkpoint names.
+    return ".".join(p for p in fqn.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module"))
+
+
+def _targets(model: nn.Module, fused: Mapping[str, FusedSpec]) -> list[_Target]:
+    by_id: dict[int, _Target] = {}
+    order: list[_Target] = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        tensors = [(n, p) for n, p in module._parameters.items() if p is not None]
+        tensors += [
+            (n, b) for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set
+        ]
+        for name, t in tensors:
+            fqn = _clean(f"{prefix}.{name}" if prefix else name)
+            target = by_id.get(id(t))
+            if target is None:
+                target = by_id[id(t)] = _Target(names=[], tensor=t)
+                order.append(target)
+            if fqn not in target.names:
+                target.names.append(fqn)
+    clean_fused = {_clean(k): v for k, v in fused.items()}
+    for target in order:
+        specs = {clean_fused[n] for n in target.names if n in clean_fused}
+        if len(specs) > 1:
+            raise ValueError(f"tied parameter {target.names} has different FusedSpecs {specs}; register one")
+        target.spec = specs.pop() if specs else None
+    return order
+
+
+def _mapper(name_map: Callable[[str], str] | Mapping[str, str] | None) -> Callable[[str], str]:
+    if name_map is None:
+        return lambda n: n
+    if callable(name_map):
+        return name_map
+    mapping = dict(name_map)
+    return lambda n: mapping.get(n, n)
+
+
+def _listing(items: list[str]) -> str:
+    head = ", ".join(repr(i) for i in items[:_MAX_LISTED])
+    return head + (f", ... ({len(items)} in all)" if len(items) > _MAX_LISTED else "")
+
+
+def _matches(name: str, patterns: list[re.Pattern[str]]) -> bool:
+    return any(p.fullmatch(name) for p in patterns)
+
+
+def _plan(
+    targets: list[_Target],
+    index: Mapping[str, tuple[Path, tuple[int, ...], torch.dtype]],
+    mapper: Callable[[str], str],
+    *,
+    cast_dtype: bool,
+    ignore_missing: list[re.Pattern[str]],
+    ignore_unexpected: list[re.Pattern[str]],
+    report: PretrainedReport,
+) -> list[_Target]:
+    """Resolve every target's checkpoint keys and check shapes / dtypes; raise on any mismatch."""
+    missing: list[str] = []
+    problems: list[str] = []
+    used: set[str] = set()
+    planned: list[_Target] = []
+    for target in targets:
+        shape = tuple(target.tensor.shape)
+        if target.spec is None:
+            keys = [mapper(n) for n in target.names]
+            key = next((k for k in keys if k in index), None)
+            if key is None:
+                if all(_matches(n, ignore_missing) for n in target.names):
+                    report.ignored_missing.extend(target.names)
+                else:
+                    missing.append(keys[0] if len(keys) == 1 else f"{keys[0]} (tied: {keys[1:]})")
+                continue
+            wanted = {"": (key, shape)}
+        else:
+            spec = target.spec
+            base = target.names[0]
+            wanted = {c: (mapper(component_fqn(base, c)), tuple(spec.component_shape(c, shape))) for c in spec.names}
+            absent = [k for k, _ in wanted.values() if k not in index]
+            if absent:
+                if all(_matches(n, ignore_missing) for n in target.names):
+                    report.ignored_missing.extend(target.names)
+                else:
+                    missing.extend(f"{k} (component of fused {base!r})" for k in absent)
+                continue
+        for key, want_shape in wanted.values():
+            _, have_shape, have_dtype = index[key]
+            used.add(key)
+            if have_shape != want_shape:
+                problems.append(
+                    f"{key!r}: checkpoint shape {have_shape}, model {target.names[0]!r} expects {want_shape} "
+                    "(a different config than the checkpoint's? build the model from the folder's config.json)"
+                )
+            dtype = target.tensor.dtype
+            if have_dtype != dtype and not (cast_dtype and have_dtype.is_floating_point and dtype.is_floating_point):
+                fix = (
+                    "pass cast_dtype=True to cast floating point values"
+                    if have_dtype.is_floating_point and dtype.is_floating_point
+                    else "integer / bool tensors are never cast; build the model with the checkpoint's dtype"
+                )
+                problems.append(
+                    f"{key!r}: checkpoint dtype {have_dtype}, model {target.names[0]!r} is {dtype}; {fix} "
+                    "or build the model in the checkpoint's dtype"
+                )
+        target.sources = {c: k for c, (k, _) in wanted.items()}
+        planned.append(target)
+    unexpected = sorted(k for k in index if k not in used and not _matches(k, ignore_unexpected))
+    report.ignored_unexpected = sorted(k for k in index if k not in used and _matches(k, ignore_unexpected))
+    errors = []
+    if missing:
+        errors.append(
+            f"{len(missing)} model tensor(s) are not in the checkpoint: {_listing(missing)}; pass name_map= if "
+            "the checkpoint names them differently, or ignore_missing=[regex] for tensors you initialise yourself"
+        )
+    if unexpected:
+        errors.append(
+            f"{len(unexpected)} checkpoint key(s) match no model tensor: {_listing(unexpected)}; pass name_map= "
+            "if the model names them differently, or ignore_unexpected=[regex] to skip them"
+        )
+    if problems:
+        errors.append(f"{len(problems)} mismatch(es): " + "; ".join(problems[:_MAX_LISTED]))
+    if errors:
+        raise ValueError("load_pretrained: " + " | ".join(errors))
+    return planned
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _pieces(name: str, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """(global offsets, local view) of every contiguous box this rank holds of ``t``."""
+    if t.is_meta or (isinstance(t, DTensor) and local_tensor(t).is_meta):
+        raise ValueError(
+            f"{name!r} is on the meta device; materialise the model first (model.to_empty(device=...)), "
+            "then load_pretrained fills it"
+        )
+    if not isinstance(t, DTensor):
+        return [((0,) * t.dim(), t.detach())] if t.numel() else []
+    pieces = _multi_box_pieces(t)
+    if pieces is None:
+        raise ValueError(
+            f"{describe(name, t)}: this rank's local tensor has shape {tuple(local_tensor(t).shape)}, which the "
+            "layout algebra does not explain, so its global ranges are unknown; load into Shard / "
+            "_StridedShard / Replicate placements (as FSDP2 x TP builds them)"
+        )
+    return [(offsets, view) for offsets, view in pieces if view.numel()]
+
+
+def _read(handle: object, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    if not sizes:
+        return handle.get_tensor(key)  # type: ignore[attr-defined]
+    return handle.get_slice(key)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]  # type: ignore[attr-defined]
+
+
+@torch.no_grad()
+def _fill(
+    target: _Target, index: Mapping[str, tuple[Path, tuple[int, ...], torch.dtype]], report: PretrainedReport
+) -> None:
+    from safetensors import safe_open
+
+    name, t, spec = target.names[0], target.tensor, target.spec
+    # (key, component offsets, view) for every piece this rank holds.
+    reads: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
+    for offsets, view in _pieces(name, t):
+        if spec is None:
+            reads.append((target.sources[""], offsets, view))
+            continue
+        tp_size = fused_tp_size(name, t, spec) if isinstance(t, DTensor) else 1
+        for piece in split_local(view, spec, tp_size, offsets[spec.dim]):
+            piece_offsets = list(offsets)
+            piece_offsets[spec.dim] = piece.component_offset
+            reads.append((target.sources[piece.name], tuple(piece_offsets), piece.view))
+    for key in target.sources.values():
+        report.checkpoint_bytes += _numel(index[key][1]) * index[key][2].itemsize
+    by_key: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+    for key, offsets, view in reads:
+        by_key.setdefault(key, []).append((offsets, view))
+    for key, items in by_key.items():
+        # One memory map per key, closed after it: the pages read do not stay resident.
+        with safe_open(str(index[key][0]), framework="pt") as handle:
+            for offsets, view in items:
+                data = _read(handle, key, offsets, tuple(view.shape))
+                if tuple(data.shape) != tuple(view.shape):  # internal invariant: the plan checked the shapes
+                    raise AssertionError(f"{key}: read {tuple(data.shape)} for a piece of {tuple(view.shape)}")
+                report.bytes_read += data.numel() * data.element_size()
+                view.copy_(data)
+                del data
+    report.num_tensors += 1
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _reshard(model: nn.Module) -> None:
+    """Put FSDP2 modules in their sharded state, so the registered parameters are the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def load_pretrained(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    name_map: Callable[[str], str] | Mapping[str, str] | None = None,
+    fused: Mapping[str, FusedSpec] | None = None,
+    cast_dtype: bool = False,
+    ignore_missing: Iterable[str] = (),
+    ignore_unexpected: Iterable[str] = (),
+) -> PretrainedReport:
+    """Fill ``model``'s parameters and persistent buffers from a ``from_pretrained`` folder, shard-on-read.
+
+    Call on every rank after the model is parallelized (TP, ``fully_shard``) and materialised.
+    Each rank reads only the index ranges its local tensors hold (see [Note: shard-on-read]);
+    no process group is used. Values are written in place, so optimizers built over the
+    parameters keep them.
+
+    Args:
+        model: the model, parallelized or not (DTensor or plain parameters).
+        path: the folder (``model.safetensors.index.json`` + shards, or ``model.safetensors``).
+        name_map: model name -> checkpoint key (a callable, or a mapping where absent names map
+            to themselves); None = the same names. Model names are ``named_parameters`` FQNs
+            without ``_orig_mod`` / ``_checkpoint_wrapped_module``; a fused parameter's
+            components are named by ``shardbridge.checkpoint``'s rule (``...qkv.weight`` ->
+            ``...q_proj.weight``) before the map.
+        fused: ``{model name: FusedSpec}`` of fused parameters; None = those registered with
+            :func:`shardbridge.register_fused`.
+        cast_dtype: cast floating-point checkpoint values to the model's dtype (e.g. a bf16
+            checkpoint into fp32 master weights). False = a dtype mismatch is an error.
+        ignore_missing: regexes (full match) of model names that may be absent (they keep their
+            values).
+        ignore_unexpected: regexes (full match) of checkpoint keys that may go unused.
+
+    Returns:
+        A :class:`PretrainedReport` (tensors filled, bytes this rank read).
+
+    Raises:
+        ValueError: a malformed folder, missing / unexpected keys, a shape or dtype mismatch
+            (all named, checked before anything is written), a parameter on ``meta``, or a local
+            layout the layout algebra cannot explain.
+
+    Example:
+        >>> model = LlamaForCausalLM(config)              # doctest: +SKIP
+        >>> parallelize(model, pm)                         # TP + fully_shard  # doctest: +SKIP
+        >>> load_pretrained(model, "Llama-3.2-1B", cast_dtype=True)  # doctest: +SKIP
+    """
+    index = read_index(path)
+    report = PretrainedReport()
+    fused_specs = fused_params(model) if fused is None else dict(fused)
+    targets = _plan(
+        _targets(model, fused_specs),
+        index,
+        _mapper(name_map),
+        cast_dtype=cast_dtype,
+        ignore_missing=[re.compile(p) for p in ignore_missing],
+        ignore_unexpected=[re.compile(p) for p in ignore_unexpected],
+        report=report,
+    )
+    _reshard(model)
+    for target in targets:
+        _fill(target, index, report)
+    return report

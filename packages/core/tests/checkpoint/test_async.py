@@ -1,0 +1,124 @@
+"""``save(..., async_=True)``: the same bit-exact, reshardable checkpoints as a synchronous save,
+written in the background while the model changes; one save in flight; errors surface later.
+
+Oracles: the source model's ``full_tensor()`` at the moment of the save (``full_state``),
+torch's ``dcp_to_torch_save`` of the written checkpoint, and a load into another layout.
+The crash test (kill -9 mid-flight) is in ``test_faults.py`` (it needs the fault zygote).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, step
+from shardbridge import checkpoint as ck
+from shardbridge.checkpoint import _save
+from shardbridge.checkpoint._stage import Stager
+from shardbridge.testing import run_distributed
+from test_load import _load, _oracle
+from torch.distributed.tensor import DTensor
+
+
+def _save_async_twice(root: str, layout: str):
+    """Two async saves, the model changed right after each returns; the states at each save."""
+    model, opt = build(LAYOUTS[layout], fused=True)
+    wants = []
+    for s in (1, 2):
+        wants.append(full_state(model, opt))
+        pending = ck.save(ck.step_dir(root, s), model=model, optimizer=opt, step=s, async_=True)
+        assert isinstance(pending, ck.AsyncSave) and pending.path == ck.step_dir(root, s)
+        step(model, opt, seed=100 + s)  # training goes on while the writer runs
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(3.0)  # in place: a snapshot sharing memory with the model would see it
+    assert ck.wait() == ck.step_dir(root, 2) and ck.wait() is None
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    return wants if rank0 else None
+
+
+@pytest.mark.parametrize("layout", ["fsdp2_tp2", "single"])
+def test_async_saves_snapshot_the_state_and_reshard_bit_exact(tmp_path, layout):
+    """Each async save holds the state at its call (not the later, changed one); the second
+    save waited for the first; both read back bit-exact by torch alone and into fsdp4."""
+    if LAYOUTS[layout] is None:
+        wants = _save_async_twice(str(tmp_path), layout)
+    else:
+        wants = run_distributed(_save_async_twice, str(tmp_path), layout, world_size=4)[0]
+    for s, want in zip((1, 2), wants):
+        path = ck.step_dir(tmp_path, s)
+        assert ck.verify(path).ok
+        oracle = {k: v for k, v in _oracle(path, tmp_path).items()}
+        assert_equal_states(oracle, want)
+    assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 2)
+    got, lr, _ = run_distributed(_load, str(ck.step_dir(tmp_path, 1)), "fsdp4", True, world_size=4)[0]
+    assert_equal_states(got, wants[0])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def _blocked_commit(monkeypatch, *, fail: bool = False):
+    """Make the writer's commit wait for the returned event (then commit, or raise OSError)."""
+    go = threading.Event()
+    real = _save.commit
+
+    def commit(*args, **kwargs):
+        go.wait(30)
+        if fail:
+            raise OSError(28, "No space left on device (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "commit", commit)
+    return go
+
+
+def test_if_busy_error_refuses_while_a_save_is_in_flight(tmp_path, monkeypatch):
+    model = Mlp()
+    go = _blocked_commit(monkeypatch)
+    pending = ck.save(tmp_path / "a", model=model, async_=True)
+    assert not pending.done() and "in flight" in repr(pending)
+    with pytest.raises(RuntimeError, match=r"a save of '.*a' is still in flight and if_busy='error'"):
+        ck.save(tmp_path / "b", model=model, if_busy="error")
+    assert not (tmp_path / "b").exists()
+    go.set()
+    assert pending.wait() == tmp_path / "a" and pending.done()
+    ck.save(tmp_path / "b", model=model, if_busy="error")  # nothing in flight now
+    with pytest.raises(ValueError, match="if_busy='never' must be 'wait'"):
+        ck.save(tmp_path / "c", model=model, if_busy="never")
+    with pytest.raises(ValueError, match="async_=1 must be True"):
+        ck.save(tmp_path / "c", model=model, async_=1)
+
+
+def test_writer_error_surfaces_at_the_next_save_and_keeps_the_previous(tmp_path, monkeypatch):
+    model = Mlp()
+    ck.save(ck.step_dir(tmp_path, 1), model=model, step=1)
+    go = _blocked_commit(monkeypatch, fail=True)
+    ck.save(ck.step_dir(tmp_path, 2), model=model, step=2, async_=True)
+    go.set()
+    with pytest.raises(OSError, match="No space left on device"):
+        ck.save(ck.step_dir(tmp_path, 3), model=model, step=3)  # the previous save's error
+    monkeypatch.undo()
+    assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # tmp dir removed
+    assert ck.wait() is None  # reported once
+    ck.save(ck.step_dir(tmp_path, 3), model=model, step=3, async_=True).wait()
+    assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 3)
+
+
+def _stage_dtensor():
+    model, opt = build(LAYOUTS["fsdp2_tp2"])
+    state = {"model": {"w": model.up.weight, "plain": torch.ones(3), "lr": [("x", 0.5)]}}
+    stager = Stager()
+    first = stager.stage(state)
+    chunks = first["model"]["w"]
+    local = model.up.weight.to_local()
+    assert isinstance(model.up.weight, DTensor) and chunks.shape == model.up.weight.shape
+    (offsets, copy), *_ = chunks.pieces
+    assert torch.equal(copy, local) and copy.data_ptr() != local.data_ptr()
+    again = stager.stage(state)["model"]["w"].pieces[0][1]
+    return copy.data_ptr() == again.data_ptr() and stager.nbytes > 0  # buffers reused
+
+
+def test_stager_copies_dtensor_boxes_and_reuses_its_buffers():
+    assert all(run_distributed(_stage_dtensor, world_size=4))

@@ -1,0 +1,99 @@
+"""Pretrained weights, shard-on-read (``_pretrained``), through ShardbridgeAccelerator on 4 gloo ranks.
+
+Oracles: the ``save_pretrained`` model itself (``full_tensor()`` of every parameter equals it,
+``torch.equal``), its unsharded first-step loss on the global batch, and the bytes each rank read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+import hf_helpers as H  # noqa: E402
+from shardbridge import ParallelDims  # noqa: E402
+from shardbridge.testing import run_distributed  # noqa: E402
+
+DP2_TP2 = {"dp_shard": 2, "tp": 2}
+
+
+def _save(folder, tied: bool) -> torch.nn.Module:
+    model = H.tiny_model("llama", seed=0, tie_word_embeddings=tied)
+    model.save_pretrained(folder, max_shard_size="150KB")  # several shards + index
+    return model
+
+
+def _load(folder: str, empty: str) -> dict:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    # init_empty_weights: parameters on meta, RoPE buffers real, ties lost (prepare re-ties).
+    # torch.device("meta"): everything on meta (prepare recomputes RoPE's inv_freq).
+    with init_empty_weights() if empty == "init_empty_weights" else torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = acc.prepare(model, opt)
+    try:
+        model(input_ids=H.local_batch(1, 0, 2))
+        guard = "no error"
+    except RuntimeError as exc:
+        guard = str(exc)
+    report = acc.load_pretrained(folder)
+    full = H.full_params(model)
+    losses = H.train_steps(acc, model, opt, 1)
+    return {
+        "guard": guard,
+        "full": full,
+        "losses": losses,
+        "bytes": report.bytes_read,
+        "total": report.checkpoint_bytes,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
+
+
+@pytest.mark.parametrize(
+    ("tied", "empty"),
+    [(False, "init_empty_weights"), (True, "init_empty_weights"), (True, "meta")],
+    ids=["untied-init_empty_weights", "tied-init_empty_weights", "tied-meta"],
+)
+def test_load_pretrained_shard_on_read_matches_the_unsharded_model(tmp_path, tied, empty):
+    ref = _save(tmp_path / "hf", tied)
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
+    results = run_distributed(_load, str(tmp_path / "hf"), empty, world_size=4, timeout=180)
+    ids = H.global_batch(1, 2)
+    with torch.no_grad():
+        ref_loss = ref(input_ids=ids, labels=ids).loss.item()
+    for rank, r in enumerate(results):
+        assert "call accelerator.load_pretrained(path) after prepare()" in r["guard"]
+        for name, p in ref.named_parameters():
+            assert torch.equal(r["full"][name], p), (rank, name)
+        assert r["tied"] == tied
+        torch.testing.assert_close(r["losses"][0], ref_loss, rtol=1e-5, atol=1e-6)
+        # dp2 x tp2: a rank reads ~1/4 of the weights (norms are replicated over tp: 1/2 of them).
+        assert r["bytes"] < 0.3 * r["total"], (rank, r["bytes"], r["total"])
+
+
+def _load_moe(folder: str) -> str:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    try:
+        acc.load_pretrained(folder)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_per_expert_moe_checkpoint_is_refused_with_the_reason(tmp_path):
+    H.tiny_model(
+        "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=8
+    ).save_pretrained(tmp_path / "moe")
+    for msg in run_distributed(_load_moe, str(tmp_path / "moe"), world_size=4, timeout=180):
+        assert "experts.gate_up_proj" in msg and "stores MoE experts one by one" in msg, msg

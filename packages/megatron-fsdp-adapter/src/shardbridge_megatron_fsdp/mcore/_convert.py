@@ -1,0 +1,236 @@
+"""``shardbridge ckpt convert``: Megatron-Core checkpoints <-> Hugging Face folders, in one process.
+
+Directions (no process group, no megatron-core import)::
+
+    --to hf        SRC = a shardbridge checkpoint of a Megatron-Core GPT model (mcore ``save``,
+                         any layout)      -> streaming export (core ``export_safetensors``, the
+                                             [Note: Megatron-Core GPT and Llama names] map)
+                   SRC = a Megatron-LM fsdp_dtensor checkpoint (``.metadata``, no
+                         shardbridge.json) -> ``read_fsdp_dtensor(optimizer=False)``, split,
+                                             one ``model.safetensors`` (whole model in memory)
+                   + config.json (LlamaForCausalLM) from the shapes and the flags
+    --to megatron  SRC = a from_pretrained folder -> a shardbridge checkpoint under Megatron-Core
+                         names (fused linear_qkv / linear_fc1 stored as their components) that
+                         mcore ``load`` reads into any dp x tp layout (each rank reads its chunks)
+
+For a live sharded model, ``load_hf`` reads a from_pretrained folder directly (shard-on-read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from shardbridge.cli._plugins import Verb
+from torch import nn
+
+from shardbridge_megatron_fsdp.mcore._compat import INSTALL_HINT
+from shardbridge_megatron_fsdp.mcore._hf import LlamaArch, hf_name, megatron_name, write_hf_config
+
+__all__ = ["cli_verb", "export_hf", "fsdp_dtensor_to_hf", "hf_to_checkpoint", "main"]
+
+
+def export_hf(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    arch: LlamaArch,
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export a shardbridge checkpoint of a Megatron-Core GPT model to a ``from_pretrained`` folder.
+
+    Raises:
+        ValueError: a model tensor with no Llama name (the model is not Llama-shaped).
+
+    Example:
+        >>> export_hf("ckpt/step_00000010", "hf_out", LlamaArch(num_attention_heads=32))  # doctest: +SKIP
+    """
+    from shardbridge import checkpoint as core
+
+    info = core.inspect(checkpoint)
+    shapes, unmapped = {}, []
+    for t in info.tensors:
+        if not t.name.startswith("model."):
+            continue
+        name = t.name[len("model.") :]
+        if (key := hf_name(name)) is None:
+            unmapped.append(name)
+        else:
+            shapes[key] = tuple(t.shape)
+    if unmapped:
+        raise ValueError(
+            f"{checkpoint}: {len(unmapped)} tensor(s) have no LlamaForCausalLM name: {unmapped[:4]}; only Megatron-Core "
+            "GPT models in the Llama form (RMSNorm, SwiGLU, RoPE, no biases) convert"
+        )
+    core.export_safetensors(checkpoint, out_dir, name_map=hf_name, dtype=dtype, progress=False, overwrite=overwrite)
+    first = next(t for t in info.tensors if t.name.startswith("model."))
+    write_hf_config(out_dir, shapes, arch, dtype or getattr(torch, first.dtype))
+    return Path(out_dir)
+
+
+def fsdp_dtensor_to_hf(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    arch: LlamaArch,
+    *,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Convert a Megatron-LM ``fsdp_dtensor`` checkpoint's model weights to a ``from_pretrained`` folder.
+
+    ``head_dim`` defaults to hidden_size // num_attention_heads (Megatron's ``kv_channels``).
+    """
+    from safetensors.torch import save_file
+    from shardbridge._fused import split_fused
+
+    from shardbridge_megatron_fsdp.mcore._fsdp_dtensor import read_fsdp_dtensor
+    from shardbridge_megatron_fsdp.mcore._layout import MegatronQKVSpec
+
+    ckpt = read_fsdp_dtensor(checkpoint, optimizer=False)
+    hidden = ckpt.model["embedding.word_embeddings.weight"].shape[1]
+    head_dim = head_dim or hidden // arch.num_attention_heads
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in ckpt.model.items():
+        if name.endswith("self_attention.linear_qkv.weight"):
+            groups, rest = divmod(value.shape[0] // head_dim - arch.num_attention_heads, 2)
+            if rest or groups < 1:
+                raise ValueError(
+                    f"{name} has {value.shape[0]} rows, not (num_attention_heads + 2 * groups) * head_dim for "
+                    f"num_attention_heads={arch.num_attention_heads}, head_dim={head_dim}; pass the model's values"
+                )
+            spec = MegatronQKVSpec.megatron(
+                num_heads=arch.num_attention_heads, num_query_groups=groups, head_dim=head_dim
+            )
+            parts = split_fused(value, spec, 1)
+            base = name.rsplit(".linear_qkv.", 1)[0]
+            pieces = {f"{base}.{n}.weight": parts[n] for n in spec.names}
+        elif name.endswith("mlp.linear_fc1.weight"):
+            gate, up = value.chunk(2)
+            base = name.rsplit(".linear_fc1.", 1)[0]
+            pieces = {f"{base}.gate_proj.weight": gate, f"{base}.up_proj.weight": up}
+        else:
+            pieces = {name: value}
+        for piece_name, piece in pieces.items():
+            key = hf_name(piece_name)
+            if key is None:
+                raise ValueError(f"{checkpoint}: {piece_name!r} has no LlamaForCausalLM name")
+            tensors[key] = (piece.to(dtype) if dtype is not None else piece).contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_hf_config(out, {k: tuple(v.shape) for k, v in tensors.items()}, arch, next(iter(tensors.values())).dtype)
+    return out
+
+
+def hf_to_checkpoint(folder: str | os.PathLike[str], out: str | os.PathLike[str], arch: LlamaArch) -> Path:
+    """Write a ``from_pretrained`` folder as a shardbridge checkpoint under Megatron-Core names.
+
+    The result loads with ``shardbridge_megatron_fsdp.mcore.load`` into a Megatron-Core model
+    at any dp x tp layout. One process, the whole model in memory.
+    """
+    from safetensors import safe_open
+    from shardbridge import FusedSpec, register_fused
+    from shardbridge import checkpoint as core
+    from shardbridge.pretrained import read_index
+
+    from shardbridge_megatron_fsdp.mcore._layout import QKV_NAMES, SWIGLU_NAMES, MegatronQKVSpec
+
+    index = read_index(folder)
+    flat: dict[str, torch.Tensor] = {}
+    for key, (file, _, _) in index.items():
+        name = megatron_name(key)
+        if name is None:
+            raise ValueError(f"{folder}: {key!r} has no Megatron-Core name; only LlamaForCausalLM folders convert")
+        with safe_open(str(file), framework="pt") as f:
+            flat[name] = f.get_tensor(key)
+    root = nn.Module()
+    head_dim = flat["decoder.layers.0.self_attention.q_proj.weight"].shape[0] // arch.num_attention_heads
+    for name in [n for n in flat if n.endswith("self_attention.q_proj.weight")]:
+        base = name.rsplit(".q_proj.", 1)[0]
+        q, k, v = (flat.pop(f"{base}.{p}.weight") for p in QKV_NAMES)
+        groups = k.shape[0] // head_dim
+        spec = MegatronQKVSpec.megatron(num_heads=arch.num_attention_heads, num_query_groups=groups, head_dim=head_dim)
+        from shardbridge._fused import merge_fused
+
+        flat[f"{base}.linear_qkv.weight"] = merge_fused({"q_proj": q, "k_proj": k, "v_proj": v}, spec, 1)
+        _set(root, f"{base}.linear_qkv.weight", flat.pop(f"{base}.linear_qkv.weight"), spec, register_fused)
+    for name in [n for n in flat if n.endswith("mlp.gate_proj.weight")]:
+        base = name.rsplit(".gate_proj.", 1)[0]
+        gate, up = (flat.pop(f"{base}.{p}.weight") for p in SWIGLU_NAMES)
+        spec = FusedSpec.swiglu(gate.shape[0], names=SWIGLU_NAMES)
+        _set(root, f"{base}.linear_fc1.weight", torch.cat([gate, up]), spec, register_fused)
+    for name, value in flat.items():
+        _set(root, name, value, None, register_fused)
+    return core.save(out, model=root)
+
+
+def _set(root: nn.Module, fqn: str, value: torch.Tensor, spec, register_fused) -> None:
+    *path, leaf = fqn.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    module.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
+    if spec is not None:
+        register_fused(module, leaf, spec)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardbridge ckpt convert",
+        description="Convert Megatron-Core GPT checkpoints (shardbridge or Megatron-LM fsdp_dtensor) to a Hugging Face "
+        "from_pretrained folder, or a from_pretrained folder to a shardbridge checkpoint under Megatron-Core names.",
+    )
+    p.add_argument("src", help="checkpoint directory (--to hf) or from_pretrained folder (--to megatron)")
+    p.add_argument("dst", help="output folder (new or empty) or checkpoint directory")
+    p.add_argument("--to", choices=("hf", "megatron"), required=True, help="target format")
+    p.add_argument("--num-attention-heads", type=int, required=True, help="TransformerConfig.num_attention_heads")
+    p.add_argument("--head-dim", type=int, default=None, help="kv_channels (fsdp_dtensor source; default hidden/heads)")
+    p.add_argument("--rope-theta", type=float, default=10000.0, help="rotary_base (default 10000)")
+    p.add_argument("--rms-norm-eps", type=float, default=1e-5, help="layernorm_epsilon (default 1e-5)")
+    p.add_argument("--max-position-embeddings", type=int, default=4096, help="max_sequence_length (default 4096)")
+    p.add_argument("--dtype", default=None, help="cast floating tensors (--to hf), e.g. bfloat16")
+    p.add_argument("--overwrite", action="store_true", help="allow a non-empty DST (shardbridge source)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``shardbridge ckpt convert`` on ``argv`` (the arguments after ``convert``)."""
+    args = _parser().parse_args(list(argv))
+    arch = LlamaArch(
+        num_attention_heads=args.num_attention_heads,
+        rope_theta=args.rope_theta,
+        rms_norm_eps=args.rms_norm_eps,
+        max_position_embeddings=args.max_position_embeddings,
+    )
+    dtype = None
+    if args.dtype is not None:
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype; e.g. bfloat16, float32")
+    src = Path(args.src)
+    if args.to == "megatron":
+        out = hf_to_checkpoint(src, args.dst, arch)
+    elif (src / "shardbridge.json").is_file():
+        out = export_hf(src, args.dst, arch, dtype=dtype, overwrite=args.overwrite)
+    elif (src / ".metadata").is_file():
+        out = fsdp_dtensor_to_hf(src, args.dst, arch, head_dim=args.head_dim, dtype=dtype)
+    else:
+        raise ValueError(
+            f"{src} is neither a shardbridge checkpoint (shardbridge.json) nor a DCP / fsdp_dtensor checkpoint "
+            "(.metadata); pass a checkpoint directory"
+        )
+    print(f"shardbridge ckpt convert: wrote {out}")
+    return 0
+
+
+cli_verb = Verb(
+    help="convert Megatron-Core GPT checkpoints to / from Hugging Face folders",
+    main=main,
+    install_hint=INSTALL_HINT,
+)

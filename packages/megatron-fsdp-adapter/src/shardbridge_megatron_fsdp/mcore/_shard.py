@@ -1,0 +1,250 @@
+"""Megatron-Core models under Megatron-Core's own Megatron-FSDP, from shardbridge's dims and policy.
+
+[Note: the Megatron-Core path]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+This is what Megatron-LM does with ``--use-megatron-fsdp``, driven by shardbridge's
+configuration::
+
+    shardbridge                               Megatron-Core 0.16.1
+    ParallelDims(dp_shard=-1, tp=T)  ------>  parallel_state.initialize_model_parallel(T)
+                                              (rank order tp fastest, as ParallelDims' mesh)
+                                              + model_parallel_cuda_manual_seed(seed)
+    MixedPrecisionPolicy            ------>  DistributedDataParallelConfig(
+                                                grad_reduce_in_fp32, preserve_fp32_weights)
+    shard_model(model, optimizer, ...) --->  FullyShardedDataParallel(config, ddp_config, model)
+                                              (mcore_fsdp_adapter.py: the bundled megatron_fsdp)
+                                              + its fully_shard_optimizer (step installs the
+                                              main weights; zero_grad clears the buffers)
+
+The model's TP parameters are Megatron-style plain tensors (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``): column-parallel (``linear_qkv``, ``linear_fc1``,
+the vocab-parallel embedding and output layer, ``partition_dim=0``) AND row-parallel
+(``linear_proj``, ``linear_fc2``, ``partition_dim=1``). The bundled Megatron-FSDP turns them
+into DTensors on its (dp_cp, tp) mesh itself, so no TP conversion happens here. On gloo
+``gradient_reduce_div_fusion`` is turned off (no PREMUL_SUM), and on a host without CUDA the
+Megatron-Core CPU patch is installed (see [Note: the Megatron-Core CPU patch]). Without
+Transformer Engine, megatron-core 0.16.1's ``FullyShardedDataParallel`` fails for any TP > 1
+model (``isinstance(m, (TELinear,))`` with a stand-in that is no class); ``_compat.fix_missing_te_linear`` fixes that on any device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from shardbridge import MixedPrecisionPolicy, ParallelDims, param_group_fqns, rebind_param_groups
+from torch import nn
+
+from shardbridge_megatron_fsdp.mcore import _cpu_patch
+from shardbridge_megatron_fsdp.mcore._compat import (
+    bundled_fsdp,
+    fix_missing_te_linear,
+    optimizer_named_parameters,
+    replace_params_with_distributed,
+    require_megatron_core,
+)
+from shardbridge_megatron_fsdp.mcore._layout import register_gpt_fused
+
+__all__ = ["STRATEGIES", "check_cpu_config", "destroy_parallel_state", "init_parallel_state", "shard_model"]
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+# TransformerConfig fields that select CUDA-only kernels; False on a host without CUDA.
+_CUDA_ONLY_FLAGS = (
+    "masked_softmax_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "persist_layer_norm",
+    "gradient_accumulation_fusion",
+)
+
+
+def init_parallel_state(dims: ParallelDims, *, seed: int = 0) -> ParallelDims:
+    """Initialise Megatron-Core's ``parallel_state`` for ``dims`` on the default process group.
+
+    Call on every rank after ``torch.distributed.init_process_group``. Also seeds Megatron's
+    RNG tracker (``model_parallel_cuda_manual_seed``), on CPU through the CPU patch.
+
+    Returns:
+        ``dims`` resolved for the world size.
+
+    Raises:
+        NotImplementedError: ``dp_replicate > 1`` or ``cp > 1`` (not wired on this path yet).
+        ValueError: the degrees do not multiply to the world size (from ``ParallelDims``).
+
+    Example:
+        >>> dims = init_parallel_state(ParallelDims(dp_shard=-1, tp=2))  # doctest: +SKIP
+    """
+    require_megatron_core()
+    dims = dims.resolve(dist.get_world_size())
+    if dims.dp_replicate > 1 or dims.cp > 1:
+        raise NotImplementedError(
+            f"{dims}: the Megatron-Core path supports dp_shard x tp (dp_replicate=1, cp=1); "
+            "HSDP and context parallelism are not wired for megatron-core yet"
+        )
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    _cpu_patch.install(pin=True)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp)
+    model_parallel_cuda_manual_seed(seed)
+    return dims
+
+
+def destroy_parallel_state() -> None:
+    """``parallel_state.destroy_model_parallel()`` (the default process group stays)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def check_cpu_config(config: Any) -> None:
+    """ValueError naming the field when a TransformerConfig selects a CUDA-only kernel on a host.
+
+    Does nothing when CUDA is available.
+    """
+    if torch.cuda.is_available():
+        return
+    on = [name for name in _CUDA_ONLY_FLAGS if getattr(config, name, False)]
+    if on:
+        raise ValueError(
+            f"TransformerConfig {', '.join(f'{n}=True' for n in on)} selects CUDA-only kernels, and this host has "
+            f"no CUDA; set {', '.join(f'{n}=False' for n in on)} (docs/megatron-fsdp.md, CPU vs GPU)"
+        )
+
+
+def _ddp_config(policy: MixedPrecisionPolicy, strategy: str, model_dtype: torch.dtype) -> Any:
+    """DistributedDataParallelConfig for ``policy``: megatron-core 0.16.1 has two booleans."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    if policy.fp8 is not None or policy.output_dtype is not None:
+        raise NotImplementedError(
+            "MixedPrecisionPolicy.fp8 / output_dtype have no Megatron-Core FSDP counterpart in megatron-core 0.16.1; "
+            "set them to None"
+        )
+    if policy.param_dtype not in (None, model_dtype):
+        raise ValueError(
+            f"MixedPrecisionPolicy.param_dtype={policy.param_dtype} but the model's parameters are {model_dtype}: "
+            "Megatron-Core computes in the dtype the model is built in; build it with "
+            "TransformerConfig(params_dtype=..., bf16=...) or set param_dtype=None"
+        )
+    if policy.main_params_dtype != torch.float32:
+        raise NotImplementedError(
+            f"main_params_dtype={policy.main_params_dtype}: Megatron-Core 0.16.1 FSDP keeps fp32 main weights "
+            "(preserve_fp32_weights) or none; use main_params_dtype=torch.float32"
+        )
+    comm = policy.effective_grad_comm_dtype
+    if comm == torch.float32 and policy.main_grads_dtype == torch.float32:
+        fp32_reduce = True
+    elif comm == model_dtype and policy.main_grads_dtype in (torch.float32, model_dtype):
+        fp32_reduce = False
+    else:
+        raise NotImplementedError(
+            f"grad_comm_dtype={comm}, main_grads_dtype={policy.main_grads_dtype} with a {model_dtype} model: "
+            "Megatron-Core 0.16.1 reduces gradients in fp32 (grad_reduce_in_fp32) or in the model dtype only"
+        )
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=fp32_reduce,
+        preserve_fp32_weights=True,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        average_in_collective=False,
+    )
+
+
+def shard_model(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: Any,
+    policy: MixedPrecisionPolicy | None = None,
+    *,
+    strategy: str = "optim_grads_params",
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Wrap a Megatron-Core model in Megatron-Core's ``FullyShardedDataParallel``; rebind the optimizer.
+
+    The model is built after :func:`init_parallel_state` (its TP layers read the parallel
+    state). Fused QKV and SwiGLU ``linear_fc1`` are registered for checkpoints. The optimizer
+    (any torch optimizer over ``model.parameters()``, any param groups) is rebound, group by
+    group, to the distributed parameters and given Megatron-FSDP's ``step``/``zero_grad``.
+    See [Note: the Megatron-Core path].
+
+    Args:
+        model: a Megatron-Core ``GPTModel`` (or any ``MegatronModule`` built from TransformerLayers).
+        optimizer: its optimizer, or None.
+        config: the model's ``TransformerConfig``.
+        policy: precision; None = fp32 everywhere.
+        strategy: Megatron-FSDP sharding (``no_shard`` ... ``optim_grads_params``).
+
+    Returns:
+        ``(wrapped model, optimizer)``: call the wrapped model like the original; train with
+        ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
+
+    Raises:
+        ValueError: an unknown strategy, or a CUDA-only kernel selected on a CPU host.
+        NotImplementedError: a policy Megatron-Core 0.16.1 cannot express.
+
+    Example:
+        >>> dims = init_parallel_state(ParallelDims(dp_shard=-1, tp=2))  # doctest: +SKIP
+        >>> model = GPTModel(config=cfg, ...)                             # doctest: +SKIP
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)          # doctest: +SKIP
+        >>> model, opt = shard_model(model, opt, cfg)                     # doctest: +SKIP
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
+    check_cpu_config(config)
+    policy = policy or MixedPrecisionPolicy()
+    model_dtype = next(model.parameters()).dtype
+    ddp_config = _ddp_config(policy, strategy, model_dtype)
+    group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
+    register_gpt_fused(model, config)
+
+    _cpu_patch.install(pin=True)
+    fix_missing_te_linear()
+    from megatron.core.distributed import FullyShardedDataParallel
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model, device=device)
+    inner = wrapped.module
+    if dist.get_backend() == "gloo":
+        inner.ddp_config.gradient_reduce_div_fusion = False  # gloo has no PREMUL_SUM
+    replace_params_with_distributed(inner)
+    if optimizer is None:
+        return wrapped, None
+    params = dict(optimizer_named_parameters(inner))
+    rebind_param_groups(optimizer, group_fqns, params)
+    # Our checkpoints go through McoreFSDPStateDicts, not upstream's state-dict post-hook.
+    bundled_fsdp().fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=False)
+    _init_optimizer_state(optimizer)
+    return wrapped, optimizer
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's states now, as a fresh optimizer's (so a checkpoint can load into them).
+
+    One base ``step()`` on zero gradients with lr=0 and weight_decay=0 (weights and moments
+    stay as they are: SGD's momentum buffer and Adam's moments are zero, which is what the
+    first real step computes from), then every ``step`` counter back to 0.
+    """
+    neutral = {"lr": 0.0, "weight_decay": 0.0}
+    saved = [{k: g[k] for k in neutral if k in g} for g in optimizer.param_groups]
+    for g, old in zip(optimizer.param_groups, saved):
+        for k in old:
+            g[k] = torch.zeros_like(g[k]) if isinstance(g[k], torch.Tensor) else neutral[k]
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    type(optimizer).step(optimizer)
+    for g, old in zip(optimizer.param_groups, saved):
+        g.update(old)
+        for p in g["params"]:
+            p.grad = None
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
