@@ -10,7 +10,9 @@ Checks per architecture, at dp_shard=2 x tp=2 through ``ShardbridgeAccelerator``
 
     train     finite losses over STEPS steps, the last below the first
     match     losses and step-1 gradients equal a one-process run on the global batch
-              (assert_close rtol=RTOL, atol=ATOL)
+              (allclose rtol=RTOL, atol=ATOL element-wise, and for each gradient
+              ||g - g_ref|| <= RTOL * ||g_ref|| + NORM_ATOL: the element-wise test alone
+              passes a small gradient that is wrong as a whole)
     resume    save at step 2, a fresh model + optimizer loads it and redoes step 3: weights
               torch.equal to the uninterrupted run
     reshard   the step-3 checkpoint loaded at dp_shard=4 and at tp=4: torch.equal weights
@@ -38,6 +40,7 @@ import hf_helpers as H  # noqa: E402
 STEPS = 3
 LR = 1e-3
 RTOL, ATOL = 1e-4, 1e-5
+NORM_ATOL = 1e-7  # absolute slack of the per-gradient norm test (fp32 sums in another order)
 DP2_TP2 = {"dp_shard": 2, "tp": 2}
 RESHARD = {"dp4": {"dp_shard": 4}, "tp4": {"dp_shard": 1, "tp": 4}}
 CHECKS = ("train", "match", "resume", "reshard_dp4", "reshard_tp4", "export")
@@ -121,6 +124,8 @@ CI_ARCHS = (
     "mixtral",  # MoE
     "olmoe",  # MoE + rowwise_split_input
     "llama4_text",  # packed_rowwise experts, in-place add into a rowwise output
+    "doge",  # upstream plan corrected: dt_proj reduce-scattered over kv heads, A sharded (_tp.py)
+    "inkling_text",  # upstream plan corrected: packed gate_up experts; all_reduce with local params
 )
 
 # Documented exceptions (docs/hf.md, "Architecture sweep"): {model_type: reason}.
@@ -318,6 +323,16 @@ def _close(a, b) -> bool:
     return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
+def _grad_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        _close(a, b) and float(torch.linalg.vector_norm(a - b)) <= RTOL * float(torch.linalg.vector_norm(b)) + NORM_ATOL
+    )
+
+
+def _rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+
+
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() / (b.abs() + ATOL / RTOL)).max()) if a.numel() else 0.0
 
@@ -339,7 +354,7 @@ def run_arch(model_type: str, *, timeout: float = 300, **extra) -> dict[str, str
         ok = bool(torch.isfinite(losses).all()) and losses[-1] < losses[0]
         result["train"] = "pass" if ok else f"losses {r0['losses']}"
         ref_losses = torch.tensor(ref["losses"])
-        bad = [n for n, g in ref["grads"].items() if n not in r0["grads"] or not _close(r0["grads"][n], g)]
+        bad = [n for n, g in ref["grads"].items() if n not in r0["grads"] or not _grad_close(r0["grads"][n], g)]
         if _close(losses, ref_losses) and not bad:
             result["match"] = "pass"
         else:
@@ -347,7 +362,11 @@ def run_arch(model_type: str, *, timeout: float = 300, **extra) -> dict[str, str
                 [_max_rel(losses, ref_losses)]
                 + [_max_rel(r0["grads"][n], ref["grads"][n]) for n in bad if n in r0["grads"]]
             )
-            result["match"] = f"max rel diff {worst:.1e} ({len(bad)} grads differ, e.g. {bad[:2]})"
+            worst_norm = max([_rel_norm(r0["grads"][n], ref["grads"][n]) for n in bad if n in r0["grads"]] or [0.0])
+            result["match"] = (
+                f"max rel diff {worst:.1e}, worst gradient rel-norm diff {worst_norm:.1e} "
+                f"({len(bad)} grads differ, e.g. {bad[:2]})"
+            )
         result["resume"] = "pass" if not r0["resume_mismatch"] else f"differs: {r0['resume_mismatch'][:2]}"
         for name, dims in RESHARD.items():
             try:

@@ -84,6 +84,9 @@ LAYOUTS = {
     "qwen3_cp2_fsdp2": ("qwen3", dict(dp_shard=2, cp=2)),
     "mistral_cp2_fsdp2": ("mistral", dict(dp_shard=2, cp=2)),
     "llama_cp2_tp2": ("llama", dict(dp_shard=1, cp=2, tp=2)),
+    "qwen3_cp2_tp2": ("qwen3", dict(dp_shard=1, cp=2, tp=2)),
+    "llama_cp4": ("llama", dict(dp_shard=1, cp=4)),
+    "mistral_cp4": ("mistral", dict(dp_shard=1, cp=4)),
     "qwen3_hsdp2_cp2": ("qwen3", dict(dp_replicate=2, dp_shard=1, cp=2)),
 }
 
