@@ -49,7 +49,11 @@ def test_read_config_file(tmp_path):
         ('mixed_precision: "no"', "mixed_precision: fp8", "fsdp_config.shardbridge.fp8.backend"),
         ("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 3", "num_processes=4"),
         ("backend: torchao, recipe: tensorwise", "backend: tensorrt", r"fp8.backend='tensorrt'"),
-        ("backend: torchao, recipe: tensorwise", "backend: torchao, recipe: mxfp8", r"'mxfp8' \(torchao 0.18\) with tp=2"),
+        (
+            "backend: torchao, recipe: tensorwise",
+            "backend: torchao, recipe: mxfp8",
+            r"'mxfp8' \(torchao 0.18\) with tp=2",
+        ),
         ("precision: bf16", "precision: fp8", "precision='fp8'"),
         ("precision: bf16", "precison: bf16", "unknown key"),
         ("export_dtype: bfloat16", "export_dtype: int8", "checkpoint.export_dtype"),
@@ -288,3 +292,28 @@ def test_without_sync_module_states_rank0_only_loading_is_turned_off(tmp_path, n
     assert no_launch[0].fsdp_cpu_ram_efficient_loading == "false"
     assert main(["--config_file", str(_write(tmp_path, BASE)), "train.py"]) == 0
     assert no_launch[1].fsdp_cpu_ram_efficient_loading == "true"  # Accelerate's default: rank 0 loads, we broadcast
+
+
+def test_fp8_backend_that_cannot_import_here_is_refused_before_any_process_starts(tmp_path, capsys, no_launch):
+    """TE on a machine without it: one line naming the key and the install hint, not 4 tracebacks."""
+    from shardbridge import fp8
+
+    try:
+        fp8.get_backend("te").require_runtime()
+        importable = True
+    except ImportError:
+        importable = False
+    text = BASE.replace("backend: torchao, recipe: tensorwise", "backend: te, recipe: delayed")
+    text = text.replace("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 1").replace(
+        "parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 4"
+    )
+    path = _write(tmp_path, text)
+    launched = no_launch
+    code = main(["--config_file", str(path), "train.py"])
+    if importable:  # a TE machine: the launch goes ahead
+        assert code == 0 and launched
+    else:
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and not launched
+        assert len(err.splitlines()) == 1, err
+        assert "fsdp_config.shardbridge.fp8.backend='te' cannot run here:" in err and "shardbridge[te]" in err, err

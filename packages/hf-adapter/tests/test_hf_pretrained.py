@@ -41,6 +41,11 @@ def _load(folder: str, empty: str) -> dict:
         guard = "no error"
     except RuntimeError as exc:
         guard = str(exc)
+    acc.load_pretrained(folder)
+    # Again after a forward (no backward): FSDP2 then registers the unsharded parameters, whose
+    # storage the reshard frees -- the load must write into the shards (it once wrote into freed
+    # storage: a segfault).
+    model(input_ids=H.local_batch(1, 0, 2))
     report = acc.load_pretrained(folder)
     full = H.full_params(model)
     losses = H.train_steps(acc, model, opt, 1)

@@ -417,6 +417,19 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _patterns(field: str, patterns: Iterable[str]) -> list[re.Pattern[str]]:
+    """Compile ``field``'s regular expressions; a bare string is one pattern, not its characters."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    out = []
+    for p in patterns:
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"{field}: {p!r} is not a regular expression ({e}); escape it with re.escape") from None
+    return out
+
+
 def _reshard(model: nn.Module) -> None:
     """Put FSDP2 modules in their sharded state, so the registered parameters are the shards."""
     from torch.distributed.fsdp import FSDPModule
@@ -474,17 +487,21 @@ def load_pretrained(
     """
     index = read_index(path)
     report = PretrainedReport()
+    missing_patterns = _patterns("ignore_missing", ignore_missing)
+    unexpected_patterns = _patterns("ignore_unexpected", ignore_unexpected)
+    # Sharded state FIRST: after a forward (before backward) FSDP2 registers the unsharded
+    # parameters, whose storage reshard() frees -- targets collected then would be dangling.
+    _reshard(model)
     fused_specs = fused_params(model) if fused is None else dict(fused)
     targets = _plan(
         _targets(model, fused_specs),
         index,
         _mapper(name_map),
         cast_dtype=cast_dtype,
-        ignore_missing=[re.compile(p) for p in ignore_missing],
-        ignore_unexpected=[re.compile(p) for p in ignore_unexpected],
+        ignore_missing=missing_patterns,
+        ignore_unexpected=unexpected_patterns,
         report=report,
     )
-    _reshard(model)
     for target in targets:
         _fill(target, index, report)
     return report

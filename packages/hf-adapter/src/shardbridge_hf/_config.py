@@ -168,7 +168,9 @@ class FP8Config:
         try:
             fp8.get_backend(recipe.backend).check(recipe, tp=tp)
         except (ValueError, NotImplementedError) as e:
-            raise ValueError(f"{BLOCK_KEY}.fp8 (backend {recipe.backend!r}, recipe {recipe.name!r}, tp={tp}): {e}") from None
+            raise ValueError(
+                f"{BLOCK_KEY}.fp8 (backend {recipe.backend!r}, recipe {recipe.name!r}, tp={tp}): {e}"
+            ) from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -46,7 +46,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from shardbridge import ParallelDims
+from shardbridge import ParallelDims, fp8
 from shardbridge.cli._plugins import Verb
 
 from shardbridge_hf._compat import require_accelerate
@@ -213,6 +213,24 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
     return LaunchPlan(config=config, dims=dims, num_processes=num_processes)
 
 
+def check_runtime(plan: LaunchPlan, where: str) -> None:
+    """What the workers will import, imported here first: one line before any process starts.
+
+    Raises:
+        ValueError: the FP8 backend's library does not import on this machine (e.g. ``backend:
+            te`` without TransformerEngine), naming the yaml key and the install hint.
+    """
+    recipe = plan.config.fp8.to_recipe()
+    if recipe is None:
+        return
+    try:
+        fp8.get_backend(recipe.backend).require_runtime()
+    except ImportError as e:
+        raise ValueError(
+            f"{where}: {BLOCK_KEY}.fp8.backend={recipe.backend!r} cannot run here: {' '.join(str(e).split())}"
+        ) from None
+
+
 def _one_line_usage_error(prog: str) -> Any:
     """argparse's ``error`` as one line naming the fix, exit 2 (see [Note: CLI errors] in the core)."""
 
@@ -363,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--config_file is required: the shardbridge block lives in the Accelerate config file")
     try:
         plan = read_config_file(args.config_file, overrides=_command_line_overrides(args))
+        check_runtime(plan, str(args.config_file))
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"shardbridge-launch: {e}", file=sys.stderr)
         return 2

@@ -73,6 +73,7 @@ PATCHES: tuple[Patch, ...] = (
 )
 """Every run-time patch of shardbridge_hf."""
 
+
 def plan() -> PatchPlan:
     """The hf adapter's patch plan (the rules: [Note: patch plans] in the core's ``_patching.py``).
 

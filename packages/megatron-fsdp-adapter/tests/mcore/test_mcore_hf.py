@@ -129,3 +129,31 @@ def test_hf_to_megatron_checkpoint_then_load(tmp_path):
     out = run_distributed(_load_hf_and_step, str(tmp_path / "hf"), str(tmp_path / "mc"), world_size=4, timeout=300)
     for rank, result in enumerate(out):
         assert abs(result["loss"] - hf_loss) < 1e-5, (rank, result["loss"], hf_loss)
+
+
+def test_hf_to_megatron_to_hf_keeps_the_config_and_refuses_disagreeing_flags(tmp_path):
+    import json
+
+    from shardbridge.cli._main import main
+
+    _make_hf_folder(tmp_path / "hf")
+    source = json.loads((tmp_path / "hf" / "config.json").read_text())
+    # A flag that disagrees with the folder's config.json is refused, not ignored.
+    bad = ["ckpt", "convert", str(tmp_path / "hf"), str(tmp_path / "bad"), "--to", "megatron",
+           "--num-attention-heads", str(2 * HEADS)]  # fmt: skip
+    assert main(bad) == 2
+    assert not (tmp_path / "bad").exists()
+    assert main(["ckpt", "convert", str(tmp_path / "hf"), str(tmp_path / "mc"), "--to", "megatron"]) == 0
+    assert main(["ckpt", "convert", str(tmp_path / "mc"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back == source  # eps, max positions, RoPE settings: the source's own config, not defaults
+    from safetensors.torch import load_file
+
+    def tensors(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    src, got = tensors(tmp_path / "hf"), tensors(tmp_path / "back")
+    assert set(src) == set(got) and all(torch.equal(src[k], got[k]) for k in src)

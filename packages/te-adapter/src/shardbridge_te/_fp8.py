@@ -126,6 +126,12 @@ class TEBackend(FP8BackendBase):
     name = "te"
     recipes = tuple(RECIPE_CLASSES)
 
+    def require_runtime(self) -> None:
+        """ImportError with the install hint unless ``transformer_engine.pytorch`` imports."""
+        from shardbridge_te._compat import te_pytorch
+
+        te_pytorch()
+
     def check(self, recipe: FP8Recipe, *, tp: int = 1) -> None:
         """Pure: recipe name, parameters; ``all_gather_fp8`` is a property of TE's FP8 params."""
         super().check(recipe, tp=tp)

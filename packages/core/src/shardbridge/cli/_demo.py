@@ -42,7 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default 1)")
     a.add_argument("--dp-shard", type=int, default=2, help="FSDP shard degree (default 2)")
     a.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
-    a.add_argument("--cp", type=int, default=1, help="context-parallel degree: sequence split (default 1)")
+    a.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: sequence split (default 1); the demo starts dp_replicate x dp_shard x cp x tp "
+        "processes, so --cp 2 with the defaults is 8: lower --dp-shard or --tp to keep 4",
+    )
     b = parser.add_argument_group("reload layout (B)")
     b.add_argument("--reload-dp-replicate", type=int, default=1, help="default 1")
     b.add_argument("--reload-dp-shard", type=int, default=4, help="default 4")
@@ -537,8 +543,11 @@ def _print_summary(cfg, train, reload_b, single, export) -> int:
         ("all-gathered per step (rank 0)", f"{statistics.median(train['all_gather_bytes']) / 1e6:.3f} MB"),
         ("reduce-scattered per step (rank 0)", f"{statistics.median(train['reduce_scatter_bytes']) / 1e6:.3f} MB"),
         ("checkpoint size", f"{mb:.2f} MB  ({train['checkpoint']})"),
-        ("save", f"{train['save_s']:.2f} s  ({mb / train['save_s']:.1f} MB/s; async: training blocked "
-                 f"{train['save_blocked_s']:.2f} s)"),
+        (
+            "save",
+            f"{train['save_s']:.2f} s  ({mb / train['save_s']:.1f} MB/s; async: training blocked "
+            f"{train['save_blocked_s']:.2f} s)",
+        ),
         (f"load into {_fmt(reload_b['layout'])}", f"{reload_b['load_s']:.2f} s  ({mb / reload_b['load_s']:.1f} MB/s)"),
         ("load into single process", f"{single['load_s']:.2f} s  ({mb / single['load_s']:.1f} MB/s)"),
         ("export safetensors", f"{export['export_s']:.2f} s, {export['files']} file(s)"),

@@ -91,6 +91,9 @@ class FP8Backend(Protocol):
     def check(self, recipe: FP8Recipe, *, tp: int = 1) -> None:
         """Raise ValueError / NotImplementedError naming what is supported."""
 
+    def require_runtime(self) -> None:
+        """Raise ImportError (with the install hint) unless the backend's library imports here."""
+
     def convert(
         self,
         model: nn.Module,
@@ -137,6 +140,9 @@ class FP8BackendBase:
                 f"fp8 recipe {recipe.name!r} is not supported by backend {self.name!r}; it supports "
                 f"{list(self.recipes)}" + _others_hint(recipe.name, self.name)
             )
+
+    def require_runtime(self) -> None:
+        """Nothing to import (subclasses whose library may be missing override it)."""
 
     def convert(self, model: nn.Module, recipe: FP8Recipe, **kwargs: Any) -> Converted:
         """Subclasses implement it."""

@@ -108,6 +108,10 @@ class TorchaoBackend(FP8BackendBase):
     name = "torchao"
     recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 
+    def require_runtime(self) -> None:
+        """ImportError with the install hint unless torchao imports."""
+        _torchao("torchao.float8")
+
     def check(self, recipe: FP8Recipe, *, tp: int = 1) -> None:
         """ValueError / NotImplementedError naming what torchao runs here."""
         super().check(recipe, tp=tp)

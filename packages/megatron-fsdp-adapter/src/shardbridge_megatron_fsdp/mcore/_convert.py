@@ -19,6 +19,7 @@ For a live sharded model, ``load_hf`` reads a from_pretrained folder directly (s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,11 +127,19 @@ def fsdp_dtensor_to_hf(
     return out
 
 
-def hf_to_checkpoint(folder: str | os.PathLike[str], out: str | os.PathLike[str], arch: LlamaArch) -> Path:
+def hf_to_checkpoint(
+    folder: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    arch: LlamaArch,
+    *,
+    hf_config: dict | None = None,
+) -> Path:
     """Write a ``from_pretrained`` folder as a shardbridge checkpoint under Megatron-Core names.
 
     The result loads with ``shardbridge_megatron_fsdp.mcore.load`` into a Megatron-Core model
-    at any dp x tp layout. One process, the whole model in memory.
+    at any dp x tp layout. One process, the whole model in memory. ``hf_config`` (the folder's
+    ``config.json``) is kept in the checkpoint's ``extra["hf_config"]``, so ``--to hf`` writes
+    the same config back (eps, RoPE scaling, ... survive the round trip).
     """
     from safetensors import safe_open
     from shardbridge import FusedSpec, register_fused
@@ -165,7 +174,7 @@ def hf_to_checkpoint(folder: str | os.PathLike[str], out: str | os.PathLike[str]
         _set(root, f"{base}.linear_fc1.weight", torch.cat([gate, up]), spec, register_fused)
     for name, value in flat.items():
         _set(root, name, value, None, register_fused)
-    return core.save(out, model=root)
+    return core.save(out, model=root, extra={"hf_config": hf_config} if hf_config is not None else None)
 
 
 def _set(root: nn.Module, fqn: str, value: torch.Tensor, spec, register_fused) -> None:
@@ -189,11 +198,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="checkpoint directory (--to hf) or from_pretrained folder (--to megatron)")
     p.add_argument("dst", help="output folder (new or empty) or checkpoint directory")
     p.add_argument("--to", choices=("hf", "megatron"), required=True, help="target format")
-    p.add_argument("--num-attention-heads", type=int, required=True, help="TransformerConfig.num_attention_heads")
+    p.add_argument("--num-attention-heads", type=int, default=None,
+                   help="TransformerConfig.num_attention_heads: required unless the source carries its config "
+                   "(a from_pretrained folder, or a checkpoint written by --to megatron); if given there, it must agree")  # fmt: skip
     p.add_argument("--head-dim", type=int, default=None, help="kv_channels (fsdp_dtensor source; default hidden/heads)")
-    p.add_argument("--rope-theta", type=float, default=10000.0, help="rotary_base (default 10000)")
-    p.add_argument("--rms-norm-eps", type=float, default=1e-5, help="layernorm_epsilon (default 1e-5)")
-    p.add_argument("--max-position-embeddings", type=int, default=4096, help="max_sequence_length (default 4096)")
+    p.add_argument("--rope-theta", type=float, default=None, help="rotary_base (default 10000, or the source's config)")
+    p.add_argument("--rms-norm-eps", type=float, default=None, help="layernorm_epsilon (default 1e-5, or the source's config)")  # fmt: skip
+    p.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="max_sequence_length (default 4096, or the source's config)")  # fmt: skip
     p.add_argument("--dtype", default=None, help="cast floating tensors (--to hf), e.g. bfloat16")
     p.add_argument("--overwrite", action="store_true", help="allow a non-empty DST (shardbridge source)")
     return p
@@ -202,22 +214,34 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     """Run ``shardbridge ckpt convert`` on ``argv`` (the arguments after ``convert``)."""
     args = _parser().parse_args(list(argv))
-    arch = LlamaArch(
-        num_attention_heads=args.num_attention_heads,
-        rope_theta=args.rope_theta,
-        rms_norm_eps=args.rms_norm_eps,
-        max_position_embeddings=args.max_position_embeddings,
-    )
+    src = Path(args.src)
+    if not src.exists():
+        raise ValueError(f"{src} does not exist; pass a checkpoint directory (--to hf) or a from_pretrained folder")
+    stored = None
+    if args.to == "megatron":
+        stored = _read_config(src)
+    elif (src / "shardbridge.json").is_file():
+        from shardbridge import checkpoint as core
+
+        stored = core.inspect(src).extra.get("hf_config")
+        if stored is not None and not isinstance(stored, dict):
+            raise ValueError(f"{src}: extra['hf_config'] is a {type(stored).__name__}, not a config mapping")
+    arch = _arch(args, stored)
     dtype = None
     if args.dtype is not None:
         dtype = getattr(torch, args.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype; e.g. bfloat16, float32")
-    src = Path(args.src)
     if args.to == "megatron":
-        out = hf_to_checkpoint(src, args.dst, arch)
+        out = hf_to_checkpoint(src, args.dst, arch, hf_config=stored)
     elif (src / "shardbridge.json").is_file():
         out = export_hf(src, args.dst, arch, dtype=dtype, overwrite=args.overwrite)
+        if stored is not None:  # the source folder's own config.json, dtype updated
+            config = dict(stored)
+            if dtype is not None:  # transformers 5 writes "dtype", 4.x "torch_dtype"
+                key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
+                config[key] = str(dtype).removeprefix("torch.")
+            (Path(out) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     elif (src / ".metadata").is_file():
         out = fsdp_dtensor_to_hf(src, args.dst, arch, head_dim=args.head_dim, dtype=dtype)
     else:
@@ -227,6 +251,54 @@ def main(argv: Sequence[str]) -> int:
         )
     print(f"shardbridge ckpt convert: wrote {out}")
     return 0
+
+
+_ARCH_FLAGS = {  # flag / LlamaArch field -> (config.json key, default)
+    "num_attention_heads": ("num_attention_heads", None),
+    "rope_theta": ("rope_theta", 10000.0),
+    "rms_norm_eps": ("rms_norm_eps", 1e-5),
+    "max_position_embeddings": ("max_position_embeddings", 4096),
+}
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no config.json: pass a from_pretrained folder (save_pretrained writes one)")
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a {type(config).__name__}, not a config mapping")
+    return config
+
+
+def _arch(args: argparse.Namespace, config: dict | None) -> LlamaArch:
+    """The architecture from the source's config and the flags; a flag that disagrees is refused."""
+    values = {}
+    for field, (key, default) in _ARCH_FLAGS.items():
+        flag = getattr(args, field)
+        known = None
+        if config is not None:
+            known = config.get(key)
+            if key == "rope_theta" and known is None:
+                known = (config.get("rope_parameters") or {}).get("rope_theta")
+        if flag is not None and known is not None and flag != known:
+            raise ValueError(
+                f"--{field.replace('_', '-')} {flag} disagrees with the source's config.json {key}={known}; "
+                "drop the flag (the source's value is used)"
+            )
+        value = flag if flag is not None else known if known is not None else default
+        if value is None:
+            raise ValueError(
+                f"--{field.replace('_', '-')} is required: the source carries no config.json (pass the model's "
+                "TransformerConfig value)"
+            )
+        if field == "num_attention_heads" and (not isinstance(value, int) or value <= 0):
+            raise ValueError(f"--num-attention-heads {value} must be a positive integer")
+        values[field] = value
+    return LlamaArch(**values)
 
 
 cli_verb = Verb(
