@@ -165,13 +165,15 @@ class MegatronFSDPStateDicts:
     def state_dicts(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_load: bool
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        params = dist_params(model)
+        params = self.dist_params(model)
         self._params = {dp.fqn: dp for dp in params}
         model_sd: dict[str, Any] = {dp.fqn: dp.param for dp in params}
         if optimizer is None:
             return model_sd, None
         optim_sd: dict[str, Any] = {}
         keys = _state_keys(optimizer, params) if for_load else None
+        if not for_load:
+            self.before_save(optimizer, params)
         for dp in params:
             state = optimizer.state.get(dp.param, {})
             for key, value in state.items():
@@ -221,6 +223,19 @@ class MegatronFSDPStateDicts:
                     if hyper != "params" and f"param_groups.{dp.fqn}.{hyper}" in optim_sd:
                         group[hyper] = optim_sd[f"param_groups.{dp.fqn}.{hyper}"]
         # The loaded values sit in the main (optimizer) weights; forward uses the compute weights.
+        self.install_weights(model)
+
+    # Hooks a subclass for another Megatron-FSDP copy overrides (mcore.McoreFSDPStateDicts).
+
+    def dist_params(self, model: nn.Module) -> list[DistParam]:
+        """The distributed parameters of ``model`` with their boxes, in a fixed order."""
+        return dist_params(model)
+
+    def before_save(self, optimizer: torch.optim.Optimizer, params: list[DistParam]) -> None:
+        """Make the optimizer state rank-consistent before it is saved (nothing here)."""
+
+    def install_weights(self, model: nn.Module) -> None:
+        """Copy the loaded main weights into the compute weights."""
         _mfsdp(model).install_optimized_model_weights()
 
 

@@ -22,7 +22,7 @@ from shardbridge import checkpoint as core
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from shardbridge_megatron_fsdp._checkpoint import DistParam, _state_keys
+from shardbridge_megatron_fsdp._checkpoint import DistParam, MegatronFSDPStateDicts
 from shardbridge_megatron_fsdp.mcore._compat import (
     chunk_offsets,
     optimizer_named_parameters,
@@ -100,75 +100,27 @@ def _agree_on_step(optimizer: torch.optim.Optimizer, params: list[DistParam]) ->
             state["step"] = type(state["step"])(value)
 
 
-class McoreFSDPStateDicts:
+class McoreFSDPStateDicts(MegatronFSDPStateDicts):
     """The :class:`~shardbridge.checkpoint.StateDictProvider` of a Megatron-Core FSDP model.
+
+    The standalone adapter's provider ([Note: Megatron-FSDP state as boxes]) with Megatron-Core's
+    bundled copy plugged in: its parameters and boxes, ``step`` agreed over ranks before a save
+    (:func:`_agree_on_step`), its ``install_optimized_model_weights`` after a load.
 
     Example:
         >>> checkpoint.save(path, model=model, optimizer=opt, state_dicts=McoreFSDPStateDicts())  # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
-        self._params: dict[str, DistParam] = {}
+    def dist_params(self, model: nn.Module) -> list[DistParam]:
+        """Megatron-Core's distributed parameters (:func:`dist_params`)."""
+        return dist_params(model)
 
-    def state_dicts(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_load: bool
-    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        params = dist_params(model)
-        self._params = {dp.fqn: dp for dp in params}
-        model_sd: dict[str, Any] = {dp.fqn: dp.param for dp in params}
-        if optimizer is None:
-            return model_sd, None
-        optim_sd: dict[str, Any] = {}
-        keys = _state_keys(optimizer, params) if for_load else None
-        if not for_load:
-            _agree_on_step(optimizer, params)
-        for dp in params:
-            state = optimizer.state.get(dp.param, {})
-            for key, value in state.items():
-                optim_sd[f"state.{dp.fqn}.{key}"] = value
-            for key, shard_shaped in (keys or {}).get(dp.fqn, {}).items():
-                if key not in state:  # throwaway: this rank holds no state here (an empty shard)
-                    optim_sd[f"state.{dp.fqn}.{key}"] = torch.empty_like(dp.local) if shard_shaped else torch.zeros(())
-        by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        for dp in params:
-            group = by_param.get(id(dp.param))
-            if group is None:
-                raise ValueError(
-                    f"parameter {dp.fqn!r} is not in any optimizer param group; pass the optimizer shard_model "
-                    "returned, or optimizer=None"
-                )
-            for hyper, value in group.items():
-                if hyper != "params":
-                    optim_sd[f"param_groups.{dp.fqn}.{hyper}"] = value
-        return model_sd, optim_sd
+    def before_save(self, optimizer: torch.optim.Optimizer, params: list[DistParam]) -> None:
+        """Every rank's ``step`` becomes the maximum over ranks (:func:`_agree_on_step`)."""
+        _agree_on_step(optimizer, params)
 
-    def local_offsets(self, fqn: str, param: DTensor) -> tuple[int, ...] | None:
-        dp = self._params.get(fqn)
-        return dp.offsets if dp is not None and dp.param is param else None
-
-    def load_state_dicts(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        model_sd: dict[str, Any],
-        optim_sd: dict[str, Any] | None,
-        *,
-        strict: bool,
-    ) -> None:
-        if optimizer is not None:
-            assert optim_sd is not None
-            by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-            for dp in self._params.values():
-                state = optimizer.state.get(dp.param, {})
-                for key in state:
-                    value = optim_sd.get(f"state.{dp.fqn}.{key}")
-                    if value is not None and not isinstance(value, torch.Tensor):
-                        state[key] = value
-                group = by_param[id(dp.param)]
-                for hyper in group:
-                    if hyper != "params" and f"param_groups.{dp.fqn}.{hyper}" in optim_sd:
-                        group[hyper] = optim_sd[f"param_groups.{dp.fqn}.{hyper}"]
-        # The loaded values sit in the main (optimizer) weights; forward uses the compute weights.
+    def install_weights(self, model: nn.Module) -> None:
+        """The bundled ``MegatronFSDP``'s ``install_optimized_model_weights``."""
         _inner(model).install_optimized_model_weights()
 
 
