@@ -13,7 +13,9 @@ by every contender, side by side in one run, rounds alternating the order; media
   ``torch.load`` (``weights_only=True``), plain DCP (``dcp.load`` + ``set_state_dict``).
 
 Ratios are throughput ratios (baseline time / our time: 1.00 = as fast as the baseline,
-0.5 = half as fast). The page cache is warm for every contender alike.
+0.5 = half as fast). The page cache is warm for every contender alike, and before each timed
+operation ``os.sync()`` writes back every dirty page (untimed), so no contender's fsync pays
+for another's writes.
 
     python tools/bench/bench_checkpoint.py [--sizes 252MB,1GB] [--rounds 3] [--dir /tmp/x]
     python tools/bench/bench_checkpoint.py --sizes 64MB,252MB,1GB   # the size curve
@@ -122,11 +124,20 @@ def _max_over_ranks(value):
     return float(t.item())
 
 
-def _timed(fn):
-    """Wall time of fn on all ranks (barrier before and after)."""
+def _quiesce():
+    """Before every timed operation: no dirty page of an earlier contender left for this one's
+    fsyncs to write back (on ext4 an fsync may commit other files' data too), then a barrier."""
     import torch.distributed as dist
 
+    os.sync()
     dist.barrier()
+
+
+def _timed(fn):
+    """Wall time of fn on all ranks (write-back quiesced and barrier before, barrier after)."""
+    import torch.distributed as dist
+
+    _quiesce()
     start = time.perf_counter()
     fn()
     dist.barrier()
@@ -137,7 +148,7 @@ def _timed_blocking(start_fn, wait_fn):
     """(time until start_fn returned, slowest rank; total until wait_fn returned on all ranks)."""
     import torch.distributed as dist
 
-    dist.barrier()
+    _quiesce()
     start = time.perf_counter()
     handle = start_fn()
     blocked = time.perf_counter() - start
@@ -171,9 +182,13 @@ def _worker(root: str, size: str, rounds: int, profile: str | None):
 
 def _round(r, root, add, group, source, same, other):
     """One round: every save contender, then every load contender; order alternates."""
+    import pickle
+    from pathlib import Path
+
     import torch
     import torch.distributed as dist
     from shardbridge import checkpoint
+    from shardbridge.checkpoint._trust import read_metadata
 
     rank = dist.get_rank()
     (model, opt), (model_a, opt_a), (model_b, opt_b) = source, same, other
@@ -204,6 +219,17 @@ def _round(r, root, add, group, source, same, other):
     ]
     for name, fn in loads if r % 2 == 0 else reversed(loads):
         add(name, _timed(fn))
+    # Where a load's time goes beyond torch.load's (the parts outside shardbridge): reading
+    # DCP's .metadata pickle with the restricted unpickler (rank 0, once per load) and with
+    # plain pickle (DCP's own way, which runs code from the file: measured on our own file
+    # only), and torch's state-dict plumbing that every DCP load does (get/set_state_dict).
+    parts = [
+        ("metadata, restricted", lambda: _on_rank0(lambda: read_metadata(ckpt))),
+        ("metadata, pickle", lambda: _on_rank0(lambda: pickle.loads(Path(ckpt, ".metadata").read_bytes()))),
+        ("state dicts", lambda: _state_dict_round_trip(model_a, opt_a)),
+    ]
+    for name, fn in parts:
+        add(name, _timed(fn))
     sizes = {"checkpoint": _dir_bytes(ckpt), "torch.save": _dir_bytes(raw) / 2} if rank == 0 else {}
     dist.barrier()
     if rank == 0:
@@ -211,6 +237,21 @@ def _round(r, root, add, group, source, same, other):
             shutil.rmtree(path)
     dist.barrier()
     return sizes
+
+
+def _on_rank0(fn):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        fn()
+
+
+def _state_dict_round_trip(model, opt):
+    """torch's get_state_dict + set_state_dict with the same tensors: no I/O, the plumbing alone."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def _dcp_save(model, opt, path):
@@ -279,6 +320,14 @@ def _report(size: str, result: dict, rounds: int) -> None:
         sec = t[key]
         ratio = "" if base is None else f"{t[base] / sec:.2f}x"
         print(f"{label:<44} {sec:>8.3f} {mb / sec:>8.1f} {ratio:>8}  {base or ''}")
+    explained = t["torch.load"] + t["metadata, restricted"] + t["state dicts"]
+    print(
+        f"\nload, where the time goes (s): torch.load {t['torch.load']:.3f} + .metadata restricted unpickling "
+        f"{t['metadata, restricted']:.3f} (plain pickle: {t['metadata, pickle']:.3f}) + torch's get/set_state_dict "
+        f"{t['state dicts']:.3f} = {explained:.3f}; shardbridge load {t['load same']:.3f} "
+        f"(verify=False {t['load same, verify=False']:.3f}); the rest: {t['load same'] - explained:+.3f} "
+        f"({t['load same, verify=False'] - explained:+.3f})"
+    )
     print(f"\n{'training blocked by a save':<44} {'blocked s':>9} {'total s':>8}")
     for label, key in (("shardbridge save (sync)", None), ("shardbridge save(async_=True)", "async"),
                        ("plain dcp.async_save (own gloo group)", "dcp.async_save")):  # fmt: skip

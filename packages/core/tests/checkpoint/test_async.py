@@ -122,3 +122,53 @@ def _stage_dtensor():
 
 def test_stager_copies_dtensor_boxes_and_reuses_its_buffers():
     assert all(run_distributed(_stage_dtensor, world_size=4))
+
+
+def test_bounded_returns_raises_and_times_out():
+    from shardbridge.checkpoint._async import bounded
+
+    assert bounded(lambda: 7, seconds=5, what="x") == 7
+    with pytest.raises(KeyError, match="inner"):
+        bounded(lambda: {}["inner"], seconds=5, what="x")
+    never = threading.Event()
+    with pytest.raises(RuntimeError, match=r"making a group did not finish within 0 s .* restart the job"):
+        bounded(never.wait, seconds=0.2, what="making a group")
+    never.set()  # lets the abandoned daemon thread end
+
+
+def _hung_writer_group(root: str):
+    """gloo's connect never returning (a peer died mid-rendezvous: [Note: a bounded writer group])."""
+    from datetime import timedelta
+
+    from shardbridge.checkpoint import _async
+
+    model, opt = build(LAYOUTS["fsdp2_tp2"])
+    ck.save(ck.step_dir(root, 1), model=model, optimizer=opt, step=1)
+    never = threading.Event()
+    real = (dist.new_group, _async.group_timeout, _async._STATE.copy())
+    dist.new_group = lambda *a, **k: never.wait()
+    _async.group_timeout = lambda group=None: timedelta(seconds=1)
+    _async._STATE.update(group=None, group_of=None)
+    try:
+        errors = []
+        for s in (2, 3):
+            try:
+                ck.save(ck.step_dir(root, s), model=model, optimizer=opt, step=s, async_=True)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        ck.save(ck.step_dir(root, 4), model=model, optimizer=opt, step=4)  # a synchronous save still works
+    finally:
+        never.set()
+        dist.new_group, _async.group_timeout = real[:2]
+        _async._STATE.clear()
+        _async._STATE.update(real[2])
+    return errors
+
+
+def test_a_hung_writer_group_rendezvous_fails_the_save_instead_of_hanging(tmp_path):
+    for errors in run_distributed(_hung_writer_group, str(tmp_path), world_size=4):
+        assert len(errors) == 2, errors
+        assert "creating the checkpoint writer's gloo group" in errors[0] and "did not finish within 11 s" in errors[0]
+        assert "cannot save asynchronously any more" in errors[1]
+    assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000004"]  # no tmp dir left

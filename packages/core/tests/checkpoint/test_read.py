@@ -25,7 +25,7 @@ def _save(path: str) -> None:
 def test_every_box_of_a_4_rank_checkpoint_is_read_in_place(tmp_path, monkeypatch):
     """Shard(0) boxes (contiguous in the target) and Shard(1) boxes (rowwise ``down``: strided
     in the target, read through the bounded buffer), fused components, optimizer states; then
-    with the default threshold (these boxes all below it: DCP's reader box by box)."""
+    through DCP's reader box by box (threshold above every box), the same values."""
     path = tmp_path / "c"
     run_distributed(_save, str(path), world_size=4)
     dcp_to_torch_save(path, tmp_path / "oracle.pt")
@@ -40,7 +40,6 @@ def test_every_box_of_a_4_rank_checkpoint_is_read_in_place(tmp_path, monkeypatch
         return ok
 
     monkeypatch.setattr(_export, "read_box_into", spy)
-    monkeypatch.setattr(_export, "EXPORT_IN_PLACE_MIN_BYTES", 0)  # these boxes are tiny
     reader = TrustedReader(path)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
@@ -50,6 +49,7 @@ def test_every_box_of_a_4_rank_checkpoint_is_read_in_place(tmp_path, monkeypatch
     assert calls and all(ok for ok, _ in calls)
     assert any(not contiguous for _, contiguous in calls)  # the strided path ran
     monkeypatch.undo()
+    monkeypatch.setattr(_export, "EXPORT_IN_PLACE_MIN_BYTES", 1 << 40)  # DCP's reader for every box
     for key, want in flat.items():
         assert torch.equal(_export.read_tensor(reader, metadata, key), want), key
 
@@ -75,9 +75,85 @@ def test_unusual_records_are_left_to_dcps_reader(tmp_path):
     assert not read_box_into(file, offset, length - 30, torch.zeros(6))  # truncated record
 
 
+def test_parts_of_boxes_are_read_in_place_exactly():
+    """``box_offsets``: any sub-box of a stored box (narrowed in the first, inner or every dim;
+    1-d, 0-d; into a contiguous or strided target) equals slicing the saved tensor; a part that
+    does not fit is refused, the target untouched."""
+    import tempfile
+    from pathlib import Path
+
+    saved = {
+        "3d": torch.arange(5 * 6 * 7, dtype=torch.float32).reshape(5, 6, 7),
+        "1d": torch.arange(11, dtype=torch.int64),
+        "0d": torch.tensor(3.5, dtype=torch.bfloat16),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "records"
+        where = {}
+        with open(file, "wb") as f:
+            for name, tensor in saved.items():
+                buffer = io.BytesIO()
+                torch.save(tensor, buffer)
+                where[name] = (f.tell(), len(buffer.getvalue()))
+                f.write(buffer.getvalue())
+        cases = [
+            ("3d", (1, 0, 0), (3, 6, 7)),  # rows only: one contiguous range
+            ("3d", (0, 2, 0), (5, 3, 7)),  # an inner dim
+            ("3d", (2, 1, 3), (2, 4, 4)),  # every dim
+            ("3d", (0, 0, 0), (5, 6, 7)),  # the whole box
+            ("1d", (4,), (5,)),
+            ("0d", (), ()),
+        ]
+        for name, offsets, lengths in cases:
+            want = saved[name][tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+            for strided in (False, True):
+                target = torch.full(lengths, -1, dtype=want.dtype)
+                if strided and target.dim() >= 2:
+                    target = torch.full(lengths[::-1], -1, dtype=want.dtype).t() if target.dim() == 2 else (
+                        torch.full((lengths[0], lengths[2], lengths[1]), -1, dtype=want.dtype).transpose(1, 2)
+                    )
+                assert read_box_into(file, *where[name], target, offsets), (name, offsets, strided)
+                assert torch.equal(target, want), (name, offsets, strided)
+        target = torch.full((3, 6, 7), -1.0)
+        assert not read_box_into(file, *where["3d"], target, (3, 0, 0))  # rows 3..5 of 5
+        assert (target == -1).all()
+
+
+def _reshard_in_place(path: str):
+    from ckpt_helpers import full_state
+    from shardbridge.checkpoint import _read
+
+    calls = []
+    real = _read.read_box_into
+    _read.read_box_into = lambda *a: calls.append(real(*a)) or calls[-1]
+    try:
+        model, opt = build(LAYOUTS["fsdp4"], fused=True, seed=7, lr=0.5)
+        ck.load(path, model=model, optimizer=opt, rng=False)
+    finally:
+        _read.read_box_into = real
+    state = full_state(model, opt)
+    return (state, calls) if torch.distributed.get_rank() == 0 else (None, calls)
+
+
+def test_a_load_into_another_layout_reads_the_parts_of_boxes_in_place(tmp_path):
+    """Saved at dp_shard=2 x tp=2, loaded at dp_shard=4: every item is a part of a stored box,
+    read in place (no DCP torch.load); values equal torch's ``dcp_to_torch_save``."""
+    from test_load import _oracle
+
+    path = tmp_path / "c"
+    run_distributed(_save, str(path), world_size=4)
+    oracle = _oracle(path, tmp_path)
+    results = run_distributed(_reshard_in_place, str(path), world_size=4)
+    state = results[0][0]
+    assert state.keys() == oracle.keys()
+    for key, want in oracle.items():
+        assert torch.equal(state[key], want), key
+    for _, calls in results:
+        assert calls and all(calls)
+
+
 def test_load_reads_whole_boxes_in_place(tmp_path, monkeypatch):
-    """``load`` into the same layout: every tensor item is read in place (no torch.load copy);
-    with the default threshold these small boxes all go through DCP's reader (the other tests)."""
+    """``load`` into the same layout: every tensor item is read in place (no torch.load copy)."""
     from ckpt_helpers import Mlp, assert_equal_states, full_state
     from shardbridge.checkpoint import _read
 
@@ -86,7 +162,6 @@ def test_load_reads_whole_boxes_in_place(tmp_path, monkeypatch):
     calls = []
     real = _read.read_box_into
     monkeypatch.setattr(_read, "read_box_into", lambda *a: calls.append(real(*a)) or calls[-1])
-    monkeypatch.setattr(_read, "IN_PLACE_MIN_BYTES", 0)  # these boxes are tiny
     fresh = Mlp()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
     ck.load(tmp_path / "c", model=fresh, optimizer=fresh_opt)

@@ -125,7 +125,17 @@ class LocalChunks:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` that resolves :class:`LocalChunks` values."""
+    """``DefaultSavePlanner`` that resolves :class:`LocalChunks` values, with DCP's plan caching.
+
+    ``enable_plan_caching``: DCP keeps the last local and global plans (per planner class) and,
+    when every rank's new local plan equals its cached one (the same model and layout saved
+    again), the ranks exchange empty "unchanged" plans instead of pickling every item
+    through the coordinator (DCP's ``_compare_save_plans``; a changed plan on any rank
+    recomputes it). Each save still writes its own files and metadata.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict.get(index.fqn)

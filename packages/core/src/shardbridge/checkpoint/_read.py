@@ -7,18 +7,23 @@ archive whose entry ``<archive>/data/0`` holds the raw bytes of the tensor's sto
 compressed. DCP's own reader ``torch.load``s the record whole and copies it into the
 target, so the box exists twice in memory. :func:`read_box_into` instead:
 
-1. reads the record's tensor metadata with ``torch.load(weights_only=True)`` under
-   ``torch.serialization.skip_data`` (shape, dtype, strides, storage offset; no bytes read);
-2. finds the storage entry's byte range in the file from the zip headers;
-3. reads those bytes into the target: directly when the target region is contiguous, else
-   through a buffer of at most ``_BUFFER_BYTES`` (a few rows at a time).
+1. finds the byte ranges of the pickle entry (``data.pkl``) and of the storage entry in the
+   file from the zip headers;
+2. reads the record's tensor metadata (shape, dtype, strides, storage offset) from its
+   pickle with ``torch.load(weights_only=True)`` under ``torch.serialization.skip_data`` (no
+   bytes read). That costs ~0.2 ms a record, so the result is kept per distinct pickle
+   (``_META``): the metadata is a function of the pickle's bytes alone, and the boxes of one
+   checkpoint share few pickles (a parameter and its two AdamW states, every layer's copy of
+   a weight: 150 records of a 5-layer Llama with AdamW had 12 distinct pickles);
+3. reads the storage bytes into the target: directly when the target region is contiguous,
+   else through a buffer of at most ``_BUFFER_BYTES`` (a few rows at a time).
 
 Anything unusual (a transform such as compression, a non-contiguous or offset storage, a
 big-endian record, several storages) returns False and the caller falls back to DCP's
-reader for that box. Export reads every record so (its peak memory is the point); ``load``
-only records of at least ``IN_PLACE_MIN_BYTES`` (its speed is: steps 1-2 cost ~3 ms a record
-here, more than the copy they save for small boxes). Only ``weights_only`` unpickling runs (see [Note: untrusted
-checkpoints] in ``_trust.py``); byte ranges are checked to lie inside the record.
+reader for that box. Export and ``load`` read every whole box so (export: its peak memory is
+the point; load: one pass over the bytes, and no per-record ``torch.load``). Only
+``weights_only`` unpickling runs (see [Note: untrusted checkpoints] in ``_trust.py``); byte
+ranges are checked to lie inside the record.
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ import torch
 __all__ = ["EXPORT_IN_PLACE_MIN_BYTES", "IN_PLACE_MIN_BYTES", "read_box_into"]
 
 _BUFFER_BYTES = 8 << 20
-IN_PLACE_MIN_BYTES = 8 << 20
-"""Smallest record ``load`` reads in place: below it, parsing the record (~2-3 ms here, mostly
-``torch.load`` of its metadata and the zip directory) costs more than the copy it saves."""
+IN_PLACE_MIN_BYTES = 0
+"""Smallest record ``load`` reads in place (every one: with the metadata kept per distinct
+pickle, parsing a record costs less than DCP's ``torch.load`` of it)."""
+_META: dict[bytes, tuple[Any, ...] | None] = {}
+"""pickle bytes of a record -> (dtype, shape, contiguous, storage offset, bytes) or None (unusual)."""
+_META_MAX = 4096
 EXPORT_IN_PLACE_MIN_BYTES = 0
 """Smallest record export reads in place: every one (memory, not speed, is what export bounds;
 with 1 MB here a 4-rank export peaked 1.0x the largest tensor + 16 MB instead of + 6 MB)."""
@@ -77,17 +85,10 @@ class _Window(io.RawIOBase):
         return got or 0
 
 
-def _storage_range(window: _Window) -> tuple[int, int] | None:
-    """(offset within the record, size) of the record's single storage; None if unusual."""
-    with zipfile.ZipFile(window) as archive:
-        infos = archive.infolist()
-        storages = [i for i in infos if i.filename.split("/")[-2:-1] == ["data"]]
-        order = [i for i in infos if i.filename.endswith("/byteorder")]
-        if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
-            return None
-        if order and archive.read(order[0]).decode("ascii", "replace") != sys.byteorder:
-            return None
-        info = storages[0]
+def _entry_range(window: _Window, info: zipfile.ZipInfo) -> tuple[int, int] | None:
+    """(offset within the record, size) of a stored entry's bytes; None if unusual."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
     window.seek(info.header_offset)
     head = window.read(_LOCAL_HEADER.size)
     if len(head) != _LOCAL_HEADER.size:
@@ -101,48 +102,96 @@ def _storage_range(window: _Window) -> tuple[int, int] | None:
     return start, info.file_size
 
 
-def read_box_into(file: Path, offset: int, length: int, target: torch.Tensor) -> bool:
-    """Fill ``target`` (a view into the full tensor) from the record at ``file[offset:offset+length]``.
+def _ranges(window: _Window) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(pickle range, storage range) of a record with one storage; None if unusual."""
+    with zipfile.ZipFile(window) as archive:
+        infos = archive.infolist()
+        storages = [i for i in infos if i.filename.split("/")[-2:-1] == ["data"]]
+        pickles = [i for i in infos if i.filename.endswith("/data.pkl")]
+        order = [i for i in infos if i.filename.endswith("/byteorder")]
+        if len(storages) != 1 or len(pickles) != 1:
+            return None
+        if order and archive.read(order[0]).decode("ascii", "replace") != sys.byteorder:
+            return None
+    pickle_at, storage_at = _entry_range(window, pickles[0]), _entry_range(window, storages[0])
+    return None if pickle_at is None or storage_at is None else (pickle_at, storage_at)
 
-    Returns False (``target`` untouched or to be overwritten by the caller's fallback) when
-    the record is not the plain case. See [Note: reading boxes in place].
+
+def _record_meta(window: _Window, pickle_bytes: bytes) -> tuple[Any, ...] | None:
+    """The record's tensor metadata, from ``_META`` or ``torch.load`` under ``skip_data``."""
+    if pickle_bytes in _META:
+        return _META[pickle_bytes]
+    window.seek(0)
+    with torch.serialization.skip_data():
+        meta = torch.load(window, map_location="cpu", weights_only=True)
+    found = None
+    if isinstance(meta, torch.Tensor) and type(meta) is torch.Tensor:
+        found = (meta.dtype, tuple(meta.shape), meta.is_contiguous(), meta.storage_offset(), meta.numel() * meta.element_size())
+    if len(_META) >= _META_MAX:
+        _META.clear()
+    _META[pickle_bytes] = found
+    return found
+
+
+def read_box_into(
+    file: Path, offset: int, length: int, target: torch.Tensor, box_offsets: tuple[int, ...] | None = None
+) -> bool:
+    """Fill ``target`` from the record at ``file[offset:offset+length]``.
+
+    ``target`` is a view into the destination tensor; it receives the part of the stored box
+    that starts at ``box_offsets`` (None: the whole box, which must then have ``target``'s
+    shape) and has ``target``'s shape: a load into another layout reads only the rows of the
+    box it needs. Returns False (``target`` untouched or to be overwritten by the caller's
+    fallback) when the record is not the plain case. See [Note: reading boxes in place].
     """
     with open(file, "rb", buffering=0) as f:
         window = _Window(f, offset, length)
         try:
-            with torch.serialization.skip_data():
-                meta = torch.load(window, map_location="cpu", weights_only=True)
-            window.seek(0)
-            where = _storage_range(window)
+            ranges = _ranges(window)
+            if ranges is None:
+                return False
+            (pickle_start, pickle_size), where = ranges
+            window.seek(pickle_start)
+            pickle_bytes = window.read(pickle_size)
+            meta = _record_meta(window, pickle_bytes) if len(pickle_bytes) == pickle_size else None
         except Exception:  # noqa: BLE001 (refused or damaged: DCP's trusted reader reports it)
             return False
-        if not isinstance(meta, torch.Tensor) or type(meta) is not torch.Tensor or where is None:
+        if meta is None:
             return False
-        nbytes = meta.numel() * meta.element_size()
+        dtype, shape, contiguous, storage_offset, nbytes = meta
+        want = tuple(target.shape)
+        starts = tuple(box_offsets) if box_offsets is not None else (0,) * len(shape)
         plain = (
-            meta.shape == target.shape
-            and meta.dtype == target.dtype
-            and meta.is_contiguous()
-            and meta.storage_offset() == 0
+            dtype == target.dtype
+            and contiguous
+            and storage_offset == 0
             and where[1] == nbytes
+            and len(starts) == len(shape) == len(want)
+            and all(0 <= o and o + n <= size for o, n, size in zip(starts, want, shape))
+            and (box_offsets is not None or want == shape)
         )
-        del meta
         if not plain:
             return False
-        if nbytes == 0:
+        if target.numel() == 0:
             return True
-        f.seek(offset + where[0])
-        if target.is_contiguous():
+        if not shape:  # a 0-d tensor: its one element
+            f.seek(offset + where[0])
             return _read_exact(f, target.reshape(-1).view(torch.uint8).numpy())
-        # Rows along dim 0, a bounded buffer at a time, copied into the strided target.
-        row_bytes = max(1, nbytes // target.shape[0])
-        rows = max(1, _BUFFER_BYTES // row_bytes)
-        for start in range(0, target.shape[0], rows):
-            part = target[start : start + rows]
-            buffer = torch.empty(part.shape, dtype=part.dtype)
+        # The rows [starts[0], starts[0] + want[0]) of the box are one contiguous byte range.
+        row_bytes = nbytes // shape[0]
+        f.seek(offset + where[0] + starts[0] * row_bytes)
+        whole_rows = want[1:] == shape[1:]
+        if whole_rows and target.is_contiguous():
+            return _read_exact(f, target.reshape(-1).view(torch.uint8).numpy())
+        # A bounded buffer of rows at a time, the wanted columns copied into the strided target.
+        rows = max(1, _BUFFER_BYTES // max(1, row_bytes))
+        inner = tuple(slice(o, o + n) for o, n in zip(starts[1:], want[1:]))
+        for first in range(0, want[0], rows):
+            count = min(rows, want[0] - first)
+            buffer = torch.empty((count, *shape[1:]), dtype=dtype)
             if not _read_exact(f, buffer.reshape(-1).view(torch.uint8).numpy()):
                 return False
-            part.copy_(buffer)
+            target[first : first + count].copy_(buffer[(slice(None), *inner)])
         return True
 
 

@@ -509,29 +509,26 @@ class TrustedReader(dcp.FileSystemReader):
             ) from None
 
     def _read_in_place(self, plan: LoadPlan, planner: LoadPlanner) -> LoadPlan:
-        """Read every tensor item that is a whole stored box straight into its target; the rest.
+        """Read every tensor item (a stored box or part of one) straight into its target; the rest.
 
         See [Note: reading boxes in place] in ``_read.py``: one pass over the bytes instead
-        of DCP's ``torch.load`` of the box then a copy. An item that is part of a box (a
-        load into another layout), a small box (below ``IN_PLACE_MIN_BYTES``: parsing its
-        record costs more than the copy saves) or an unusual record is left to DCP's reader.
+        of DCP's ``torch.load`` of the box then a copy; a load into another layout reads only
+        the rows of a box it needs. A box below ``IN_PLACE_MIN_BYTES`` or an unusual record is
+        left to DCP's reader.
         """
         from shardbridge.checkpoint._read import IN_PLACE_MIN_BYTES, read_box_into
 
         rest = []
         for item in plan.items:
             info = self.storage_data.get(item.storage_index) if item.type != LoadItemType.BYTE_IO else None
-            if (
-                info is None
-                or info.length < IN_PLACE_MIN_BYTES
-                or getattr(info, "transform_descriptors", None)
-                or any(item.storage_offsets)
-            ):
+            if info is None or info.length < IN_PLACE_MIN_BYTES or getattr(info, "transform_descriptors", None):
                 rest.append(item)
                 continue
             target = planner.resolve_tensor(item).detach()
             file = Path(self.path) / info.relative_path
-            if tuple(target.shape) == tuple(item.lengths) and read_box_into(file, info.offset, info.length, target):
+            if tuple(target.shape) == tuple(item.lengths) and read_box_into(
+                file, info.offset, info.length, target, tuple(item.storage_offsets)
+            ):
                 planner.commit_tensor(item, target)
             else:
                 rest.append(item)
