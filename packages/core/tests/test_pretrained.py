@@ -186,6 +186,12 @@ def test_integer_dtypes_are_never_cast(tmp_path):
 
 
 def test_malformed_folders_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing does not exist; pass the folder written by save_pretrained"):
+        load_pretrained(nn.Linear(2, 2), tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="file is a file, not a folder"):
+        load_pretrained(nn.Linear(2, 2), tmp_path / "file")
+    (tmp_path / "file").unlink()
     with pytest.raises(ValueError, match="has neither model.safetensors.index.json nor model.safetensors"):
         load_pretrained(nn.Linear(2, 2), tmp_path)
     save_file({"weight": torch.zeros(2, 2)}, str(tmp_path / "a.safetensors"))

@@ -199,6 +199,10 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, tuple[Path, tuple[int,
         return out
     if single.is_file():
         return {k: (e.file, e.shape, e.dtype) for k, e in _read_headers([single])[single].items()}
+    if not Path(folder).exists():
+        raise FileNotFoundError(f"{folder} does not exist; pass the folder written by save_pretrained")
+    if not Path(folder).is_dir():
+        raise ValueError(f"{folder} is a file, not a folder; pass the folder written by save_pretrained")
     raise ValueError(
         f"{folder} has neither {INDEX_NAME} nor {SINGLE_FILE_NAME}; pass a folder written by save_pretrained "
         "(safetensors; *.bin pickles are not read, convert them with transformers first)"

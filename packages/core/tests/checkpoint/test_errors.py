@@ -145,3 +145,13 @@ def test_full_disk_for_real_on_a_tiny_tmpfs(tmp_path):
     assert "ERROR save of checkpoint" in run.stdout, run.stdout + run.stderr
     assert "No space left on device" in run.stdout
     assert "unexpected pos" not in run.stdout and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_file_in_the_path_is_named_not_a_bare_file_exists_error(tmp_path, async_):
+    """A parent of the checkpoint path that is a file: ValueError naming it (sync and async)."""
+    (tmp_path / "file").write_text("x")
+    for path in (tmp_path / "file" / "ckpt", tmp_path / "file" / "a" / "ckpt"):
+        with pytest.raises(ValueError, match=rf"'{tmp_path / 'file'}' is a file, not a directory"):
+            ck.save(path, model=nn.Linear(2, 2), async_=async_)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

@@ -367,7 +367,19 @@ def new_tmp_dir(final: Path, *, overwrite: bool) -> Path:
     parent = final.parent
     if final.exists() and not final.is_dir():
         raise ValueError(f"{str(final)!r} exists and is a file; pass a directory path")
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), parent)
+        raise ValueError(
+            f"cannot save to {str(final)!r}: {str(blocker)!r} is a file, not a directory; choose a path whose "
+            "parent directories are directories (or can be created)"
+        ) from None
+    except PermissionError as err:
+        raise PermissionError(
+            f"cannot create the checkpoint's parent directory {str(parent)!r}: {err.strerror}; choose a writable "
+            "location"
+        ) from None
     recover(parent, delete=True)
     if final.exists():
         if not overwrite and not _is_empty_dir(final):
