@@ -111,8 +111,8 @@ def fp8_matrix(session):
     _install(session, "all,te-structural,test")
     env = {**ENV, "SHARDBRIDGE_FP8_MATRIX": "all"}
     session.run(
-        "python", "-m", "pytest", "packages/hf-adapter/tests/test_hf_fp8.py", "packages/hf-adapter/tests/test_hf_te.py",
-        "integration_tests/test_launch_fp8.py", *session.posargs, env=env,
+        "python", "-m", "pytest", "packages/core/tests/test_fp8_tp_styles.py", "packages/hf-adapter/tests/test_hf_fp8.py",
+        "packages/hf-adapter/tests/test_hf_te.py", "integration_tests/test_launch_fp8.py", *session.posargs, env=env,
     )
 
 

@@ -31,11 +31,11 @@ ARCHS = {
 }
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, hidden_size: int = 64):
     return AutoConfig.for_model(
         **ARCHS[arch],
         vocab_size=256,
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=8,
@@ -56,6 +56,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="llama", choices=sorted(ARCHS))
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        default=64,
+        help="model width (torchao mxfp8 at tp 2 needs 128: TP-local dims multiples of 32)",
+    )
     p.add_argument("--batch-size", type=int, default=2, help="per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -80,7 +86,7 @@ def main() -> None:
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=args.collective_timeout))
     accelerator = Accelerator(kwargs_handlers=[timeout])
     torch.manual_seed(0)  # same init everywhere (rank 0's weights are broadcast anyway)
-    cfg = tiny_config(args.arch)
+    cfg = tiny_config(args.arch, args.hidden_size)
     with accelerator.model_init_context():
         model = AutoModelForCausalLM.from_config(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -13,7 +13,16 @@ Checks (each recorded, the next runs even when one fails):
   delayed-extra-state  DelayedScaling: train, save, load at another layout (world 4: tp4; world 1:
                        a fresh model), fp8_meta scale / amax history rebuilt from `_extra_state`;
   block-scaled, mxfp8  Float8BlockScaling / MXFP8BlockScaling where TE says the GPU supports them
-                       (H100: block scaling yes, MXFP8 no - recorded as unsupported with TE's reason).
+                       (H100: block scaling yes, MXFP8 no - recorded as unsupported with TE's reason);
+  fp8-ckpt             (only with --only fp8-ckpt; stage te-fp8-ckpt) per recipe (current, delayed, block-scaled, mxfp8, nvfp4; skipped where TE says
+                       the GPU lacks it) the structural test_te_fp8_checkpoint_structural.py round trip
+                       with TE's REAL kernels: quantized_model_init te.Linear (column), parallelize,
+                       save; rank 0 reads the checkpoint in a subprocess that cannot import TE / torchao
+                       (dcp_to_torch_save + weights_only) and compares with dequantize() (torch.equal);
+                       load into the same recipe at another layout (world 4: tp4; world 1: a fresh
+                       model) -> dequantize() equal to the saved values (current scaling: within
+                       2**-21 relative, its fp32 scale_inv is recomputed); load into a non-FP8
+                       te.Linear -> equal.
 """
 
 from __future__ import annotations
@@ -26,7 +35,21 @@ import tempfile
 import time
 import traceback
 
-CHECKS = ("linear-vs-torch", "current-params", "delayed-extra-state", "block-scaled", "mxfp8")
+CHECKS = ("linear-vs-torch", "current-params", "delayed-extra-state", "block-scaled", "mxfp8", "fp8-ckpt")
+TORCH_ALONE = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("transformer_engine", "transformer_engine_torch", "torchao", "shardbridge_te"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+sd = torch.load(sys.argv[2], weights_only=True)
+flat = sd.get("model", sd)
+torch.save({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}, sys.argv[3])
+"""
 HIDDEN, FFN, HEADS, SEQ, BATCH = 256, 1024, 8, 128, 2
 
 
@@ -35,9 +58,10 @@ def main() -> None:
     p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     p.add_argument("--json", default=None)
     p.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(CHECKS))
+    # fp8-ckpt runs only when named (its own stage, te-fp8-ckpt): the other stages keep their time.
     p.add_argument("--dry-run", action="store_true", help="print the checks and exit (no GPU, no TE)")
     args = p.parse_args()
-    only = args.only.split(",") if args.only else list(CHECKS)
+    only = args.only.split(",") if args.only else [c for c in CHECKS if c != "fp8-ckpt"]
     if args.dry_run:
         print("\n".join(c for c in CHECKS if c in only))
         return
@@ -225,11 +249,96 @@ def main() -> None:
 
         return run
 
+    def fp8_ckpt():
+        import subprocess
+        import sys
+
+        probes = {
+            "current": ("Float8CurrentScaling", "is_fp8_available"),
+            "delayed": ("DelayedScaling", "is_fp8_available"),
+            "block-scaled": ("Float8BlockScaling", "is_fp8_block_scaling_available"),
+            "mxfp8": ("MXFP8BlockScaling", "is_mxfp8_available"),
+            "nvfp4": ("NVFP4BlockScaling", "is_nvfp4_available"),
+        }
+        dims2 = {"dp_shard": 1, "tp": 4} if world == 4 else {"dp_shard": -1}
+        pm2 = ParallelDims(**dims2).build_mesh("cuda")
+
+        def linear(mesh, recipe):  # on meta: parallelize's materialize quantizes each local shard
+            ctx = te.quantized_model_init(enabled=True, recipe=recipe) if recipe else contextlib.nullcontext()
+            with torch.device("meta"), ctx:
+                m = te.Linear(HIDDEN, FFN, bias=True, parallel_mode="column", tp_size=mesh.dims.tp,
+                              params_dtype=torch.bfloat16, device="meta")  # fmt: skip
+            holder = torch.nn.Sequential(m)
+            shardbridge_te.parallelize(holder, mesh, MixedPrecisionPolicy.bf16(), units=[m])
+            return holder
+
+        def values(holder):
+            out = {}
+            for name, prm in holder.named_parameters():
+                local = prm.to_local() if isinstance(prm, DTensor) else prm
+                plain = local.dequantize() if hasattr(local, "dequantize") else local.detach()
+                if isinstance(prm, DTensor):
+                    plain = DTensor.from_local(plain, prm.device_mesh, prm.placements, run_check=False,
+                                               shape=prm.shape, stride=prm.stride()).full_tensor()  # fmt: skip
+                out[name] = plain.detach().cpu().clone()
+            return out, sorted(
+                {type(p.to_local() if isinstance(p, DTensor) else p).__name__ for p in holder.parameters()}
+            )
+
+        def same(got, want, bound):
+            worst = max(((got[k].float() - want[k].float()).abs() / want[k].float().abs().clamp_min(1e-30)).max().item()
+                        for k in want)  # fmt: skip
+            return (all(torch.equal(got[k], want[k]) for k in want) if bound == 0 else worst <= bound), worst
+
+        out, ok = {}, True
+        for name, (cls_name, probe_name) in probes.items():
+            probe = getattr(te, probe_name, None)
+            try:
+                avail = probe(return_reason=True) if probe else (False, "no probe")
+            except TypeError:
+                avail = (probe(), "")
+            avail, reason = avail if isinstance(avail, tuple) else (avail, "")
+            if not avail or getattr(R, cls_name, None) is None:
+                out[name] = {"supported": False, "reason": str(reason)}
+                continue
+            try:
+                recipe = getattr(R, cls_name)()
+                path = os.path.join(tempfile.gettempdir(), f"sb-te-fp8-ckpt-{name}-w{world}")
+                model = linear(pm, recipe)
+                saved, types = values(model)
+                ckpt.save(path, model=model, step=1, overwrite=True)
+                disk_ok = True
+                if rank == 0:
+                    tmp = tempfile.mkdtemp()
+                    proc = subprocess.run([sys.executable, "-c", TORCH_ALONE, path, f"{tmp}/full.pt", f"{tmp}/plain.pt"],
+                                          capture_output=True, text=True, check=False)  # fmt: skip
+                    disk = torch.load(f"{tmp}/plain.pt", weights_only=True) if proc.returncode == 0 else {}
+                    disk = {k: disk[k] for k in saved if k in disk}
+                    disk_ok = proc.returncode == 0 and disk.keys() == saved.keys() and same(disk, saved, 0)[0]
+                bound = 2.0**-21 if name == "current" else 0
+                other = linear(pm2, recipe)
+                ckpt.load(path, model=other)
+                reloaded, types2 = values(other)
+                fp8_ok, worst = same(reloaded, saved, bound)
+                plain = linear(pm2, None)
+                ckpt.load(path, model=plain)
+                plain_ok = same(values(plain)[0], saved, 0)[0]
+                good = disk_ok and fp8_ok and plain_ok
+                out[name] = {"supported": True, "ok": good, "types": types, "types_after_load": types2,
+                             "disk_equals_dequantize": disk_ok, "fp8_load_ok": fp8_ok, "fp8_load_worst_rel": worst,
+                             "non_fp8_load_ok": plain_ok}  # fmt: skip
+                ok &= good
+            except Exception as e:  # noqa: BLE001
+                out[name] = {"supported": True, "ok": False, "error": f"{type(e).__name__}: {e}"}
+                ok = False
+        return {"ok": ok, "recipes": out, "loaded_at": str(pm2.dims)}
+
     check("linear-vs-torch", linear_vs_torch)
     check("current-params", current_params)
     check("delayed-extra-state", delayed_extra_state)
     check("block-scaled", scaled("Float8BlockScaling", "is_fp8_block_scaling_available"))
     check("mxfp8", scaled("MXFP8BlockScaling", "is_mxfp8_available"))
+    check("fp8-ckpt", fp8_ckpt)
     res["summary"] = f"{len(res['checks']) - len(res['failed'])}/{len(res['checks'])} ok" + (
         f"; failed {res['failed']}" if res["failed"] else ""
     )

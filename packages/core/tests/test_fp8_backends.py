@@ -57,8 +57,13 @@ def test_torchao_backend_refuses_by_name():
         backend.check(FP8Recipe(name="delayed"))
     with pytest.raises(ValueError, match=r"fp8.params.margin: torchao recipe 'rowwise' takes no parameters"):
         backend.check(FP8Recipe(name="rowwise", params={"margin": 0}))
-    with pytest.raises(NotImplementedError, match=r"'mxfp8' \(torchao 0.18\) with tp=2"):
-        backend.check(FP8Recipe(name="mxfp8"), tp=2)
+    # mxfp8 with tp > 1 runs through the backend's local-shard styles (test_fp8_tp_styles.py): not refused.
+    backend.check(FP8Recipe(name="mxfp8"), tp=2)
+    assert backend.tp_styles(FP8Recipe(name="mxfp8")) == {
+        "colwise": fp8.MXFP8ColwiseParallel,
+        "rowwise": fp8.MXFP8RowwiseParallel,
+    }
+    assert backend.tp_styles(FP8Recipe(name="rowwise")) is None
     backend.check(FP8Recipe(name="mxfp8", params={"kernel": "emulated", "wgrad_with_hp": True}))
 
 

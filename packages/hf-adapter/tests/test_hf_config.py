@@ -62,11 +62,15 @@ def test_bug7_fixed_block_and_accelerate_keys_reach_the_recipe(tmp_path):
     )
     # The same keys written in Accelerate's fp8_config section are translated (with a warning).
     text = BASE.replace("backend: torchao, recipe: tensorwise", "backend: te, recipe: delayed")
-    # TE runs data-parallel only (te.Linear cannot take torch's TP styles): dp_shard=4, tp=1.
+    # (data-parallel here only to keep the case small; te with tp > 1 is accepted, see below)
     text = text.replace("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 1").replace(
         "parallelism_config_dp_shard_size: 2", "parallelism_config_dp_shard_size: 4"
     ) + ("fp8_config:\n  amax_history_length: 16\n  amax_compute_algorithm: max\n")
-    with pytest.warns(UserWarning, match="TERecipeKwargs never reads"):
+    moved = (
+        r"fp8_config.amax_history_length -> fsdp_config.shardbridge.fp8.amax_history_length, "
+        r"fp8_config.amax_compute_algorithm -> fsdp_config.shardbridge.fp8.amax_compute_algo: .*TERecipeKwargs"
+    )
+    with pytest.warns(UserWarning, match=moved):
         plan = read_config_file(_write(tmp_path, text))
     assert plan.config.policy().fp8.params == {"amax_history_len": 16, "amax_compute_algo": "max"}
 
@@ -90,7 +94,84 @@ def test_te_backend_with_tp_is_accepted_and_bad_te_recipes_refused():
     # TE's own TP modules (te backend convert): tp > 1 is no longer refused.
     cfg = HFConfig(fp8=FP8Config(backend="te", recipe="mxfp8"), dims=ParallelDims(dp_shard=2, tp=2))
     assert (cfg.policy().fp8.backend, cfg.policy().fp8.name) == ("te", "mxfp8")
-    with pytest.raises(ValueError, match=r"fp8.params.amax_history_len: TE recipe 'tensorwise'"):
+    with pytest.raises(
+        ValueError, match=r"fp8.amax_history_length: TE recipe 'tensorwise'.*remove 'amax_history_length'"
+    ):
         HFConfig(fp8=FP8Config(backend="te", amax_history_length=16), dims=ParallelDims(dp_shard=2, tp=2))
     with pytest.raises(ValueError, match=r"not supported by backend 'te'.*\['torchao'\] run 'rowwise'"):
         FP8Config(backend="te", recipe="rowwise")
+
+
+# -- every fp8 message names the yaml key the user wrote -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fp8_block", "named"),
+    [
+        ({"recipe": "delayed", "amax_history_length": "abc"}, "fp8.amax_history_length='abc' must be an int >= 1"),
+        ({"recipe": "delayed", "amax_history_length": 0}, "fp8.amax_history_length=0 must be an int >= 1"),
+        ({"recipe": "delayed", "amax_compute_algo": "mean"}, "fp8.amax_compute_algo='mean': choose one of"),
+        ({"recipe": "delayed", "fp8_format": "E5M2"}, "fp8.fp8_format='E5M2': choose one of"),
+        ({"recipe": "delayed", "margin": -1}, "fp8.margin=-1 must be an int >= 0"),
+        ({"recipe": "mxfp8", "amax_history_length": 8}, "fp8.amax_history_length: TE recipe 'mxfp8'"),
+    ],
+)
+def test_te_knob_messages_name_the_yaml_key(fp8_block, named):
+    with pytest.raises(ValueError) as e:
+        HFConfig.from_block({"fp8": {"backend": "te", **fp8_block}})
+    message = str(e.value)
+    assert named in message, message
+    assert "fp8.params." not in message and "amax_history_len=" not in message and "'amax_history_len'" not in message
+    assert "tp=" not in message, message  # the TP degree is not known yet: none is claimed
+
+
+def test_backend_parameter_written_under_params_keeps_its_name():
+    with pytest.raises(ValueError, match=r"fp8.params.amax_history_len='abc' must be an int"):
+        HFConfig.from_block({"fp8": {"backend": "te", "recipe": "delayed", "params": {"amax_history_len": "abc"}}})
+    with pytest.raises(ValueError, match=r"sets \['amax_history_length'\] both as key\(s\) and in fp8.params"):
+        FP8Config(backend="te", recipe="delayed", amax_history_length=16, params={"amax_history_len": 8})
+
+
+def test_recipe_field_messages_name_the_yaml_key():
+    with pytest.raises(ValueError, match=r"^fsdp_config.shardbridge.fp8.recipe='rowwize' is not a known recipe"):
+        FP8Config(backend="torchao", recipe="rowwize")
+    with pytest.raises(ValueError, match=r"^fsdp_config.shardbridge.fp8.all_gather_fp8='yes' must be"):
+        FP8Config(backend="torchao", all_gather_fp8="yes")
+    with pytest.raises(ValueError, match=r"^fsdp_config.shardbridge.fp8.params=.*must hold plain values"):
+        FP8Config(backend="torchao", params={"kernel": object()})
+
+
+def test_unknown_fp8_keys_say_where_they_belong():
+    with pytest.raises(
+        ValueError, match=r"\['amax_history_len'\].*write amax_history_length: instead of amax_history_len:"
+    ):
+        HFConfig.from_block({"fp8": {"backend": "te", "recipe": "delayed", "amax_history_len": 16}})
+    with pytest.raises(
+        ValueError,
+        match=r"if \['kernel'\] are parameters of the backend's recipe, put them under fp8.params: \{kernel: ...\}",
+    ):
+        HFConfig.from_block({"fp8": {"backend": "torchao", "recipe": "mxfp8", "kernel": "emulated"}})
+
+
+class _NoTPBackend:
+    """A registered backend whose only refusal depends on the TP degree."""
+
+    name, recipes = "test-no-tp", ("tensorwise",)
+
+    def check(self, recipe, *, tp=1):
+        if tp > 1:
+            raise NotImplementedError(f"backend test-no-tp runs tp=1 only, got tp={tp}")
+
+
+def test_tp_is_named_once_it_is_known():
+    from shardbridge import ParallelDims, fp8
+    from shardbridge.fp8 import _backend
+
+    backend = type("NoTP", (_NoTPBackend, fp8.FP8BackendBase), {})()
+    fp8.register_backend(backend)
+    try:
+        block = FP8Config(backend="test-no-tp")  # accepted before the TP degree is known
+        with pytest.raises(ValueError, match=r"\(backend 'test-no-tp', recipe 'tensorwise', tp=2\): .*got tp=2"):
+            HFConfig(fp8=block, dims=ParallelDims(dp_shard=2, tp=2))
+    finally:
+        _backend._BACKENDS.pop("test-no-tp")

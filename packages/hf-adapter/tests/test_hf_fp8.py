@@ -1,6 +1,6 @@
 """torchao FP8 recipes through the hf adapter (``policy.fp8`` -> ``shardbridge.fp8``) on gloo, real torchao 0.18.
 
-Per recipe and layout (dp2 x tp2, HSDP x tp2, FSDP dp4 / HSDP 2x2 for mxfp8), against independent
+Per recipe and layout (dp2 x tp2, HSDP x tp2; mxfp8 also FSDP dp4 / HSDP 2x2), against independent
 oracles:
 
 - losses: a single-process model converted with the SAME recipe, trained on the full batch;
@@ -46,15 +46,20 @@ CI_CASES = [("tensorwise", DP2_TP2), ("rowwise", DP2_TP2), ("mxfp8", HSDP_2X2)]
 MATRIX_CASES = [
     ("rowwise", HSDP_TP2),
     ("mxfp8", DP4),
+    ("mxfp8", DP2_TP2),  # the core's local-shard TP styles ([Note: MXFP8 under tensor parallelism])
+    ("mxfp8", HSDP_TP2),
     ("rowwise_with_gw_hp", DP2_TP2),
     ("rowwise_with_gw_hp", HSDP_TP2),
     ("tensorwise", HSDP_TP2),
 ]
 
 
-def _tiny_llama(seed: int = 0) -> nn.Module:
+def _tiny_llama(seed: int = 0, hidden: int = 64) -> nn.Module:
     # 4 heads / 2 kv heads: every projection's dims are multiples of 32 on tp=2 (float8: 16, MXFP8: 32).
-    return hf_helpers.tiny_model("llama", seed=seed, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2)
+    # mxfp8 under TP needs every TP-LOCAL dim to be a multiple of 32: hidden 128 (k_proj 64 -> 32 per rank).
+    return hf_helpers.tiny_model(
+        "llama", seed=seed, vocab_size=VOCAB, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2
+    )
 
 
 def _batch(dp_rank: int, dp_size: int) -> torch.Tensor:
@@ -68,9 +73,9 @@ def _config(recipe: str | None) -> HFConfig:
     return HFConfig(fp8=FP8Config(backend="torchao", recipe=recipe) if recipe else FP8Config())
 
 
-def _build(recipe: str | None, dims: dict, seed: int = 0):
+def _build(recipe: str | None, dims: dict, seed: int = 0, hidden: int = 64):
     pm = ParallelDims(**dims).build_mesh("cpu")
-    model = parallelize(_tiny_llama(seed), pm, _config(recipe), device=torch.device("cpu"))
+    model = parallelize(_tiny_llama(seed, hidden), pm, _config(recipe), device=torch.device("cpu"))
     return model, pm
 
 
@@ -139,26 +144,26 @@ def _scale_errors(model) -> list[str]:
     return bad
 
 
-def _recipe_run(recipe: str, dims: dict, tmp: str) -> dict:
-    model, pm = _build(recipe, dims)
+def _recipe_run(recipe: str, dims: dict, tmp: str, hidden: int = 64) -> dict:
+    model, pm = _build(recipe, dims, hidden=hidden)
     _, sgd_losses, gathered, dtypes = _train(model, pm, STEPS, "sgd")
     scale_errors = _scale_errors(model)
-    fp32_model, _ = _build(None, dims)
+    fp32_model, _ = _build(None, dims, hidden=hidden)
     _, _, gathered_fp32, _ = _train(fp32_model, pm, 1, "sgd")
     numel = _float8_gathered_numel(model)
     del fp32_model
 
-    adam_model, _ = _build(recipe, dims)
+    adam_model, _ = _build(recipe, dims, hidden=hidden)
     opt, _, _, _ = _train(adam_model, pm, 2, "adamw")
     checkpoint.save(f"{tmp}/ckpt", model=adam_model, optimizer=opt, step=2)
     full = {k: to_plain(v).full_tensor() for k, v in adam_model.state_dict().items()}
 
     # A non-FP8 model in another layout reads it bit-exactly ...
-    plain, _ = _build(None, DP4, seed=1)
+    plain, _ = _build(None, DP4, seed=1, hidden=hidden)
     checkpoint.load(f"{tmp}/ckpt", model=plain)
     plain_equal = all(torch.equal(v.full_tensor(), full[k]) for k, v in plain.state_dict().items())
     # ... and an FP8 model of the first layout reads it back (fp8.after_load: fresh scales).
-    back, _ = _build(recipe, dims, seed=2)
+    back, _ = _build(recipe, dims, seed=2, hidden=hidden)
     back_opt = _optimizer(back, "adamw")
     checkpoint.load(f"{tmp}/ckpt", model=back, optimizer=back_opt)
     stale_after_load = _scale_errors(back)
@@ -179,8 +184,8 @@ def _recipe_run(recipe: str, dims: dict, tmp: str) -> dict:
     }
 
 
-def _reference_losses(recipe: str, dp_size: int) -> list[float]:
-    model = _tiny_llama()
+def _reference_losses(recipe: str, dp_size: int, hidden: int = 64) -> list[float]:
+    model = _tiny_llama(hidden=hidden)
     fp8.convert(model, FP8Recipe(name=recipe))
     opt = _optimizer(model, "sgd")
     ids = torch.cat([_batch(r, dp_size) for r in range(dp_size)])
@@ -196,11 +201,12 @@ def _reference_losses(recipe: str, dp_size: int) -> list[float]:
 
 
 def _check_recipe(recipe: str, dims: dict, tmp_path) -> None:
-    result = run_distributed(_recipe_run, recipe, dims, str(tmp_path), world_size=4, timeout=400)[0]
+    hidden = 128 if recipe == "mxfp8" and dims.get("tp", 1) > 1 else 64  # see _tiny_llama
+    result = run_distributed(_recipe_run, recipe, dims, str(tmp_path), hidden, world_size=4, timeout=400)[0]
     dp = dims.get("dp_replicate", 1) * dims["dp_shard"]
     losses = result["sgd_losses"]
     assert losses[-1] < losses[0], losses
-    reference = torch.tensor(_reference_losses(recipe, dp))
+    reference = torch.tensor(_reference_losses(recipe, dp, hidden))
     # Step 0 is a forward of identical weights: what differs is the summation order across ranks
     # (TP partial sums) and, for the rowwise recipes under TP, the row scales of the K-sharded
     # (rowwise-parallel) matmuls, which are taken over this rank's K piece instead of the whole
@@ -209,6 +215,13 @@ def _check_recipe(recipe: str, dims: dict, tmp_path) -> None:
     # 32-blocks that no shard splits) stay within 1e-3 after 3 steps; rowwise under TP (other
     # scales, see above) drifts to ~5e-3 (measured 4.8e-3 at step 3).
     torch.testing.assert_close(torch.tensor(losses[0]), reference[0], rtol=1e-4, atol=0)
+    if recipe == "mxfp8":
+        # MXFP8 really ran (under TP: torch's own styles would silently run high precision): step 0 is
+        # much closer to the single-process MXFP8 loss than to the high-precision model's (gap ~2e-4 relative).
+        high = _tiny_llama(hidden=hidden)
+        ids = torch.cat([_batch(r, dp) for r in range(dp)])
+        high_loss = high(input_ids=ids, labels=ids).loss.item()
+        assert abs(losses[0] - high_loss) > 10 * abs(losses[0] - reference[0].item()), (losses, high_loss, reference)
     rtol = 1e-2 if recipe.startswith("rowwise") and dims.get("tp", 1) > 1 else 1e-3
     torch.testing.assert_close(torch.tensor(losses), reference, rtol=rtol, atol=0)
     saved = result["gathered_fp32"] - result["gathered"]
@@ -266,7 +279,7 @@ def test_unknown_and_unsupported_recipes_are_refused_by_name():
 
     with pytest.raises(ValueError, match=r"fp8 recipe 'delayed' is not supported by backend 'torchao'.*\['te'\] run"):
         FP8Config(backend="torchao", recipe="delayed")
-    with pytest.raises(ValueError, match=r"FP8Recipe.name='e4m3' is not a known recipe"):
+    with pytest.raises(ValueError, match=r"fp8.recipe='e4m3' is not a known recipe"):
         FP8Config(backend="torchao", recipe="e4m3")
     with pytest.raises(ValueError, match=r"all_gather_fp8=true with torchao recipe 'rowwise'.*by design"):
         FP8Config(backend="torchao", recipe="rowwise", all_gather_fp8=True)
@@ -274,8 +287,8 @@ def test_unknown_and_unsupported_recipes_are_refused_by_name():
         FP8Config(backend="torchao", fp8_params=True)
     with pytest.raises(ValueError, match=r"fp8.params.kernel='cuda': use \['auto', 'emulated'\]"):
         FP8Config(backend="torchao", recipe="mxfp8", params={"kernel": "cuda"})
-    with pytest.raises(ValueError, match=r"'mxfp8' \(torchao 0.18\) with tp=2: .*silently run in high precision"):
-        HFConfig(fp8=FP8Config(backend="torchao", recipe="mxfp8"), dims=ParallelDims(dp_shard=2, tp=2))
+    # mxfp8 with tp > 1 runs (the core's MXFP8 TP styles; packages/core/tests/test_fp8_tp_styles.py): not refused.
+    HFConfig(fp8=FP8Config(backend="torchao", recipe="mxfp8"), dims=ParallelDims(dp_shard=2, tp=2))
 
 
 def test_convert_skips_head_and_unaligned_dims():
@@ -286,28 +299,6 @@ def test_convert_skips_head_and_unaligned_dims():
     assert all(n.startswith("model.layers.") for n in names)
     with pytest.raises(ValueError, match="already converted"):
         fp8.convert(model, FP8Recipe(name="rowwise"))
-
-
-def _mxfp8_under_tp() -> dict:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    pm = ParallelDims(dp_shard=1, tp=2).build_mesh("cpu")
-    torch.manual_seed(0)
-    high = nn.Linear(64, 64, bias=False)
-    mx = nn.Linear(64, 64, bias=False)
-    mx.load_state_dict(high.state_dict())
-    fp8.convert(mx, FP8Recipe(name="mxfp8"), module_filter=lambda m, fqn: isinstance(m, nn.Linear))
-    x = torch.randn(32, 64)
-    local = mx(x).detach().clone()
-    parallelize_module(mx, pm["tp"], ColwiseParallel(output_layouts=Replicate()))
-    return {"local_is_mx": not torch.equal(local, high(x)), "tp_equals_high": torch.equal(mx(x), high(x))}
-
-
-def test_mxfp8_refusal_under_tp_is_what_torchao_does():
-    """Why mxfp8 + tp > 1 is refused: under DTensor TP, torchao 0.18 runs the matmul in high precision."""
-    for result in run_distributed(_mxfp8_under_tp, world_size=2):
-        assert result == {"local_is_mx": True, "tp_equals_high": True}
 
 
 def _only_fp8_group(use_uint8: bool) -> str:

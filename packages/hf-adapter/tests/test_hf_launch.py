@@ -49,11 +49,6 @@ def test_read_config_file(tmp_path):
         ('mixed_precision: "no"', "mixed_precision: fp8", "fsdp_config.shardbridge.fp8.backend"),
         ("parallelism_config_tp_size: 2", "parallelism_config_tp_size: 3", "num_processes=4"),
         ("backend: torchao, recipe: tensorwise", "backend: tensorrt", r"fp8.backend='tensorrt'"),
-        (
-            "backend: torchao, recipe: tensorwise",
-            "backend: torchao, recipe: mxfp8",
-            r"'mxfp8' \(torchao 0.18\) with tp=2",
-        ),
         ("precision: bf16", "precision: fp8", "precision='fp8'"),
         ("precision: bf16", "precison: bf16", "unknown key"),
         ("export_dtype: bfloat16", "export_dtype: int8", "checkpoint.export_dtype"),

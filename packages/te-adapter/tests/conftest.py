@@ -26,3 +26,14 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
             "te structural tier: TE {v} sources at {path} (cached={cached}; download+extract {download_s}s; "
             "wheel {wheel_bytes} B; {extracted_files} .py files, {extracted_bytes} B)".format(v="2.20.2", **_FETCH)
         )
+
+
+@pytest.fixture(autouse=True)
+def _te_stays_in_workers():
+    """TE (the structural tier's) is imported only in pool workers, never in the pytest process:
+    there it would be what every later ``import transformer_engine`` of the run gets (megatron-fsdp
+    imports it when it can), and its sys.path entry would reach every worker started later."""
+    yield
+    import sys
+
+    assert "transformer_engine" not in sys.modules, "a test imported TE in the pytest process: use run_distributed"

@@ -579,14 +579,17 @@ def test_native_extra_state_does_not_survive_dcp_without_the_patch(tmp_path) -> 
 
 # --------------------------------------------------------------------------- FP8 parameters per recipe
 
-# FP8Recipe.name -> the weight quantizer TE's quantized_model_init gives a Linear. NVFP4 is GPU-only
-# even structurally: NVFP4Quantizer.__init__ builds its Hadamard sign mask with `bool << int` and
-# `.item()` on the device (CUDA semantics), which neither meta nor CPU tensors support.
+# FP8Recipe.name -> the weight quantizer TE's quantized_model_init gives a Linear. Modules are
+# constructed with TE's device="cuda" mapped to the CPU (parameters stay on meta: device="meta"):
+# NVFP4Quantizer.__init__ computes its RHT sign mask on that device with `(v == -1) << i` and
+# `.item()` (TE 2.20.2 pytorch/tensor/nvfp4_tensor.py:45-46), which torch's META kernel refuses
+# ("lshift: Expected input tensor to have an integral dtype. Got torch.bool") and the CPU runs.
 FP8_PARAM_QUANTIZERS = {
     "tensorwise": "Float8CurrentScalingQuantizer",
     "delayed": "Float8Quantizer",
     "mxfp8": "MXFP8Quantizer",
     "blockwise": "Float8BlockQuantizer",
+    "nvfp4": "NVFP4Quantizer",
 }
 
 
@@ -603,7 +606,7 @@ def _fp8_params_lifecycle() -> dict:
     out = {"registered": sorted(c.__name__ for c in shardbridge_te.register_te_fp8_types())}
     for name in FP8_PARAM_QUANTIZERS:
         recipe = FP8Recipe(backend="te", name=name, fp8_params=True)
-        with cuda_construction("meta"), torch.device("meta"), get_backend("te").model_init_context(recipe):
+        with cuda_construction("cpu"), torch.device("meta"), get_backend("te").model_init_context(recipe):
             linear = te.Linear(HIDDEN_, HIDDEN_, bias=False, parallel_mode="column", tp_size=2, device="meta")
         holder = torch.nn.Sequential(linear)
         try:
@@ -646,12 +649,12 @@ def test_fp8_parameters_of_every_recipe_reach_te_quantization_with_the_weight_me
         "NVFP4Tensor",
     ]
     recipes = {"tensorwise": "Float8CurrentScaling", "delayed": "DelayedScaling", "mxfp8": "MXFP8BlockScaling",
-               "blockwise": "Float8BlockScaling"}  # fmt: skip
+               "blockwise": "Float8BlockScaling", "nvfp4": "NVFP4BlockScaling"}  # fmt: skip
     for name, quantizer in FP8_PARAM_QUANTIZERS.items():
         got = out[name]
         assert got["fp8_params"] is True and got["recipe"] == recipes[name], (name, got)
         assert got["quantizer"] == quantizer, (name, got)
         assert got["reached"] == "structural tier: kernel quantize not available", (name, got)
         assert got["policy_read"] is True, (name, got)
-        if name == "tensorwise":
+        if name in ("tensorwise", "nvfp4"):  # the per-tensor amax of current scaling and NVFP4's global amax
             assert got["amax_group_is_weight"] is True, got

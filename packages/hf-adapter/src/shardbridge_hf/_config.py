@@ -119,10 +119,22 @@ class FP8Config:
 
     def __post_init__(self) -> None:
         _one_of("fp8.backend", self.backend, ("none", *fp8.backend_names()))
+        names = (*FP8Recipe.NAMES, *FP8Recipe.ALIASES)
+        if self.recipe not in names:
+            raise ValueError(
+                f"{BLOCK_KEY}.fp8.recipe={self.recipe!r} is not a known recipe; choose one of {list(FP8Recipe.NAMES)} "
+                f"(aliases {dict(FP8Recipe.ALIASES)})"
+            )
         _bool("fp8.fp8_params", self.fp8_params)
         if not isinstance(self.params, Mapping):
             raise ValueError(f"{BLOCK_KEY}.fp8.params={self.params!r} must be a mapping")
-        self.check_tp(1)
+        twice = [key for key, ours in self.PARAM_KEYS.items() if getattr(self, key) is not None and ours in self.params]
+        if twice:
+            raise ValueError(
+                f"{BLOCK_KEY}.fp8 sets {twice} both as key(s) and in fp8.params "
+                f"({[self.PARAM_KEYS[k] for k in twice]}); keep one"
+            )
+        self._check(tp=None)  # tp-independent checks now; HFConfig checks again at its TP degree
 
     @property
     def enabled(self) -> bool:
@@ -158,19 +170,40 @@ class FP8Config:
                 fp8_params=self.fp8_params,
             )
         except ValueError as e:
-            raise ValueError(f"{BLOCK_KEY}.fp8: {e}") from None
+            # FP8Recipe names its fields ("FP8Recipe.params=..."); the yaml keys are fp8.<field>.
+            raise ValueError(
+                f"{BLOCK_KEY}.{str(e).replace('FP8Recipe.name=', 'fp8.recipe=').replace('FP8Recipe.', 'fp8.')}"
+            ) from None
 
     def check_tp(self, tp: int) -> None:
         """The backend's own check of the recipe at this TP degree (ValueError naming the yaml block)."""
+        self._check(tp=tp)
+
+    def _check(self, *, tp: int | None) -> None:
+        """The backend's check; None = before the TP degree is known (checked as tp=1, not named)."""
         recipe = self.to_recipe()
         if recipe is None:
             return
         try:
-            fp8.get_backend(recipe.backend).check(recipe, tp=tp)
+            fp8.get_backend(recipe.backend).check(recipe, tp=1 if tp is None else tp)
         except (ValueError, NotImplementedError) as e:
-            raise ValueError(
-                f"{BLOCK_KEY}.fp8 (backend {recipe.backend!r}, recipe {recipe.name!r}, tp={tp}): {e}"
-            ) from None
+            where = f"backend {recipe.backend!r}, recipe {recipe.name!r}" + ("" if tp is None else f", tp={tp}")
+            raise ValueError(f"{BLOCK_KEY}.fp8 ({where}): {self._yaml_names(str(e))}") from None
+
+    def _yaml_names(self, message: str) -> str:
+        """A backend's message with each recipe parameter named by the yaml key the user wrote.
+
+        Backends name recipe parameters as ``fp8.params.<name>`` (``amax_history_len``); a
+        parameter set through one of :attr:`PARAM_KEYS` (``amax_history_length: 16``) is named
+        ``fp8.amax_history_length`` instead, the key in the user's file.
+        """
+        for key, ours in self.PARAM_KEYS.items():
+            if getattr(self, key) is None or ours in self.params:
+                continue
+            message = message.replace(f"fp8.params.{ours}", f"fp8.{key}")
+            if ours != key:
+                message = message.replace(f"'{ours}'", f"'{key}'")
+        return message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,6 +383,7 @@ class HFConfig:
             if sub_unknown:
                 raise ValueError(
                     f"{BLOCK_KEY}.{name} has unknown key(s) {sub_unknown}; known keys: {sorted(sub_known)}"
+                    + (_fp8_key_hint(sub_unknown) if sub is FP8Config else "")
                 )
             block[name] = sub(**value)
         return cls(**block, **overrides)
@@ -398,6 +432,16 @@ def _dtype(key: str, value: Any) -> torch.dtype:
     if not isinstance(value, str) or value.lower() not in _DTYPES:
         raise ValueError(f"{BLOCK_KEY}.{key}={value!r} is not a dtype; use one of {sorted(_DTYPES)}")
     return _DTYPES[value.lower()]
+
+
+def _fp8_key_hint(unknown: list[str]) -> str:
+    """Where an unknown fp8 key belongs: its yaml spelling, or ``fp8.params`` (backend parameters)."""
+    yaml_key = {ours: key for key, ours in FP8Config.PARAM_KEYS.items() if ours != key}
+    hints = [f"write {yaml_key[k]}: instead of {k}:" for k in unknown if k in yaml_key]
+    rest = [k for k in unknown if k not in yaml_key]
+    if rest:
+        hints.append(f"if {rest} are parameters of the backend's recipe, put them under fp8.params: {{{rest[0]}: ...}}")
+    return "; " + "; ".join(hints)
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:

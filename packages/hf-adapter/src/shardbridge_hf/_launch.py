@@ -342,9 +342,10 @@ def _merge_accelerate_fp8(fp8_config: dict[str, Any], block: dict[str, Any], whe
                 f"{where}: fp8_config.{key}={value!r} and {BLOCK_KEY}.fp8.{ours}={fp8[ours]!r} disagree; keep one"
             )
         fp8[ours] = value
+    moves = ", ".join(f"fp8_config.{key} -> {BLOCK_KEY}.fp8.{_ACCELERATE_FP8_ALIASES[key]}" for key in known)
     warnings.warn(
-        f"{where}: fp8_config.{'/'.join(known)} are read into {BLOCK_KEY}.fp8 (Accelerate exports them under names "
-        "its TERecipeKwargs never reads); move them there",
+        f"{where}: {moves}: read into the shardbridge block (Accelerate exports fp8_config keys under names its "
+        "TERecipeKwargs never reads); move them there",
         UserWarning,
         stacklevel=3,
     )

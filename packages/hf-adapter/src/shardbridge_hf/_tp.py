@@ -47,7 +47,9 @@ Tied input / output embeddings: ``embedding_rowwise`` and ``colwise_gather_outpu
 shard the ``[vocab, hidden]`` weight as Shard(0), so the tied weight stays ONE DTensor
 parameter (re-tied after the styles ran): one gradient, one FSDP2 parameter, one checkpoint
 entry. Plans that would shard the two uses differently are refused.
-With FP8 (torchao), Linears converted to ``Float8Linear`` take torchao's float8 styles.
+With FP8, the modules ``fp8.convert`` converted (``shardbridge.fp8.converted_fqn``) take the backend's
+``tp_styles`` for colwise* / rowwise* (torchao tensorwise: its float8 styles; mxfp8: the core's local-shard
+styles, [Note: MXFP8 under tensor parallelism]).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from shardbridge import check_tp_divides as check_sizes_divide
+from shardbridge import fp8
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -302,8 +305,8 @@ def apply_tp(
         model: the model (parameters identical on every TP rank, or on meta).
         tp_mesh: the 1-D ``pm["tp"]`` mesh.
         plan: ``{module or parameter FQN: style}`` from :func:`resolve_tp_plan`.
-        float8_styles: ``{"colwise": cls, "rowwise": cls}`` for torchao ``Float8Linear``
-            modules (``shardbridge_hf._fp8.tp_styles()``); None = no FP8.
+        float8_styles: ``{"colwise": cls, "rowwise": cls}``: the FP8 backend's ``tp_styles``, for the
+            modules ``fp8.convert`` converted (``fp8.converted_fqn``); None = no FP8 styles.
         src_data_rank: rank whose weights are scattered; None = every rank keeps its own
             piece (no communication: use it when rank-0 weights are broadcast afterwards,
             and when some ranks are on meta, where a scatter would hang).
@@ -399,7 +402,9 @@ def _lower(
 ) -> ParallelStyle | None:
     if isinstance(style, ParallelStyle):
         return style
-    is_float8 = float8_styles is not None and type(module).__name__ == "Float8Linear"
+    # Exactly the modules fp8.convert converted take the backend's styles (torchao tensorwise: Float8Linear;
+    # mxfp8: nn.Linear with a wrapped weight); the rest, torch's.
+    is_float8 = float8_styles is not None and fp8.converted_fqn(module) is not None
     colwise = float8_styles["colwise"] if is_float8 else ColwiseParallel
     rowwise = float8_styles["rowwise"] if is_float8 else _styles.RowwiseOwnOutput
     if style == "colwise":

@@ -8,7 +8,8 @@ Public: the names in ``__all__``::
     microbatches(model, n)                             # contexts for gradient accumulation
     save(path, model=..., optimizer=..., step=...)     # the core's checkpoint format
     load(path, model=..., optimizer=...)               # from Megatron-FSDP or torch FSDP2 runs
-    to_megatron_policy(policy)                         # MixedPrecisionPolicy lowering
+    to_megatron_policy(policy)                         # MixedPrecisionPolicy lowering (dtypes)
+    fp8_ddp_kwargs(policy, device_type=)               # policy.fp8 -> DistributedDataParallelConfig keywords
     apply_llama_tp(llama, mesh["tp"])                   # the full TP plan (column + row) for the reference Llama
     cpu_patch() / install_cpu_patch()                  # CPU/gloo support for megatron-fsdp 0.6.x
     megatron_fsdp_version()
@@ -29,7 +30,7 @@ from shardbridge_megatron_fsdp._compat import megatron_fsdp_version
 from shardbridge_megatron_fsdp._cpu_patch import cpu_patch
 from shardbridge_megatron_fsdp._cpu_patch import install as install_cpu_patch
 from shardbridge_megatron_fsdp._llama_tp import apply_llama_tp
-from shardbridge_megatron_fsdp._precision import to_megatron_policy
+from shardbridge_megatron_fsdp._precision import fp8_ddp_kwargs, to_megatron_policy
 from shardbridge_megatron_fsdp._shard import OUTER_STRATEGIES, STRATEGIES, shard_model
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "STRATEGIES",
     "apply_llama_tp",
     "cpu_patch",
+    "fp8_ddp_kwargs",
     "install_cpu_patch",
     "load",
     "megatron_fsdp_version",

@@ -15,10 +15,13 @@ a megatron-core that ships the same config (core_r0.19.0 and newer) is accepted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import importlib
 import importlib.metadata
 import importlib.util
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from shardbridge._compat import local_tensor, parse_version
@@ -31,8 +34,10 @@ __all__ = [
     "chunk_offsets",
     "disable_grad_div_fusion",
     "fsdp_tensor_spec",
+    "fully_shard_model",
     "has_local_data",
     "install_distributed_params",
+    "is_fp8_parameter",
     "megatron_core_version",
     "megatron_fsdp_version",
     "optimizer_named_parameters",
@@ -119,6 +124,71 @@ def require_megatron_fsdp():
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
         import megatron_fsdp
     return megatron_fsdp
+
+
+def fully_shard_model(mfsdp: Any, ddp_config_fields: Mapping[str, Any], **kwargs: Any) -> Any:
+    """``mfsdp.fully_shard_model(**kwargs)`` whose ``DistributedDataParallelConfig`` also gets ``ddp_config_fields``.
+
+    [Note: DistributedDataParallelConfig fields fully_shard_model does not take]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    megatron-fsdp 0.6.1's ``fully_shard_model`` builds its ``DistributedDataParallelConfig``
+    itself from its own arguments and has no argument for ``fp8_param_gather`` (the switch
+    Megatron-LM sets for FP8 parameters). For the duration of the call, the config class that
+    ``megatron_fsdp.fully_shard`` looks up (megatron-fsdp's own, or megatron-core's when that
+    imports) is replaced by a factory that builds the same class with ``ddp_config_fields``
+    added; the real class is restored afterwards, also on error. A field that a future
+    ``fully_shard_model`` takes as an argument is passed as one instead. With no fields this
+    is the plain call.
+
+    Raises:
+        NotImplementedError: a field the installed config class does not have.
+    """
+    if not ddp_config_fields:
+        return mfsdp.fully_shard_model(**kwargs)
+    import inspect
+
+    taken = inspect.signature(mfsdp.fully_shard_model).parameters
+    as_args = {k: v for k, v in ddp_config_fields.items() if k in taken}
+    rest = {k: v for k, v in ddp_config_fields.items() if k not in taken}
+    with _ddp_config_fields(rest):
+        return mfsdp.fully_shard_model(**kwargs, **as_args)
+
+
+@contextlib.contextmanager
+def _ddp_config_fields(fields: Mapping[str, Any]) -> Iterator[None]:
+    if not fields:
+        yield
+        return
+    module = importlib.import_module("megatron_fsdp.fully_shard")
+    config_cls = module.DistributedDataParallelConfig
+    missing = sorted(set(fields) - {f.name for f in dataclasses.fields(config_cls)})
+    if missing:
+        raise NotImplementedError(
+            f"{config_cls.__module__}.DistributedDataParallelConfig has no field(s) {missing} in this "
+            f"megatron-fsdp ({importlib.metadata.version('megatron-fsdp')}); shardbridge_megatron_fsdp was checked "
+            "against megatron-fsdp 0.6.1, where fp8_param_gather exists"
+        )
+
+    def build(*args: Any, **kw: Any) -> Any:
+        return config_cls(*args, **{**kw, **fields})
+
+    module.DistributedDataParallelConfig = build
+    try:
+        yield
+    finally:
+        module.DistributedDataParallelConfig = config_cls
+
+
+def is_fp8_parameter(param: Any) -> bool:
+    """Whether Megatron-FSDP treats ``param`` as an FP8 parameter (a TE quantized tensor).
+
+    ``megatron_fsdp.mixed_precision.is_float8tensor``: False whenever TransformerEngine does
+    not import.
+    """
+    from megatron_fsdp.mixed_precision import is_float8tensor
+    from torch.distributed.tensor import DTensor
+
+    return bool(is_float8tensor(local_tensor(param) if isinstance(param, DTensor) else param))
 
 
 # -- megatron_fsdp internals (checked against megatron-fsdp 0.6.1) ----------------------------

@@ -22,7 +22,29 @@ for large-scale accuracy, and Megatron-FSDP's own default (None) would follow a 
 
 ``output_dtype`` and ``cast_forward_inputs`` have no Megatron-FSDP counterpart: a policy that
 sets ``output_dtype`` is refused by :func:`to_megatron_policy` rather than silently ignored.
-``fp8`` recipes are TransformerEngine's business (``shardbridge_te``).
+
+[Note: FP8 under Megatron-FSDP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``policy.fp8`` does not lower to ``megatron_fsdp.MixedPrecisionPolicy`` (it has no FP8 field)
+but to ``DistributedDataParallelConfig`` keywords (:func:`fp8_ddp_kwargs`)::
+
+    policy.fp8                                    Megatron-FSDP (GPU)
+    FP8Recipe(backend="te", name=any TE recipe,  fp8_param_gather=True: TE FP8 parameters (built
+              fp8_params=True)                    under te.quantized_model_init, i.e.
+                                                  shardbridge.fp8.model_init_context / convert)
+                                                  all-gathered in FP8; main weights in
+                                                  main_params_dtype, re-quantized after each step
+    fp8_params=False (FP8 compute on high-        refused: Megatron-FSDP flattens parameters into
+      precision weights, e.g. every torchao        its own buffers and all-gathers them in the
+      recipe)                                      module dtype; torchao's weight wrappers and
+                                                  scales are not parameters it can gather
+    any recipe on CPU                             refused: TE's FP8 kernels need CUDA
+
+:func:`~shardbridge_megatron_fsdp.shard_model` passes the keywords into the
+``DistributedDataParallelConfig`` that ``fully_shard_model`` builds (see [Note:
+DistributedDataParallelConfig fields fully_shard_model does not take] in ``_compat.py``),
+checks that the model holds FP8 parameters Megatron-FSDP recognises, and runs the backend's
+after-FSDP work (TE's FP8 autocast over the ``weight`` mesh) like ``shardbridge.apply_fsdp``.
 """
 
 from __future__ import annotations
@@ -46,8 +68,9 @@ def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
     """``megatron_fsdp.MixedPrecisionPolicy`` for ``policy``. See [Note: Megatron-FSDP precision].
 
     Raises:
-        NotImplementedError: ``policy.fp8`` or ``policy.output_dtype`` is set (no
-            Megatron-FSDP counterpart); the message says what to do instead.
+        NotImplementedError: ``policy.output_dtype`` is set (no Megatron-FSDP counterpart), or
+            ``policy.fp8`` is (it lowers to :func:`fp8_ddp_kwargs`, see [Note: FP8 under
+            Megatron-FSDP]); the message says what to do instead.
 
     Example:
         >>> to_megatron_policy(MixedPrecisionPolicy.bf16_comm()).grad_comm_dtype  # doctest: +SKIP
@@ -59,12 +82,12 @@ def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
             "e.g. MixedPrecisionPolicy.bf16()"
         )
     if policy.fp8 is not None:
-        fp8_ddp_kwargs(policy, device_type="cuda")  # refuses torchao / non-FP8-parameter recipes by name
+        fp8_ddp_kwargs(policy, device_type="cuda")  # refuses what Megatron-FSDP cannot run, by name
         raise NotImplementedError(
-            f"fp8={policy.fp8} with Megatron-FSDP: FP8 parameters are all-gathered by "
-            "DistributedDataParallelConfig(fp8_param_gather=True) with TransformerEngine's CUDA kernels: not on "
-            "CPU (set fp8=None there); on a GPU the keywords come from fp8_ddp_kwargs(policy, device_type='cuda'), "
-            "which shard_model does not pass to Megatron-FSDP yet"
+            f"fp8={policy.fp8}: megatron_fsdp.MixedPrecisionPolicy has no FP8 field; FP8 parameters are a "
+            "DistributedDataParallelConfig setting (fp8_param_gather). Use shardbridge_megatron_fsdp.shard_model "
+            "(it passes them on a GPU), or lower policy.fp8 yourself with fp8_ddp_kwargs(policy, device_type=...) "
+            "and to_megatron_policy(dataclasses.replace(policy, fp8=None))"
         )
     if policy.output_dtype is not None:
         raise NotImplementedError(
@@ -84,16 +107,18 @@ def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
 
 
 def fp8_ddp_kwargs(policy: MixedPrecisionPolicy, *, device_type: str) -> dict[str, Any]:
-    """``DistributedDataParallelConfig`` keywords for ``policy.fp8`` (GPU); ``{}`` without FP8.
+    """``DistributedDataParallelConfig`` keywords for ``policy.fp8``; ``{}`` without FP8.
 
-    Megatron-FSDP's FP8 parameters are TransformerEngine's: TE modules built under
-    ``te.quantized_model_init`` (``FP8Recipe(backend="te", fp8_params=True)``) and all-gathered
-    in FP8 with ``DistributedDataParallelConfig(fp8_param_gather=True)``. That needs TE's CUDA
-    kernels, so on CPU it is refused by name; torchao's weight wrappers are not Megatron-FSDP
-    parameters it can gather (it flattens parameters into its own buffers), so they are refused too.
+    See [Note: FP8 under Megatron-FSDP]. Pure: imports neither megatron_fsdp nor TE.
+
+    Args:
+        policy: the run's policy.
+        device_type: the mesh's device type ("cuda" on a GPU; "cpu" is refused for FP8).
 
     Raises:
-        NotImplementedError: CPU, a backend other than "te", or ``fp8_params=False``.
+        ValueError / NotImplementedError: a recipe its backend refuses, ``fp8_params=False``
+            (every torchao recipe), ``all_gather_fp8=False`` (FP8 parameters are gathered in
+            FP8), or a device other than CUDA; each names what Megatron-FSDP supports.
 
     Example:
         >>> from shardbridge import FP8Recipe
@@ -103,19 +128,28 @@ def fp8_ddp_kwargs(policy: MixedPrecisionPolicy, *, device_type: str) -> dict[st
     recipe = policy.fp8
     if recipe is None:
         return {}
+    supported = 'Megatron-FSDP runs FP8 only as FP8 parameters: fp8=FP8Recipe(backend="te", name=..., fp8_params=True)'
     try:
         fp8.get_backend(recipe.backend).check(recipe)  # e.g. torchao refuses fp8_params (it keeps hp weights)
     except ValueError as e:
-        raise NotImplementedError(f"fp8={recipe} with Megatron-FSDP: {e}") from None
+        raise NotImplementedError(f"fp8={recipe} with Megatron-FSDP: {e}. {supported}") from None
     if not recipe.fp8_params:
         raise NotImplementedError(
-            f"fp8={recipe} with Megatron-FSDP: its FP8 parameters are TransformerEngine's (fp8_param_gather); "
-            'use FP8Recipe(backend="te", fp8_params=True) with TE modules, or the torch FSDP2 path '
-            "(shardbridge.apply_fsdp / shardbridge_hf) for torchao recipes"
+            f"fp8={recipe} with Megatron-FSDP: fp8_params=False (FP8 compute on high-precision weights, backend "
+            f"{recipe.backend!r}) is not run by Megatron-FSDP, which flattens parameters into its own buffers and "
+            f"all-gathers them in the module dtype. {supported} (TE modules, all-gathered with "
+            "fp8_param_gather=True), or train this recipe on the torch FSDP2 path (shardbridge.apply_fsdp / "
+            "shardbridge_hf)"
+        )
+    if recipe.all_gather_fp8 is False:
+        raise NotImplementedError(
+            f"fp8={recipe} with Megatron-FSDP: all_gather_fp8=False, but Megatron-FSDP all-gathers FP8 parameters in "
+            "their FP8 storage (fp8_param_gather); set all_gather_fp8=None (or True)"
         )
     if device_type != "cuda":
         raise NotImplementedError(
-            f"fp8={recipe} with Megatron-FSDP on {device_type}: fp8_param_gather all-gathers TransformerEngine FP8 "
-            "parameters, which need TE's CUDA kernels; run on a GPU machine, or set fp8=None on CPU"
+            f"fp8={recipe} with Megatron-FSDP on device {device_type!r}: fp8_param_gather all-gathers "
+            "TransformerEngine FP8 parameters, which need TE's CUDA kernels; run on a GPU (mesh device 'cuda'), "
+            "or set MixedPrecisionPolicy.fp8=None on CPU"
         )
     return {"fp8_param_gather": True}

@@ -32,6 +32,9 @@
       helper buffer is built without the 1/dp scaling     factor onto the helper buffer (see
       factor, so gradients are SUMMED over dp (x dp)      [Note: HFSDP gradient scaling])
     CUDA-only calls                                      the CPU patch (_cpu_patch.py), CPU only
+    fully_shard_model has no fp8_param_gather argument   policy.fp8 (TE FP8 parameters, GPU) goes
+                                                          into its DistributedDataParallelConfig
+                                                          (see [Note: FP8 under Megatron-FSDP])
 
 Meshes: the ParallelMesh's full 4-D mesh is handed over with ``dp_shard_dim="dp_shard"``,
 ``tp_dim="tp"`` and, for HSDP, ``dp_outer_dim="dp_replicate"`` plus the flattened ``dp`` group
@@ -43,11 +46,14 @@ the model's attention spans ``cp`` (``model.set_context_parallel(pm["cp"])``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
-from shardbridge import MixedPrecisionPolicy, ParallelMesh, param_group_fqns, rebind_param_groups
+from shardbridge import MixedPrecisionPolicy, ParallelMesh, fp8, param_group_fqns, rebind_param_groups
 from torch import distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -56,7 +62,9 @@ from shardbridge_megatron_fsdp import _tp_patch
 from shardbridge_megatron_fsdp._accumulate import accumulation_is_wrong, install_guard
 from shardbridge_megatron_fsdp._compat import (
     disable_grad_div_fusion,
+    fully_shard_model,
     install_distributed_params,
+    is_fp8_parameter,
     parameter_groups,
     raw_parameters,
     require_megatron_fsdp,
@@ -226,7 +234,11 @@ def shard_model(
         optimizer: its optimizer, or None (then only the model is sharded).
         mesh: the run's :class:`~shardbridge.ParallelMesh`; with cp > 1 the model needs
             ``set_context_parallel`` (called here).
-        policy: mixed precision (see ``_precision.py``); None = fp32.
+        policy: mixed precision (see ``_precision.py``); None = fp32. ``policy.fp8`` runs on a
+            GPU as TE FP8 parameters (``FP8Recipe(backend="te", fp8_params=True)``, the model
+            converted with ``shardbridge.fp8.convert`` / built under
+            ``shardbridge.fp8.model_init_context``, ``param_dtype=None``), all-gathered with
+            ``fp8_param_gather``; see [Note: FP8 under Megatron-FSDP].
         strategy: what is sharded over ``dp_shard``: one of :data:`STRATEGIES` or 0..3.
         outer_strategy: HSDP over ``dp_replicate`` (dp_replicate > 1 only): "no_shard"
             (default) or "optim" (needs strategy "optim_grads_params"). None = no HSDP.
@@ -246,7 +258,8 @@ def shard_model(
 
     Raises:
         ValueError / NotImplementedError: configurations megatron-fsdp 0.6.1 cannot run
-            (named with the fix).
+            (named with the fix), among them ``policy.fp8`` on CPU or with ``fp8_params=False``
+            (every torchao recipe).
 
     Example:
         >>> pm = ParallelDims(dp_shard=-1).build_mesh("cpu")  # doctest: +SKIP
@@ -256,11 +269,15 @@ def shard_model(
     """
     from shardbridge_megatron_fsdp import _cpu_patch
     from shardbridge_megatron_fsdp._checkpoint import dist_params
-    from shardbridge_megatron_fsdp._precision import to_megatron_policy
+    from shardbridge_megatron_fsdp._precision import fp8_ddp_kwargs, to_megatron_policy
 
     policy = MixedPrecisionPolicy.fp32() if policy is None else policy
     strategy = _strategy("strategy", strategy, STRATEGIES)
     outer_strategy = _validate(model, mesh, strategy, outer_strategy, average_in_collective)
+    # FP8: DistributedDataParallelConfig keywords (GPU only; refused by name otherwise).
+    ddp_kwargs = fp8_ddp_kwargs(policy, device_type=mesh.mesh.device_type)
+    if ddp_kwargs:
+        _check_fp8_model(model, policy)
     unit_modules = _unit_modules(model, unit_modules, strategy)
     if mesh.dims.cp > 1:
         model.set_context_parallel(mesh["cp"])  # attention over cp; params replicated over cp
@@ -279,8 +296,11 @@ def shard_model(
         model.to(policy.param_dtype)
     # 3. Wrap, and fix what megatron-fsdp 0.6.1 gets wrong after wrapping.
     with _quiet_device_warning(patched):
-        wrapped = _wrap(model, mesh, to_megatron_policy(policy), strategy, outer_strategy, unit_modules, on_cpu)
+        mp_policy = to_megatron_policy(_without_fp8(policy))  # policy.fp8 is in ddp_kwargs
+        wrapped = _wrap(model, mesh, mp_policy, strategy, outer_strategy, unit_modules, on_cpu, ddp_kwargs)
     _after_wrap(wrapped, mesh, strategy, outer_strategy)
+    if policy.fp8 is not None:
+        fp8.after_fsdp(model, mesh, policy.fp8)  # the backend's work: TE's FP8 autocast over `weight`
     params = dist_params(wrapped)
     # 4. Main weights from the full-precision originals (see [Note: Megatron-FSDP precision]).
     if originals is not None:
@@ -317,6 +337,38 @@ def _unit_modules(
     return unit_modules
 
 
+def _without_fp8(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    if policy.fp8 is None:
+        return policy
+    with warnings.catch_warnings():  # the user's policy was warned about (or chose a preset) already
+        warnings.simplefilter("ignore", UserWarning)
+        return dataclasses.replace(policy, fp8=None)
+
+
+def _check_fp8_model(model: nn.Module, policy: MixedPrecisionPolicy) -> None:
+    """ValueError unless ``model`` was converted for ``policy.fp8`` and holds FP8 parameters."""
+    have = fp8.recipe_of(model)
+    if have != policy.fp8:
+        raise ValueError(
+            f"policy.fp8={policy.fp8} but the model was "
+            + ("not converted" if have is None else f"converted for {have}")
+            + "; call shardbridge.fp8.convert(model, policy.fp8) (TE modules built under "
+            "shardbridge.fp8.model_init_context(policy.fp8) convert nothing more) before shard_model"
+        )
+    if not any(is_fp8_parameter(p) for p in model.parameters()):
+        raise ValueError(
+            f"policy.fp8={policy.fp8} but no parameter of the {type(model).__name__} is a TransformerEngine FP8 "
+            "tensor, so fp8_param_gather would gather nothing in FP8; build the TE modules inside "
+            "shardbridge.fp8.model_init_context(policy.fp8) (te.quantized_model_init), or set fp8=None"
+        )
+    if policy.param_dtype is not None:
+        raise ValueError(
+            f"policy.param_dtype={policy.param_dtype} with FP8 parameters: shard_model would cast the model, FP8 "
+            "parameters included, to it; build the TE modules in the compute dtype (params_dtype=...) and set "
+            "param_dtype=None (Megatron-FSDP keeps its main weights in main_params_dtype)"
+        )
+
+
 def _wrap(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -325,8 +377,13 @@ def _wrap(
     outer_strategy: str | None,
     unit_modules: list[type[nn.Module]],
     on_cpu: bool,
+    ddp_kwargs: Mapping[str, Any] | None = None,
 ) -> nn.Module:
-    """``megatron_fsdp.fully_shard_model`` over the shardbridge mesh (HSDP over dp_replicate)."""
+    """``megatron_fsdp.fully_shard_model`` over the shardbridge mesh (HSDP over dp_replicate).
+
+    ``ddp_kwargs`` (e.g. ``{"fp8_param_gather": True}`` from ``fp8_ddp_kwargs``) become fields
+    of the ``DistributedDataParallelConfig`` it builds (``wrapped.ddp_config``).
+    """
     mfsdp = require_megatron_fsdp()
     hsdp = {}
     if outer_strategy is not None:
@@ -336,8 +393,10 @@ def _wrap(
             "outer_dp_sharding_strategy": outer_strategy,
         }
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-    return mfsdp.fully_shard_model(
-        model,
+    return fully_shard_model(
+        mfsdp,
+        dict(ddp_kwargs or {}),
+        module=model,
         device_mesh=mesh.mesh,
         dp_shard_dim="dp_shard_cp" if mesh.dims.cp > 1 else "dp_shard",  # cp folded into sharding
         tp_dim="tp",

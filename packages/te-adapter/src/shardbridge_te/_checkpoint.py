@@ -7,8 +7,12 @@
 without TE fails). :func:`register_te_fp8_types` registers each with the core's
 ``register_fp8_tensor_type(cls, to_plain)`` with ``to_plain = t.dequantize()``: the checkpoint
 holds plain high-precision tensors, loadable by a model without FP8 (or by torch alone), and a
-load into an FP8 model goes through ``param.copy_(plain)``, which TE re-quantizes. GPU-only:
-the structural tier cannot quantize; see docs/te.md.
+load into an FP8 model goes through ``param.copy_(plain)``, which TE re-quantizes. Re-quantizing
+dequantized values reproduces them exactly for MXFP8, blockwise and NVFP4 where the new local
+shard's blocks coincide with the saved ones, and within 2**-21 relative for current scaling (its
+fp32 ``scale_inv`` is recomputed); blocks that merge pieces of different scales re-quantize
+within the format's precision. Tested on CPU with TE's real classes and format references for
+its kernels (``tests/test_te_fp8_checkpoint_structural.py``); TE's kernels: GPU tier (docs/te.md).
 
 [Note: portable _extra_state]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

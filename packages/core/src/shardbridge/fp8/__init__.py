@@ -20,6 +20,7 @@ from shardbridge.fp8._backend import (
     after_optimizer_step,
     backend_names,
     convert,
+    converted_fqn,
     get_backend,
     install_step_hook,
     model_init_context,
@@ -28,6 +29,7 @@ from shardbridge.fp8._backend import (
 )
 from shardbridge.fp8._recipe import FP8Recipe
 from shardbridge.fp8._torchao import TorchaoBackend, default_module_filter
+from shardbridge.fp8._tp_styles import MXFP8ColwiseParallel, MXFP8RowwiseParallel
 
 register_backend(TorchaoBackend())
 
@@ -37,12 +39,15 @@ __all__ = [
     "FP8Backend",
     "FP8BackendBase",
     "FP8Recipe",
+    "MXFP8ColwiseParallel",
+    "MXFP8RowwiseParallel",
     "TorchaoBackend",
     "after_fsdp",
     "after_load",
     "after_optimizer_step",
     "backend_names",
     "convert",
+    "converted_fqn",
     "default_module_filter",
     "get_backend",
     "install_step_hook",

@@ -20,6 +20,9 @@ keeps them right through training. Every step of a run calls one hook::
 
 Adapters call the module functions here (:func:`convert`, :func:`after_optimizer_step`, ...),
 which look the backend up by the recipe's name; no adapter branches on a backend name.
+:func:`convert` marks every module it converted (:func:`converted_fqn`): exactly those take
+the backend's ``tp_styles`` (no test of a class name), and shardbridge's own marks on a module
+(fused-weight specs) are carried over when a backend swaps the module for another class.
 Backends register by name: the core's torchao backend at import (torchao itself is imported
 lazily, on first use), others by :func:`register_backend` when their package is imported, or
 through the ``shardbridge.fp8_backends`` entry-point group (``te = "shardbridge_te._fp8:backend"``)
@@ -52,6 +55,7 @@ __all__ = [
     "after_optimizer_step",
     "backend_names",
     "convert",
+    "converted_fqn",
     "get_backend",
     "install_step_hook",
     "model_init_context",
@@ -204,6 +208,11 @@ def backend_names() -> tuple[str, ...]:
     return tuple(sorted(set(_BACKENDS) | set(_entry_points())))
 
 
+def _is_known(name: str) -> bool:
+    """``name`` is registered or declared by an installed package's entry point (nothing imported)."""
+    return name in _BACKENDS or name in _entry_points()
+
+
 def get_backend(name: str) -> FP8Backend:
     """The backend registered as ``name`` (loading its entry point on first use).
 
@@ -273,9 +282,33 @@ def convert(
     backend = get_backend(recipe.backend)
     backend.check(recipe, tp=1 if mesh is None else mesh.dims.tp)
     backend.register_plain_types()
+    # shardbridge's own marks on modules (fused-weight specs, ...) survive a backend that swaps
+    # the module for another class (torchao's Float8Linear.from_float builds a new module).
+    marks = {fqn: _marks(m) for fqn, m in model.named_modules()}
     done = backend.convert(model, recipe, mesh=mesh, tp_plan=tp_plan, module_filter=module_filter)
     vars(model)[_RECIPE_ATTR] = recipe
+    for fqn in done.modules:  # each converted module knows it (TP styles: converted_fqn)
+        module = model.get_submodule(fqn)
+        for key, value in marks.get(fqn, {}).items():
+            vars(module).setdefault(key, value)
+        vars(module)[_CONVERTED_ATTR] = fqn
     return done
+
+
+def _marks(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if k.startswith("_shardbridge_")}
+
+
+_CONVERTED_ATTR = "_shardbridge_fp8_fqn"
+"""Attribute on each module :func:`convert` converted: its FQN in the converted model."""
+
+
+def converted_fqn(module: nn.Module) -> str | None:
+    """The FQN under which :func:`convert` converted ``module`` (``Converted.modules``), or None.
+
+    Adapters give exactly these modules the backend's ``tp_styles`` (no backend-name or class-name test).
+    """
+    return vars(module).get(_CONVERTED_ATTR)
 
 
 def _converted_recipe(model: nn.Module, recipe: FP8Recipe | None, what: str) -> FP8Recipe | None:

@@ -66,7 +66,9 @@ class FP8Recipe:
 
     backend: str = "torchao"
     """Registered backend name: "torchao" (core, lazy import; CPU and GPU) or "te"
-    (``shardbridge_te``; GPU). :func:`shardbridge.fp8.backend_names` lists what is available."""
+    (``shardbridge_te``; GPU). :func:`shardbridge.fp8.backend_names` lists what is available;
+    another name is a ValueError here. A known backend whose library does not import on this
+    machine is accepted (its ``require_runtime`` refuses it where the run starts)."""
 
     name: str = "tensorwise"
     """Scaling recipe, one of :attr:`NAMES` (aliases: "current" = "tensorwise",
@@ -96,6 +98,15 @@ class FP8Recipe:
         object.__setattr__(self, "name", name)
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"FP8Recipe.backend={self.backend!r} must be a backend name such as 'torchao' or 'te'")
+        from shardbridge.fp8._backend import ENTRY_POINT_GROUP, _is_known, backend_names  # (circular at import)
+
+        if not _is_known(self.backend):
+            # A known backend whose library is missing is accepted here: require_runtime() refuses it at launch.
+            raise ValueError(
+                f"FP8Recipe.backend={self.backend!r} is not a registered FP8 backend; choose one of "
+                f"{list(backend_names())} (others register with shardbridge.fp8.register_backend or the "
+                f"{ENTRY_POINT_GROUP!r} entry-point group; 'te' comes with pip install \"shardbridge[te]\")"
+            )
         if not isinstance(self.params, Mapping):
             raise ValueError(f"FP8Recipe.params={self.params!r} must be a mapping of parameter names to values")
         try:

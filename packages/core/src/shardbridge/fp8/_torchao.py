@@ -11,7 +11,7 @@ torchao is optional: this module imports it only when a hook runs (ImportError w
     tensorwise          Float8Linear    WeightWithDynamicFloat8CastTensor    float8, 1 B/elem   Float8Colwise/RowwiseParallel
     rowwise             Float8Linear    plain                                high precision     torch's
     rowwise_with_gw_hp  Float8Linear    plain                                high precision     torch's
-    mxfp8               nn.Linear       MXFP8TrainingWeightWrapperTensor     high precision     refused (tp > 1)
+    mxfp8               nn.Linear       MXFP8TrainingWeightWrapperTensor     high precision     MXFP8Colwise/RowwiseParallel
 
 - tensorwise: one scale per tensor, so the weight can be cast to float8 BEFORE the all-gather
   (``enable_fsdp_float8_all_gather``); the scale is the amax over the whole weight, which
@@ -26,9 +26,18 @@ torchao is optional: this module imports it only when a hook runs (ImportError w
   wraps each weight in ``MXFP8TrainingWeightWrapperTensor``, whose FSDP2 hooks all-gather the
   HIGH-PRECISION data (``fsdp_pre_all_gather`` sends ``_data.to(param_dtype)``); the e8m0 block
   scales are computed after the all-gather. On CPU it runs the ``EMULATED`` kernel preference
-  (PyTorch ops, no Triton/CUTLASS). Under TP it is refused: the wrapper intercepts
-  ``F.linear`` in ``__torch_function__``, which a DTensor call never reaches (DTensor dispatches
-  below it), so a TP-sharded weight would silently run its matmuls in high precision.
+  (PyTorch ops, no Triton/CUTLASS). Under TP, torch's styles would be silently wrong: the
+  wrapper intercepts ``F.linear`` in ``__torch_function__``, which a DTensor call never reaches
+  (DTensor dispatches below it), so the matmuls would run in high precision. :meth:`tp_styles`
+  therefore returns the core's local-shard styles, which call ``F.linear`` on the local shards
+  where the wrapper sees it (see [Note: MXFP8 under tensor parallelism] in ``_tp_styles.py``);
+  a TP-local dim that is not a multiple of 32 is refused by name there. A converted Linear whose
+  weight is a DTensor under any OTHER style refuses to run (NotImplementedError naming it)
+  instead of computing in high precision. torchao 0.18's MXFP8 ``F.linear`` also drops the bias:
+  converted Linears add it themselves.
+
+Which modules take :meth:`tp_styles`: exactly those :func:`shardbridge.fp8.convert` converted
+(``shardbridge.fp8.converted_fqn``), in the core's Llama plan and the hf adapter alike.
 
 Checkpoints: the two wrapper subclasses hold the high-precision weight (``__tensor_flatten__``
 names it), which is what :func:`shardbridge.register_fp8_tensor_type` saves: a view, so loads
@@ -38,16 +47,20 @@ write the live weight in place, bit-exact, and any torch reads the checkpoint.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardbridge._compat import require_module
 from shardbridge._fp8 import register_fp8_tensor_type, use_uint8_all_gather
-from shardbridge.fp8._backend import Converted, FP8BackendBase
+from shardbridge.fp8._backend import Converted, FP8BackendBase, converted_fqn
 from shardbridge.fp8._recipe import FP8Recipe
+from shardbridge.fp8._tp_styles import MXFP8ColwiseParallel, MXFP8RowwiseParallel
 
 if TYPE_CHECKING:
     from shardbridge._mesh import ParallelMesh
@@ -91,6 +104,29 @@ def _inner_tensor(t: torch.Tensor) -> torch.Tensor:
     """
     names, _ = t.__tensor_flatten__()
     return next(inner for inner in (getattr(t, n) for n in names) if inner.shape == t.shape)
+
+
+def _mxfp8_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's forward for an MXFP8-wrapped weight: the bias added here, DTensor weights refused."""
+    if isinstance(self.weight, DTensor):
+        # Tensor-parallel with a style that is not the backend's: DTensor dispatches below the wrapper's
+        # __torch_function__, so the matmul would silently run in high precision.
+        raise NotImplementedError(
+            f"fp8 recipe mxfp8: {converted_fqn(self) or 'a Linear'} has a DTensor (tensor-parallel) weight but was "
+            "not parallelized with the torchao backend's tp_styles (MXFP8ColwiseParallel / MXFP8RowwiseParallel); "
+            "under any other style its matmul would silently run in high precision. Plan it 'colwise' / 'rowwise' "
+            "with those styles, or keep it out of FP8 (fp8.convert's module_filter)"
+        )
+    if type(self.weight) is torch.Tensor or type(self.weight) is nn.Parameter:
+        raise NotImplementedError(
+            f"fp8 recipe mxfp8: {converted_fqn(self) or 'a Linear'}'s weight is a plain tensor in forward (its MXFP8 "
+            "weight wrapper was lost, e.g. by a tensor-parallel style that rebuilds the local shard), so its matmul "
+            "would silently run in high precision; plan it 'colwise' / 'rowwise', or keep it out of FP8"
+        )
+    # MXFP8TrainingWeightWrapperTensor.__torch_function__ (torchao 0.18) computes F.linear(x, w, b) as x @ w.T
+    # in MXFP8 and returns it without b: the bias is added in high precision, as nn.Linear would.
+    y = F.linear(x, self.weight)
+    return y if self.bias is None else y + self.bias
 
 
 def _all_gathers_float8(recipe: FP8Recipe) -> bool:
@@ -137,13 +173,6 @@ class TorchaoBackend(FP8BackendBase):
                 "fp8.fp8_params=true with backend torchao: torchao keeps high-precision weights (tensorwise "
                 "all-gathers them in float8 anyway); set fp8_params: false, or backend: te"
             )
-        if recipe.name == "mxfp8" and tp > 1:
-            raise NotImplementedError(
-                f"fp8 recipe 'mxfp8' (torchao 0.18) with tp={tp}: torchao's MXFP8 weight wrapper intercepts F.linear "
-                "in __torch_function__, which DTensor (tensor-parallel) calls never reach, so the matmuls would "
-                "silently run in high precision; use mxfp8 with data parallelism only (FSDP / HSDP, tp=1), or "
-                "recipe rowwise / tensorwise with tp > 1"
-            )
 
     def convert(
         self,
@@ -187,10 +216,19 @@ class TorchaoBackend(FP8BackendBase):
         )
         selected = set(names)
         quantize_(model, config, filter_fn=lambda module, fqn: fqn in selected)
+        for fqn in names:
+            linear = model.get_submodule(fqn)
+            linear.forward = types.MethodType(_mxfp8_linear_forward, linear)  # TP styles replace it again
         return names
 
     def tp_styles(self, recipe: FP8Recipe) -> Mapping[str, type] | None:
-        """torchao's float8 styles for tensorwise (float8 activations across TP); torch's otherwise."""
+        """tensorwise: torchao's float8 styles (float8 activations across TP); mxfp8: local-shard styles.
+
+        mxfp8's styles run each converted Linear on its local shards, where torchao's weight wrapper
+        sees ``F.linear`` (see [Note: MXFP8 under tensor parallelism]); rowwise recipes: torch's.
+        """
+        if recipe.name == "mxfp8":
+            return {"colwise": MXFP8ColwiseParallel, "rowwise": MXFP8RowwiseParallel}
         if recipe.name != "tensorwise":
             return None
         tp = _torchao("torchao.float8.float8_tensor_parallel")

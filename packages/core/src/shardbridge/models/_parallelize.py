@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from shardbridge import fp8
 from shardbridge._fused import FUSED_SPECS_ATTR, shard_fused
 from shardbridge._tp import check_tp_divides
 from shardbridge._wrap import apply_fsdp
@@ -98,14 +100,23 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
         # Shard(-1) -> Replicate: full-vocab logits on every TP rank.
         "output": ColwiseParallel(output_layouts=Replicate()),
     }
+    recipe = fp8.recipe_of(model)
+    fp8_styles = fp8.get_backend(recipe.backend).tp_styles(recipe) if recipe is not None else None
+
+    def style(kind: str, linear: nn.Module) -> ParallelStyle:
+        # Modules fp8.convert converted take its backend's styles (MXFP8: the linear on local shards).
+        if fp8_styles is not None and fp8.converted_fqn(linear) is not None:
+            return fp8_styles[kind]()
+        return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+
     for index, block in enumerate(model.layers):
         for linear in (block.attention.qkv, block.feed_forward.gate_up):
             _shard_fused_weight(linear, tp_mesh)
         prefix = f"layers.{index}"
-        plan[f"{prefix}.attention.qkv"] = ColwiseParallel()  # weight already Shard(0), fused
-        plan[f"{prefix}.attention.o_proj"] = RowwiseParallel()  # Partial -> Replicate
-        plan[f"{prefix}.feed_forward.gate_up"] = ColwiseParallel()
-        plan[f"{prefix}.feed_forward.down"] = RowwiseParallel()
+        plan[f"{prefix}.attention.qkv"] = style("colwise", block.attention.qkv)  # weight already Shard(0), fused
+        plan[f"{prefix}.attention.o_proj"] = style("rowwise", block.attention.o_proj)  # Partial -> Replicate
+        plan[f"{prefix}.feed_forward.gate_up"] = style("colwise", block.feed_forward.gate_up)
+        plan[f"{prefix}.feed_forward.down"] = style("rowwise", block.feed_forward.down)
     parallelize_module(model, tp_mesh, plan)
     if model.config.tie_word_embeddings:
         # Both are Shard(0) over vocab rows; ColwiseParallel re-wrapped output's parameter.
@@ -115,7 +126,15 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
 def _shard_fused_weight(linear: nn.Linear, tp_mesh: DeviceMesh) -> None:
     spec = getattr(linear, FUSED_SPECS_ATTR)["weight"]
     # plain [q; k; v] -> Shard(0) DTensor whose rank-j local is [q_j; k_j; v_j]
-    weight = shard_fused(linear.weight.detach(), spec, tp_mesh)
+    full = linear.weight.detach()
+    weight = shard_fused(full, spec, tp_mesh)
+    if type(full) is not torch.Tensor:
+        # An FP8 weight wrapper (torchao's keep their class through new_zeros and copy_): the local
+        # piece stays one, or the converted Linear would silently compute in high precision.
+        local = full.new_zeros(weight.to_local().shape).copy_(weight.to_local())
+        weight = DTensor.from_local(
+            local, tp_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride()
+        )
     linear.weight = nn.Parameter(weight, requires_grad=linear.weight.requires_grad)
 
 

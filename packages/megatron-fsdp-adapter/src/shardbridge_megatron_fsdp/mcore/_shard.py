@@ -11,6 +11,10 @@ configuration::
                                               + model_parallel_cuda_manual_seed(seed)
     MixedPrecisionPolicy            ------>  DistributedDataParallelConfig(
                                                 grad_reduce_in_fp32, preserve_fp32_weights)
+    MixedPrecisionPolicy.fp8        ------>  DistributedDataParallelConfig(fp8_param_gather=True)
+                                              on a GPU, checked against the TransformerConfig's
+                                              fp8 / fp8_recipe / fp8_param (see [Note: FP8 on
+                                              the Megatron-Core path])
     shard_model(model, optimizer, ...) --->  FullyShardedDataParallel(config, ddp_config, model)
                                               (mcore_fsdp_adapter.py: the bundled megatron_fsdp)
                                               + its fully_shard_optimizer (step installs the
@@ -115,14 +119,74 @@ def check_cpu_config(config: Any) -> None:
         )
 
 
-def _ddp_config(policy: MixedPrecisionPolicy, strategy: str, model_dtype: torch.dtype) -> Any:
-    """DistributedDataParallelConfig for ``policy``: megatron-core 0.16.1 has two booleans."""
+_MCORE_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
+"""``TransformerConfig.fp8_recipe`` values of megatron-core 0.16.1 that are shardbridge recipe names."""
+
+
+def fp8_fields(policy: MixedPrecisionPolicy, config: Any, *, device_type: str) -> dict[str, Any]:
+    """``DistributedDataParallelConfig`` keywords for ``policy.fp8`` on the Megatron-Core path.
+
+    [Note: FP8 on the Megatron-Core path]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Megatron-Core builds its TE modules from the ``TransformerConfig`` (``fp8``,
+    ``fp8_recipe``, ``fp8_param``), and its Megatron-FSDP all-gathers FP8 parameters with
+    ``DistributedDataParallelConfig(fp8_param_gather=True)``. shardbridge's policy is the one
+    FP8 setting, so the two must say the same::
+
+        policy.fp8                                   TransformerConfig        DDP config
+        None                                         fp8=None, fp8_param=F    (nothing)
+        FP8Recipe(backend="te", name=R,              fp8="e4m3"|"hybrid",     fp8_param_gather=True
+                  fp8_params=True), R in             fp8_recipe=R,
+                  tensorwise/delayed/mxfp8/blockwise fp8_param=True
+
+    Everything else is refused by name: torchao recipes and ``fp8_params=False`` (as on the
+    standalone path, [Note: FP8 under Megatron-FSDP]), "nvfp4" (``TransformerConfig.fp4`` in
+    megatron-core 0.16.1, not wired), CPU (TE's kernels), and a TransformerConfig that
+    disagrees with the policy. GPU only: nothing here has run on a GPU yet.
+
+    Raises:
+        ValueError: the TransformerConfig disagrees with ``policy.fp8`` (both named).
+        NotImplementedError: what this path does not run (named, with what it does).
+    """
+    from shardbridge_megatron_fsdp._precision import fp8_ddp_kwargs
+
+    recipe = policy.fp8
+    if recipe is None:
+        on = [f"{n}={getattr(config, n)!r}" for n in ("fp8", "fp8_param") if getattr(config, n, None)]
+        if on:
+            raise ValueError(
+                f"TransformerConfig {', '.join(on)} but MixedPrecisionPolicy.fp8=None: the policy is the run's one FP8 "
+                f"setting; set policy.fp8=FP8Recipe(backend='te', name={getattr(config, 'fp8_recipe', 'delayed')!r}, "
+                "fp8_params=True) (GPU), or TransformerConfig(fp8=None, fp8_param=False)"
+            )
+        return {}
+    fields = fp8_ddp_kwargs(policy, device_type=device_type)  # torchao, fp8_params=False, CPU: refused by name
+    if recipe.name not in _MCORE_FP8_RECIPES:
+        raise NotImplementedError(
+            f"MixedPrecisionPolicy.fp8={recipe}: megatron-core 0.16.1 configures {recipe.name!r} outside "
+            f"TransformerConfig.fp8_recipe (fp4 recipes), which is not wired; use one of {list(_MCORE_FP8_RECIPES)}"
+        )
+    want = {"fp8": ("e4m3", "hybrid"), "fp8_recipe": (recipe.name,), "fp8_param": (True,)}
+    wrong = [f"{n}={getattr(config, n, None)!r}" for n, ok in want.items() if getattr(config, n, None) not in ok]
+    if wrong:
+        raise ValueError(
+            f"MixedPrecisionPolicy.fp8={recipe} but TransformerConfig {', '.join(wrong)}: Megatron-Core builds its TE "
+            f"modules from the TransformerConfig, so set TransformerConfig(fp8='hybrid' or 'e4m3', "
+            f"fp8_recipe={recipe.name!r}, fp8_param=True), or change policy.fp8 to match it"
+        )
+    return fields
+
+
+def _ddp_config(
+    policy: MixedPrecisionPolicy, strategy: str, model_dtype: torch.dtype, fp8_kwargs: dict[str, Any] | None = None
+) -> Any:
+    """DistributedDataParallelConfig for ``policy``: megatron-core 0.16.1 has two booleans (+ fp8_kwargs)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    if policy.fp8 is not None or policy.output_dtype is not None:
+    if policy.output_dtype is not None:
         raise NotImplementedError(
-            "MixedPrecisionPolicy.fp8 / output_dtype have no Megatron-Core FSDP counterpart in megatron-core 0.16.1; "
-            "set them to None"
+            f"MixedPrecisionPolicy.output_dtype={policy.output_dtype} has no Megatron-Core FSDP counterpart in "
+            "megatron-core 0.16.1 (it does not cast module outputs); set output_dtype=None"
         )
     if policy.param_dtype not in (None, model_dtype):
         raise ValueError(
@@ -154,6 +218,7 @@ def _ddp_config(policy: MixedPrecisionPolicy, strategy: str, model_dtype: torch.
         overlap_grad_reduce=True,
         overlap_param_gather=True,
         average_in_collective=False,
+        **(fp8_kwargs or {}),
     )
 
 
@@ -185,8 +250,10 @@ def shard_model(
         ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
 
     Raises:
-        ValueError: an unknown strategy, or a CUDA-only kernel selected on a CPU host.
-        NotImplementedError: a policy Megatron-Core 0.16.1 cannot express.
+        ValueError: an unknown strategy, a CUDA-only kernel selected on a CPU host, or a
+            TransformerConfig whose FP8 fields disagree with ``policy.fp8``.
+        NotImplementedError: a policy Megatron-Core 0.16.1 cannot express (``policy.fp8`` on
+            CPU, torchao recipes; see [Note: FP8 on the Megatron-Core path]).
 
     Example:
         >>> dims = init_parallel_state(ParallelDims(dp_shard=-1, tp=2))  # doctest: +SKIP
@@ -199,7 +266,8 @@ def shard_model(
     check_cpu_config(config)
     policy = policy or MixedPrecisionPolicy()
     model_dtype = next(model.parameters()).dtype
-    ddp_config = _ddp_config(policy, strategy, model_dtype)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    ddp_config = _ddp_config(policy, strategy, model_dtype, fp8_fields(policy, config, device_type=device_type))
     group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
     register_gpt_fused(model, config)
 
