@@ -5,7 +5,8 @@ launch resumes from step 2 in the same layout. Oracles: the resumed run's losses
 bit-identical to the first run's (same recipe, same layout, same batches); `from_pretrained` of the
 export (a plain transformers model, fp32 matmuls) agrees with the FP8-trained model's logits up to
 FP8 rounding. CI runs rowwise at dp2 x tp2 (~70 s); `SHARDBRIDGE_FP8_MATRIX=all` (`nox -s fp8_matrix`)
-adds rowwise on HSDP x tp2, rowwise_with_gw_hp, and mxfp8 on FSDP dp4 / HSDP 2 x 2 / dp2 x tp2 / HSDP x tp2.
+adds tensorwise, rowwise_with_gw_hp (dp2 x tp2 and HSDP x tp2), rowwise on HSDP x tp2, and mxfp8 on
+FSDP dp4 / HSDP 2 x 2 / dp2 x tp2 / HSDP x tp2.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ TRAIN = REPO / "examples" / "hf" / "train.py"
 
 CI = [("rowwise", (1, 2, 2))]
 MATRIX = [
+    ("tensorwise", (1, 2, 2)),  # also in test_launch_e2e.py (a different script and checks)
+    ("tensorwise", (2, 1, 2)),
     ("rowwise", (2, 1, 2)),
     ("rowwise_with_gw_hp", (1, 2, 2)),
+    ("rowwise_with_gw_hp", (2, 1, 2)),
     ("mxfp8", (1, 4, 1)),
     ("mxfp8", (2, 2, 1)),
     ("mxfp8", (1, 2, 2)),  # dp2 x tp2 / HSDP x tp2: the core's MXFP8 TP styles; hidden 128 (TP-local dims % 32)

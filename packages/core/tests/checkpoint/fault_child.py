@@ -12,6 +12,8 @@ child ends, the zygote writes its exit code (negative: killed by that signal) to
 
 Modes (``ARGS["mode"]``):
 
+- ``destroy``: save value 1, start an async save of value 2, ``destroy_process_group()`` at
+  once, then wait for it (``width``: the model's width, so that the writer is still busy).
 - ``loop``: save values 1, 2, 3 ... until killed; ``overwrite`` saves all into step 0's
   directory, else each into its own ``step_dir``. ``async``: each save is
   ``save(..., async_=True)``, the model is changed at once, then the save is waited for.
@@ -51,8 +53,8 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def build(value: float, world: int) -> nn.Module:
-    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+def build(value: float, world: int, width: int = 16) -> nn.Module:
+    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, 4))
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(value)
@@ -121,57 +123,66 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
     from shardbridge.checkpoint import _save
 
     root = ARGS["root"]
-    model = build(ARGS.get("value", 1.0), world)
+    model = build(ARGS.get("value", 1.0), world, ARGS.get("width", 16))
     set_value(model, ARGS.get("value", 1.0))
     result: dict = {"ok": False}
     if rank == 0:
         open(os.path.join(out, "ready"), "w").close()
     try:
-        if ARGS["mode"] == "loop":
-            value = ARGS.get("start", 1)
-            while True:
-                set_value(model, float(value))
-                path = ck.step_dir(root, 0 if ARGS["overwrite"] else value)
-                pending = ck.save(
-                    path,
-                    model=model,
-                    step=value,
-                    extra={"value": value},
-                    overwrite=ARGS["overwrite"],
-                    async_=ARGS.get("async", False),
-                )
-                if ARGS.get("async", False):
-                    set_value(model, -7.0)  # training changes the model while the writer runs
-                    pending.wait()
-                if rank == 0:
-                    _write_json(os.path.join(out, "done"), {"value": value})
-                value += 1
-        if ARGS.get("fsize") is not None:
-            import resource
+        if ARGS["mode"] == "destroy":
+            # An async save in flight when the script destroys the process group (without wait()).
+            ck.save(ck.step_dir(root, 1), model=model, step=1, extra={"value": 1.0})
+            set_value(model, 2.0)
+            pending = ck.save(ck.step_dir(root, 2), model=model, step=2, extra={"value": 2.0}, async_=True)
+            dist.destroy_process_group()
+            pending.wait()
+            result["ok"] = True
+        else:
+            if ARGS["mode"] == "loop":
+                value = ARGS.get("start", 1)
+                while True:
+                    set_value(model, float(value))
+                    path = ck.step_dir(root, 0 if ARGS["overwrite"] else value)
+                    pending = ck.save(
+                        path,
+                        model=model,
+                        step=value,
+                        extra={"value": value},
+                        overwrite=ARGS["overwrite"],
+                        async_=ARGS.get("async", False),
+                    )
+                    if ARGS.get("async", False):
+                        set_value(model, -7.0)  # training changes the model while the writer runs
+                        pending.wait()
+                    if rank == 0:
+                        _write_json(os.path.join(out, "done"), {"value": value})
+                    value += 1
+            if ARGS.get("fsize") is not None:
+                import resource
 
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-            resource.setrlimit(resource.RLIMIT_FSIZE, (ARGS["fsize"], resource.RLIM_INFINITY))
-        if ARGS.get("pause"):
-            real_commit = _save.commit
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+                resource.setrlimit(resource.RLIMIT_FSIZE, (ARGS["fsize"], resource.RLIM_INFINITY))
+            if ARGS.get("pause"):
+                real_commit = _save.commit
 
-            def paused_commit(*a, **k):
-                open(os.path.join(out, "paused"), "w").close()
-                while not os.path.exists(os.path.join(out, "go")):
-                    time.sleep(0.01)
-                return real_commit(*a, **k)
+                def paused_commit(*a, **k):
+                    open(os.path.join(out, "paused"), "w").close()
+                    while not os.path.exists(os.path.join(out, "go")):
+                        time.sleep(0.01)
+                    return real_commit(*a, **k)
 
-            _save.commit = paused_commit
-        if ARGS.get("crash_at") is not None and rank == ARGS.get("crash_rank", 0):
-            _install_faults(ARGS["crash_at"], ARGS.get("how", "exit"))
-        value = ARGS["value"]
-        ck.save(
-            ARGS.get("path") or ck.step_dir(root, ARGS["step"]),
-            model=model,
-            step=ARGS["step"],
-            extra={"value": value},
-            overwrite=ARGS.get("overwrite", False),
-        )
-        result["ok"] = True
+                _save.commit = paused_commit
+            if ARGS.get("crash_at") is not None and rank == ARGS.get("crash_rank", 0):
+                _install_faults(ARGS["crash_at"], ARGS.get("how", "exit"))
+            value = ARGS["value"]
+            ck.save(
+                ARGS.get("path") or ck.step_dir(root, ARGS["step"]),
+                model=model,
+                step=ARGS["step"],
+                extra={"value": value},
+                overwrite=ARGS.get("overwrite", False),
+            )
+            result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         lines = str(exc).strip().splitlines() or [""]
         result["error"] = f"{type(exc).__name__}: {lines[0]}"

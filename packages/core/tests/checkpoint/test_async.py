@@ -172,3 +172,65 @@ def test_a_hung_writer_group_rendezvous_fails_the_save_instead_of_hanging(tmp_pa
         assert "cannot save asynchronously any more" in errors[1]
     assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000004"]  # no tmp dir left
+
+
+def test_extra_is_the_value_of_the_call(tmp_path):
+    """``extra`` mutated in place after ``save(async_=True)`` returns: the checkpoint holds the call's."""
+    model = Mlp()
+    extra = {"a": [1, 2], "sched": {"last_epoch": 1}}
+    pending = ck.save(tmp_path / "c", model=model, extra=extra, async_=True)
+    extra["a"].append(3)
+    extra["sched"]["last_epoch"] = 2
+    extra["new"] = True
+    pending.wait()
+    assert ck.load(tmp_path / "c", model=Mlp()).extra == {"a": [1, 2], "sched": {"last_epoch": 1}}
+
+
+def test_a_load_waits_for_this_processs_overwrite_in_flight(tmp_path, monkeypatch):
+    """load(P) while save(P, overwrite=True, async_=True) is in flight reads the new version whole (it
+    waits for the save), never some files of each version."""
+    old, new = Mlp(), Mlp()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(1.0)
+    ck.save(tmp_path / "c", model=old)
+    go = _blocked_commit(monkeypatch)
+    pending = ck.save(tmp_path / "c", model=new, overwrite=True, async_=True)
+    threading.Timer(0.3, go.set).start()  # the commit proceeds while load waits
+    fresh = Mlp()
+    ck.load(tmp_path / "c", model=fresh)
+    assert pending.done()
+    for a, b in zip(fresh.parameters(), new.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_directory_replaced_during_a_load_is_refused(tmp_path, monkeypatch):
+    """Another job renames a new version into place while this one reads: ValueError, not a mix."""
+    from shardbridge.checkpoint import _trust
+
+    ck.save(tmp_path / "c", model=Mlp())
+    ck.save(tmp_path / "other", model=Mlp())
+    real = _trust.TrustedReader.read_data
+
+    def swap_then_read(self, plan, planner):
+        if (tmp_path / "other").exists():
+            (tmp_path / "c").rename(tmp_path / "c.old")
+            (tmp_path / "other").rename(tmp_path / "c")
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(_trust.TrustedReader, "read_data", swap_then_read)
+    with pytest.raises(ValueError, match=r"was replaced while it was being loaded .* load it again"):
+        ck.load(tmp_path / "c", model=Mlp())
+    monkeypatch.undo()
+    ck.load(tmp_path / "c", model=Mlp())  # a load that sees one version works
+
+
+def test_the_previous_saves_error_says_the_next_save_did_not_start(tmp_path, monkeypatch):
+    model = Mlp()
+    go = _blocked_commit(monkeypatch, fail=True)
+    ck.save(ck.step_dir(tmp_path, 1), model=model, step=1, async_=True)
+    go.set()
+    with pytest.raises(OSError, match="No space left on device") as info:
+        ck.save(ck.step_dir(tmp_path, 2), model=model, step=2)
+    assert any("that next save did not start" in note for note in info.value.__notes__)
+    assert not ck.step_dir(tmp_path, 2).exists()

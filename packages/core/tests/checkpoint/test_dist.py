@@ -101,3 +101,26 @@ def test_bad_argument_on_one_rank_raises_on_every_rank_within_seconds(tmp_path, 
             assert ("[raised on rank 2" in outcome) == (rank != 2)
         assert elapsed < 10 and after == 7
     assert not (tmp_path / "c").exists() and not (tmp_path / "cx").exists()
+
+
+def _os_error_on_rank0():
+    import errno
+
+    def fn():
+        if dist.get_rank() == 0:
+            raise PermissionError(errno.EROFS, "Read-only file system")
+        return 1
+
+    try:
+        _dist.on_all_ranks(fn)
+    except OSError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_an_os_error_on_one_rank_is_an_os_error_on_every_rank():
+    """An ``except OSError:`` around a save runs on every rank, or on none (never splits the ranks)."""
+    results = run_distributed(_os_error_on_rank0, world_size=4)
+    assert results[0] == ("PermissionError", "[Errno 30] Read-only file system")
+    for name, message in results[1:]:
+        assert name == "PermissionError" and "[raised on rank 0; 1 rank(s) failed]" in message

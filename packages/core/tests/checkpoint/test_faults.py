@@ -46,8 +46,8 @@ COUNTS: dict[str, collections.Counter] = {}
 # --- helpers --------------------------------------------------------------------------------
 
 
-def _model(value: float) -> nn.Module:
-    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+def _model(value: float, width: int = 16) -> nn.Module:
+    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, 4))
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(value)
@@ -63,9 +63,9 @@ def _save(root: Path, step: int, value: float, **kwargs) -> Path:
     return ck.save(ck.step_dir(root, step), model=_model(value), step=step, extra={"value": value}, **kwargs)
 
 
-def _loaded_value(path: Path) -> float:
+def _loaded_value(path: Path, width: int = 16) -> float:
     """Load ``path`` (verify=True) and return the one value every parameter holds."""
-    model = _model(-1.0)
+    model = _model(-1.0, width)
     state = ck.load(path, model=model, rng=False)
     values = torch.cat([p.detach().flatten() for p in model.parameters()]).unique()
     assert len(values) == 1 and values.item() == state.extra["value"], (path, values, state.extra)
@@ -154,7 +154,7 @@ def _wait_for(path: Path, timeout: float = _TIMEOUT_S) -> None:
         time.sleep(0.005)
 
 
-def _check_root(root: Path, allowed: dict[str, set[float]], *, at_least: float | None = None) -> str:
+def _check_root(root: Path, allowed: dict[str, set[float]], *, at_least: float | None = None, width: int = 16) -> str:
     """Invariants 1, 3 and 4 after a fault; a label for the counts.
 
     ``allowed``: final directory name -> values it may hold now. ``at_least``: the value of
@@ -167,7 +167,7 @@ def _check_root(root: Path, allowed: dict[str, set[float]], *, at_least: float |
     assert path.name in allowed, path
     report = ck.verify(path)
     assert report.ok, report
-    value = _loaded_value(path)
+    value = _loaded_value(path, width)
     assert value in allowed[path.name], (path, value, allowed)
     if at_least is not None:
         assert value >= at_least, f"a save that returned (value {at_least}) was lost: latest has {value}"
@@ -317,6 +317,32 @@ def test_kill_at_random_points_of_a_save_loop(tmp_path, world, mode):
         _record(test, f"killed {which} ({'overwrite' if overwrite else 'new steps'}) -> {label}")
         shutil.rmtree(root.parent)
     _report(test)
+
+
+def test_destroy_process_group_with_an_async_save_in_flight(tmp_path):
+    """A script that destroys the process group without ``checkpoint.wait()``: the writers' collectives
+    fail (rank and world were fixed when they started), nothing half-written commits, ``latest()``
+    is the previous checkpoint; or, if the writers had finished, the new one, whole."""
+    test = "destroy_process_group with an async save in flight (2 ranks)"
+    in_flight = 0
+    for trial in range(3):
+        root = tmp_path / f"t{trial}" / "ckpt"
+        root.mkdir(parents=True)
+        results = _run({"mode": "destroy", "root": str(root), "width": 384}, world=2)
+        outcomes = []
+        for r in results:
+            if r.get("ok"):
+                outcomes.append("committed")
+            else:
+                assert "process group was destroyed while it was in flight" in r["error"], r
+                outcomes.append("refused")
+        allowed = {"step-00000001": {1.0}, "step-00000002": {2.0}}
+        in_flight += "refused" in outcomes
+        label = _check_root(root, allowed, at_least=1.0, width=384)
+        _record(test, f"{'/'.join(outcomes)} -> {label}")
+        shutil.rmtree(root.parent)
+    _report(test)
+    assert in_flight > 0, COUNTS[test]  # the case the test is about happened
 
 
 # --- 3. full disk ----------------------------------------------------------------------------

@@ -67,7 +67,7 @@ from shardbridge._compat import group_timeout
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._stage import Stager
 
-__all__ = ["AsyncSave", "IfBusy", "bounded", "finish_previous", "stage_state", "start_async", "wait"]
+__all__ = ["AsyncSave", "IfBusy", "bounded", "finish_previous", "settle", "stage_state", "start_async", "wait"]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
@@ -148,7 +148,25 @@ def finish_previous(if_busy: IfBusy) -> None:
                 "shardbridge.checkpoint.wait()) first, or pass if_busy='wait'"
             )
     if handle is not None:
-        handle.wait()
+        try:
+            handle.wait()
+        except BaseException as exc:
+            exc.add_note(
+                "(the error of the previous asynchronous save, raised by the next save, which waited for it: that "
+                "next save did not start; call save again)"
+            )
+            raise
+
+
+def settle() -> None:
+    """Before a load: wait for this process's save in flight to end, without raising its error.
+
+    A load of the directory an ``overwrite=True`` save is replacing would otherwise read some
+    files of each version. The save's error stays for the next ``save`` / ``wait``.
+    """
+    handle: AsyncSave | None = _STATE["in_flight"]
+    if handle is not None:
+        handle._finished.wait()
 
 
 def stage_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +204,22 @@ def _writer_group() -> Any:
     return _STATE["group"]
 
 
+def _explained(exc: BaseException, final: Path, world_size: int) -> BaseException:
+    """The writer's error, with what happened to the checkpoint when the error alone does not say."""
+    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        return RuntimeError(
+            f"the asynchronous save of {str(final)!r} failed: the process group was destroyed while it was in "
+            f"flight ({type(exc).__name__}: {exc}); nothing was committed and the previous checkpoint is intact. "
+            "Call shardbridge.checkpoint.wait() before destroy_process_group"
+        )
+    if isinstance(exc, (ValueError, OSError, NotImplementedError)) or str(final) in str(exc):
+        return exc  # shardbridge's own errors name the checkpoint, the file and the cause already
+    return RuntimeError(
+        f"the asynchronous save of {str(final)!r} failed ({type(exc).__name__}: {exc}); it did not commit and the "
+        "previous checkpoint is intact (a rank that died or left mid-save ends every rank's writer so)"
+    )
+
+
 def bounded(fn: Callable[[], Any], *, seconds: float, what: str) -> Any:
     """``fn()``, run in a daemon thread; RuntimeError naming ``what`` if it has not returned after ``seconds``.
 
@@ -221,14 +255,16 @@ def start_async(job: Any, write: Callable[[Any], None]) -> AsyncSave:
     """Start ``write(job)`` in the writer thread, on the writer group; the handle."""
     group = _writer_group()
     handle = AsyncSave(job.final)
+    rank, world_size = _dist.rank(), _dist.world_size()
 
     def run() -> None:
         try:
-            with _dist.using_group(group):
+            # Rank and world fixed now: see using_group (a destroyed group fails, never shrinks to one rank).
+            with _dist.using_group(group, rank=rank, world_size=world_size):
                 write(job)
         except BaseException as exc:  # noqa: BLE001 (kept for wait(), logged now)
-            handle._error = exc
-            logger.error("shardbridge.checkpoint: the asynchronous save of %s failed: %s", job.final, exc)
+            handle._error = _explained(exc, job.final, world_size)
+            logger.error("shardbridge.checkpoint: %s", handle._error)
         finally:
             handle._finished.set()
 

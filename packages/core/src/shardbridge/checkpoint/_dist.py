@@ -49,14 +49,20 @@ def group() -> Any:
 
 
 @contextmanager
-def using_group(pg: Any) -> Iterator[None]:
-    """Run this thread's checkpoint collectives on ``pg`` (a group of every rank) inside the block."""
-    previous = group()
-    _THREAD.group = pg
+def using_group(pg: Any, *, rank: int | None = None, world_size: int | None = None) -> Iterator[None]:
+    """Run this thread's checkpoint collectives on ``pg`` (a group of every rank) inside the block.
+
+    ``rank`` / ``world_size``: what :func:`rank`, :func:`world_size` and :func:`is_distributed`
+    answer in this thread inside the block (an asynchronous save's writer fixes them when it
+    starts: a ``destroy_process_group`` meanwhile must make its collectives fail, not turn it
+    into a one-process save of this rank's files).
+    """
+    previous = (group(), getattr(_THREAD, "rank", None), getattr(_THREAD, "world_size", None))
+    _THREAD.group, _THREAD.rank, _THREAD.world_size = pg, rank, world_size
     try:
         yield
     finally:
-        _THREAD.group = previous
+        _THREAD.group, _THREAD.rank, _THREAD.world_size = previous
 
 
 def all_gather(obj: Any) -> list[Any]:
@@ -69,21 +75,30 @@ def all_gather(obj: Any) -> list[Any]:
 
 
 # Exception types re-raised as themselves on the ranks that did not fail.
-_REPLAYED = (ValueError, NotImplementedError, FileExistsError, FileNotFoundError)
+_REPLAYED = (ValueError, NotImplementedError, FileExistsError, FileNotFoundError, PermissionError, OSError)
 
 
 def is_distributed() -> bool:
-    """Whether a default process group with more than one rank is initialised."""
+    """Whether a default process group with more than one rank is initialised (or fixed for this thread)."""
+    fixed = getattr(_THREAD, "world_size", None)
+    if fixed is not None:
+        return fixed > 1
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
-    """This process's rank in the default group (0 without a process group)."""
+    """This process's rank in the default group (0 without a process group; or fixed for this thread)."""
+    fixed = getattr(_THREAD, "rank", None)
+    if fixed is not None:
+        return fixed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def world_size() -> int:
-    """World size of the default group (1 without a process group)."""
+    """World size of the default group (1 without a process group; or fixed for this thread)."""
+    fixed = getattr(_THREAD, "world_size", None)
+    if fixed is not None:
+        return fixed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from shardbridge._compat import flatten_state_dict
 from shardbridge.checkpoint import _dist
+from shardbridge.checkpoint._async import settle
 from shardbridge.checkpoint._chunks import LoadPlanner
 from shardbridge.checkpoint._commit import newest
 from shardbridge.checkpoint._errors import dcp_errors
@@ -113,6 +114,8 @@ def load(
     # rank's bad argument must not leave the others waiting in a collective. See
     # [Note: symmetric errors] in _dist.py.
     same = {"path": str(path), "strict": strict, "rng": rng, "verify": verify, "optimizer": optimizer is not None}
+    settle()  # this process's save in flight may be replacing the directory: let it finish first
+    identity = _identity(path)
     path, manifest = _dist.one_round(
         _check_args,
         (path,),
@@ -125,7 +128,7 @@ def load(
     # Each rank plans and reads only the boxes it needs, without DCP's planning collectives
     # (a load plan needs no coordination); errors are made symmetric by on_all_ranks.
     state = _dist.on_all_ranks(
-        _read_state, path, manifest, metadata, model, optimizer, strict=strict, provider=state_dicts
+        _read_state, path, manifest, metadata, model, optimizer, strict=strict, provider=state_dicts, identity=identity
     )
     assert state is not None
     _dist.on_all_ranks(_finish, path, state, model, optimizer, manifest, strict=strict, rng=rng, provider=state_dicts)
@@ -141,6 +144,7 @@ def _read_state(
     *,
     strict: bool,
     provider: StateDictProvider | None,
+    identity: tuple[int, int] | None = None,
 ) -> PortableState:
     """This rank's part of :func:`load`: build the portable state, check it fits, read into it."""
     state = build_portable_state(model, optimizer, on_bad_layout="repair", log=False, provider=provider, for_load=True)
@@ -160,7 +164,22 @@ def _read_state(
                 planner=LoadPlanner(allow_partial_load=not strict),
                 no_dist=True,
             )
+    if identity is not None and _identity(path) != identity:
+        raise ValueError(
+            f"checkpoint {str(path)!r} was replaced while it was being loaded (a save with overwrite=True, by "
+            "this job or another, renamed a new version into place); what was read may mix both versions: load "
+            "it again"
+        )
     return state
+
+
+def _identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """(device, inode) of the directory ``path`` names now (a commit renames a new one into place)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _finish(
@@ -204,6 +223,7 @@ def load_latest(
         >>> start_step = 0 if state is None or state.step is None else state.step + 1  # doctest: +SKIP
     """
     _check_verify(verify)
+    settle()  # see load
     skip: set[Path] = set()
     while True:
         path = _dist.broadcast_from_rank0(newest(root, skip=frozenset(skip)) if _dist.rank() == 0 else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import warnings
@@ -280,6 +281,7 @@ def _check_args(
     if not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict of JSON values, got {type(extra).__name__}")
     check_json_extra(extra)
+    extra = copy.deepcopy(extra)  # the values of the call: an async save writes it later
     if parallel_dims is not None and not isinstance(parallel_dims, ParallelDims):
         raise ValueError(f"parallel_dims must be a shardbridge.ParallelDims, got {type(parallel_dims).__name__}")
     check_provider(provider)
