@@ -212,16 +212,7 @@ def _llama_run(dims: dict, tmp: str, recipe: FP8Recipe = MXFP8) -> dict:
             module.register_forward_pre_hook(record)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     dp = pm["dp"]
-    tokens = _batch(dp.get_local_rank(), dp.size())
-    losses = []
-    for _ in range(STEPS):
-        loss = _loss(model, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        avg = loss.detach().clone()
-        torch.distributed.all_reduce(avg)
-        losses.append(avg.item() / torch.distributed.get_world_size())
+    losses = _train(model, opt, _batch(dp.get_local_rank(), dp.size()), averaged=True)
 
     checkpoint.save(f"{tmp}/ckpt", model=model, optimizer=opt, step=STEPS)
     fused = fused_params(model)
@@ -248,18 +239,26 @@ def _components(params: dict[str, torch.Tensor], fused: dict, tp: int) -> dict[s
     return out
 
 
-def _reference_losses(dp_size: int, recipe: FP8Recipe = MXFP8) -> list[float]:
-    model = _llama(recipe)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    tokens = torch.cat([_batch(r, dp_size) for r in range(dp_size)])
+def _train(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, *, averaged: bool) -> list[float]:
+    """STEPS SGD steps; each step's loss (``averaged``: the mean over every rank)."""
     losses = []
     for _ in range(STEPS):
         loss = _loss(model, tokens)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        value = loss.detach().clone()
+        if averaged:
+            torch.distributed.all_reduce(value)
+            value /= torch.distributed.get_world_size()
+        losses.append(value.item())
     return losses
+
+
+def _reference_losses(dp_size: int, recipe: FP8Recipe = MXFP8) -> list[float]:
+    model = _llama(recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    return _train(model, opt, torch.cat([_batch(r, dp_size) for r in range(dp_size)]), averaged=False)
 
 
 def _hp_reference_losses(dp_size: int) -> list[float]:
