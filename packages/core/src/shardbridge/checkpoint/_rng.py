@@ -28,7 +28,7 @@ def save_rng(checkpoint_dir: Path, rank: int, states: dict[str, torch.Tensor] | 
     """Write this rank's generator states (``states``, or :func:`rng_states` now), fsynced."""
     states = rng_states() if states is None else states
     path = checkpoint_dir / rng_file(rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(exist_ok=True)  # never the checkpoint directory itself: see _save._TmpDirWriter
     with open(path, "wb") as f:
         torch.save(states, f)
         f.flush()

@@ -193,6 +193,24 @@ def save(
         raise
 
 
+class _TmpDirWriter(dcp.FileSystemWriter):
+    """``FileSystemWriter`` into the temporary directory rank 0 created; never creates it itself.
+
+    DCP's writer ``mkdir``s its directory on every rank. If rank 0 has already given the save
+    up and deleted the directory (its writer failed first: a dead peer, a destroyed process
+    group), another rank would re-create it without a lock file, and recovery could not tell
+    it from another job's save in progress: it would stay forever. So a missing directory is
+    this rank's error instead.
+    """
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if not Path(self.path).is_dir():
+            raise FileNotFoundError(
+                f"the save's temporary directory {str(self.path)!r} is gone: rank 0 gave the save up (see its error)"
+            )
+        return super().prepare_local_plan(plan)
+
+
 @dataclass
 class SaveJob:
     """Everything steps 3-5 of a save need: written in the foreground or by the writer thread."""
@@ -216,7 +234,7 @@ def write_and_commit(job: SaveJob) -> None:
             with dcp_errors("save", job.final, data_dir=job.tmp):  # see [Note: DCP errors]
                 dcp.save(
                     job.dcp_state,
-                    storage_writer=dcp.FileSystemWriter(job.tmp, sync_files=True),
+                    storage_writer=_TmpDirWriter(job.tmp, sync_files=True),
                     planner=SavePlanner(),
                     process_group=_dist.group(),
                     no_dist=not _dist.is_distributed(),
