@@ -150,6 +150,17 @@ def test_mxfp8_bias_is_added_once():
         mx(x)
 
 
+def test_mxfp8_training_with_a_token_count_not_a_multiple_of_32_is_refused_by_name():
+    """torchao fails inside backward (dim-1 cast of 16 tokens); the forward of a training step refuses
+    first, naming the module and the fix. Without gradients any count runs."""
+    mx = _mx_pair()
+    with pytest.raises(ValueError, match=r"mxfp8: 0 gets 16 tokens .* multiple of 32: change the per-rank batch"):
+        mx(torch.randn(16, 64))
+    with torch.no_grad():
+        assert mx(torch.randn(16, 64)).shape == (16, 64)
+    mx(torch.randn(2, 16, 64)).sum().backward()  # 32 tokens
+
+
 def _refused(tp_size: int, out_features: int) -> str:
     pm = ParallelDims(dp_shard=torch.distributed.get_world_size() // tp_size, tp=tp_size).build_mesh("cpu")
     model = nn.Sequential(nn.Linear(64, out_features, bias=False))

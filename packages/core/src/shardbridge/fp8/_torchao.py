@@ -60,7 +60,7 @@ from shardbridge._compat import require_module
 from shardbridge._fp8 import register_fp8_tensor_type, use_uint8_all_gather
 from shardbridge.fp8._backend import Converted, FP8BackendBase, converted_fqn
 from shardbridge.fp8._recipe import FP8Recipe
-from shardbridge.fp8._tp_styles import MXFP8ColwiseParallel, MXFP8RowwiseParallel
+from shardbridge.fp8._tp_styles import MXFP8ColwiseParallel, MXFP8RowwiseParallel, check_mx_tokens
 
 if TYPE_CHECKING:
     from shardbridge._mesh import ParallelMesh
@@ -123,6 +123,7 @@ def _mxfp8_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             "weight wrapper was lost, e.g. by a tensor-parallel style that rebuilds the local shard), so its matmul "
             "would silently run in high precision; plan it 'colwise' / 'rowwise', or keep it out of FP8"
         )
+    check_mx_tokens(self, x)
     # MXFP8TrainingWeightWrapperTensor.__torch_function__ (torchao 0.18) computes F.linear(x, w, b) as x @ w.T
     # in MXFP8 and returns it without b: the bias is added in high precision, as nn.Linear would.
     y = F.linear(x, self.weight)

@@ -51,7 +51,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from shardbridge.fp8._backend import converted_fqn
 
-__all__ = ["MXFP8ColwiseParallel", "MXFP8RowwiseParallel"]
+__all__ = ["MXFP8ColwiseParallel", "MXFP8RowwiseParallel", "check_mx_tokens"]
 
 MX_BLOCK = 32
 """MXFP8 block size (elements per e8m0 scale), torchao 0.18's only one."""
@@ -113,6 +113,22 @@ class MXFP8RowwiseParallel(RowwiseParallel):
         return module
 
 
+def check_mx_tokens(module: nn.Module, x: torch.Tensor) -> None:
+    """ValueError if a training step of an MXFP8 Linear gets a token count that is not a multiple of 32.
+
+    MXFP8's weight gradient scales blocks of 32 along the token dimension (torchao's dim-1 cast of
+    the input and the output gradient), so torchao fails in the middle of backward otherwise;
+    forward alone (no gradient) takes any count.
+    """
+    tokens = x.numel() // max(1, x.shape[-1])
+    if tokens % MX_BLOCK and torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
+        raise ValueError(
+            f"fp8 recipe mxfp8: {converted_fqn(module) or 'a Linear'} gets {tokens} tokens (batch x sequence on this "
+            "rank); MXFP8's weight gradient scales blocks of 32 tokens, so training needs a multiple of 32: change "
+            "the per-rank batch size or sequence length, or keep this module out of FP8 (fp8.convert's module_filter)"
+        )
+
+
 def _local_weight(module: nn.Linear) -> torch.Tensor:
     weight = module.weight.to_local()
     if type(weight) is torch.Tensor:  # not a subclass: nothing would intercept F.linear
@@ -127,6 +143,7 @@ def _local_weight(module: nn.Linear) -> torch.Tensor:
 def _colwise_forward(self: nn.Linear, x: DTensor) -> DTensor:
     # x: Replicate. Its local gradient is this rank's partial sum: Partial, reduced by the input layout.
     x_local = x.to_local(grad_placements=[Partial()])
+    check_mx_tokens(self, x_local)
     y = F.linear(x_local, _local_weight(self))  # the wrapper's own F.linear: MXFP8
     if self.bias is not None:
         y = y + self.bias.to_local()
@@ -135,6 +152,7 @@ def _colwise_forward(self: nn.Linear, x: DTensor) -> DTensor:
 
 def _rowwise_forward(self: nn.Linear, output_layouts: tuple[Placement, ...], x: DTensor) -> DTensor:
     # x: Shard(-1), W: Shard(1): the local product is this rank's partial sum.
+    check_mx_tokens(self, x.to_local())
     partial = F.linear(x.to_local(), _local_weight(self))  # the wrapper's own F.linear: MXFP8
     y = DTensor.from_local(partial, x.device_mesh, [Partial()], run_check=False)
     y = y.redistribute(placements=output_layouts)  # Partial -> Replicate (all-reduce) / Shard (reduce-scatter)
