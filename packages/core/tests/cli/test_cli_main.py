@@ -248,3 +248,16 @@ def test_export_refuses_an_empty_out_dir_argument(capsys, saved, tmp_path, monke
     line = _error_line(capsys, ["ckpt", "export", str(saved), "", "--no-progress"])
     assert "is empty" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_output_into_a_closed_pipe_is_not_an_error(tmp_path):
+    """``shardbridge ckpt inspect DIR | head -1``: no "Broken pipe" error once the reader stops."""
+    import subprocess
+    import sys
+
+    path = ck.save(tmp_path / "c", model=nn.Sequential(*[nn.Linear(8, 8) for _ in range(2000)]))
+    run = subprocess.run(
+        f"{sys.executable} -m shardbridge.cli._main ckpt inspect {path} | head -1",
+        shell=True, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.stdout.startswith("checkpoint ") and run.stderr == "", run.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -134,9 +135,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"shardbridge {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `shardbridge ckpt inspect DIR | head`: the reader has what it wanted
+        _quiet_stdout()
+        return 0
     except (Exception, CheckpointException) as err:  # noqa: BLE001 (CheckpointException is a BaseException)
         action = getattr(args, "ckpt_command", None)
         return _report(f"shardbridge {args.command}{f' {action}' if action else ''}", err, args, debug=debug)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail on the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _report(prog: str, err: BaseException, args: argparse.Namespace | None, *, debug: bool) -> int:
