@@ -209,6 +209,19 @@ def test_export_verifies_the_checkpoint(capsys, saved, tmp_path):
     assert main(["ckpt", "export", str(path), str(tmp_path / "hf"), "--no-progress", "--no-verify"]) == 0
 
 
+def test_export_names_a_damaged_metadata_file_as_load_does(capsys, saved, tmp_path):
+    """A flipped byte in .metadata: the checksum names it (before, the unpickler's complaint did)."""
+
+    def flip(p):
+        data = bytearray((p / ".metadata").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (p / ".metadata").write_bytes(bytes(data))
+
+    path = _damaged(saved, tmp_path, flip)
+    line = _error_line(capsys, ["ckpt", "export", str(path), str(tmp_path / "hf"), "--no-progress"])
+    assert ".metadata: checksum mismatch" in line and "not exporting it" in line, line
+
+
 def test_export_of_a_root_takes_the_newest_checkpoint_that_verifies(capsys, tmp_path):
     import json
 

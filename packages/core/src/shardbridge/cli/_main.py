@@ -303,7 +303,18 @@ def _resolve_export_checkpoint(path: str, *, checksums: bool) -> tuple[str, bool
     from shardbridge.checkpoint._commit import newest
 
     if os.path.isfile(os.path.join(path, "shardbridge.json")):
-        return path, False
+        if not checksums:
+            return path, False
+        # Before anything reads .metadata (the recorded name map does): a damaged file is named
+        # as load names it, not reported as "not DCP metadata".
+        report = checkpoint.verify(path, checksums=True)
+        if not report.ok:
+            more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
+            raise ValueError(
+                f"checkpoint {path!r} is damaged: {report.problems[0]}{more}; not exporting it. "
+                f"`shardbridge ckpt verify {path}` lists every problem"
+            )
+        return path, True
     skip: list[Path] = []
     while os.path.isdir(path):
         candidate = newest(path, skip=frozenset(skip))
