@@ -101,3 +101,31 @@ def test_apply_fsdp_runs_the_backend_and_refuses_an_unconverted_model():
     assert "policy.fp8=FP8Recipe(backend='torchao', name='tensorwise'" in result["unconverted"]
     assert "call shardbridge.fp8.convert(model, policy.fp8) before" in result["unconverted"]
     assert result["converted"] == ("0", "1") and result["recipe"]
+
+
+def test_torchao_convert_refuses_what_would_silently_not_run_fp8():
+    """From a new user's review: a model with no Linear the filter takes (an "FP8 run" in high
+    precision), and mxfp8's Triton kernels asked for on CPU (torchao asserted inside forward)."""
+    with pytest.raises(ValueError, match=r"fp8 recipe tensorwise: no module of the model is selected for FP8"):
+        fp8.convert(nn.Sequential(nn.Linear(40, 88)), FP8Recipe(name="tensorwise"))
+    with pytest.raises(ValueError, match=r"the module_filter selects none"):
+        fp8.convert(nn.Sequential(nn.Linear(64, 64)), FP8Recipe(name="rowwise"), module_filter=lambda m, n: False)
+    with pytest.raises(ValueError, match=r"params.kernel='auto' picks torchao's Triton / CUTLASS kernels"):
+        fp8.convert(nn.Sequential(nn.Linear(64, 64)), FP8Recipe(name="mxfp8", params={"kernel": "auto"}),
+                    module_filter=lambda m, n: isinstance(m, nn.Linear))  # fmt: skip
+
+
+def _convert_after_fsdp() -> str:
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    apply_fsdp(model, ParallelDims(dp_shard=2).build_mesh("cpu"), units=[model[0], model[1]])
+    try:
+        fp8.convert(model, FP8Recipe(name="rowwise"), module_filter=lambda m, n: isinstance(m, nn.Linear))
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_convert_after_fsdp_or_tp_is_refused():
+    """Before: accepted, then the first step failed inside torchao / FSDP (mixed Tensor and DTensor)."""
+    for message in run_distributed(_convert_after_fsdp, world_size=2):
+        assert "parameter '0.weight' is already a DTensor" in message and "convert the model first" in message

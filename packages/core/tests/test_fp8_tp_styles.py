@@ -257,6 +257,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, *
         loss = _loss(model, tokens)
         loss.backward()
         opt.step()
+        fp8.after_optimizer_step(model)  # tensorwise with float8 all-gather: the new weights' scales
         opt.zero_grad()
         value = loss.detach().clone()
         if averaged:

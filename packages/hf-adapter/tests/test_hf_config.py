@@ -141,6 +141,15 @@ def test_recipe_field_messages_name_the_yaml_key():
         FP8Config(backend="torchao", params={"kernel": object()})
 
 
+@pytest.mark.parametrize("block", [{"recipe": "mxfp8"}, {"backend": "none", "recipe": "mxfp8"}])
+def test_a_recipe_without_a_backend_is_refused_not_ignored(block):
+    """Before: trained in high precision with exit 0 (a new user's review)."""
+    with pytest.raises(ValueError, match=r"fp8.recipe='mxfp8' is set but fp8.backend is none .* set fp8.backend"):
+        HFConfig.from_block({"fp8": block})
+    assert HFConfig.from_block({"fp8": {"backend": "torchao"}}).fp8.to_recipe().name == "tensorwise"
+    assert HFConfig.from_block({"fp8": {}}).fp8.to_recipe() is None
+
+
 def test_unknown_fp8_keys_say_where_they_belong():
     with pytest.raises(
         ValueError, match=r"\['amax_history_len'\].*write amax_history_length: instead of amax_history_len:"

@@ -311,8 +311,13 @@ def _only_fp8_group(use_uint8: bool) -> str:
     units = [model[0], model[1]]
     if use_uint8:
         apply_fsdp(model, pm, MixedPrecisionPolicy(fp8=recipe), units=units)  # the backend's after_fsdp
-    else:
-        apply_fsdp(model, pm, units=units)
+    else:  # torch's fully_shard alone (apply_fsdp runs the backend's after_fsdp for any converted model)
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in units:
+            fully_shard(unit, mesh=pm.fsdp_mesh)
+        fully_shard(model, mesh=pm.fsdp_mesh)
+        fp8.get_backend(recipe.backend).after_optimizer_step(model, recipe)  # first scales, no uint8 view
     try:
         model(torch.randn(4, 32)).sum().backward()
     except RuntimeError as e:
@@ -320,10 +325,22 @@ def _only_fp8_group(use_uint8: bool) -> str:
     return "ok"
 
 
+def _converted_without_policy_fp8() -> str:
+    """apply_fsdp with no policy.fp8 on a converted model still runs the backend's after_fsdp."""
+    pm = ParallelDims(dp_shard=2).build_mesh("cpu")
+    model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False))
+    fp8.convert(model, FP8Recipe(name="tensorwise"), module_filter=lambda m, fqn: isinstance(m, nn.Linear))
+    apply_fsdp(model, pm, units=[model[0], model[1]])
+    model(torch.randn(4, 32)).sum().backward()
+    return "ok"
+
+
 def test_gloo_float8_all_gather_needs_uint8_view():
     without = run_distributed(_only_fp8_group, False, world_size=2)
     assert all("Invalid scalar type" in r for r in without), without
     assert run_distributed(_only_fp8_group, True, world_size=2) == ["ok", "ok"]
+    # A converted model given to apply_fsdp without policy.fp8: its backend's work is not skipped.
+    assert run_distributed(_converted_without_policy_fp8, world_size=2) == ["ok", "ok"]
 
 
 def _accelerated_optimizer_hook() -> dict:

@@ -127,7 +127,7 @@ def apply_fsdp(
     if mesh.dims.degree("dp_cp") == 1 and not needs_cast and not cpu_offload:
         if policy is not None:
             policy.check_model_dtype(model)
-            _fp8_after_fsdp(model, mesh, policy)
+        _fp8_after_fsdp(model, mesh, policy)
         return model  # See [Note: FSDP over a degree-1 data-parallel axis]
     if policy is not None:
         policy.check_model_dtype(model)
@@ -150,8 +150,7 @@ def apply_fsdp(
     # Root: reshard_after_forward=None lets FSDP keep it unsharded (it is needed first in backward).
     fully_shard(model, **common)
     _warn_if_root_manages_params(model, unit_list)
-    if policy is not None:
-        _fp8_after_fsdp(model, mesh, policy)
+    _fp8_after_fsdp(model, mesh, policy)
 
     if gradient_divide_factor is not None:
         for module in model.modules():
@@ -162,12 +161,17 @@ def apply_fsdp(
     return model
 
 
-def _fp8_after_fsdp(model: nn.Module, mesh: ParallelMesh, policy: MixedPrecisionPolicy) -> None:
-    """``policy.fp8``: the backend's after-FSDP work; ValueError if the model was not converted for it."""
-    if policy.fp8 is not None:
-        from shardbridge import fp8
+def _fp8_after_fsdp(model: nn.Module, mesh: ParallelMesh, policy: MixedPrecisionPolicy | None) -> None:
+    """The backend's after-FSDP work for a model fp8.convert converted (with or without ``policy.fp8``).
 
-        fp8.after_fsdp(model, mesh, policy.fp8)
+    ``policy.fp8`` set: ValueError if the model was not converted for it. Unset with a converted
+    model: the model's own recipe, so its float8 all-gathers and first scales are never skipped.
+    """
+    from shardbridge import fp8
+
+    recipe = None if policy is None else policy.fp8
+    if recipe is not None or fp8.recipe_of(model) is not None:
+        fp8.after_fsdp(model, mesh, recipe)
 
 
 def fsdp_unit_params(model: nn.Module) -> dict[str, tuple[str, ...]]:

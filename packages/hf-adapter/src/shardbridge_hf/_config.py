@@ -92,9 +92,10 @@ class FP8Config:
     """"none" = no FP8; "torchao" (CPU/gloo and GPU) or "te" (TransformerEngine, GPU): the
     registered backend (``shardbridge.fp8.backend_names()``)."""
 
-    recipe: str = "tensorwise"
+    recipe: str | None = None
     """Scaling recipe (:class:`shardbridge.fp8.FP8Recipe` names): torchao tensorwise, rowwise,
-    rowwise_with_gw_hp, mxfp8; te tensorwise (= current), delayed, mxfp8, blockwise, nvfp4."""
+    rowwise_with_gw_hp, mxfp8; te tensorwise (= current), delayed, mxfp8, blockwise, nvfp4.
+    None = tensorwise. Refused with backend "none" (it would be ignored)."""
 
     fp8_params: bool = False
     """te only: keep the weights themselves in FP8 (``te.quantized_model_init``)."""
@@ -120,7 +121,7 @@ class FP8Config:
     def __post_init__(self) -> None:
         _one_of("fp8.backend", self.backend, ("none", *fp8.backend_names()))
         names = (*FP8Recipe.NAMES, *FP8Recipe.ALIASES)
-        if self.recipe not in names:
+        if self.recipe is not None and self.recipe not in names:
             raise ValueError(
                 f"{BLOCK_KEY}.fp8.recipe={self.recipe!r} is not a known recipe; choose one of {list(FP8Recipe.NAMES)} "
                 f"(aliases {dict(FP8Recipe.ALIASES)})"
@@ -158,13 +159,18 @@ class FP8Config:
             ValueError: a bad recipe name or field, naming the yaml key.
         """
         if not self.enabled:
+            if self.recipe is not None:
+                raise ValueError(
+                    f"{BLOCK_KEY}.fp8.recipe={self.recipe!r} is set but fp8.backend is none (no FP8: the recipe would be "
+                    "ignored); set fp8.backend: torchao or te"
+                )
             if self.fp8_params or self.recipe_params() or self.all_gather_fp8 is not None:
                 raise ValueError(f"{BLOCK_KEY}.fp8 sets recipe options with backend: none; set backend: torchao or te")
             return None
         try:
             return FP8Recipe(
                 backend=self.backend,
-                name=self.recipe,
+                name=self.recipe or "tensorwise",
                 params=self.recipe_params(),
                 all_gather_fp8=self.all_gather_fp8,
                 fp8_params=self.fp8_params,

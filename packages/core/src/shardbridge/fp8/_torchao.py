@@ -186,6 +186,21 @@ class TorchaoBackend(FP8BackendBase):
     ) -> Converted:
         """Float8Linear (float8 recipes) or MXFP8 weight wrappers (mxfp8) on the filtered Linears."""
         chosen = module_filter or default_module_filter
+        parallel = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+        if parallel is not None:
+            raise ValueError(
+                f"fp8.convert: parameter {parallel!r} is already a DTensor (tensor parallelism or FSDP was applied); "
+                "torchao converts plain Linears: convert the model first, then parallelize it (parallelize_llama / "
+                "apply_tp / apply_fsdp)"
+            )
+        if not any(chosen(m, n) for n, m in model.named_modules()):
+            # An "FP8 run" that computes everything in high precision is a silently ignored setting.
+            raise ValueError(
+                f"fp8 recipe {recipe.name}: no module of the model is selected for FP8 ("
+                + ("the module_filter selects none" if module_filter is not None else
+                   "the default filter takes nn.Linear layers with both dims divisible by 16, except the output head "
+                   "and embeddings") + "); give the model such Linears, pass a module_filter, or set no fp8 recipe"
+            )  # fmt: skip
         if recipe.name in _FLOAT8_RECIPES:
             float8 = _torchao("torchao.float8")
             config = float8.Float8LinearConfig.from_recipe_name(recipe.name)
@@ -203,6 +218,11 @@ class TorchaoBackend(FP8BackendBase):
         quantize_ = _torchao("torchao.quantization").quantize_
         on_cpu = all(p.device.type == "cpu" for p in model.parameters())
         kernel = recipe.params.get("kernel", "emulated" if on_cpu else "auto")
+        if kernel == "auto" and on_cpu:
+            raise ValueError(
+                "fp8 recipe mxfp8: params.kernel='auto' picks torchao's Triton / CUTLASS kernels, which need CUDA; on "
+                "CPU use kernel 'emulated' (the default there), or leave params.kernel unset"
+            )
         names = tuple(n for n, m in model.named_modules() if chosen(m, n))
         for fqn in names:
             linear = model.get_submodule(fqn)
