@@ -92,6 +92,7 @@ _FP8_LINE = "    fp8: {backend: torchao, recipe: tensorwise}"
         ("distributed_type: FSDP\n", "", r"Accelerate cannot read it: .*distributed_type"),
         # top-level values
         ('mixed_precision: "no"', "mixed_precision: fp7", r"mixed_precision='fp7' is not allowed; use 'no' or 'bf16'"),
+        ('mixed_precision: "no"', "mixed_precision: no", r"mixed_precision=False: YAML reads an unquoted no .* 'no' \(quoted\)"),
         ("num_processes: 4", "num_processes: 0", r"num_processes=0 must be an int >= 1"),
         ("num_processes: 4", "num_processes: four", r"num_processes='four' must be an int >= 1"),
         ("use_cpu: true", "use_cpu: maybe", r"use_cpu='maybe' must be true or false"),

@@ -161,6 +161,11 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
     if str(fsdp.get("fsdp_version", "1")) != "2":
         raise ValueError(f"{where}: fsdp_config.fsdp_version={fsdp.get('fsdp_version')!r}; set fsdp_version: 2")
     block = dict(fsdp.get("shardbridge") or {})
+    if isinstance(cluster.mixed_precision, bool):
+        raise ValueError(
+            f"{where}: mixed_precision={cluster.mixed_precision!r}: YAML reads an unquoted no / yes as a boolean, "
+            "which Accelerate's launcher cannot take; write mixed_precision: 'no' (quoted) or 'bf16'"
+        )
     mixed = cluster.mixed_precision or "no"
     if mixed == "fp8":
         raise ValueError(
@@ -400,7 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as e:  # noqa: BLE001 (the workers failed; their tracebacks are above)
         print(
-            f"shardbridge-launch: the launched processes failed ({type(e).__name__}); their output is above",
+            f"shardbridge-launch: the launch failed ({type(e).__name__}: {' '.join(str(e).split())[:300]}); the "
+            "workers' output, if any, is above (none: the error came from Accelerate's launcher itself)",
             file=sys.stderr,
         )
         return 1
