@@ -297,13 +297,23 @@ def _dir_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+def _ratio(times: dict[str, list[float]], base: str, ours: str) -> float:
+    """Median over rounds of base time / our time, each round's pair measured back to back.
+
+    On a VM disk the same save varies 2-4x from one round to the next; a pair taken within one
+    round sees the same disk, so the median of the per-round ratios is steadier than the ratio
+    of the medians (both are printed)."""
+    return statistics.median(b / o for b, o in zip(times[base], times[ours], strict=True))
+
+
 def _report(size: str, result: dict, rounds: int) -> None:
     t = {k: statistics.median(v) for k, v in result["times"].items()}
+    per_round = result["times"]
     mb = result["sizes"]["checkpoint"] / 1e6
     print(f"\n== {size}: {_model_config(size)}")
     print(f"checkpoint {mb:.1f} MB on disk; torch.save files {result['sizes']['torch.save'] / 1e6:.1f} MB; "
           f"4 gloo ranks, dp_shard=2 x tp=2, {rounds} rounds, medians\n")  # fmt: skip
-    print(f"{'operation':<44} {'seconds':>8} {'MB/s':>8} {'vs base':>8}  base")
+    print(f"{'operation':<44} {'seconds':>8} {'MB/s':>8} {'vs base':>8} {'paired':>7}  base")
     rows = [
         ("torch.save per rank, fsync", "torch.save+fsync", None),
         ("torch.save per rank, no fsync", "torch.save", None),
@@ -319,7 +329,9 @@ def _report(size: str, result: dict, rounds: int) -> None:
     for label, key, base in rows:
         sec = t[key]
         ratio = "" if base is None else f"{t[base] / sec:.2f}x"
-        print(f"{label:<44} {sec:>8.3f} {mb / sec:>8.1f} {ratio:>8}  {base or ''}")
+        paired = "" if base is None else f"{_ratio(per_round, base, key):.2f}x"
+        print(f"{label:<44} {sec:>8.3f} {mb / sec:>8.1f} {ratio:>8} {paired:>7}  {base or ''}")
+    print("(vs base: ratio of the medians; paired: median of the per-round ratios, each pair measured back to back)")
     explained = t["torch.load"] + t["metadata, restricted"] + t["state dicts"]
     print(
         f"\nload, where the time goes (s): torch.load {t['torch.load']:.3f} + .metadata restricted unpickling "
@@ -336,10 +348,11 @@ def _report(size: str, result: dict, rounds: int) -> None:
         total = t["save"] if key is None else t[f"{key} (total)"]
         print(f"{label:<44} {blocked:>9.3f} {total:>8.3f}")
     print(
-        f"\nshardbridge / plain DCP throughput: save {t['dcp.save'] / t['save']:.2f}x, "
-        f"load {t['dcp.load'] / t['load same']:.2f}x; load into dp_shard=4 / same layout (time): "
-        f"{t['load other'] / t['load same']:.2f}; async blocking / dcp.async_save blocking: "
-        f"{t['async (blocking)'] / t['dcp.async_save (blocking)']:.2f}"
+        f"\nshardbridge / plain DCP throughput: save {t['dcp.save'] / t['save']:.2f}x (paired "
+        f"{_ratio(per_round, 'dcp.save', 'save'):.2f}x), load {t['dcp.load'] / t['load same']:.2f}x (paired "
+        f"{_ratio(per_round, 'dcp.load', 'load same'):.2f}x); load into dp_shard=4 / same layout (time): "
+        f"{t['load other'] / t['load same']:.2f} (paired {1 / _ratio(per_round, 'load same', 'load other'):.2f}); "
+        f"async blocking / dcp.async_save blocking: {t['async (blocking)'] / t['dcp.async_save (blocking)']:.2f}"
     )
 
 

@@ -36,6 +36,80 @@ def test_only_rank0_runs_and_shares_success():
     assert all(r.startswith("ValueError: bad thing on 0") for r in results)
 
 
+def _share_all():
+    rank = dist.get_rank()
+    return _dist.one_round(lambda: {"big": [rank] * 1000, "part": rank * 7}, result="all", share=lambda v: v["part"])
+
+
+def test_one_round_shares_a_part_of_every_ranks_result():
+    results = run_distributed(_share_all, world_size=4)
+    assert [own["big"][0] for own, _ in results] == [0, 1, 2, 3]  # each rank keeps its own whole result
+    assert [every for _, every in results] == [[0, 7, 14, 21]] * 4  # and gets everyone's part
+    assert _dist.one_round(lambda: {"part": 3}, result="all", share=lambda v: v["part"]) == ({"part": 3}, [3])
+
+
+def _rounds_of_every_size():
+    rank = dist.get_rank()
+    out = []
+    for big_on in (None, 2):  # every payload fits the one-collective buffer; or rank 2's does not
+        mine = {"rank": rank, "blob": "x" * (10_000 if rank == big_on else 10), "empty": b""}
+        out.append(_dist.all_gather(mine, small=True))
+    out.append(_dist.broadcast_from_rank0(("small", rank)))
+    out.append(_dist.broadcast_from_rank0(b"y" * 200_000 if rank == 0 else None)[-3:])
+    out.append(_dist.gather_reduce(lambda: rank * 2, lambda parts: ("sum", sum(parts), "z" * 100_000))[:2])
+    return out
+
+
+def test_one_collective_rounds_fall_back_for_payloads_that_do_not_fit():
+    # [Note: one-collective rounds]: a payload over the fixed buffer on any rank (every rank
+    # sees the mark) goes through torch's object collective; the answer is the same.
+    results = run_distributed(_rounds_of_every_size, world_size=4)
+    for rank, (fits, big, small_bc, big_bc, reduced) in enumerate(results):
+        assert [g["rank"] for g in fits] == [0, 1, 2, 3] and {len(g["blob"]) for g in fits} == {10}
+        assert [len(g["blob"]) for g in big] == [10, 10, 10_000, 10] and big[2]["empty"] == b""
+        assert small_bc == ("small", 0) and big_bc == b"yyy", rank
+        assert reduced == ("sum", 12)
+
+
+def _gather_rounds_with_errors():
+    rank = dist.get_rank()
+
+    def local_fails_on_2():
+        if rank == 2:
+            raise OSError(28, "disk full on 2")
+        return rank
+
+    def reduce_fails(parts):
+        raise FileExistsError(f"rank 0 saw {parts}")
+
+    out = []
+    for call in (
+        lambda: _dist.gather_reduce(local_fails_on_2, lambda parts: parts),
+        lambda: _dist.gather_reduce(lambda: rank, reduce_fails),
+        lambda: _dist.gather_scatter(local_fails_on_2, lambda parts: parts),
+        lambda: _dist.gather_scatter(lambda: rank, lambda parts: [p * 10 for p in parts]),
+        lambda: _dist.gather_scatter(lambda: rank, lambda parts: parts[:2]),  # a plan for 2 of 4 ranks
+    ):
+        try:
+            out.append(("ok", call()))
+        except Exception as exc:  # noqa: BLE001
+            out.append((type(exc).__name__, getattr(exc, "errno", None), str(exc)))
+    out.append(_dist.broadcast_from_rank0(rank))  # the collectives still line up
+    return out
+
+
+def test_gather_rounds_raise_every_error_on_every_rank():
+    results = run_distributed(_gather_rounds_with_errors, world_size=4)
+    for rank, (local, reduced, scattered_err, scattered, short, after) in enumerate(results):
+        assert local[:2] == ("OSError", 28) and "disk full on 2" in local[2], (rank, local)
+        assert (rank == 2) == ("[raised on rank 2" not in local[2])
+        assert reduced[0] == "FileExistsError" and "rank 0 saw [0, 1, 2, 3]" in reduced[2], (rank, reduced)
+        assert scattered_err[:2] == ("OSError", 28)
+        assert scattered == ("ok", rank * 10)
+        assert short[0] == "RuntimeError" and "a plan for 4 ranks has 2 entries" in short[2], (rank, short)
+        assert after == 0
+
+
 def test_without_process_group_errors_pass_through():
     assert _dist.rank() == 0 and _dist.world_size() == 1 and not _dist.is_distributed()
     with pytest.raises(KeyError):

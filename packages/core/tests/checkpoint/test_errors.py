@@ -155,3 +155,28 @@ def test_a_file_in_the_path_is_named_not_a_bare_file_exists_error(tmp_path, asyn
         with pytest.raises(ValueError, match=rf"'{tmp_path / 'file'}' is a file, not a directory"):
             ck.save(path, model=nn.Linear(2, 2), async_=async_)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def _save_with_a_failing_commit(root: str) -> str:
+    from shardbridge.checkpoint import _save
+
+    def commit(*args, **kwargs):
+        raise FileExistsError(errno.EEXIST, "injected: another job created it", str(root))
+
+    real, _save.commit = _save.commit, commit  # rank 0 commits, inside DCP's finish
+    try:
+        ck.save(os.path.join(root, "c"), model=nn.Linear(16, 16), step=1)
+    except FileExistsError as exc:
+        return f"{type(exc).__name__}|{exc.errno}|{'injected: another job created it' in str(exc)}"
+    finally:
+        _save.commit = real  # the pool's workers live on
+    return "saved"
+
+
+def test_a_commit_error_keeps_its_type_and_errno_on_every_rank(tmp_path):
+    # The commit runs on rank 0 in the write round ([Note: save rounds] in _save.py); its error
+    # reaches every rank with the outcome, as itself (type, errno, message), not as "failed
+    # writing data files".
+    got = run_distributed(_save_with_a_failing_commit, str(tmp_path), world_size=4)
+    assert got == ["FileExistsError|17|True"] * 4, got
+    assert not (tmp_path / "c").exists() and [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []

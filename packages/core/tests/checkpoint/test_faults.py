@@ -334,7 +334,12 @@ def test_destroy_process_group_with_an_async_save_in_flight(tmp_path):
             if r.get("ok"):
                 outcomes.append("committed")
             else:
-                assert "process group was destroyed while it was in flight" in r["error"], r
+                # The writer's collectives fail once the group is gone; or a rank that was still
+                # creating the writer's group sees its peer leave (the peer destroyed it first).
+                assert (
+                    "process group was destroyed while it was in flight" in r["error"]
+                    or "destroyed its process group meanwhile" in r["error"]
+                ), r
                 outcomes.append("refused")
         allowed = {"step-00000001": {1.0}, "step-00000002": {2.0}}
         in_flight += "refused" in outcomes

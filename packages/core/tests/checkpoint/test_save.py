@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state
+from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, step
 from shardbridge import checkpoint as ck
 from shardbridge._mesh import ParallelDims
 from shardbridge.checkpoint._manifest import MANIFEST_NAME
@@ -109,3 +109,48 @@ def test_saving_does_not_touch_the_model(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ck.save(tmp_path / "c", model=model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _saves_reusing_and_replanning(root: str):
+    from shardbridge.checkpoint import _dist, _save
+
+    rounds = []
+    real = _dist.gather_scatter
+
+    def counted(*args, **kwargs):
+        rounds.append(len(rounds))
+        return real(*args, **kwargs)
+
+    _save._dist.gather_scatter = counted  # the pool's workers live on: restored below
+    try:
+        _save._PLANS.clear()
+        a, opt_a = build(LAYOUTS["fsdp2_tp2"], seed=1)
+        b, opt_b = build(LAYOUTS["fsdp4"], seed=2)  # another layout: another plan
+        plan_rounds, wanted = [], {}
+        for name, (model, opt) in [("a1", (a, opt_a)), ("a2", (a, opt_a)), ("b", (b, opt_b)), ("a3", (a, opt_a))]:
+            step(model, opt, seed=len(wanted))  # new values every save
+            ck.save(f"{root}/{name}", model=model, optimizer=opt, step=len(wanted))
+            plan_rounds.append(len(rounds))
+            wanted[name] = full_state(model, opt)
+        async_save = ck.save(f"{root}/a4", model=a, optimizer=opt_a, async_=True)
+        wanted["a4"] = full_state(a, opt_a)
+        async_save.wait()
+        plan_rounds.append(len(rounds))
+    finally:
+        _save._dist.gather_scatter = real
+    loaded = {}
+    for name in wanted:
+        model, opt = build(LAYOUTS["fsdp2_tp2" if name != "b" else "fsdp4"], seed=9)
+        ck.load(f"{root}/{name}", model=model, optimizer=opt)
+        loaded[name] = full_state(model, opt)
+    return plan_rounds, wanted, loaded
+
+
+def test_the_plan_round_runs_only_when_a_plan_changed(tmp_path):
+    # [Note: save rounds]: DCP's global plan is reused while no rank's plan changes (a2, and the
+    # async a4: same boxes from the staged copy), recomputed for another layout (b) and back (a3).
+    results = run_distributed(_saves_reusing_and_replanning, str(tmp_path), world_size=4)
+    for plan_rounds, wanted, loaded in results:
+        assert plan_rounds == [1, 1, 2, 3, 3], plan_rounds
+        for name in wanted:
+            assert_equal_states(loaded[name], wanted[name])  # bit-exact, every save

@@ -12,13 +12,15 @@
        plain), STAGE it: copy every box to
        host memory (pinned on CUDA), capture
        the RNG states; one collective round
-    2. rank 0 creates + locks the tmp dir
-    3. start the writer, return AsyncSave ->  4. dcp.save of the snapshot (fsynced)
+    2. rank 0 creates + locks the tmp dir;
+       DCP's plan (a round only if it changed)
+    3. start the writer, return AsyncSave ->  4. DCP's writer writes the snapshot (fsynced)
        training goes on and may change the    5. RNG files; hash every file
-       model and optimizer                    6. rank 0 writes the manifest and renames:
-                                                 the commit of [Note: atomic commit]
+       model and optimizer                    6. rank 0 writes .metadata, the manifest, and
+                                                 renames: the commit of [Note: atomic commit]
+                                                 (one round: [Note: save rounds] in _save.py)
 
-The writer's collectives (DCP's planning, the file records, the commit's outcome) run on
+The writer's collectives (the write results and file records, the commit's outcome) run on
 a gloo group of its own, created at the first asynchronous save, so they never interleave
 with the training thread's collectives (gloo matches collectives by order within a group).
 The commit is the synchronous one: the manifest is written only after every rank's files
@@ -49,8 +51,9 @@ not keep the process alive.
 
 Why a thread and not a process (torchtitan's ``async_with_pinned_mem``): the snapshot is
 already in host memory, writing is I/O that releases the GIL, and a thread needs no second
-copy into shared memory. The cost is DCP's Python planning competing for the GIL with the
-training thread while it runs (docs/benchmarks.md measures the blocking window).
+copy into shared memory. The cost is the writer's Python work (DCP's per-item
+serialisation, hashing) competing for the GIL with the training thread while it runs
+(docs/benchmarks.md measures the blocking window).
 """
 
 from __future__ import annotations
@@ -196,11 +199,23 @@ def _writer_group() -> Any:
         # A collective of every rank: every rank is in save(async_=True) at this point.
         timeout = group_timeout(world)
         _STATE["group"], _STATE["group_of"] = None, world
-        _STATE["group"] = bounded(
-            lambda: dist.new_group(backend="gloo", timeout=timeout),
-            seconds=(timeout.total_seconds() if timeout is not None else 1800.0) + _GROUP_MARGIN_S,
-            what="creating the checkpoint writer's gloo group (every rank joins it at its first save(async_=True))",
-        )
+        what = "creating the checkpoint writer's gloo group (every rank joins it at its first save(async_=True))"
+        try:
+            _STATE["group"] = bounded(
+                lambda: dist.new_group(backend="gloo", timeout=timeout),
+                seconds=(timeout.total_seconds() if timeout is not None else 1800.0) + _GROUP_MARGIN_S,
+                what=what,
+            )
+        except RuntimeError as exc:
+            if what in str(exc):
+                raise
+            # e.g. gloo's "Connection closed by peer": another rank died, or destroyed its process
+            # group right after its own save(async_=True) returned, while this one still joined.
+            raise RuntimeError(
+                f"{what} failed: another rank died or destroyed its process group meanwhile ({exc}); this save "
+                "did not start and the previous checkpoint is intact (call shardbridge.checkpoint.wait() on every "
+                "rank before destroy_process_group)"
+            ) from exc
     return _STATE["group"]
 
 

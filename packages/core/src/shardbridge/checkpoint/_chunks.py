@@ -125,17 +125,13 @@ class LocalChunks:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` that resolves :class:`LocalChunks` values, with DCP's plan caching.
+    """``DefaultSavePlanner`` that resolves :class:`LocalChunks` values.
 
-    ``enable_plan_caching``: DCP keeps the last local and global plans (per planner class) and,
-    when every rank's new local plan equals its cached one (the same model and layout saved
-    again), the ranks exchange empty "unchanged" plans instead of pickling every item
-    through the coordinator (DCP's ``_compare_save_plans``; a changed plan on any rank
-    recomputes it). Each save still writes its own files and metadata.
+    Without DCP's plan caching: a save keeps its own last plans, and skips the plan round
+    when no rank's plan changed (see [Note: save rounds] in ``_save.py``). DCP's caching
+    would answer an unchanged local plan with an empty one, and keeps its plans per planner
+    class for the whole process.
     """
-
-    def __init__(self) -> None:
-        super().__init__(enable_plan_caching=True)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict.get(index.fqn)

@@ -8,8 +8,9 @@
                                           (it also names host and pid) until the save is over
     <root>/.step-00000100.tmp-<id>/    1. rank 0 creates it; every rank writes DCP files and
                                           its RNG file into it (DCP fsyncs each file)
-                                       2. every rank hashes the files it wrote; rank 0 gathers
-                                          the records ([Note: checkpoint integrity])
+                                       2. every rank hashes the files it wrote; rank 0 gets the
+                                          records with DCP's write results ([Note: checkpoint
+                                          integrity], [Note: one save, DCP's rounds] in _save.py)
                                        3. rank 0 writes shardbridge.json (tmp file, fsync,
                                           rename) and fsyncs the directory: the COMMIT POINT,
                                           the directory is a complete checkpoint from here on
@@ -18,7 +19,8 @@
     <root>/step-00000100/              5. the tmp directory is renamed to the final name
                                           (atomic on POSIX), <root> fsynced
                                        6. the .old copy is deleted; the lock released, deleted
-                                       7. rank 0 tells every rank the outcome
+                                       7. rank 0 tells every rank the outcome (DCP's broadcast
+                                          of its finish: steps 3-6 run inside it)
 
 A process may die (kill -9, OOM, node loss) at any point, on any rank. Whatever is left,
 recovery restores a visible complete checkpoint and deletes nothing that may be the only

@@ -7,9 +7,11 @@
 ``except Exception``), its text is one remote traceback per rank, and the real cause is often
 hidden: a full disk during ``torch.save`` of a ``.distcp`` file reads "unexpected pos 704 vs
 598" (the zip writer's short write), a truncated data file "failed finding central
-directory". :func:`dcp_errors` wraps every ``dcp.save`` / ``dcp.load`` call of the core and
-re-raises one exception, the same on every rank (each rank translates the same gathered
-failures, so no collective is needed):
+directory". :func:`dcp_errors` wraps every ``dcp.load`` call of the core (and any
+``dcp.save``) and re-raises one exception, the same on every rank (each rank translates the
+same gathered failures, so no collective is needed). ``save`` drives DCP's writer itself
+([Note: save rounds] in ``_save.py``): the rank whose write failed translates its own error
+with :func:`save_failure`, and the write round raises it on every rank.
 
 - save: ``OSError`` (``errno`` kept when known) "saving checkpoint DIR failed on rank R
   writing FILE: No space left on device ..." and the fix;
@@ -30,7 +32,7 @@ from typing import Literal
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["dcp_errors", "describe_checkpoint_exception"]
+__all__ = ["dcp_errors", "describe_checkpoint_exception", "save_failure"]
 
 # The zip writer's message when a write came up short (the OSError itself is lost in C++).
 _SHORT_WRITE = "unexpected pos"
@@ -75,6 +77,11 @@ def describe_checkpoint_exception(
     if action == "save":
         return _save_error(where, rank, cause, data_dir)
     return _load_error(where, cause, data_dir)
+
+
+def save_failure(cause: BaseException, rank: int, checkpoint_dir: Path, data_dir: Path) -> Exception:
+    """The one clear exception for ``cause``, raised on ``rank`` while it wrote its files of a save."""
+    return _save_error(f"save of checkpoint {str(checkpoint_dir)!r} failed on rank {rank}", rank, cause, data_dir)
 
 
 def _first_line(cause: BaseException) -> str:

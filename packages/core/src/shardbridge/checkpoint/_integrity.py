@@ -67,6 +67,8 @@ __all__ = [
     "damage_message",
     "file_checksum",
     "merge_records",
+    "local_problems",
+    "merge_problems",
     "own_files",
     "record_files",
     "verify",
@@ -340,8 +342,18 @@ def verify_on_all_ranks(
     Rank 0 checks existence, sizes and extra files; checksums are split across the ranks.
     Formats 1 and 2 (no record) return [] after a one-time log line. ``rank0``: also run
     this on rank 0 after its checks and return ``(problems, its result or None if it
-    raised)``, the result shared in the same round (picklable).
+    raised)``, the result shared in the same round (picklable). One round; a caller with a
+    round of its own puts :func:`local_problems` into it and merges with :func:`merge_problems`.
     """
+    gathered = _all_gather(local_problems(path, manifest, checksums=checksums, rank0=rank0))
+    result = merge_problems([part for part, _ in gathered])
+    return result if rank0 is None else (result, gathered[0][1])
+
+
+def local_problems(
+    path: Path, manifest: Manifest, *, checksums: bool, rank0: Callable[[], Any] | None = None
+) -> tuple[list[FileProblem], Any]:
+    """This rank's share of :func:`verify_on_all_ranks`: (its problems, ``rank0()`` on rank 0 or None)."""
     rank, world_size = _dist.rank(), _dist.world_size()
     if manifest.format_version < FILES_SINCE_VERSION:
         if rank == 0:
@@ -360,13 +372,16 @@ def verify_on_all_ranks(
             extra = rank0()
         except Exception:  # noqa: BLE001 (the caller redoes it where the error is raised on every rank)
             extra = None
+    return problems, extra
+
+
+def merge_problems(parts: list[list[FileProblem]]) -> list[FileProblem]:
+    """Every rank's :func:`local_problems`, merged: the same sorted list on every rank."""
     merged: dict[tuple[str, str], FileProblem] = {}
-    gathered = _all_gather((problems, extra))
-    for part, _ in gathered:
+    for part in parts:
         for problem in part:
             merged.setdefault((problem.name, problem.problem), problem)
-    result = sorted(merged.values(), key=lambda p: p.name)
-    return result if rank0 is None else (result, gathered[0][1])
+    return sorted(merged.values(), key=lambda p: p.name)
 
 
 def _subset(manifest: Manifest, names: list[str]) -> dict[str, dict[str, Any]]:
