@@ -61,6 +61,7 @@ __all__ = [
     "require_module",
     "reset_sharded_params",
     "torch_version",
+    "torch_save_without_crc",
     "tree_map",
     "unflatten_mesh",
 ]
@@ -339,6 +340,23 @@ def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint import _sharded_tensor_utils
 
     return require_attr(_sharded_tensor_utils, "_flatten_sharded_tensors", what="checkpoint")(state_dict)
+
+
+def torch_save_without_crc(obj: Any, stream: Any) -> None:
+    """``torch.save(obj, stream)``, the zip records' CRC32 left at 0, without torch's global option.
+
+    ``torch.serialization.set_crc32_options(False)`` does the same for every thread of the
+    process; this passes the choice to this one writer (``PyTorchFileWriter(stream, crc32,
+    alignment)``, ``serialization._save``: private). torch.load does not check the CRC32
+    (the option's documented contract). Checked: 2.11, 2.13.
+    """
+    from torch import serialization
+
+    alignment = require_attr(serialization, "_get_storage_alignment", what="checkpoint writer")()
+    save = require_attr(serialization, "_save", what="checkpoint writer")
+    writer = torch._C.PyTorchFileWriter(stream, False, alignment)
+    save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
 
 
 def group_timeout(group: Any = None) -> Any:

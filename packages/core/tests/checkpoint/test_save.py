@@ -154,3 +154,39 @@ def test_the_plan_round_runs_only_when_a_plan_changed(tmp_path):
         assert plan_rounds == [1, 1, 2, 3, 3], plan_rounds
         for name in wanted:
             assert_equal_states(loaded[name], wanted[name])  # bit-exact, every save
+
+
+def test_data_files_are_laid_out_as_dcps_own_writer_lays_them_out(tmp_path):
+    # [Note: the data file writer]: the same items at the same offsets and lengths as DCP's
+    # FileSystemWriter writes for the same state (one file per rank), tensors equal; only the
+    # records' zip CRC32 fields differ (0 here), which torch.load does not check.
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+    from shardbridge.checkpoint._chunks import SavePlanner
+    from shardbridge.checkpoint._state import build_portable_state
+    from shardbridge.checkpoint._trust import read_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    model, opt = build(None)
+    step(model, opt, seed=3)
+    ck.save(tmp_path / "ours", model=model, optimizer=opt)
+    state = build_portable_state(model, opt, on_bad_layout="repair", log=False, provider=None)
+    dcp.save(
+        state.dcp_state, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"), planner=SavePlanner(), no_dist=True
+    )
+    ours, theirs = read_metadata(tmp_path / "ours"), read_metadata(tmp_path / "dcp")
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert len(ours.storage_data) == len(theirs.storage_data) > 10
+    for index, info in theirs.storage_data.items():
+        mine = ours.storage_data[index]
+        assert (mine.relative_path, mine.offset, mine.length) == (info.relative_path, info.offset, info.length), index
+        record = (tmp_path / "ours" / mine.relative_path).read_bytes()[mine.offset : mine.offset + mine.length]
+        dcps = (tmp_path / "dcp" / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        if isinstance(theirs.state_dict_metadata[index.fqn], TensorStorageMetadata):  # one torch.save zip
+            mine_t, dcp_t = (torch.load(io.BytesIO(b), weights_only=True) for b in (record, dcps))
+            assert torch.equal(mine_t, dcp_t), index
+            assert {i.CRC for i in zipfile.ZipFile(io.BytesIO(record)).infolist()} == {0}
+        else:  # a bytes item: its bytes
+            assert record == dcps, index
+    assert ck.verify(tmp_path / "ours").ok  # the records computed while writing match a fresh read

@@ -67,6 +67,7 @@ __all__ = [
     "damage_message",
     "file_checksum",
     "merge_records",
+    "ChecksumWriter",
     "local_problems",
     "merge_problems",
     "own_files",
@@ -117,11 +118,52 @@ def _walk(checkpoint_dir: Path) -> dict[str, Path]:
     return found
 
 
-def own_files(checkpoint_dir: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """Records of the files this rank wrote: its DCP data files and its RNG file."""
+def own_files(
+    checkpoint_dir: Path, rank: int, known: dict[str, dict[str, Any]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Records of the files this rank wrote: its DCP data files and its RNG file.
+
+    ``known``: records already computed while writing (:class:`ChecksumWriter`), by name.
+    """
+    known = known or {}
     names = [p.name for p in checkpoint_dir.glob(f"__{rank}_*.distcp")]
     names.append(rng_file(rank))
-    return {name: _record(checkpoint_dir / name) for name in sorted(names)}
+    return {name: known[name] if name in known else _record(checkpoint_dir / name) for name in sorted(names)}
+
+
+class ChecksumWriter:
+    """A binary file being written whose record (size, checksum) is computed on the way.
+
+    Saves reading every data file back to hash it ([Note: checkpoint integrity]): each
+    ``write`` also feeds the checksum. ``tell`` is the number of bytes written.
+    """
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self._digest = xxhash.xxh3_128()
+        self._size = 0
+
+    def write(self, data: Any) -> int:
+        """Write ``data`` (bytes-like) whole; its length."""
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):  # a raw file may write less than asked
+            written += self._f.write(view[written:]) or 0
+        self._digest.update(view)
+        self._size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self._size
+
+    def flush(self) -> None:
+        """Flush the underlying file."""
+        self._f.flush()
+
+    def record(self) -> dict[str, Any]:
+        """The file's record, as :func:`own_files` would compute it by reading it."""
+        return {"size": self._size, CHECKSUM_KEY: self._digest.hexdigest()}
 
 
 def _all_gather(obj: Any) -> list[Any]:

@@ -26,7 +26,6 @@ from shardbridge.checkpoint._integrity import (
     damage_message,
     local_problems,
     merge_problems,
-    verify_on_all_ranks,
 )
 from shardbridge.checkpoint._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest, read_manifest
 from shardbridge.checkpoint._provider import StateDictProvider, check_provider
@@ -117,6 +116,25 @@ def load(
         >>> state.step  # doctest: +SKIP
         100
     """
+    state = _load(
+        path, model=model, optimizer=optimizer, strict=strict, rng=rng, state_dicts=state_dicts, verify=verify
+    )
+    assert state is not None
+    return state
+
+
+def _load(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+    rng: bool,
+    state_dicts: StateDictProvider | None,
+    verify: bool,
+    skip_damaged: bool = False,
+) -> TrainState | None:
+    """:func:`load`; ``skip_damaged``: a damaged checkpoint (manifest or files) returns None, logged."""
     # Checked on every rank together, arguments compared between ranks, in one round: one
     # rank's bad argument must not leave the others waiting in a collective. See
     # [Note: symmetric errors] in _dist.py.
@@ -130,14 +148,28 @@ def load(
     (path, manifest, _), shared = _dist.one_round(
         _open,
         (path,),
-        {"optimizer": optimizer, "strict": strict, "rng": rng, "provider": state_dicts, "verify": verify},
+        {
+            "optimizer": optimizer,
+            "strict": strict,
+            "rng": rng,
+            "provider": state_dicts,
+            "verify": verify,
+            "skip_damaged": skip_damaged,
+        },
         same=("shardbridge.checkpoint.load", same),
         result="all",
         share=lambda opened: opened[2],
     )
     problems = merge_problems([part for part, _ in shared])
+    if problems and skip_damaged:
+        if _dist.rank() == 0:
+            logger.warning(
+                "shardbridge.checkpoint: skipping %s: %s; trying the next older checkpoint", path, problems[0]
+            )
+        return None
     if problems:
         raise ValueError(damage_message(path, problems))
+    assert manifest is not None
     metadata = shared[0][1]
     # 2. Each rank plans and reads only the boxes it needs, without DCP's planning collectives
     # (a load plan needs no coordination), and hands the state to the model; errors are made
@@ -164,12 +196,29 @@ def _open(
     rng: bool,
     provider: StateDictProvider | None,
     verify: bool,
-) -> tuple[Path, Manifest, tuple[list[FileProblem], Metadata | None]]:
-    """Round 1 of :func:`load` on one rank: arguments, manifest, this rank's file checks."""
+    skip_damaged: bool,
+) -> tuple[Path, Manifest | None, tuple[list[FileProblem], Metadata | None]]:
+    """Round 1 of :func:`load` on one rank: arguments, manifest, this rank's file checks.
+
+    ``skip_damaged``: a manifest that cannot be read is one more problem, not an error.
+    """
     _check_verify(verify)
-    checked, manifest = _check_args(path, optimizer=optimizer, strict=strict, rng=rng, provider=provider)
+    try:
+        checked, manifest = _check_args(path, optimizer=optimizer, strict=strict, rng=rng, provider=provider)
+    except _DamagedManifest as exc:
+        if not skip_damaged:
+            raise exc.error from None
+        return exc.path, None, ([FileProblem(MANIFEST_NAME, str(exc.error))], None)
     local = local_problems(checked, manifest, checksums=verify, rank0=lambda: read_metadata(checked))
     return checked, manifest, local
+
+
+class _DamagedManifest(Exception):
+    """``read_manifest``'s ValueError, told apart from the argument errors of :func:`_check_args`."""
+
+    def __init__(self, path: Path, error: ValueError) -> None:
+        super().__init__(str(error))
+        self.path, self.error = path, error
 
 
 def _read_state(
@@ -267,12 +316,20 @@ def load_latest(
         if path is None:
             _dist.on_all_ranks(_refuse_all_damaged, Path(root), only_rank0=True)
             return None
-        if verify and _damaged(path):
-            skip.add(path)
-            continue
-        return load(
-            path, model=model, optimizer=optimizer, strict=strict, rng=rng, state_dicts=state_dicts, verify=False
+        # One load: a checkpoint that fails verification is skipped by every rank together.
+        state = _load(
+            path,
+            model=model,
+            optimizer=optimizer,
+            strict=strict,
+            rng=rng,
+            state_dicts=state_dicts,
+            verify=verify,
+            skip_damaged=verify,
         )
+        if state is not None:
+            return state
+        skip.add(path)
 
 
 def _refuse_all_damaged(root: Path) -> None:
@@ -297,20 +354,6 @@ def _check_verify(verify: bool) -> None:
         raise ValueError(f"verify={verify!r} must be True (checksums) or False (sizes only)")
 
 
-def _damaged(path: Path) -> bool:
-    """Every rank: whether ``path`` fails verification (logged on rank 0); for load_latest."""
-    try:
-        manifest = _dist.on_all_ranks(read_manifest, path)
-        assert manifest is not None
-        problems = verify_on_all_ranks(path, manifest, checksums=True)
-        first = str(problems[0]) if problems else ""
-    except ValueError as exc:  # the manifest changed since latest() read it
-        first = str(exc)
-    if first and _dist.rank() == 0:
-        logger.warning("shardbridge.checkpoint: skipping %s: %s; trying the next older checkpoint", path, first)
-    return bool(first)
-
-
 def _check_args(
     path: str | os.PathLike[str],
     *,
@@ -327,7 +370,10 @@ def _check_args(
             raise ValueError(f"{name}={value!r} must be True or False")
     check_provider(provider)
     path = Path(path)
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except ValueError as exc:
+        raise _DamagedManifest(path, exc) from None
     if optimizer is not None and not manifest.has_optimizer:
         raise ValueError(
             f"checkpoint {str(path)!r} has no optimizer state (it was saved with optimizer=None); "

@@ -109,9 +109,16 @@ def _ranges(window: _Window) -> tuple[tuple[int, int], tuple[int, int]] | None:
         storages = [i for i in infos if i.filename.split("/")[-2:-1] == ["data"]]
         pickles = [i for i in infos if i.filename.endswith("/data.pkl")]
         order = [i for i in infos if i.filename.endswith("/byteorder")]
-        if len(storages) != 1 or len(pickles) != 1:
+        if len(storages) != 1 or len(pickles) != 1 or len(order) > 1:
             return None
-        if order and archive.read(order[0]).decode("ascii", "replace") != sys.byteorder:
+    # Entries are read by their ranges, never with ``archive.read``: zipfile checks the CRC32,
+    # which shardbridge's writer leaves at 0 ([Note: the data file writer] in _save.py).
+    if order:
+        order_at = _entry_range(window, order[0])
+        if order_at is None:
+            return None
+        window.seek(order_at[0])
+        if window.read(order_at[1]).decode("ascii", "replace") != sys.byteorder:
             return None
     pickle_at, storage_at = _entry_range(window, pickles[0]), _entry_range(window, storages[0])
     return None if pickle_at is None or storage_at is None else (pickle_at, storage_at)

@@ -14,17 +14,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 import shardbridge
+from shardbridge._compat import DCPStorageInfo, torch_save_without_crc
 from shardbridge._mesh import ParallelDims
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import AsyncSave, IfBusy, finish_previous, stage_state, start_async
 from shardbridge.checkpoint._chunks import SavePlanner
 from shardbridge.checkpoint._commit import abandon, commit, new_tmp_dir
 from shardbridge.checkpoint._errors import save_failure
-from shardbridge.checkpoint._integrity import merge_records, own_files
+from shardbridge.checkpoint._integrity import ChecksumWriter, merge_records, own_files
 from shardbridge.checkpoint._manifest import OPTIM_STATE_ABSENT, RNG_PATTERN, Manifest, check_json_extra, utc_now
 from shardbridge.checkpoint._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint._rng import rng_states, save_rng
@@ -245,6 +247,26 @@ class SaveJob:
 # own planner and writer, read by plain DCP and ``dcp_to_torch_save``.
 
 
+# [Note: the data file writer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each rank's ``__<rank>_0.distcp`` is what DCP's ``FileSystemWriter`` writes with one file per
+# rank and one thread: the plan's items in order, each tensor one ``torch.save`` record (a zip
+# archive: the tensor's pickle and its raw bytes), each bytes item its bytes; every offset and
+# length goes into ``.metadata``; the file is fsynced. Two things differ, both measured at
+# 1 GB (docs/benchmarks.md):
+#
+# - the records' zip CRC32 fields are left at 0 (``torch_save_without_crc``): the manifest's
+#   xxh3-128 of every file covers every byte already, and torch.load (DCP's reader,
+#   ``dcp_to_torch_save``) does not check the CRC32; computing it cost ~12% of the write;
+# - every byte written also feeds the file's checksum (``ChecksumWriter``), instead of a
+#   second pass reading the file back.
+#
+# DCP's writer copies a CUDA tensor to the host ahead of writing it on a side stream; this
+# writer copies it when it writes it. An asynchronous save stages to host memory first, so
+# it is unaffected; a synchronous save from GPU memory waits for each copy.
+_DCP_SUFFIX = ".distcp"
+
+
 def write_and_commit(job: SaveJob) -> None:
     """Steps 3-5 of :func:`save`: write, record, commit in one round ([Note: save rounds]).
 
@@ -258,10 +280,12 @@ def write_and_commit(job: SaveJob) -> None:
             writer.check()
             writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
             planner = SavePlanner()
-            planner.set_up_planner(state_dict=job.dcp_state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+            planner.set_up_planner(
+                state_dict=job.dcp_state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
+            )
             results = writer.write_data(planner.finish_plan(job.plan), planner).wait()
             save_rng(job.tmp, rank, job.rng)
-            return results, own_files(job.tmp, rank)
+            return results, own_files(job.tmp, rank, known=writer.records)
         except Exception as exc:  # noqa: BLE001 (raised as one clear error, on every rank)
             raise save_failure(exc, rank, job.final, job.tmp) from exc
 
@@ -279,17 +303,51 @@ def write_and_commit(job: SaveJob) -> None:
 
 
 class _TmpDirWriter(dcp.FileSystemWriter):
-    """DCP's file writer into the save's temporary directory, which it never creates.
+    """DCP's file writer into the save's temporary directory; see [Note: the data file writer].
 
-    DCP's ``prepare_local_plan`` ``mkdir``s the directory on every rank (a save never calls
-    it). If rank 0 has already given the save up and deleted the directory (a dead peer, a
-    destroyed process group), another rank would re-create it without a lock file, and
-    recovery could not tell it from another job's save in progress: it would stay forever.
-    So a missing directory is this rank's error instead.
+    It never creates the directory. DCP's ``prepare_local_plan`` ``mkdir``s it on every rank
+    (a save never calls it). If rank 0 has already given the save up and deleted the
+    directory (a dead peer, a destroyed process group), another rank would re-create it
+    without a lock file, and recovery could not tell it from another job's save in progress:
+    it would stay forever. So a missing directory is this rank's error instead.
     """
 
     def __init__(self, tmp: Path) -> None:
         super().__init__(tmp, sync_files=True)
+        self.records: dict[str, dict[str, Any]] = {}
+        """The data files written, by name: their records ([Note: checkpoint integrity])."""
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        """This rank's ``.distcp`` file, as DCP's own writer lays it out (its single-file layout)."""
+        name = f"{plan.storage_data.prefix}0{_DCP_SUFFIX}"
+        results = []
+        with open(Path(self.path) / name, "wb") as raw:
+            f = ChecksumWriter(raw)
+            # DCP's order: the bytes items, then the tensors, each in plan order.
+            items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+            items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+            for item in items:
+                data = planner.resolve_data(item)
+                offset = f.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    f.write(data.getbuffer())
+                else:
+                    t = data.detach().cpu()
+                    if t.untyped_storage().size() != t.nbytes:
+                        t = t.clone()  # a view of a larger storage: its own bytes only, as DCP does
+                    torch_save_without_crc(t, f)
+                length = f.tell() - offset
+                results.append(
+                    WriteResult(
+                        index=item.index, size_in_bytes=length, storage_data=DCPStorageInfo(name, offset, length)
+                    )
+                )
+            raw.flush()
+            os.fsync(raw.fileno())
+        self.records[name] = f.record()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
 
     def check(self) -> None:
         """FileNotFoundError if the directory is gone."""
