@@ -1,7 +1,7 @@
 """Checkpoint speed: shardbridge.checkpoint vs torch.save/torch.load of the same bytes and plain DCP.
 
 On 4 gloo ranks (layout A = dp_shard=2 x tp=2) a Llama with AdamW state is saved and loaded
-by every contender, side by side in one run, rounds alternating the order; medians:
+by every contender, side by side in one run, the order rotating each round; medians:
 
 - save: ``shardbridge save`` (sync), per-rank ``torch.save`` of exactly this rank's local
   shards with and without ``fsync`` (shardbridge and DCP fsync every file), plain DCP
@@ -13,11 +13,13 @@ by every contender, side by side in one run, rounds alternating the order; media
   ``torch.load`` (``weights_only=True``), plain DCP (``dcp.load`` + ``set_state_dict``).
 
 Ratios are throughput ratios (baseline time / our time: 1.00 = as fast as the baseline,
-0.5 = half as fast). The page cache is warm for every contender alike, and before each timed
+0.5 = half as fast), as the ratio of the medians and as the median of the per-round ratios
+("paired"). The page cache is warm for every contender alike, and before each timed
 operation ``os.sync()`` writes back every dirty page (untimed), so no contender's fsync pays
-for another's writes.
+for another's writes. The order rotates each round (``_rotated``): use a multiple of 6
+rounds for saves to see every order.
 
-    python tools/bench/bench_checkpoint.py [--sizes 252MB,1GB] [--rounds 3] [--dir /tmp/x]
+    python tools/bench/bench_checkpoint.py [--sizes 252MB,1GB] [--rounds 6] [--dir /tmp/x]
     python tools/bench/bench_checkpoint.py --sizes 97MB,252MB,1GB   # the size curve
     python tools/bench/bench_checkpoint.py --profile save --sizes 252MB   # cProfile of rank 0
 """
@@ -208,7 +210,7 @@ def _round(r, root, add, group, source, same, other):
         lambda: _add_pair(add, "dcp.async_save", _timed_blocking(
             lambda: _dcp_async(model, opt, dcp_async, group), lambda f: f.result())),
     ]  # fmt: skip
-    for fn in saves if r % 2 == 0 else reversed(saves):
+    for fn in _rotated(saves, r):
         fn()
     loads = [
         ("load same", lambda: checkpoint.load(ckpt, model=model_a, optimizer=opt_a)),
@@ -217,7 +219,7 @@ def _round(r, root, add, group, source, same, other):
         ("dcp.load", lambda: _dcp_load(model_a, opt_a, dcp_dir)),
         ("load same, verify=False", lambda: checkpoint.load(ckpt, model=model_a, optimizer=opt_a, verify=False)),
     ]
-    for name, fn in loads if r % 2 == 0 else reversed(loads):
+    for name, fn in _rotated(loads, r):
         add(name, _timed(fn))
     # Where a load's time goes beyond torch.load's (the parts outside shardbridge): reading
     # DCP's .metadata pickle with the restricted unpickler (rank 0, once per load) and with
@@ -237,6 +239,18 @@ def _round(r, root, add, group, source, same, other):
             shutil.rmtree(path)
     dist.barrier()
     return sizes
+
+
+def _rotated(items: list, r: int) -> list:
+    """Round ``r``'s order: the contenders rotated by ``r``, so that over ``len(items)`` rounds
+    each runs at each position once.
+
+    Position matters on this VM: whatever runs right after a 1 GB write and fsync often writes
+    at the disk's speed (~0.7 GB/s) instead of the host cache's (~2.5 GB/s), even after
+    ``os.sync()`` and a 2 s pause; the first contender after the previous round's loads writes
+    fast. Alternating two orders gave one contender the first and last places only."""
+    k = r % len(items)
+    return items[k:] + items[:k]
 
 
 def _on_rank0(fn):
@@ -339,7 +353,7 @@ def _report(size: str, result: dict, rounds: int) -> None:
         f"{t['state dicts']:.3f} = {explained:.3f}; shardbridge load {t['load same']:.3f} "
         f"(verify=False {t['load same, verify=False']:.3f}); the rest: {t['load same'] - explained:+.3f} "
         f"({t['load same, verify=False'] - explained:+.3f}): shardbridge's own work (argument and layout "
-        "checks, 3 collective rounds, checksums, planning and parsing the boxes' records)"
+        "checks, 2 collective rounds, checksums, planning and parsing the boxes' records)"
     )
     print(f"\n{'training blocked by a save':<44} {'blocked s':>9} {'total s':>8}")
     for label, key in (("shardbridge save (sync)", None), ("shardbridge save(async_=True)", "async"),
@@ -359,7 +373,7 @@ def _report(size: str, result: dict, rounds: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="252MB,1GB", help=f"comma-separated, of {', '.join(SIZES)}")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per size (medians; use an odd number)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per size (medians; the order rotates each round)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--profile", choices=("save", "load"), default=None, help="cProfile rank 0 instead")
     args = parser.parse_args(argv)
