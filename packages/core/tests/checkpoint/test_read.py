@@ -117,6 +117,19 @@ def test_parts_of_boxes_are_read_in_place_exactly():
         target = torch.full((3, 6, 7), -1.0)
         assert not read_box_into(file, *where["3d"], target, (3, 0, 0))  # rows 3..5 of 5
         assert (target == -1).all()
+        # Whole rows into a column slice of a wider row-major tensor (a TP box into a dp-sharded
+        # parameter): scattered row by row, over more rows than one scatter read takes.
+        tall = torch.arange(1100 * 3, dtype=torch.float32).reshape(1100, 3)
+        with open(file, "ab") as f:
+            buffer = io.BytesIO()
+            torch.save(tall, buffer)
+            tall_at = (f.tell(), len(buffer.getvalue()))
+            f.write(buffer.getvalue())
+        for first, count in ((0, 1100), (5, 1045)):
+            dest = torch.full((count, 8), -1.0)
+            assert read_box_into(file, *tall_at, dest[:, 2:5], (first, 0))
+            assert torch.equal(dest[:, 2:5], tall[first : first + count]), (first, count)
+            assert (dest[:, :2] == -1).all() and (dest[:, 5:] == -1).all()  # nothing outside the slice
 
 
 def _reshard_in_place(path: str):
