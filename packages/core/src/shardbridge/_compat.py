@@ -348,7 +348,7 @@ def torch_save_without_crc(obj: Any, stream: Any) -> None:
     ``torch.serialization.set_crc32_options(False)`` does the same for every thread of the
     process; this passes the choice to this one writer (``PyTorchFileWriter(stream, crc32,
     alignment)``, ``serialization._save``: private). torch.load does not check the CRC32
-    (the option's documented contract). Checked: 2.11, 2.13.
+    (the option's documented contract). Checked: 2.11, 2.13, 2.14.
     """
     from torch import serialization
 
