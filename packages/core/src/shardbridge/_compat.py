@@ -355,7 +355,18 @@ def torch_save_without_crc(obj: Any, stream: Any) -> None:
     alignment = require_attr(serialization, "_get_storage_alignment", what="checkpoint writer")()
     save = require_attr(serialization, "_save", what="checkpoint writer")
     writer = torch._C.PyTorchFileWriter(stream, False, alignment)
-    save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    try:
+        save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # As torch.save's context manager does: a writer left unfinished finishes itself in its
+        # destructor, whenever the error's traceback lets go of it, and a second failure there
+        # (the same full disk) is a C++ exception out of a destructor: std::terminate, SIGABRT.
+        # write_end_of_file marks it finished even when it raises.
+        try:
+            writer.write_end_of_file()
+        except Exception:  # noqa: BLE001 (the first error is the one to raise)
+            pass
+        raise
     writer.write_end_of_file()
 
 

@@ -110,7 +110,8 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str,
     out: dict[str, torch.Tensor] = {}
 
     def add(prefix: str, fqn: str, suffix: str, value: torch.Tensor, param: torch.Tensor) -> None:
-        full = value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+        # clone(): full_tensor() of a DTensor on a 1-rank mesh dim can alias the live tensor
+        full = (value.full_tensor() if isinstance(value, DTensor) else value.detach()).clone()
         spec = fused.get(fqn)
         if spec is not None and full.shape == param.shape:
             for name, part in split_fused(full, spec, _tp_size(param)).items():

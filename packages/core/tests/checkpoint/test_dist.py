@@ -198,3 +198,14 @@ def test_an_os_error_on_one_rank_is_an_os_error_on_every_rank():
     assert results[0] == ("PermissionError", "[Errno 30] Read-only file system")
     for name, message in results[1:]:
         assert name == "PermissionError" and "[raised on rank 0; 1 rank(s) failed]" in message
+
+
+@pytest.mark.parametrize(
+    ("backend", "cpu"),
+    [("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl,cpu:gloo", True), ("cuda:gloo", False)],
+)
+def test_one_collective_rounds_only_on_groups_that_take_cpu_tensors(monkeypatch, backend, cpu):
+    # [Note: one-collective rounds]: the fixed buffer is a CPU tensor; a default group that is
+    # NCCL alone keeps torch's object collectives (they move the bytes to the GPU).
+    monkeypatch.setattr(_dist.dist, "get_backend", lambda group=None: backend)
+    assert _dist._cpu_collectives() is cpu

@@ -72,6 +72,7 @@ def test_unusual_records_are_left_to_dcps_reader(tmp_path):
     target = torch.zeros(6)
     assert read_box_into(file, offset, length, target) and torch.equal(target, tensor)
     assert not read_box_into(file, offset, length, torch.zeros(5))  # a shape that does not fit
+    assert not read_box_into(file, offset, length, torch.empty(6, device="meta"))  # not host memory (CUDA)
     assert not read_box_into(file, offset, length - 30, torch.zeros(6))  # truncated record
 
 

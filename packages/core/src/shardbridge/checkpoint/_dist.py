@@ -76,10 +76,24 @@ def using_group(pg: Any, *, rank: int | None = None, world_size: int | None = No
 # outcome) sends it in ONE collective of a fixed-size buffer: an 8-byte length, then the
 # pickle. A payload that does not fit is marked so (every rank sees every mark), and the
 # round falls back to torch's object collective: correct for any size, one collective more.
+# The buffer is a CPU tensor: only a group with a gloo backend takes it (a job whose default
+# group is NCCL alone uses torch's object collectives, which move the bytes to the GPU).
 _SMALL_GATHER_BYTES = 4 << 10
 """Per rank, for all-gathers (the buffer is world_size times this on every rank)."""
 _SMALL_BROADCAST_BYTES = 64 << 10
 _TOO_BIG = (1 << 64) - 1
+
+
+def _cpu_collectives() -> bool:
+    """Whether the checkpoint group takes CPU tensors (a gloo backend, alone or beside NCCL)."""
+    try:
+        backend = str(dist.get_backend(group())).lower()
+    except (RuntimeError, ValueError):
+        return False
+    if ":" not in backend:  # one backend for every device
+        return backend == "gloo"
+    devices = dict(pair.split(":", 1) for pair in backend.split(",") if ":" in pair)  # "cpu:gloo,cuda:nccl"
+    return devices.get("cpu") == "gloo"
 
 
 def _pack(obj: Any, capacity: int) -> torch.Tensor:
@@ -108,7 +122,7 @@ def all_gather(obj: Any, *, small: bool = False) -> list[Any]:
     """
     if not is_distributed():
         return [obj]
-    if small:
+    if small and _cpu_collectives():
         buf = _pack(obj, _SMALL_GATHER_BYTES)
         bufs = [torch.empty_like(buf) for _ in range(world_size())]
         dist.all_gather(bufs, buf, group=group())
@@ -121,6 +135,10 @@ def all_gather(obj: Any, *, small: bool = False) -> list[Any]:
 
 def _broadcast(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank, in one collective when it is small (see above)."""
+    if not _cpu_collectives():
+        box = [obj]
+        dist.broadcast_object_list(box, src=_rank0(), group=group())
+        return box[0]
     buf = (
         _pack(obj, _SMALL_BROADCAST_BYTES)
         if rank() == 0

@@ -18,8 +18,8 @@ target, so the box exists twice in memory. :func:`read_box_into` instead:
 3. reads the storage bytes into the target: directly when the target region is contiguous,
    else through a buffer of at most ``_BUFFER_BYTES`` (a few rows at a time).
 
-Anything unusual (a transform such as compression, a non-contiguous or offset storage, a
-big-endian record, several storages) returns False and the caller falls back to DCP's
+Anything unusual (a target not in host memory, e.g. a CUDA parameter; a transform such as
+compression, a non-contiguous or offset storage, a big-endian record, several storages) returns False and the caller falls back to DCP's
 reader for that box. Export and ``load`` read every whole box so (export: its peak memory is
 the point; load: one pass over the bytes, and no per-record ``torch.load``). Only
 ``weights_only`` unpickling runs (see [Note: untrusted checkpoints] in ``_trust.py``); byte
@@ -152,6 +152,8 @@ def read_box_into(
     box it needs. Returns False (``target`` untouched or to be overwritten by the caller's
     fallback) when the record is not the plain case. See [Note: reading boxes in place].
     """
+    if target.device.type != "cpu":  # file bytes go straight into host memory only; DCP's reader copies
+        return False
     with open(file, "rb", buffering=0) as f:
         window = _Window(f, offset, length)
         try:

@@ -243,8 +243,9 @@ class SaveJob:
 #    results and records, writes ``.metadata`` (DCP's own ``finish``), commits ([Note: atomic
 #    commit]) and every rank learns the outcome.
 #
-# The files are exactly ``dcp.save``'s: ``.metadata`` and ``__<rank>_0.distcp`` from DCP's
-# own planner and writer, read by plain DCP and ``dcp_to_torch_save``.
+# The files are laid out as ``dcp.save`` lays them out (``.metadata`` from DCP's planner and
+# writer, ``__<rank>_0.distcp`` as [Note: the data file writer] says), read by plain
+# ``dcp.load`` and ``dcp_to_torch_save``.
 
 
 # [Note: the data file writer]
@@ -291,7 +292,10 @@ def write_and_commit(job: SaveJob) -> None:
 
     def commit_rank0(parts: list[tuple[list[WriteResult], dict[str, dict[str, Any]]]]) -> None:
         assert job.metadata is not None and len(parts) == _dist.world_size(), len(parts)
-        writer.finish(copy.copy(job.metadata), [results for results, _ in parts])
+        try:
+            writer.finish(copy.copy(job.metadata), [results for results, _ in parts])  # .metadata
+        except Exception as exc:  # noqa: BLE001 (raised as one clear error, on every rank)
+            raise save_failure(exc, rank, job.final, job.tmp) from exc
         _commit_rank0(job, [record for _, record in parts])
 
     try:
