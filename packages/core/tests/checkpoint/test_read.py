@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 from ckpt_helpers import LAYOUTS, build
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint import _export
+from shardbridge.checkpoint import _export, _read
 from shardbridge.checkpoint._read import read_box_into
 from shardbridge.checkpoint._trust import TrustedReader
 from shardbridge.testing import run_distributed
@@ -110,8 +111,10 @@ def test_parts_of_boxes_are_read_in_place_exactly():
             for strided in (False, True):
                 target = torch.full(lengths, -1, dtype=want.dtype)
                 if strided and target.dim() >= 2:
-                    target = torch.full(lengths[::-1], -1, dtype=want.dtype).t() if target.dim() == 2 else (
-                        torch.full((lengths[0], lengths[2], lengths[1]), -1, dtype=want.dtype).transpose(1, 2)
+                    target = (
+                        torch.full(lengths[::-1], -1, dtype=want.dtype).t()
+                        if target.dim() == 2
+                        else (torch.full((lengths[0], lengths[2], lengths[1]), -1, dtype=want.dtype).transpose(1, 2))
                     )
                 assert read_box_into(file, *where[name], target, offsets), (name, offsets, strided)
                 assert torch.equal(target, want), (name, offsets, strided)
@@ -119,7 +122,7 @@ def test_parts_of_boxes_are_read_in_place_exactly():
         assert not read_box_into(file, *where["3d"], target, (3, 0, 0))  # rows 3..5 of 5
         assert (target == -1).all()
         # Whole rows into a column slice of a wider row-major tensor (a TP box into a dp-sharded
-        # parameter): scattered row by row, over more rows than one scatter read takes.
+        # parameter), over more rows than one buffer holds when the buffer is small.
         tall = torch.arange(1100 * 3, dtype=torch.float32).reshape(1100, 3)
         with open(file, "ab") as f:
             buffer = io.BytesIO()
@@ -128,7 +131,9 @@ def test_parts_of_boxes_are_read_in_place_exactly():
             f.write(buffer.getvalue())
         for first, count in ((0, 1100), (5, 1045)):
             dest = torch.full((count, 8), -1.0)
-            assert read_box_into(file, *tall_at, dest[:, 2:5], (first, 0))
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_read, "_BUFFER_BYTES", 4096)  # 341 rows at a time
+                assert read_box_into(file, *tall_at, dest[:, 2:5], (first, 0))
             assert torch.equal(dest[:, 2:5], tall[first : first + count]), (first, count)
             assert (dest[:, :2] == -1).all() and (dest[:, 5:] == -1).all()  # nothing outside the slice
 

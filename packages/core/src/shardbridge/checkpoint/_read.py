@@ -29,7 +29,6 @@ ranges are checked to lie inside the record.
 from __future__ import annotations
 
 import io
-import os
 import struct
 import sys
 import zipfile
@@ -193,11 +192,6 @@ def read_box_into(
         whole_rows = want[1:] == shape[1:]
         if whole_rows and target.is_contiguous():
             return _read_exact(f, target.reshape(-1).view(torch.uint8).numpy())
-        if whole_rows and target.dim() == 2 and target.stride(1) == 1 and hasattr(os, "preadv"):
-            # Each stored row into its row of the (column-sliced) target: one scatter read per
-            # _IOV_ROWS rows, no copy through a buffer (a load into another layout: a TP box's
-            # rows into the columns of a dp-sharded parameter).
-            return _scatter_rows(f, f.tell(), target)
         # A bounded buffer of rows at a time, the wanted columns copied into the strided target.
         rows = max(1, _BUFFER_BYTES // max(1, row_bytes))
         inner = tuple(slice(o, o + n) for o, n in zip(starts[1:], want[1:]))
@@ -208,24 +202,6 @@ def read_box_into(
                 return False
             target[first : first + count].copy_(buffer[(slice(None), *inner)])
         return True
-
-
-_IOV_ROWS = 512
-"""Rows per ``preadv`` (within every platform's IOV_MAX of at least 1024)."""
-
-
-def _scatter_rows(f: Any, position: int, target: torch.Tensor) -> bool:
-    """Read ``target.shape[0]`` consecutive rows from ``position`` into the rows of ``target``."""
-    rows = [memoryview(target[i].view(torch.uint8).numpy()).cast("B") for i in range(target.shape[0])]
-    fd = f.fileno()
-    for first in range(0, len(rows), _IOV_ROWS):
-        batch = rows[first : first + _IOV_ROWS]
-        want = sum(len(r) for r in batch)
-        done = os.preadv(fd, batch, position)
-        if done != want:  # a short read (a file shorter than its records say): leave it to DCP's reader
-            return False
-        position += want
-    return True
 
 
 def _read_exact(f: Any, out: Any) -> bool:
