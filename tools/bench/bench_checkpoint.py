@@ -217,6 +217,7 @@ def _round(r, root, add, group, source, same, other):
         ("load other", lambda: checkpoint.load(ckpt, model=model_b, optimizer=opt_b)),
         ("torch.load", lambda: torch.load(raw_file, weights_only=True)),
         ("dcp.load", lambda: _dcp_load(model_a, opt_a, dcp_dir)),
+        ("dcp.load other", lambda: _dcp_load(model_b, opt_b, dcp_dir)),
         ("load same, verify=False", lambda: checkpoint.load(ckpt, model=model_a, optimizer=opt_a, verify=False)),
     ]
     for name, fn in _rotated(loads, r):
@@ -339,6 +340,7 @@ def _report(size: str, result: dict, rounds: int) -> None:
         ("shardbridge load, same layout", "load same", "torch.load"),
         ("shardbridge load, same layout, verify=False", "load same, verify=False", "torch.load"),
         ("shardbridge load, into dp_shard=4", "load other", "torch.load"),
+        ("plain DCP load, into dp_shard=4", "dcp.load other", "torch.load"),
     ]
     for label, key, base in rows:
         sec = t[key]
@@ -365,7 +367,8 @@ def _report(size: str, result: dict, rounds: int) -> None:
         f"\nshardbridge / plain DCP throughput: save {t['dcp.save'] / t['save']:.2f}x (paired "
         f"{_ratio(per_round, 'dcp.save', 'save'):.2f}x), load {t['dcp.load'] / t['load same']:.2f}x (paired "
         f"{_ratio(per_round, 'dcp.load', 'load same'):.2f}x); load into dp_shard=4 / same layout (time): "
-        f"{t['load other'] / t['load same']:.2f} (paired {1 / _ratio(per_round, 'load same', 'load other'):.2f}); "
+        f"{t['load other'] / t['load same']:.2f} (paired {1 / _ratio(per_round, 'load same', 'load other'):.2f}; "
+        f"plain DCP's: {t['dcp.load other'] / t['dcp.load']:.2f}); "
         f"async blocking / dcp.async_save blocking: {t['async (blocking)'] / t['dcp.async_save (blocking)']:.2f}"
     )
 
