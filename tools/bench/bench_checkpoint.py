@@ -1,7 +1,7 @@
 """Checkpoint speed: shardbridge.checkpoint vs torch.save/torch.load of the same bytes and plain DCP.
 
 On 4 gloo ranks (layout A = dp_shard=2 x tp=2) a Llama with AdamW state is saved and loaded
-by every contender, side by side in one run, the order rotating each round; medians:
+by every contender, side by side in one run, the order shuffled each round; medians:
 
 - save: ``shardbridge save`` (sync), per-rank ``torch.save`` of exactly this rank's local
   shards with and without ``fsync`` (shardbridge and DCP fsync every file), plain DCP
@@ -16,8 +16,8 @@ Ratios are throughput ratios (baseline time / our time: 1.00 = as fast as the ba
 0.5 = half as fast), as the ratio of the medians and as the median of the per-round ratios
 ("paired"). The page cache is warm for every contender alike, and before each timed
 operation ``os.sync()`` writes back every dirty page (untimed), so no contender's fsync pays
-for another's writes. The order rotates each round (``_rotated``): use a multiple of 6
-rounds for saves to see every order.
+for another's writes. The order is shuffled each round (``_rotated``, seeded: the same
+run twice shuffles alike).
 
     python tools/bench/bench_checkpoint.py [--sizes 252MB,1GB] [--rounds 6] [--dir /tmp/x]
     python tools/bench/bench_checkpoint.py --sizes 97MB,252MB,1GB   # the size curve
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -243,15 +244,18 @@ def _round(r, root, add, group, source, same, other):
 
 
 def _rotated(items: list, r: int) -> list:
-    """Round ``r``'s order: the contenders rotated by ``r``, so that over ``len(items)`` rounds
-    each runs at each position once.
+    """Round ``r``'s order: a shuffle seeded by ``r`` (the same on every rank).
 
     Position matters on this VM: whatever runs right after a 1 GB write and fsync often writes
     at the disk's speed (~0.7 GB/s) instead of the host cache's (~2.5 GB/s), even after
-    ``os.sync()`` and a 2 s pause; the first contender after the previous round's loads writes
-    fast. Alternating two orders gave one contender the first and last places only."""
-    k = r % len(items)
-    return items[k:] + items[:k]
+    ``os.sync()`` and a 2 s pause. Alternating two orders gave one contender the first and last
+    places only; rotating one order keeps neighbours together, so a contender always ran right
+    after the same one (the paired ratio of two neighbours was biased: 1.08x paired against
+    0.70x for the medians of 12 rotated rounds at 1 GB). A shuffle per round varies both the
+    position and the neighbour."""
+    order = list(items)
+    random.Random(r).shuffle(order)
+    return order
 
 
 def _on_rank0(fn):
@@ -376,7 +380,7 @@ def _report(size: str, result: dict, rounds: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="252MB,1GB", help=f"comma-separated, of {', '.join(SIZES)}")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds per size (medians; the order rotates each round)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per size (medians; the order is shuffled each round)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--profile", choices=("save", "load"), default=None, help="cProfile rank 0 instead")
     args = parser.parse_args(argv)
