@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from shardbridge import FP8Recipe, MixedPrecisionPolicy, ParallelDims, apply_fsdp, fp8
+from shardbridge import FP8Recipe, ParallelDims, PrecisionPolicy, apply_fsdp, fp8
 from shardbridge.testing import run_distributed
 from torch import nn
 
@@ -68,10 +68,10 @@ def test_torchao_backend_refuses_by_name():
 
 
 def test_policy_carries_the_recipe_and_to_fsdp2_ignores_it():
-    policy = MixedPrecisionPolicy(fp8=FP8Recipe(name="rowwise"))
-    assert policy.to_fsdp2() == MixedPrecisionPolicy().to_fsdp2()
+    policy = PrecisionPolicy(fp8=FP8Recipe(name="rowwise"))
+    assert policy.to_fsdp2() == PrecisionPolicy().to_fsdp2()
     with pytest.raises(ValueError, match=r"fp8='rowwise' must be an FP8Recipe or None"):
-        MixedPrecisionPolicy(fp8="rowwise")
+        PrecisionPolicy(fp8="rowwise")
 
 
 def test_install_step_hook_rejects_non_optimizer():
@@ -84,13 +84,13 @@ def _apply_fsdp_checks_conversion() -> dict:
     recipe = FP8Recipe(name="tensorwise")
     plain = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     try:
-        apply_fsdp(plain, pm, MixedPrecisionPolicy(fp8=recipe), units=[plain[0], plain[1]])
+        apply_fsdp(plain, pm, PrecisionPolicy(fp8=recipe), units=[plain[0], plain[1]])
         unconverted = "no error"
     except ValueError as e:
         unconverted = str(e)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     done = fp8.convert(model, recipe, module_filter=lambda m, fqn: isinstance(m, nn.Linear))
-    apply_fsdp(model, pm, MixedPrecisionPolicy(fp8=recipe), units=[model[0], model[1]])
+    apply_fsdp(model, pm, PrecisionPolicy(fp8=recipe), units=[model[0], model[1]])
     model(torch.randn(4, 32)).sum().backward()
     return {"unconverted": unconverted, "converted": done.modules, "recipe": fp8.recipe_of(model) == recipe}
 

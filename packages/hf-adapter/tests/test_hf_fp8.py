@@ -28,7 +28,7 @@ pytest.importorskip("torchao")
 transformers = pytest.importorskip("transformers")
 
 import hf_helpers  # noqa: E402
-from shardbridge import FP8Recipe, MixedPrecisionPolicy, ParallelDims, apply_fsdp, checkpoint, fp8, to_plain  # noqa: E402
+from shardbridge import FP8Recipe, ParallelDims, PrecisionPolicy, apply_fsdp, checkpoint, fp8, to_plain  # noqa: E402
 from shardbridge._comm_stats import count_collectives  # noqa: E402
 from shardbridge._compat import local_tensor  # noqa: E402
 from shardbridge.testing import run_distributed  # noqa: E402
@@ -310,7 +310,7 @@ def _only_fp8_group(use_uint8: bool) -> str:
     # Each Linear its own unit: an FSDP group of float8 weights only.
     units = [model[0], model[1]]
     if use_uint8:
-        apply_fsdp(model, pm, MixedPrecisionPolicy(fp8=recipe), units=units)  # the backend's after_fsdp
+        apply_fsdp(model, pm, PrecisionPolicy(fp8=recipe), units=units)  # the backend's after_fsdp
     else:  # torch's fully_shard alone (apply_fsdp runs the backend's after_fsdp for any converted model)
         from torch.distributed.fsdp import fully_shard
 

@@ -6,27 +6,27 @@ import sys
 
 import pytest
 import torch
-from shardbridge import MixedPrecisionPolicy
+from shardbridge import PrecisionPolicy
 from shardbridge.testing import run_distributed
 from shardbridge_megatron_fsdp import _compat, _cpu_patch, to_megatron_policy
 
 
 def test_precision_lowering():
-    p = to_megatron_policy(MixedPrecisionPolicy.bf16_comm())
+    p = to_megatron_policy(PrecisionPolicy.bf16_comm())
     assert (p.main_params_dtype, p.main_grads_dtype, p.grad_comm_dtype) == (
         torch.float32,
         torch.float32,
         torch.bfloat16,
     )
-    p = to_megatron_policy(MixedPrecisionPolicy.bf16())
+    p = to_megatron_policy(PrecisionPolicy.bf16())
     # fp32 main grads explicitly (Megatron-FSDP's None would follow a bf16 model)
     assert (p.main_grads_dtype, p.grad_comm_dtype) == (torch.float32, None)
 
 
 def test_precision_refuses_what_megatron_cannot_do():
     with pytest.raises(NotImplementedError, match="output_dtype"):
-        to_megatron_policy(MixedPrecisionPolicy(output_dtype=torch.float32))
-    with pytest.raises(ValueError, match="MixedPrecisionPolicy"):
+        to_megatron_policy(PrecisionPolicy(output_dtype=torch.float32))
+    with pytest.raises(ValueError, match="PrecisionPolicy"):
         to_megatron_policy("bf16")
 
 
@@ -90,7 +90,7 @@ def _comm_bytes() -> dict:
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        bf16 = MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)
+        bf16 = PrecisionPolicy(grad_comm_dtype=torch.bfloat16)
     for name, policy in (("fp32", None), ("bf16", bf16)):
         pm, model, opt = build({"dp_shard": 4}, "optim_grads_params", policy=policy)
         with count_collectives() as counts:

@@ -1,4 +1,4 @@
-"""MixedPrecisionPolicy.fp8 under Megatron-FSDP: the keywords, the refusals, and that they reach the config.
+"""PrecisionPolicy.fp8 under Megatron-FSDP: the keywords, the refusals, and that they reach the config.
 
 See [Note: FP8 under Megatron-FSDP] (_precision.py). TE's FP8 kernels need CUDA, so on CPU the
 tests check what is checkable: the exact ``DistributedDataParallelConfig`` keywords per recipe,
@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from shardbridge import FP8Recipe, MixedPrecisionPolicy, fp8
+from shardbridge import FP8Recipe, PrecisionPolicy, fp8
 from shardbridge.fp8 import _backend
 from shardbridge.testing import run_distributed
 from shardbridge_megatron_fsdp import to_megatron_policy
@@ -23,8 +23,8 @@ TE_RECIPES = ("tensorwise", "current", "delayed", "mxfp8", "blockwise", "block_s
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 
 
-def te_policy(name: str = "delayed", **kw: object) -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(fp8=FP8Recipe(backend="te", name=name, fp8_params=True, **kw))
+def te_policy(name: str = "delayed", **kw: object) -> PrecisionPolicy:
+    return PrecisionPolicy(fp8=FP8Recipe(backend="te", name=name, fp8_params=True, **kw))
 
 
 @pytest.mark.parametrize("name", TE_RECIPES)
@@ -34,7 +34,7 @@ def test_te_fp8_params_give_fp8_param_gather(name):
 
 def test_no_fp8_gives_no_keywords():
     for device_type in ("cpu", "cuda"):
-        assert fp8_ddp_kwargs(MixedPrecisionPolicy.bf16(), device_type=device_type) == {}
+        assert fp8_ddp_kwargs(PrecisionPolicy.bf16(), device_type=device_type) == {}
 
 
 @pytest.mark.parametrize("name", TE_RECIPES)
@@ -44,7 +44,7 @@ def test_cpu_is_refused_by_name(name):
 
 
 def test_te_without_fp8_params_is_refused():
-    policy = MixedPrecisionPolicy(fp8=FP8Recipe(backend="te", name="delayed"))
+    policy = PrecisionPolicy(fp8=FP8Recipe(backend="te", name="delayed"))
     with pytest.raises(NotImplementedError, match=r"fp8_params=False.*backend 'te'") as e:
         fp8_ddp_kwargs(policy, device_type="cuda")
     assert 'FP8Recipe(backend="te", name=..., fp8_params=True)' in str(e.value)
@@ -59,7 +59,7 @@ def test_all_gather_in_high_precision_is_refused_not_ignored():
 @pytest.mark.parametrize("name", TORCHAO_RECIPES)
 @pytest.mark.parametrize("fp8_params", [False, True])
 def test_torchao_is_refused_naming_what_megatron_fsdp_supports(name, fp8_params):
-    policy = MixedPrecisionPolicy(fp8=FP8Recipe(backend="torchao", name=name, fp8_params=fp8_params))
+    policy = PrecisionPolicy(fp8=FP8Recipe(backend="torchao", name=name, fp8_params=fp8_params))
     for device_type in ("cuda", "cpu"):
         with pytest.raises(NotImplementedError) as e:
             fp8_ddp_kwargs(policy, device_type=device_type)
@@ -69,11 +69,11 @@ def test_torchao_is_refused_naming_what_megatron_fsdp_supports(name, fp8_params)
 
 
 def test_to_megatron_policy_sends_fp8_to_the_ddp_keywords():
-    # MixedPrecisionPolicy of megatron-fsdp has no FP8 field: never silently dropped
+    # megatron_fsdp.MixedPrecisionPolicy has no FP8 field: never silently dropped
     with pytest.raises(NotImplementedError, match=r"fp8_param_gather.*shard_model.*fp8_ddp_kwargs"):
         to_megatron_policy(te_policy())
     with pytest.raises(NotImplementedError, match=r"backend='torchao'.*Megatron-FSDP"):
-        to_megatron_policy(MixedPrecisionPolicy(fp8=FP8Recipe(name="rowwise")))
+        to_megatron_policy(PrecisionPolicy(fp8=FP8Recipe(name="rowwise")))
     plain = to_megatron_policy(dataclasses.replace(te_policy(), fp8=None))
     assert plain.main_params_dtype == torch.float32
 
@@ -97,7 +97,7 @@ def no_kernel_backend():
 def test_gpu_path_checks_the_model(no_kernel_backend):
     from shardbridge_megatron_fsdp._shard import _check_fp8_model
 
-    policy = MixedPrecisionPolicy(fp8=FP8Recipe(backend=no_kernel_backend, fp8_params=True))
+    policy = PrecisionPolicy(fp8=FP8Recipe(backend=no_kernel_backend, fp8_params=True))
     # a backend that keeps FP8 parameters gets the keywords by capability, not by its name
     assert fp8_ddp_kwargs(policy, device_type="cuda") == {"fp8_param_gather": True}
     model = torch.nn.Sequential(torch.nn.Linear(16, 16))
@@ -125,7 +125,7 @@ def _wrap_config(fields: dict) -> tuple:
     config_cls = upstream.DistributedDataParallelConfig
     with _quiet_device_warning(True):
         wrapped = _wrap(
-            model, pm, to_megatron_policy(MixedPrecisionPolicy()), "optim_grads_params", None, units, True, fields
+            model, pm, to_megatron_policy(PrecisionPolicy()), "optim_grads_params", None, units, True, fields
         )
     restored = upstream.DistributedDataParallelConfig is config_cls
     return type(wrapped.ddp_config).__name__, wrapped.ddp_config.fp8_param_gather, restored
@@ -139,7 +139,7 @@ def _shard_model_refusals() -> list[str]:
 
     pm = ParallelDims(dp_shard=-1).build_mesh("cpu")
     out = []
-    for policy in (te_policy("mxfp8"), MixedPrecisionPolicy(fp8=FP8Recipe(name="rowwise"))):
+    for policy in (te_policy("mxfp8"), PrecisionPolicy(fp8=FP8Recipe(name="rowwise"))):
         try:
             shard_model(Llama(CFG), None, pm, policy)
             out.append("no error")
@@ -170,7 +170,7 @@ def test_unknown_config_field_is_refused():
             pass
 
 
-def _raised(policy: MixedPrecisionPolicy, device_type: str) -> Exception:
+def _raised(policy: PrecisionPolicy, device_type: str) -> Exception:
     try:
         fp8_ddp_kwargs(policy, device_type=device_type)
     except NotImplementedError as e:

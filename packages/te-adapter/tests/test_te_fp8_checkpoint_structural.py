@@ -64,7 +64,7 @@ RECIPES = {
 def _build(recipe_name: str | None, dims: dict, seed: int, fp8_scale: float | None = None):
     """te.Linear(IN, OUT, column) under quantized_model_init(recipe) (None: plain), parallelized at ``dims``."""
     import shardbridge_te
-    from shardbridge import FP8Recipe, MixedPrecisionPolicy
+    from shardbridge import FP8Recipe, PrecisionPolicy
     from shardbridge.fp8 import get_backend
 
     te = import_te()
@@ -79,7 +79,7 @@ def _build(recipe_name: str | None, dims: dict, seed: int, fp8_scale: float | No
         linear.fp8_meta["scaling_fwd"].scale.fill_(fp8_scale)
     holder = torch.nn.Sequential(linear)
     torch.manual_seed(seed)  # same values on every rank for the replicated pieces
-    policy = MixedPrecisionPolicy(fp8=recipe) if recipe else MixedPrecisionPolicy()
+    policy = PrecisionPolicy(fp8=recipe) if recipe else PrecisionPolicy()
     shardbridge_te.parallelize(holder, pm, policy, units=[linear])
     return pm, holder
 

@@ -301,9 +301,9 @@ def test_te_backend_refuses_by_name():
 def test_parallelize_refuses_a_non_te_fp8_recipe_by_name():
     import pytest
     import shardbridge_te
-    from shardbridge import FP8Recipe, MixedPrecisionPolicy
+    from shardbridge import FP8Recipe, PrecisionPolicy
     from torch import nn
 
-    policy = MixedPrecisionPolicy(fp8=FP8Recipe(backend="torchao", name="rowwise"))
+    policy = PrecisionPolicy(fp8=FP8Recipe(backend="torchao", name="rowwise"))
     with pytest.raises(NotImplementedError, match=r"shardbridge_te.parallelize runs TransformerEngine modules.*backend='te'"):
         shardbridge_te.parallelize(nn.Linear(2, 2), None, policy)

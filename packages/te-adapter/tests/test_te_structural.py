@@ -596,7 +596,7 @@ FP8_PARAM_QUANTIZERS = {
 def _fp8_params_lifecycle() -> dict:
     import shardbridge_te
     import torch.distributed as dist
-    from shardbridge import FP8Recipe, MixedPrecisionPolicy
+    from shardbridge import FP8Recipe, PrecisionPolicy
     from shardbridge.fp8 import get_backend
     from shardbridge.fp8 import recipe_of as get_recipe_of
 
@@ -611,7 +611,7 @@ def _fp8_params_lifecycle() -> dict:
         holder = torch.nn.Sequential(linear)
         try:
             with cuda_construction("cpu"):
-                shardbridge_te.parallelize(holder, pm, MixedPrecisionPolicy(fp8=recipe), units=[linear])
+                shardbridge_te.parallelize(holder, pm, PrecisionPolicy(fp8=recipe), units=[linear])
             reached = "no kernel"
         except RuntimeError as e:
             reached = str(e)

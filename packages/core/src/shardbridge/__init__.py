@@ -47,7 +47,7 @@ from shardbridge._fused import (
 )
 from shardbridge._mesh import FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
 from shardbridge._optim import param_group_fqns, rebind_param_groups
-from shardbridge._precision import FP8Recipe, MixedPrecisionPolicy
+from shardbridge._precision import FP8Recipe, PrecisionPolicy
 from shardbridge._tp import (
     TPMode,
     check_tp_divides,
@@ -65,8 +65,8 @@ __all__ = [
     # -- configuration ---------------------------------------------------------------------
     "FP8Recipe",
     "FusedSpec",
-    "MixedPrecisionPolicy",
     "ParallelDims",
+    "PrecisionPolicy",
     # -- entry points ----------------------------------------------------------------------
     # mesh and TP
     "check_tp_divides",
@@ -115,8 +115,8 @@ __all__ = [
     "Uint8AllGather",
 ]
 
-# Layout helpers moved to shardbridge.layout in 0.2; the old top-level names keep working for
-# one release (a DeprecationWarning each time one is read).
+# Layout helpers moved to shardbridge.layout in 0.1.0; the old top-level names keep working
+# until the next release (a DeprecationWarning each time one is read).
 _MOVED_TO_LAYOUT = frozenset(
     {
         "LayoutMismatch",
@@ -134,7 +134,21 @@ _MOVED_TO_LAYOUT = frozenset(
 )
 
 
+# Renamed in 0.1.0, with the same deprecation: torch's FSDP2 has a different class called MixedPrecisionPolicy
+# (torch.distributed.fsdp.MixedPrecisionPolicy); one name for two classes invited import mistakes.
+_RENAMED = {"MixedPrecisionPolicy": "PrecisionPolicy"}
+
+
 def __getattr__(name: str):  # PEP 562: deprecated aliases
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        _warnings.warn(
+            f"shardbridge.{name} is now shardbridge.{new} (torch.distributed.fsdp.{name} is another class); "
+            "the old name goes away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
     if name in _MOVED_TO_LAYOUT:
         _warnings.warn(
             f"shardbridge.{name} moved to shardbridge.layout.{name}; the old name goes away in the next release",

@@ -1,7 +1,7 @@
 """One mixed-precision policy for every host framework.
 
-:class:`MixedPrecisionPolicy` names the four dtypes of a training step once; the core lowers
-it to torch FSDP2 (:meth:`MixedPrecisionPolicy.to_fsdp2`), the adapters lower it to
+:class:`PrecisionPolicy` names the four dtypes of a training step once; the core lowers
+it to torch FSDP2 (:meth:`PrecisionPolicy.to_fsdp2`), the adapters lower it to
 Megatron-FSDP and Accelerate. Its ``fp8`` field is the one FP8 setting of a run: an
 :class:`~shardbridge.fp8.FP8Recipe` that a registered backend runs (``shardbridge.fp8``; see
 [Note: one FP8 recipe] there).
@@ -39,21 +39,21 @@ from shardbridge.fp8._recipe import FP8Recipe
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
-__all__ = ["FP8Recipe", "MixedPrecisionPolicy", "ALLOWED_DTYPES"]
+__all__ = ["FP8Recipe", "PrecisionPolicy", "ALLOWED_DTYPES"]
 
 #: dtypes a policy field may name. FP8 is not a field dtype: it is a recipe (``fp8=``).
 ALLOWED_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, kw_only=True)
-class MixedPrecisionPolicy:
+class PrecisionPolicy:
     """The dtypes of compute, optimizer weights, gradients and gradient communication.
 
     See [Note: the dtypes of one training step]. Use a preset (:meth:`fp32`, :meth:`bf16`,
     :meth:`bf16_comm`, :meth:`from_name`) unless you need something else.
 
     Example:
-        >>> policy = MixedPrecisionPolicy.bf16()
+        >>> policy = PrecisionPolicy.bf16()
         >>> policy.param_dtype, policy.effective_grad_comm_dtype
         (torch.bfloat16, torch.float32)
         >>> policy.to_fsdp2().reduce_dtype
@@ -118,34 +118,34 @@ class MixedPrecisionPolicy:
     # -- presets -----------------------------------------------------------------------------
 
     @classmethod
-    def fp32(cls) -> MixedPrecisionPolicy:
+    def fp32(cls) -> PrecisionPolicy:
         """Everything in fp32: no mixed precision.
 
         Example:
-            >>> MixedPrecisionPolicy.fp32().to_fsdp2().param_dtype is None
+            >>> PrecisionPolicy.fp32().to_fsdp2().param_dtype is None
             True
         """
         return cls()
 
     @classmethod
-    def bf16(cls) -> MixedPrecisionPolicy:
+    def bf16(cls) -> PrecisionPolicy:
         """bf16 compute; fp32 main params, main grads and gradient communication.
 
         Example:
-            >>> MixedPrecisionPolicy.bf16().effective_grad_comm_dtype
+            >>> PrecisionPolicy.bf16().effective_grad_comm_dtype
             torch.float32
         """
         return cls(param_dtype=torch.bfloat16)
 
     @classmethod
-    def bf16_comm(cls) -> MixedPrecisionPolicy:
+    def bf16_comm(cls) -> PrecisionPolicy:
         """bf16 compute and bf16 reduce-scatter; fp32 main params and grads.
 
         Halves the gradient traffic of :meth:`bf16`. Choosing the preset is the intent, so it
         does not warn about the narrower communication dtype.
 
         Example:
-            >>> MixedPrecisionPolicy.bf16_comm().to_fsdp2().reduce_dtype
+            >>> PrecisionPolicy.bf16_comm().to_fsdp2().reduce_dtype
             torch.bfloat16
         """
         with warnings.catch_warnings():
@@ -153,17 +153,17 @@ class MixedPrecisionPolicy:
             return cls(param_dtype=torch.bfloat16, grad_comm_dtype=torch.bfloat16)
 
     @classmethod
-    def from_name(cls, name: str) -> MixedPrecisionPolicy:
+    def from_name(cls, name: str) -> PrecisionPolicy:
         """A preset by name (for the CLI and config files): one of :attr:`PRESETS`.
 
         Raises:
             ValueError: unknown name; the message lists the valid ones.
 
         Example:
-            >>> MixedPrecisionPolicy.from_name("bf16") == MixedPrecisionPolicy.bf16()
+            >>> PrecisionPolicy.from_name("bf16") == PrecisionPolicy.bf16()
             True
         """
-        factories: dict[str, Callable[[], MixedPrecisionPolicy]] = {
+        factories: dict[str, Callable[[], PrecisionPolicy]] = {
             "fp32": cls.fp32,
             "bf16": cls.bf16,
             "bf16_comm": cls.bf16_comm,
@@ -230,7 +230,7 @@ class MixedPrecisionPolicy:
                 express it, the message names what can.
 
         Example:
-            >>> MixedPrecisionPolicy.bf16_comm().to_fsdp2()
+            >>> PrecisionPolicy.bf16_comm().to_fsdp2()
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=None, cast_forward_inputs=True)
         """
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy

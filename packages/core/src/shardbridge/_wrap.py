@@ -44,7 +44,7 @@ from shardbridge._compat import fsdp_params, fsdp_unit_key, fsdp_unit_modules
 
 if TYPE_CHECKING:
     from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import MixedPrecisionPolicy
+    from shardbridge._precision import PrecisionPolicy
 
 __all__ = ["FSDPUnit", "SupportsFSDPUnits", "apply_fsdp", "fsdp_unit_params"]
 
@@ -72,7 +72,7 @@ class SupportsFSDPUnits(Protocol):
 def apply_fsdp(
     model: nn.Module,
     mesh: ParallelMesh,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
     units: Sequence[FSDPUnit] | None = None,
     reshard_after_forward: bool | Literal["default"] = "default",
@@ -117,7 +117,7 @@ def apply_fsdp(
 
     Example:
         >>> pm = ParallelDims(dp_shard=-1).build_mesh("cpu")  # doctest: +SKIP
-        >>> apply_fsdp(model, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
+        >>> apply_fsdp(model, pm, PrecisionPolicy.bf16())  # doctest: +SKIP
     """
     if reshard_after_forward != "default" and not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True, False or 'default'")
@@ -161,7 +161,7 @@ def apply_fsdp(
     return model
 
 
-def _fp8_after_fsdp(model: nn.Module, mesh: ParallelMesh, policy: MixedPrecisionPolicy | None) -> None:
+def _fp8_after_fsdp(model: nn.Module, mesh: ParallelMesh, policy: PrecisionPolicy | None) -> None:
     """The backend's after-FSDP work for a model fp8.convert converted (with or without ``policy.fp8``).
 
     ``policy.fp8`` set: ValueError if the model was not converted for it. Unset with a converted

@@ -14,7 +14,7 @@
     _prepare_tp: imports ReplicateParallel,      _prepare_tp: no-op; TP from model.tp_plan on
       removed in transformers >= 5.1 (bug 1)       pm["tp"] (bug 2: transformers ignores it)
     fsdp2_prepare_model + load_full_state_dict   shardbridge_hf.parallelize: core apply_fsdp
-      (TP shards broadcast as full, bug 3)         units + MixedPrecisionPolicy, rank-0 weights
+      (TP shards broadcast as full, bug 3)         units + PrecisionPolicy, rank-0 weights
     _prepare_te: no fp8_autocast (bug 5)         policy.fp8 through shardbridge.fp8: the te backend
                                                    converts with TE's own TP and autocasts (5, 7)
     _prepare_ao: hook on AcceleratedOptimizer    fp8.install_step_hook on the inner optimizer (6)

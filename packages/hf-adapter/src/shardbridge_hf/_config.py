@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from shardbridge import MixedPrecisionPolicy, ParallelDims, fp8
-from shardbridge.checkpoint._export import parse_size
+from shardbridge import ParallelDims, PrecisionPolicy, fp8
+from shardbridge.checkpoint import parse_size
 from shardbridge.fp8 import FP8Recipe
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -302,7 +302,7 @@ class HFConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.precision, str):
-            _one_of("precision", self.precision, MixedPrecisionPolicy.PRESETS)
+            _one_of("precision", self.precision, PrecisionPolicy.PRESETS)
         elif isinstance(self.precision, Mapping):
             unknown = sorted(set(self.precision) - set(self.PRECISION_FIELDS))
             if unknown:
@@ -338,18 +338,18 @@ class HFConfig:
         # Building the policy validates the dtype combination (FSDP2 rules included).
         self.policy()
 
-    def policy(self) -> MixedPrecisionPolicy:
-        """The core :class:`~shardbridge.MixedPrecisionPolicy` this config asks for (``fp8`` from the fp8 block).
+    def policy(self) -> PrecisionPolicy:
+        """The core :class:`~shardbridge.PrecisionPolicy` this config asks for (``fp8`` from the fp8 block).
 
         Raises:
             ValueError: a dtype combination torch FSDP2 cannot run; the message says which key.
         """
         if isinstance(self.precision, str):
-            policy = MixedPrecisionPolicy.from_name(self.precision)
+            policy = PrecisionPolicy.from_name(self.precision)
         else:
             kwargs = {k: _dtype(f"precision.{k}", v) for k, v in self.precision.items() if v is not None}
             try:
-                policy = MixedPrecisionPolicy(**kwargs)
+                policy = PrecisionPolicy(**kwargs)
             except ValueError as e:
                 raise ValueError(f"{BLOCK_KEY}.precision: {e}") from None
         try:

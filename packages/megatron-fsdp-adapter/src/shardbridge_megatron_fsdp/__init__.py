@@ -8,9 +8,9 @@ Public: the names in ``__all__``::
     microbatches(model, n)                             # contexts for gradient accumulation
     save(path, model=..., optimizer=..., step=...)     # the core's checkpoint format
     load(path, model=..., optimizer=...)               # from Megatron-FSDP or torch FSDP2 runs
-    to_megatron_policy(policy)                         # MixedPrecisionPolicy lowering (dtypes)
+    to_megatron_policy(policy)                         # PrecisionPolicy lowering (dtypes)
     fp8_ddp_kwargs(policy, device_type=)               # policy.fp8 -> DistributedDataParallelConfig keywords
-    apply_llama_tp(llama, mesh["tp"])                   # the full TP plan (column + row) for the reference Llama
+    apply_llama_tp(llama, mesh["tp"])                  # shardbridge.models.apply_llama_tp: the core's full TP plan
     cpu_patch() / install_cpu_patch()                  # CPU/gloo support for megatron-fsdp 0.6.x
     megatron_fsdp_version()
 
@@ -24,12 +24,13 @@ Importing this package does not import megatron_fsdp; the first call that needs 
 (with an ImportError carrying the install hint when it is missing).
 """
 
+from shardbridge.models import apply_llama_tp
+
 from shardbridge_megatron_fsdp._accumulate import microbatches
 from shardbridge_megatron_fsdp._checkpoint import load, save
 from shardbridge_megatron_fsdp._compat import megatron_fsdp_version
 from shardbridge_megatron_fsdp._cpu_patch import cpu_patch
 from shardbridge_megatron_fsdp._cpu_patch import install as install_cpu_patch
-from shardbridge_megatron_fsdp._llama_tp import apply_llama_tp
 from shardbridge_megatron_fsdp._precision import fp8_ddp_kwargs, to_megatron_policy
 from shardbridge_megatron_fsdp._shard import OUTER_STRATEGIES, STRATEGIES, shard_model
 

@@ -1,10 +1,10 @@
-"""Lower shardbridge's :class:`~shardbridge.MixedPrecisionPolicy` to Megatron-FSDP's.
+"""Lower shardbridge's :class:`~shardbridge.PrecisionPolicy` to Megatron-FSDP's.
 
 [Note: Megatron-FSDP precision]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Megatron-FSDP (0.6, Megatron-LM PR #3067) keeps separate main buffers and names three dtypes::
 
-    shardbridge policy        Megatron-FSDP MixedPrecisionPolicy
+    shardbridge policy        Megatron-FSDP PrecisionPolicy
     main_params_dtype  -----> main_params_dtype   (optimizer weights; fp32 by default)
     main_grads_dtype   -----> main_grads_dtype    (accumulation; shardbridge default fp32,
                                                    Megatron-FSDP's None = "the model dtype")
@@ -52,19 +52,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from shardbridge import MixedPrecisionPolicy, fp8
+from shardbridge import PrecisionPolicy, fp8
 
 from shardbridge_megatron_fsdp._compat import require_megatron_fsdp
 
 __all__ = ["compute_dtype", "fp8_ddp_kwargs", "to_megatron_policy"]
 
 
-def compute_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:
+def compute_dtype(policy: PrecisionPolicy) -> torch.dtype | None:
     """The dtype the module is cast to before wrapping; None = leave it as it is."""
     return policy.param_dtype
 
 
-def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
+def to_megatron_policy(policy: PrecisionPolicy) -> Any:
     """``megatron_fsdp.MixedPrecisionPolicy`` for ``policy``. See [Note: Megatron-FSDP precision].
 
     Raises:
@@ -73,13 +73,13 @@ def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
             Megatron-FSDP]); the message says what to do instead.
 
     Example:
-        >>> to_megatron_policy(MixedPrecisionPolicy.bf16_comm()).grad_comm_dtype  # doctest: +SKIP
+        >>> to_megatron_policy(PrecisionPolicy.bf16_comm()).grad_comm_dtype  # doctest: +SKIP
         torch.bfloat16
     """
-    if not isinstance(policy, MixedPrecisionPolicy):
+    if not isinstance(policy, PrecisionPolicy):
         raise ValueError(
-            f"policy must be a shardbridge.MixedPrecisionPolicy, got {type(policy).__name__}; "
-            "e.g. MixedPrecisionPolicy.bf16()"
+            f"policy must be a shardbridge.PrecisionPolicy, got {type(policy).__name__}; "
+            "e.g. PrecisionPolicy.bf16()"
         )
     if policy.fp8 is not None:
         fp8_ddp_kwargs(policy, device_type="cuda")  # refuses what Megatron-FSDP cannot run, by name
@@ -106,7 +106,7 @@ def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
     )
 
 
-def fp8_ddp_kwargs(policy: MixedPrecisionPolicy, *, device_type: str) -> dict[str, Any]:
+def fp8_ddp_kwargs(policy: PrecisionPolicy, *, device_type: str) -> dict[str, Any]:
     """``DistributedDataParallelConfig`` keywords for ``policy.fp8``; ``{}`` without FP8.
 
     See [Note: FP8 under Megatron-FSDP]. Pure: imports neither megatron_fsdp nor TE.
@@ -122,7 +122,7 @@ def fp8_ddp_kwargs(policy: MixedPrecisionPolicy, *, device_type: str) -> dict[st
 
     Example:
         >>> from shardbridge import FP8Recipe
-        >>> fp8_ddp_kwargs(MixedPrecisionPolicy(fp8=FP8Recipe(backend="te", fp8_params=True)), device_type="cuda")
+        >>> fp8_ddp_kwargs(PrecisionPolicy(fp8=FP8Recipe(backend="te", fp8_params=True)), device_type="cuda")
         {'fp8_param_gather': True}
     """
     recipe = policy.fp8
@@ -150,6 +150,6 @@ def fp8_ddp_kwargs(policy: MixedPrecisionPolicy, *, device_type: str) -> dict[st
         raise NotImplementedError(
             f"fp8={recipe} with Megatron-FSDP on device {device_type!r}: fp8_param_gather all-gathers "
             "TransformerEngine FP8 parameters, which need TE's CUDA kernels; run on a GPU (mesh device 'cuda'), "
-            "or set MixedPrecisionPolicy.fp8=None on CPU"
+            "or set PrecisionPolicy.fp8=None on CPU"
         )
     return {"fp8_param_gather": True}

@@ -53,7 +53,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from shardbridge import MixedPrecisionPolicy, ParallelMesh, fp8, param_group_fqns, rebind_param_groups
+from shardbridge import ParallelMesh, PrecisionPolicy, fp8, param_group_fqns, rebind_param_groups
 from torch import distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -214,7 +214,7 @@ def shard_model(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     mesh: ParallelMesh,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
     strategy: str | int = "optim_grads_params",
     outer_strategy: str | int | None = None,
@@ -265,13 +265,13 @@ def shard_model(
         >>> pm = ParallelDims(dp_shard=-1).build_mesh("cpu")  # doctest: +SKIP
         >>> model = Llama(LlamaConfig.tiny())  # doctest: +SKIP
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
-        >>> model, opt = shard_model(model, opt, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
+        >>> model, opt = shard_model(model, opt, pm, PrecisionPolicy.bf16())  # doctest: +SKIP
     """
     from shardbridge_megatron_fsdp import _cpu_patch
     from shardbridge_megatron_fsdp._checkpoint import dist_params
     from shardbridge_megatron_fsdp._precision import fp8_ddp_kwargs, to_megatron_policy
 
-    policy = MixedPrecisionPolicy.fp32() if policy is None else policy
+    policy = PrecisionPolicy.fp32() if policy is None else policy
     strategy = _strategy("strategy", strategy, STRATEGIES)
     outer_strategy = _validate(model, mesh, strategy, outer_strategy, average_in_collective)
     # FP8: DistributedDataParallelConfig keywords (GPU only; refused by name otherwise).
@@ -337,7 +337,7 @@ def _unit_modules(
     return unit_modules
 
 
-def _without_fp8(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+def _without_fp8(policy: PrecisionPolicy) -> PrecisionPolicy:
     if policy.fp8 is None:
         return policy
     with warnings.catch_warnings():  # the user's policy was warned about (or chose a preset) already
@@ -345,7 +345,7 @@ def _without_fp8(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
         return dataclasses.replace(policy, fp8=None)
 
 
-def _check_fp8_model(model: nn.Module, policy: MixedPrecisionPolicy) -> None:
+def _check_fp8_model(model: nn.Module, policy: PrecisionPolicy) -> None:
     """ValueError unless ``model`` was converted for ``policy.fp8`` and holds FP8 parameters."""
     have = fp8.recipe_of(model)
     if have != policy.fp8:

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from shardbridge import FSDPUnit, MixedPrecisionPolicy, ParallelMesh, apply_fsdp, fp8
+from shardbridge import FSDPUnit, ParallelMesh, PrecisionPolicy, apply_fsdp, fp8
 from shardbridge._compat import local_tensor, reset_sharded_params
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -172,7 +172,7 @@ def materialize(model: nn.Module, mesh: ParallelMesh, *, device: torch.device | 
 def parallelize(
     model: nn.Module,
     mesh: ParallelMesh,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
     units: Sequence[FSDPUnit] | None = None,
     global_shapes: Mapping[str, Sequence[int]] | None = None,
@@ -204,7 +204,7 @@ def parallelize(
         >>> pm = ParallelDims(dp_shard=-1, tp=2).build_mesh("cuda")  # doctest: +SKIP
         >>> with torch.device("meta"), te.quantized_model_init(recipe=Float8CurrentScaling()):  # doctest: +SKIP
         ...     model = MyTEModel(tp_size=2)
-        >>> parallelize(model, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
+        >>> parallelize(model, pm, PrecisionPolicy.bf16())  # doctest: +SKIP
     """
     recipe = None if policy is None else policy.fp8
     if recipe is not None:

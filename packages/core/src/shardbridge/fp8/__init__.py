@@ -1,6 +1,6 @@
 """FP8 training as one concept: a recipe (:class:`FP8Recipe`) and backends that run it.
 
-Users set ``MixedPrecisionPolicy(fp8=FP8Recipe(backend=..., name=...))``; adapters call
+Users set ``PrecisionPolicy(fp8=FP8Recipe(backend=..., name=...))``; adapters call
 :func:`convert` before TP / FSDP and the after-step / after-load hooks, and ``apply_fsdp``
 runs the backend's after-FSDP work. Backends: "torchao" (here; torchao imported lazily) and
 "te" (``shardbridge_te``, found through the ``shardbridge.fp8_backends`` entry point). See

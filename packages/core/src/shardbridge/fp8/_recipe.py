@@ -2,7 +2,7 @@
 
 [Note: one FP8 recipe]
 ~~~~~~~~~~~~~~~~~~~~~~
-Users say what they want once, on :attr:`MixedPrecisionPolicy.fp8 <shardbridge.MixedPrecisionPolicy.fp8>`
+Users say what they want once, on :attr:`PrecisionPolicy.fp8 <shardbridge.PrecisionPolicy.fp8>`
 (in code, or ``fsdp_config.shardbridge.fp8`` in an Accelerate yaml)::
 
     FP8Recipe(backend="torchao", name="rowwise")

@@ -191,7 +191,7 @@ class TorchaoBackend(FP8BackendBase):
             raise ValueError(
                 f"fp8.convert: parameter {parallel!r} is already a DTensor (tensor parallelism or FSDP was applied); "
                 "torchao converts plain Linears: convert the model first, then parallelize it (parallelize_llama / "
-                "apply_tp / apply_fsdp)"
+                "apply_llama_tp / apply_fsdp)"
             )
         if not any(chosen(m, n) for n, m in model.named_modules()):
             # An "FP8 run" that computes everything in high precision is a silently ignored setting.

@@ -40,15 +40,15 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import MixedPrecisionPolicy
+    from shardbridge._precision import PrecisionPolicy
 
-__all__ = ["parallelize_llama"]
+__all__ = ["apply_llama_tp", "parallelize_llama"]
 
 
 def parallelize_llama(
     model: Llama,
     mesh: ParallelMesh,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
     compile: bool = False,
     cp_comm: str = "all_gather",
@@ -78,9 +78,7 @@ def parallelize_llama(
         >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
         >>> model = parallelize_llama(Llama(LlamaConfig.tiny()), pm)  # doctest: +SKIP
     """
-    if mesh.dims.tp > 1:
-        _check_tp_divides(model, mesh.dims.tp)
-        apply_tp(model, mesh["tp"])
+    apply_llama_tp(model, mesh["tp"])
     if mesh.dims.cp > 1:
         # Attention spans the cp axis; params stay replicated over cp, FSDP shards them over
         # the flattened dp_shard_cp (see [Note: loss over dp_cp] in shardbridge._cp).
@@ -92,8 +90,25 @@ def parallelize_llama(
     return model
 
 
-def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
-    """Shard ``model`` over the 1-D ``tp_mesh`` as in [Note: Llama TP plan]."""
+def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
+    """Shard ``model`` over the 1-D ``tp_mesh`` as in [Note: Llama TP plan]: the TP step of :func:`parallelize_llama`.
+
+    Column-parallel qkv/gate_up (fused), row-parallel o_proj/down, vocab-parallel embedding and
+    output. For frameworks that shard the rest themselves (``shardbridge_megatron_fsdp.shard_model``);
+    a 1-rank ``tp_mesh`` changes nothing.
+
+    Returns:
+        ``model``, sharded in place.
+
+    Raises:
+        ValueError: ``num_kv_heads`` or ``intermediate_size`` not divisible by the tp size.
+
+    Example:
+        >>> apply_llama_tp(Llama(LlamaConfig.tiny()), pm["tp"])  # doctest: +SKIP
+    """
+    if tp_mesh.size() == 1:
+        return model
+    _check_tp_divides(model, tp_mesh.size())
     plan: dict[str, ParallelStyle] = {
         # Shard(0) vocab rows; Partial -> Replicate (all-reduce) of the looked-up rows.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -121,6 +136,7 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
     if model.config.tie_word_embeddings:
         # Both are Shard(0) over vocab rows; ColwiseParallel re-wrapped output's parameter.
         model.output.weight = model.tok_embeddings.weight
+    return model
 
 
 def _shard_fused_weight(linear: nn.Linear, tp_mesh: DeviceMesh) -> None:

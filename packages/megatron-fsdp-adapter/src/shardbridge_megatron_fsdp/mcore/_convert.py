@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from shardbridge.cli._plugins import Verb
+from shardbridge.cli import Verb
 from torch import nn
 
 from shardbridge_megatron_fsdp.mcore._compat import INSTALL_HINT
@@ -86,7 +86,7 @@ def fsdp_dtensor_to_hf(
     ``head_dim`` defaults to hidden_size // num_attention_heads (Megatron's ``kv_channels``).
     """
     from safetensors.torch import save_file
-    from shardbridge._fused import split_fused
+    from shardbridge import split_fused
 
     from shardbridge_megatron_fsdp.mcore._fsdp_dtensor import read_fsdp_dtensor
     from shardbridge_megatron_fsdp.mcore._layout import MegatronQKVSpec
@@ -163,7 +163,7 @@ def hf_to_checkpoint(
         q, k, v = (flat.pop(f"{base}.{p}.weight") for p in QKV_NAMES)
         groups = k.shape[0] // head_dim
         spec = MegatronQKVSpec.megatron(num_heads=arch.num_attention_heads, num_query_groups=groups, head_dim=head_dim)
-        from shardbridge._fused import merge_fused
+        from shardbridge import merge_fused
 
         flat[f"{base}.linear_qkv.weight"] = merge_fused({"q_proj": q, "k_proj": k, "v_proj": v}, spec, 1)
         _set(root, f"{base}.linear_qkv.weight", flat.pop(f"{base}.linear_qkv.weight"), spec, register_fused)

@@ -205,7 +205,7 @@ def load_hf(model: Any, folder: str | os.PathLike[str]) -> dict[str, int]:
         >>> load_hf(model, "Llama-tiny")  # doctest: +SKIP
     """
     from safetensors import safe_open
-    from shardbridge._fused import split_local
+    from shardbridge import split_local
     from shardbridge.pretrained import read_index
 
     from shardbridge_megatron_fsdp.mcore._checkpoint import _inner, dist_params, fused_tp

@@ -24,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from shardbridge import FusedSpec, register_fused
-from shardbridge._fused import FusedSegment
+from shardbridge import FusedSegment, FusedSpec, register_fused
 from torch import nn
 
 __all__ = ["MegatronQKVSpec", "register_gpt_fused", "tp_dim", "tp_local"]

@@ -9,9 +9,9 @@ configuration::
     ParallelDims(dp_shard=-1, tp=T)  ------>  parallel_state.initialize_model_parallel(T)
                                               (rank order tp fastest, as ParallelDims' mesh)
                                               + model_parallel_cuda_manual_seed(seed)
-    MixedPrecisionPolicy            ------>  DistributedDataParallelConfig(
+    PrecisionPolicy            ------>  DistributedDataParallelConfig(
                                                 grad_reduce_in_fp32, preserve_fp32_weights)
-    MixedPrecisionPolicy.fp8        ------>  DistributedDataParallelConfig(fp8_param_gather=True)
+    PrecisionPolicy.fp8        ------>  DistributedDataParallelConfig(fp8_param_gather=True)
                                               on a GPU, checked against the TransformerConfig's
                                               fp8 / fp8_recipe / fp8_param (see [Note: FP8 on
                                               the Megatron-Core path])
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import MixedPrecisionPolicy, ParallelDims, param_group_fqns, rebind_param_groups
+from shardbridge import ParallelDims, PrecisionPolicy, param_group_fqns, rebind_param_groups
 from torch import nn
 
 from shardbridge_megatron_fsdp.mcore import _cpu_patch
@@ -123,7 +123,7 @@ _MCORE_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
 """``TransformerConfig.fp8_recipe`` values of megatron-core 0.16.1 that are shardbridge recipe names."""
 
 
-def fp8_fields(policy: MixedPrecisionPolicy, config: Any, *, device_type: str) -> dict[str, Any]:
+def fp8_fields(policy: PrecisionPolicy, config: Any, *, device_type: str) -> dict[str, Any]:
     """``DistributedDataParallelConfig`` keywords for ``policy.fp8`` on the Megatron-Core path.
 
     [Note: FP8 on the Megatron-Core path]
@@ -155,7 +155,7 @@ def fp8_fields(policy: MixedPrecisionPolicy, config: Any, *, device_type: str) -
         on = [f"{n}={getattr(config, n)!r}" for n in ("fp8", "fp8_param") if getattr(config, n, None)]
         if on:
             raise ValueError(
-                f"TransformerConfig {', '.join(on)} but MixedPrecisionPolicy.fp8=None: the policy is the run's one FP8 "
+                f"TransformerConfig {', '.join(on)} but PrecisionPolicy.fp8=None: the policy is the run's one FP8 "
                 f"setting; set policy.fp8=FP8Recipe(backend='te', name={getattr(config, 'fp8_recipe', 'delayed')!r}, "
                 "fp8_params=True) (GPU), or TransformerConfig(fp8=None, fp8_param=False)"
             )
@@ -163,14 +163,14 @@ def fp8_fields(policy: MixedPrecisionPolicy, config: Any, *, device_type: str) -
     fields = fp8_ddp_kwargs(policy, device_type=device_type)  # torchao, fp8_params=False, CPU: refused by name
     if recipe.name not in _MCORE_FP8_RECIPES:
         raise NotImplementedError(
-            f"MixedPrecisionPolicy.fp8={recipe}: megatron-core 0.16.1 configures {recipe.name!r} outside "
+            f"PrecisionPolicy.fp8={recipe}: megatron-core 0.16.1 configures {recipe.name!r} outside "
             f"TransformerConfig.fp8_recipe (fp4 recipes), which is not wired; use one of {list(_MCORE_FP8_RECIPES)}"
         )
     want = {"fp8": ("e4m3", "hybrid"), "fp8_recipe": (recipe.name,), "fp8_param": (True,)}
     wrong = [f"{n}={getattr(config, n, None)!r}" for n, ok in want.items() if getattr(config, n, None) not in ok]
     if wrong:
         raise ValueError(
-            f"MixedPrecisionPolicy.fp8={recipe} but TransformerConfig {', '.join(wrong)}: Megatron-Core builds its TE "
+            f"PrecisionPolicy.fp8={recipe} but TransformerConfig {', '.join(wrong)}: Megatron-Core builds its TE "
             f"modules from the TransformerConfig, so set TransformerConfig(fp8='hybrid' or 'e4m3', "
             f"fp8_recipe={recipe.name!r}, fp8_param=True), or change policy.fp8 to match it"
         )
@@ -178,19 +178,19 @@ def fp8_fields(policy: MixedPrecisionPolicy, config: Any, *, device_type: str) -
 
 
 def _ddp_config(
-    policy: MixedPrecisionPolicy, strategy: str, model_dtype: torch.dtype, fp8_kwargs: dict[str, Any] | None = None
+    policy: PrecisionPolicy, strategy: str, model_dtype: torch.dtype, fp8_kwargs: dict[str, Any] | None = None
 ) -> Any:
     """DistributedDataParallelConfig for ``policy``: megatron-core 0.16.1 has two booleans (+ fp8_kwargs)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     if policy.output_dtype is not None:
         raise NotImplementedError(
-            f"MixedPrecisionPolicy.output_dtype={policy.output_dtype} has no Megatron-Core FSDP counterpart in "
+            f"PrecisionPolicy.output_dtype={policy.output_dtype} has no Megatron-Core FSDP counterpart in "
             "megatron-core 0.16.1 (it does not cast module outputs); set output_dtype=None"
         )
     if policy.param_dtype not in (None, model_dtype):
         raise ValueError(
-            f"MixedPrecisionPolicy.param_dtype={policy.param_dtype} but the model's parameters are {model_dtype}: "
+            f"PrecisionPolicy.param_dtype={policy.param_dtype} but the model's parameters are {model_dtype}: "
             "Megatron-Core computes in the dtype the model is built in; build it with "
             "TransformerConfig(params_dtype=..., bf16=...) or set param_dtype=None"
         )
@@ -226,7 +226,7 @@ def shard_model(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     config: Any,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
     strategy: str = "optim_grads_params",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -264,7 +264,7 @@ def shard_model(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
     check_cpu_config(config)
-    policy = policy or MixedPrecisionPolicy()
+    policy = policy or PrecisionPolicy()
     model_dtype = next(model.parameters()).dtype
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ddp_config = _ddp_config(policy, strategy, model_dtype, fp8_fields(policy, config, device_type=device_type))
