@@ -41,9 +41,8 @@ def test_old_name_is_a_deprecated_alias_of_precision_policy():
         ({"param_dtype": torch.int8}, r"param_dtype=torch.int8 is not an allowed dtype; choose one of torch.float64"),
         ({"main_params_dtype": None}, r"main_params_dtype=None is not an allowed dtype; .*torch.float16$"),
         ({"grad_comm_dtype": "bf16"}, r"grad_comm_dtype='bf16' is not an allowed dtype"),
-        ({"output_dtype": torch.float8_e4m3fn}, r"output_dtype=torch.float8_e4m3fn .* set fp8=FP8Recipe"),
+        ({"output_dtype": torch.float8_e4m3fn}, r"output_dtype=torch.float8_e4m3fn .* shardbridge.fp8.convert\(model"),
         ({"cast_forward_inputs": 1}, r"cast_forward_inputs=1 must be a bool"),
-        ({"fp8": "tensorwise"}, r"fp8='tensorwise' must be an FP8Recipe or None"),
     ],
 )
 def test_validation_names_field_and_allowed_values(kwargs, match):
@@ -51,10 +50,10 @@ def test_validation_names_field_and_allowed_values(kwargs, match):
         PrecisionPolicy(**kwargs)
 
 
-def test_fp8_recipe_names():
-    assert FP8Recipe().name == "tensorwise"
-    with pytest.raises(ValueError, match=r"FP8Recipe.name='e4m3' is not a known recipe; choose one of"):
-        FP8Recipe(name="e4m3")
+def test_fp8_is_not_a_field_of_the_policy():
+    """FP8 is a conversion of the model (shardbridge.fp8.convert), not a dtype FSDP2 lowers."""
+    with pytest.raises(TypeError, match="fp8"):
+        PrecisionPolicy(fp8=FP8Recipe())
 
 
 def test_narrow_grad_comm_warns_with_what_is_lost():
@@ -102,8 +101,6 @@ def test_lowering_refuses_what_fsdp2_cannot_express():
     match = r"main_grads_dtype=torch.bfloat16 cannot be lowered.*shardbridge\[megatron\]"
     with pytest.raises(NotImplementedError, match=match):
         PrecisionPolicy(main_grads_dtype=torch.bfloat16).to_fsdp2()
-    # fp8 changes no FSDP2 dtype (its backend converts modules); apply_fsdp checks the model.
-    assert PrecisionPolicy(fp8=FP8Recipe()).to_fsdp2() == PrecisionPolicy().to_fsdp2()
 
 
 def test_policy_is_frozen_and_keyword_only():

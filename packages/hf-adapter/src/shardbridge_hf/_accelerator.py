@@ -15,7 +15,7 @@
       removed in transformers >= 5.1 (bug 1)       pm["tp"] (bug 2: transformers ignores it)
     fsdp2_prepare_model + load_full_state_dict   shardbridge_hf.parallelize: core apply_fsdp
       (TP shards broadcast as full, bug 3)         units + PrecisionPolicy, rank-0 weights
-    _prepare_te: no fp8_autocast (bug 5)         policy.fp8 through shardbridge.fp8: the te backend
+    _prepare_te: no fp8_autocast (bug 5)         the fp8 block through shardbridge.fp8: the te backend
                                                    converts with TE's own TP and autocasts (5, 7)
     _prepare_ao: hook on AcceleratedOptimizer    fp8.install_step_hook on the inner optimizer (6)
     AcceleratedScheduler: num_processes steps    dp steps per optimizer step (tp ranks share a
@@ -300,10 +300,6 @@ class ShardbridgeAccelerator(Accelerator):
         self.unscale_gradients()
         return clip_grad_norm_(parameters, max_norm, norm_type)
 
-    def model_init_context(self) -> contextlib.AbstractContextManager:
-        """The FP8 backend's model-building context (te with ``fp8_params``: ``quantized_model_init``); else a no-op."""
-        return fp8.model_init_context(self.shardbridge_config.policy().fp8)
-
     # -- checkpoints ----------------------------------------------------------------------------
 
     def save_state(
@@ -394,7 +390,7 @@ class ShardbridgeAccelerator(Accelerator):
             schedulers=list(accelerator_schedulers(self)),
             strict=strict,
         )
-        fp8.after_load(model)  # FP8 scales from the loaded weights (nothing without FP8)
+        fp8.refresh(model)  # FP8 scales from the loaded weights (nothing without FP8)
         return self.step
 
     def load_pretrained(self, path: str | os.PathLike[str], *, cast_dtype: bool = False) -> Any:
@@ -422,7 +418,7 @@ class ShardbridgeAccelerator(Accelerator):
         """
         model, _ = self._require_prepared("load_pretrained")
         report = _pretrained.load_pretrained(model, path, cast_dtype=cast_dtype)
-        fp8.after_load(model)  # FP8 scales from the loaded weights (nothing without FP8)
+        fp8.refresh(model)  # FP8 scales from the loaded weights (nothing without FP8)
         return report
 
     def export_pretrained(

@@ -2,12 +2,12 @@
 
 The steps, in the order they must run::
 
-    1. fp8 convert (torchao)    nn.Linear -> Float8Linear        BEFORE TP / FSDP
+    1. fp8 convert              nn.Linear -> the backend's modules BEFORE TP / FSDP
     2. tensor parallelism       model.tp_plan on pm["tp"]         see [Note: HF TP plan on the shardbridge mesh]
        context parallelism      attention over pm["cp"]           see [Note: HF context parallel] (_cp.py)
     3. FSDP2 units (core)       embed | each decoder layer | [norm, lm_head] | root
     4. rank-0 weights           broadcast full tensors, each rank keeps its piece
-    5. fp8 after_fsdp           uint8 all-gather on gloo, first scales
+    5. fp8 refresh              what derives from the sharded weights (torchao tensorwise: scales)
 
 [Note: rank-0 weights after sharding (upstream bug 3)]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -46,7 +46,7 @@ __all__ = ["fsdp_units", "load_full_from_rank0", "parallelize"]
 def parallelize(
     model: nn.Module, pm: ParallelMesh, config: HFConfig, *, device: torch.device | None = None
 ) -> nn.Module:
-    """Apply FP8 (``policy.fp8``'s backend), TP and FSDP2 to a transformers causal LM, in place.
+    """Apply FP8 (``config.fp8``'s backend), TP and FSDP2 to a transformers causal LM, in place.
 
     Call on every rank with the same arguments. Parameters may differ between ranks (or be
     on ``meta`` off rank 0) when ``config.sync_module_states``: rank 0's weights win.
@@ -68,7 +68,6 @@ def parallelize(
         >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
         >>> model = parallelize(LlamaForCausalLM(cfg), pm, HFConfig())  # doctest: +SKIP
     """
-    config.fp8.check_tp(pm.dims.tp)
     device = device or torch.device(pm.mesh.device_type)
     policy = config.policy()
     # Every parameter on meta on every rank: the weights come from accelerator.load_pretrained
@@ -81,12 +80,13 @@ def parallelize(
         check_tp_divides(getattr(model, "config", None), pm.dims.tp)
         plan = dict(resolve_tp_plan(model, config.tp_plan))
     fp8_styles = None
-    if policy.fp8 is not None:
+    recipe = config.fp8.to_recipe()
+    if recipe is not None:
         # Before TP / FSDP. A backend with its own TP modules (te) shards them itself: the torch
         # TP pass skips what it reports done. See [Note: the FP8 backend protocol] in the core.
-        done = fp8.convert(model, policy.fp8, mesh=pm, tp_plan={k: v for k, v in plan.items() if isinstance(v, str)})
+        done = fp8.convert(model, recipe, mesh=pm, tp_plan={k: v for k, v in plan.items() if isinstance(v, str)})
         plan = {k: v for k, v in plan.items() if k not in done.tp_done}
-        fp8_styles = fp8.get_backend(policy.fp8.backend).tp_styles(policy.fp8)
+        fp8_styles = done.tp_styles
 
     if pm.dims.tp > 1:
         # Rank-0 weights are broadcast after sharding: no scatter here (it would hang with meta ranks).
@@ -102,8 +102,6 @@ def parallelize(
         fix=f"build it in that dtype (from_config(cfg, torch_dtype={policy.main_params_dtype})) or set "
         "fsdp_config.shardbridge.precision.main_params_dtype accordingly",
     )
-    # With policy.fp8, apply_fsdp also runs the backend's after-FSDP work (float8 all-gather on
-    # gloo, first scales, TE autocast).
     apply_fsdp(
         model,
         pm,
@@ -115,10 +113,11 @@ def parallelize(
 
     if deferred:
         materialise_on(model, device)
-        guard_until_loaded(model)
-    elif config.sync_module_states:
+        guard_until_loaded(model)  # load_pretrained fills the weights (and refreshes FP8)
+        return model
+    if config.sync_module_states:
         load_full_from_rank0(model, full, device=device)
-        fp8.after_load(model)  # the weights changed: per-tensor scales from rank 0's weights
+    fp8.refresh(model)  # what FP8 derives from the sharded weights (torchao tensorwise: the scales)
     return model
 
 

@@ -55,7 +55,8 @@ def parallelize_llama(
 ) -> Llama:
     """Tensor parallelism (when tp > 1), context parallelism (cp > 1), per-block compile, then FSDP2 units.
 
-    Call on an initialised model (``init_weights`` done) whose parameters are identical on
+    A model converted for FP8 (``shardbridge.fp8.convert``, before this call) gets its backend's
+    TP styles for the converted Linears and, at the end, ``fp8.refresh``. Call on an initialised model (``init_weights`` done) whose parameters are identical on
     every rank; call with the same arguments on every rank. With cp > 1, feed each rank its
     part of the batch (``shardbridge.cp_split`` of tokens and labels over ``mesh["cp"]``) and
     reduce the loss with ``shardbridge.cp_cross_entropy``.
@@ -87,6 +88,7 @@ def parallelize_llama(
         for block in model.layers:
             block.compile()
     apply_fsdp(model, mesh, policy)
+    fp8.refresh(model)  # an FP8-converted model: what derives from the sharded weights (first scales)
     return model
 
 
@@ -115,8 +117,8 @@ def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
         # Shard(-1) -> Replicate: full-vocab logits on every TP rank.
         "output": ColwiseParallel(output_layouts=Replicate()),
     }
-    recipe = fp8.recipe_of(model)
-    fp8_styles = fp8.get_backend(recipe.backend).tp_styles(recipe) if recipe is not None else None
+    done = fp8.converted(model)
+    fp8_styles = done.tp_styles if done is not None else None
 
     def style(kind: str, linear: nn.Module) -> ParallelStyle:
         # Modules fp8.convert converted take its backend's styles (MXFP8: the linear on local shards).

@@ -11,7 +11,7 @@ configuration::
                                               + model_parallel_cuda_manual_seed(seed)
     PrecisionPolicy            ------>  DistributedDataParallelConfig(
                                                 grad_reduce_in_fp32, preserve_fp32_weights)
-    PrecisionPolicy.fp8        ------>  DistributedDataParallelConfig(fp8_param_gather=True)
+    shard_model(fp8=FP8Recipe)  ------>  DistributedDataParallelConfig(fp8_param_gather=True)
                                               on a GPU, checked against the TransformerConfig's
                                               fp8 / fp8_recipe / fp8_param (see [Note: FP8 on
                                               the Megatron-Core path])
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import ParallelDims, PrecisionPolicy, param_group_fqns, rebind_param_groups
+from shardbridge import FP8Recipe, ParallelDims, PrecisionPolicy, param_group_fqns, rebind_param_groups
 from torch import nn
 
 from shardbridge_megatron_fsdp.mcore import _cpu_patch
@@ -123,17 +123,17 @@ _MCORE_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
 """``TransformerConfig.fp8_recipe`` values of megatron-core 0.16.1 that are shardbridge recipe names."""
 
 
-def fp8_fields(policy: PrecisionPolicy, config: Any, *, device_type: str) -> dict[str, Any]:
-    """``DistributedDataParallelConfig`` keywords for ``policy.fp8`` on the Megatron-Core path.
+def fp8_fields(recipe: FP8Recipe | None, config: Any, *, device_type: str) -> dict[str, Any]:
+    """``DistributedDataParallelConfig`` keywords for the FP8 ``recipe`` on the Megatron-Core path.
 
     [Note: FP8 on the Megatron-Core path]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     Megatron-Core builds its TE modules from the ``TransformerConfig`` (``fp8``,
     ``fp8_recipe``, ``fp8_param``), and its Megatron-FSDP all-gathers FP8 parameters with
-    ``DistributedDataParallelConfig(fp8_param_gather=True)``. shardbridge's policy is the one
-    FP8 setting, so the two must say the same::
+    ``DistributedDataParallelConfig(fp8_param_gather=True)``. shardbridge's recipe (``shard_model``'s
+    ``fp8``) is the one FP8 setting, so the two must say the same::
 
-        policy.fp8                                   TransformerConfig        DDP config
+        fp8                                          TransformerConfig        DDP config
         None                                         fp8=None, fp8_param=F    (nothing)
         FP8Recipe(backend="te", name=R,              fp8="e4m3"|"hybrid",     fp8_param_gather=True
                   fp8_params=True), R in             fp8_recipe=R,
@@ -145,34 +145,33 @@ def fp8_fields(policy: PrecisionPolicy, config: Any, *, device_type: str) -> dic
     disagrees with the policy. GPU only: nothing here has run on a GPU yet.
 
     Raises:
-        ValueError: the TransformerConfig disagrees with ``policy.fp8`` (both named).
+        ValueError: the TransformerConfig disagrees with ``recipe`` (both named).
         NotImplementedError: what this path does not run (named, with what it does).
     """
     from shardbridge_megatron_fsdp._precision import fp8_ddp_kwargs
 
-    recipe = policy.fp8
     if recipe is None:
         on = [f"{n}={getattr(config, n)!r}" for n in ("fp8", "fp8_param") if getattr(config, n, None)]
         if on:
             raise ValueError(
-                f"TransformerConfig {', '.join(on)} but PrecisionPolicy.fp8=None: the policy is the run's one FP8 "
-                f"setting; set policy.fp8=FP8Recipe(backend='te', name={getattr(config, 'fp8_recipe', 'delayed')!r}, "
+                f"TransformerConfig {', '.join(on)} but shard_model(fp8=None): the recipe is the run's one FP8 "
+                f"setting; pass fp8=FP8Recipe(backend='te', name={getattr(config, 'fp8_recipe', 'delayed')!r}, "
                 "fp8_params=True) (GPU), or TransformerConfig(fp8=None, fp8_param=False)"
             )
         return {}
-    fields = fp8_ddp_kwargs(policy, device_type=device_type)  # torchao, fp8_params=False, CPU: refused by name
+    fields = fp8_ddp_kwargs(recipe, device_type=device_type)  # torchao, fp8_params=False, CPU: refused by name
     if recipe.name not in _MCORE_FP8_RECIPES:
         raise NotImplementedError(
-            f"PrecisionPolicy.fp8={recipe}: megatron-core 0.16.1 configures {recipe.name!r} outside "
+            f"fp8={recipe}: megatron-core 0.16.1 configures {recipe.name!r} outside "
             f"TransformerConfig.fp8_recipe (fp4 recipes), which is not wired; use one of {list(_MCORE_FP8_RECIPES)}"
         )
     want = {"fp8": ("e4m3", "hybrid"), "fp8_recipe": (recipe.name,), "fp8_param": (True,)}
     wrong = [f"{n}={getattr(config, n, None)!r}" for n, ok in want.items() if getattr(config, n, None) not in ok]
     if wrong:
         raise ValueError(
-            f"PrecisionPolicy.fp8={recipe} but TransformerConfig {', '.join(wrong)}: Megatron-Core builds its TE "
+            f"fp8={recipe} but TransformerConfig {', '.join(wrong)}: Megatron-Core builds its TE "
             f"modules from the TransformerConfig, so set TransformerConfig(fp8='hybrid' or 'e4m3', "
-            f"fp8_recipe={recipe.name!r}, fp8_param=True), or change policy.fp8 to match it"
+            f"fp8_recipe={recipe.name!r}, fp8_param=True), or change fp8 to match it"
         )
     return fields
 
@@ -229,6 +228,7 @@ def shard_model(
     policy: PrecisionPolicy | None = None,
     *,
     strategy: str = "optim_grads_params",
+    fp8: FP8Recipe | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Wrap a Megatron-Core model in Megatron-Core's ``FullyShardedDataParallel``; rebind the optimizer.
 
@@ -244,6 +244,8 @@ def shard_model(
         config: the model's ``TransformerConfig``.
         policy: precision; None = fp32 everywhere.
         strategy: Megatron-FSDP sharding (``no_shard`` ... ``optim_grads_params``).
+        fp8: the run's FP8 recipe; it must agree with the TransformerConfig Megatron-Core built
+            the model from (see [Note: FP8 on the Megatron-Core path]). None = no FP8.
 
     Returns:
         ``(wrapped model, optimizer)``: call the wrapped model like the original; train with
@@ -251,9 +253,9 @@ def shard_model(
 
     Raises:
         ValueError: an unknown strategy, a CUDA-only kernel selected on a CPU host, or a
-            TransformerConfig whose FP8 fields disagree with ``policy.fp8``.
-        NotImplementedError: a policy Megatron-Core 0.16.1 cannot express (``policy.fp8`` on
-            CPU, torchao recipes; see [Note: FP8 on the Megatron-Core path]).
+            TransformerConfig whose FP8 fields disagree with ``fp8``.
+        NotImplementedError: a policy Megatron-Core 0.16.1 cannot express, or an FP8 recipe on
+            CPU or of torchao (see [Note: FP8 on the Megatron-Core path]).
 
     Example:
         >>> dims = init_parallel_state(ParallelDims(dp_shard=-1, tp=2))  # doctest: +SKIP
@@ -267,7 +269,7 @@ def shard_model(
     policy = policy or PrecisionPolicy()
     model_dtype = next(model.parameters()).dtype
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ddp_config = _ddp_config(policy, strategy, model_dtype, fp8_fields(policy, config, device_type=device_type))
+    ddp_config = _ddp_config(policy, strategy, model_dtype, fp8_fields(fp8, config, device_type=device_type))
     group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
     register_gpt_fused(model, config)
 
