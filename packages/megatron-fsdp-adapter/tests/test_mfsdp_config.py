@@ -32,8 +32,10 @@ def test_precision_refuses_what_megatron_cannot_do():
 
 def test_version_parse_and_gate():
     assert _compat.parse_version("0.6.1rc2") == (0, 6, 1)  # the core's parser, shared by every adapter
-    assert _compat.MIN_VERSION <= _compat.megatron_fsdp_version() < _compat.MAX_VERSION
-    assert _compat.megatron_core_version() is None  # the hazard is absent in this environment
+    assert (0, 6, 1) <= _compat.megatron_fsdp_version() < (0, 7)
+    # The hazard is absent in this environment, and megatron_core_version has megatron_fsdp_version's contract.
+    with pytest.raises(ImportError, match=r'needs megatron-core; install it with pip install "shardbridge\[megatron-core\]"'):
+        _compat.megatron_core_version()
 
 
 def test_cpu_patch_is_scoped_and_reversible():

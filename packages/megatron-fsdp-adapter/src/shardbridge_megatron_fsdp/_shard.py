@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shardbridge_megatron_fsdp import _tp_patch
 from shardbridge_megatron_fsdp._accumulate import accumulation_is_wrong, install_guard
 from shardbridge_megatron_fsdp._compat import (
+    STRATEGIES,
     disable_grad_div_fusion,
     fully_shard_model,
     install_distributed_params,
@@ -67,11 +68,10 @@ from shardbridge_megatron_fsdp._compat import (
     raw_parameters,
     require_megatron_fsdp,
 )
+from shardbridge_megatron_fsdp._optimizer import zero_step
 
 __all__ = ["OUTER_STRATEGIES", "STRATEGIES", "shard_model"]
 
-STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-"""Megatron-FSDP sharding strategies (0..3): what is sharded over ``dp_shard``."""
 OUTER_STRATEGIES: tuple[str, ...] = ("no_shard", "optim")
 """HSDP strategies over ``dp_replicate``: replicate, or also shard the optimizer state."""
 
@@ -415,23 +415,6 @@ def _main_weights_from(wrapped: nn.Module, params: list, originals: dict[str, to
 
 
 def _shard_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """``fully_shard_optimizer`` without its side effects on the weights and Adam's step count.
-
-    Its zero-gradient ``optimizer.step()`` runs with lr=0 (keeps the weights) and
-    weight_decay=0 (keeps decay out of the states: SGD would put ``weight_decay * p`` into its
-    momentum buffer on a zero gradient); the step counters it bumped are reset to 0.
-    """
-    neutral = {"lr": 0.0, "weight_decay": 0.0}
-    saved = [{k: g[k] for k in neutral if k in g} for g in optimizer.param_groups]
-    for g, old in zip(optimizer.param_groups, saved):
-        for k in old:
-            g[k] = torch.zeros_like(g[k]) if isinstance(g[k], torch.Tensor) else neutral[k]
-    require_megatron_fsdp().fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=True)
-    for g, old in zip(optimizer.param_groups, saved):
-        g.update(old)
-    for state in optimizer.state.values():
-        step = state.get("step")
-        if isinstance(step, torch.Tensor):
-            step.zero_()
-        elif step is not None:
-            state["step"] = 0
+    """``fully_shard_optimizer`` without its side effects on the weights and Adam's step count (see ``_optimizer``)."""
+    fully_shard_optimizer = require_megatron_fsdp().fully_shard_optimizer
+    zero_step(optimizer, lambda: fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=True))

@@ -28,7 +28,7 @@ import torch
 from shardbridge.cli import Verb
 from torch import nn
 
-from shardbridge_megatron_fsdp.mcore._compat import INSTALL_HINT
+from shardbridge_megatron_fsdp._compat import MCORE_INSTALL_HINT
 from shardbridge_megatron_fsdp.mcore._hf import LlamaArch, hf_name, megatron_name, write_hf_config
 
 __all__ = ["cli_verb", "export_hf", "fsdp_dtensor_to_hf", "hf_to_checkpoint", "main"]
@@ -304,5 +304,5 @@ def _arch(args: argparse.Namespace, config: dict | None) -> LlamaArch:
 cli_verb = Verb(
     help="convert Megatron-Core GPT checkpoints to / from Hugging Face folders",
     main=main,
-    install_hint=INSTALL_HINT,
+    install_hint=MCORE_INSTALL_HINT,
 )

@@ -26,7 +26,7 @@ the vocab-parallel embedding and output layer, ``partition_dim=0``) AND row-para
 (``linear_proj``, ``linear_fc2``, ``partition_dim=1``). The bundled Megatron-FSDP turns them
 into DTensors on its (dp_cp, tp) mesh itself, so no TP conversion happens here. On gloo
 ``gradient_reduce_div_fusion`` is turned off (no PREMUL_SUM), and on a host without CUDA the
-Megatron-Core CPU patch is installed (see [Note: the Megatron-Core CPU patch]). Without
+CPU patch is installed for the megatron-core host (see [Note: the CPU patch] in ``_cpu_patch.py``). Without
 Transformer Engine, megatron-core 0.16.1's ``FullyShardedDataParallel`` fails for any TP > 1
 model (``isinstance(m, (TELinear,))`` with a stand-in that is no class); ``_compat.fix_missing_te_linear`` fixes that on any device.
 """
@@ -40,19 +40,20 @@ import torch.distributed as dist
 from shardbridge import FP8Recipe, ParallelDims, PrecisionPolicy, param_group_fqns, rebind_param_groups
 from torch import nn
 
-from shardbridge_megatron_fsdp.mcore import _cpu_patch
-from shardbridge_megatron_fsdp.mcore._compat import (
+from shardbridge_megatron_fsdp import _cpu_patch
+from shardbridge_megatron_fsdp._compat import (
+    STRATEGIES,
     bundled_fsdp,
+    disable_grad_div_fusion,
     fix_missing_te_linear,
+    install_distributed_params,
     optimizer_named_parameters,
-    replace_params_with_distributed,
     require_megatron_core,
 )
+from shardbridge_megatron_fsdp._optimizer import zero_step
 from shardbridge_megatron_fsdp.mcore._layout import register_gpt_fused
 
 __all__ = ["STRATEGIES", "check_cpu_config", "destroy_parallel_state", "init_parallel_state", "shard_model"]
-
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 # TransformerConfig fields that select CUDA-only kernels; False on a host without CUDA.
 _CUDA_ONLY_FLAGS = (
@@ -91,7 +92,7 @@ def init_parallel_state(dims: ParallelDims, *, seed: int = 0) -> ParallelDims:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    _cpu_patch.install(pin=True)
+    _cpu_patch.install(_cpu_patch.MEGATRON_CORE, pin=True)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp)
     model_parallel_cuda_manual_seed(seed)
     return dims
@@ -273,7 +274,7 @@ def shard_model(
     group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
     register_gpt_fused(model, config)
 
-    _cpu_patch.install(pin=True)
+    _cpu_patch.install(_cpu_patch.MEGATRON_CORE, pin=True)
     fix_missing_te_linear()
     from megatron.core.distributed import FullyShardedDataParallel
 
@@ -281,13 +282,13 @@ def shard_model(
     wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model, device=device)
     inner = wrapped.module
     if dist.get_backend() == "gloo":
-        inner.ddp_config.gradient_reduce_div_fusion = False  # gloo has no PREMUL_SUM
-    replace_params_with_distributed(inner)
+        disable_grad_div_fusion(inner)  # gloo has no PREMUL_SUM
+    install_distributed_params(inner)
     if optimizer is None:
         return wrapped, None
     params = dict(optimizer_named_parameters(inner))
     rebind_param_groups(optimizer, group_fqns, params)
-    # Our checkpoints go through McoreFSDPStateDicts, not upstream's state-dict post-hook.
+    # Our checkpoints go through MegatronFSDPStateDicts, not upstream's state-dict post-hook.
     bundled_fsdp().fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=False)
     _init_optimizer_state(optimizer)
     return wrapped, optimizer
@@ -296,25 +297,16 @@ def shard_model(
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's states now, as a fresh optimizer's (so a checkpoint can load into them).
 
-    One base ``step()`` on zero gradients with lr=0 and weight_decay=0 (weights and moments
-    stay as they are: SGD's momentum buffer and Adam's moments are zero, which is what the
-    first real step computes from), then every ``step`` counter back to 0.
+    One base ``step()`` on zero gradients, made neutral by ``_optimizer.zero_step`` (SGD's momentum
+    buffer and Adam's moments stay zero, which is what the first real step computes from).
     """
-    neutral = {"lr": 0.0, "weight_decay": 0.0}
-    saved = [{k: g[k] for k in neutral if k in g} for g in optimizer.param_groups]
-    for g, old in zip(optimizer.param_groups, saved):
-        for k in old:
-            g[k] = torch.zeros_like(g[k]) if isinstance(g[k], torch.Tensor) else neutral[k]
-        for p in g["params"]:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def step() -> None:
+        for p in params:
             p.grad = torch.zeros_like(p)
-    type(optimizer).step(optimizer)
-    for g, old in zip(optimizer.param_groups, saved):
-        g.update(old)
-        for p in g["params"]:
+        type(optimizer).step(optimizer)
+        for p in params:
             p.grad = None
-    for state in optimizer.state.values():
-        step = state.get("step")
-        if isinstance(step, torch.Tensor):
-            step.zero_()
-        elif step is not None:
-            state["step"] = 0
+
+    zero_step(optimizer, step)
