@@ -49,13 +49,8 @@ from shardbridge import (
 )
 from torch import nn
 
-from shardbridge_hf import _checkpoint, _patches, _pretrained
-from shardbridge_hf._compat import (
-    accelerator_models,
-    accelerator_schedulers,
-    enable_activation_checkpointing,
-    require_accelerate,
-)
+from shardbridge_hf import _checkpoint, _patches
+from shardbridge_hf._compat import accelerator_models, accelerator_schedulers, require_accelerate
 from shardbridge_hf._config import ENV_VAR, HFConfig
 from shardbridge_hf._parallelize import parallelize
 
@@ -212,15 +207,11 @@ class ShardbridgeAccelerator(Accelerator):
         device = torch.device("cpu") if self._sb_cpu else self.device
         if not self._sb_cpu and any(not p.is_meta for p in model.parameters()):
             model.to(device)
-        if self.shardbridge_config.activation_checkpointing:
-            # A flag on each decoder layer (no wrapper module: FQNs and the TP plan are unchanged);
-            # FSDP2 re-all-gathers a layer's parameters for its recompute in backward.
-            enable_activation_checkpointing(model)
         parallelize(model, self.parallel_mesh, self.shardbridge_config, device=device)
         _quiet_tp_view_outputs(model, self.parallel_mesh.dims.tp)
         new = dict(model.named_parameters())
         # A tie restored in parallelize (init_empty_weights breaks it) leaves one parameter for two FQNs.
-        fqn_groups = [_pretrained.tied_groups(model, groups) for groups in fqn_groups]
+        fqn_groups = [_tied_groups(model, groups) for groups in fqn_groups]
         for opt, groups in zip(optimizers, fqn_groups):
             rebind_param_groups(opt, groups, new)  # See [Note: param groups by FQN] in the core
         accelerator_models(self).append(model)
@@ -397,7 +388,7 @@ class ShardbridgeAccelerator(Accelerator):
         """Load a ``from_pretrained`` folder into the prepared model, each rank reading only its slices.
 
         Call after ``prepare``, on every rank. Build the model without weights for the memory
-        win (see [Note: pretrained weights without materialising the model] in ``_pretrained``)::
+        win (see [Note: pretrained weights without materialising the model] in ``_parallelize``)::
 
             with accelerate.init_empty_weights():
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
@@ -417,7 +408,7 @@ class ShardbridgeAccelerator(Accelerator):
                 anything is written).
         """
         model, _ = self._require_prepared("load_pretrained")
-        report = _pretrained.load_pretrained(model, path, cast_dtype=cast_dtype)
+        report = _checkpoint.load_pretrained(model, path, cast_dtype=cast_dtype)
         fp8.refresh(model)  # FP8 scales from the loaded weights (nothing without FP8)
         return report
 
@@ -477,6 +468,30 @@ class _DataParallelScheduler(AcceleratedScheduler):
             # OneCycleLR raises past total_steps (``drop_last=False`` leaves a partial last batch).
             if not hasattr(self.scheduler, "total_steps") or self.scheduler._step_count <= self.scheduler.total_steps:
                 self.scheduler.step(*args, **kwargs)
+
+
+def _tied_groups(model: nn.Module, fqn_groups: list[list[str]]) -> list[list[str]]:
+    """Optimizer groups by FQN with tied aliases merged into one entry (the model's own name).
+
+    An optimizer built under ``accelerate.init_empty_weights`` holds ``lm_head.weight`` and
+    ``embed_tokens.weight`` as two tensors; after re-tying (see ``_parallelize``'s step 1)
+    they are one parameter, which must appear once (twice would step it twice).
+    """
+    every = dict(model.named_parameters(remove_duplicate=False))
+    canonical = {id(p): fqn for fqn, p in model.named_parameters()}
+    seen: set[int] = set()
+    out = []
+    for group in fqn_groups:
+        kept = []
+        for fqn in group:
+            p = every.get(fqn)
+            if p is None:
+                kept.append(fqn)  # rebind_param_groups names it
+            elif id(p) not in seen:
+                seen.add(id(p))
+                kept.append(canonical[id(p)])
+        out.append(kept)
+    return out
 
 
 def _quiet_tp_view_outputs(model: nn.Module, tp: int) -> None:
