@@ -132,8 +132,8 @@ def cli_verbs() -> str:
     import tomllib
 
     sys.path.insert(0, str(REPO / "packages" / "core" / "src"))
-    from shardbridge.cli._main import build_parser
     from shardbridge.cli import GROUP
+    from shardbridge.cli._main import build_parser
 
     contributed = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"][GROUP]
     rows = ["| command | from | what it does |", "|---|---|---|"]
@@ -178,7 +178,8 @@ def render(text: str) -> str:
         pattern = _pattern(name)
         if not pattern.search(text):
             raise ValueError(f"docs/architecture.md has no block {name!r} (<!-- generated: {name} ... -->)")
-        text = pattern.sub(lambda m, body=make(): m.group(1) + body + "\n" + m.group(3), text)
+        body = make()
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(3), text)
     return text
 
 
