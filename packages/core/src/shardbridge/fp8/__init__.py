@@ -32,7 +32,6 @@ from shardbridge.fp8._tensors import (
     is_fp8_tensor,
     plain_state_dict,
     register_fp8_tensor_type,
-    registered_fp8_tensor_types,
     to_plain,
 )
 from shardbridge.fp8._torchao import TorchaoBackend, default_module_filter
@@ -66,7 +65,6 @@ __all__ = [
     "get_backend",
     "register_backend",
     "register_fp8_tensor_type",
-    "registered_fp8_tensor_types",
 ]
 
 # Folded into refresh() in 0.1.0 (issue 24): the same hook ran after a step and after a load.
