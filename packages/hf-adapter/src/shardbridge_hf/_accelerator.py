@@ -208,7 +208,6 @@ class ShardbridgeAccelerator(Accelerator):
         if not self._sb_cpu and any(not p.is_meta for p in model.parameters()):
             model.to(device)
         parallelize(model, self.parallel_mesh, self.shardbridge_config, device=device)
-        _quiet_tp_view_outputs(model, self.parallel_mesh.dims.tp)
         new = dict(model.named_parameters())
         # A tie restored in parallelize (init_empty_weights breaks it) leaves one parameter for two FQNs.
         fqn_groups = [_tied_groups(model, groups) for groups in fqn_groups]
@@ -492,36 +491,6 @@ def _tied_groups(model: nn.Module, fqn_groups: list[list[str]]) -> list[list[str
                 kept.append(canonical[id(p)])
         out.append(kept)
     return out
-
-
-def _quiet_tp_view_outputs(model: nn.Module, tp: int) -> None:
-    """Filter torch's "returned a view tensor" warning for the units whose output is a TP ``to_local()``.
-
-    [Note: FSDP2 view-output warning]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    FSDP2 (torch 2.13) warns whenever a unit returns a view: an in-place op on it (``x += y``)
-    would drop the unit's pre-backward hook. Under TP three units always do, on every forward
-    and every rank (24 copies in a 2-step, 4-rank run): the input embedding
-    (``RowwiseParallel`` output), the ``[norm, lm_head]`` unit (``colwise_gather_output``) and the
-    root, which returns those logits -- because ``DTensor.to_local()`` returns
-    ``local.view_as(local)`` by design. These views are consumed out of place by the
-    transformers models (the decoder adds the residual ``residual + hidden``; the loss reads the
-    logits): the gradients equal a one-process model's (``test_fsdp2_x_tp_trains_like_one_process``,
-    ``test_clip_grad_norm_matches_one_process``). So the warning is filtered once, for exactly
-    these units' class names; any other unit returning a view (a decoder layer) still warns.
-    What it cannot cover: a training script that modifies ``outputs.logits`` in place before
-    ``backward`` -- do that out of place.
-    """
-    if tp == 1:
-        return
-    import re
-    import warnings
-
-    names = {type(m).__name__ for m in (model.get_input_embeddings(), model.get_output_embeddings(), model) if m}
-    pattern = "|".join(re.escape(n) for n in sorted(names))
-    warnings.filterwarnings(
-        "ignore", message=rf"FSDP2-wrapped module \((?:[^)]*, )?(?:{pattern})(?:, [^)]*)?\) returned a view tensor"
-    )
 
 
 def _refuse_plain_accelerate_launch() -> None:
