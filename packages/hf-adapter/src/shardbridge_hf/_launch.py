@@ -164,91 +164,53 @@ def _is_int_at_least_1(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-# The rules of read_config_file, in the order they are checked; see [Note: Accelerate's fsdp keys]
-# for the fsdp_* keys (checked after these, with the fp8_config keys, by the _merge_* helpers).
-_CHECKS: tuple[_Check, ...] = (
-    *(
-        _Check(
-            read=lambda c, key=key: getattr(c, key, None),
-            ok=lambda v: v is None or isinstance(v, dict),
-            message=lambda v, key=key: f"{key} must be a mapping, got {v!r}",
-        )
-        for key in ("fsdp_config", "parallelism_config", "fp8_config")
-    ),
-    _Check(
-        read=lambda c: (c.fsdp_config or {}).get("shardbridge"),
-        ok=lambda v: v is None or isinstance(v, dict),
-        message=lambda v: f"{BLOCK_KEY} must be a mapping, got {v!r}",
-    ),
-    _Check(
-        read=lambda c: c.use_cpu,
-        ok=lambda v: isinstance(v, bool),
-        message=lambda v: f"use_cpu={v!r} must be true or false",
-    ),
-    _Check(
-        read=lambda c: getattr(c.distributed_type, "value", c.distributed_type),
-        ok=lambda v: v == "FSDP",
-        message=lambda v: f"distributed_type={v!r}; set distributed_type: FSDP",
-    ),
-    _Check(
-        read=lambda c: (c.fsdp_config or {}).get("fsdp_version"),
-        ok=lambda v: str(v if v is not None else "1") == "2",
-        message=lambda v: f"fsdp_config.fsdp_version={v!r}; set fsdp_version: 2",
-    ),
-    _Check(
-        read=lambda c: c.mixed_precision,
-        ok=lambda v: not isinstance(v, bool),
-        message=lambda v: (
-            f"mixed_precision={v!r}: YAML reads an unquoted no / yes as a boolean, which Accelerate's launcher "
-            "cannot take; write mixed_precision: 'no' (quoted) or 'bf16'"
-        ),
-    ),
-    _Check(
-        read=_mixed_precision,
-        ok=lambda v: v != "fp8",
-        message=lambda v: (
-            "mixed_precision: fp8 runs Accelerate's own FP8 path, which breaks under FSDP2 x TP; set "
-            f"mixed_precision: 'no' (or bf16) and {BLOCK_KEY}.fp8.backend: torchao (or te)"
-        ),
-    ),
-    _Check(
-        read=_mixed_precision,
-        ok=lambda v: v != "fp16",
-        message=lambda v: "mixed_precision: fp16 is not supported under FSDP2 here; use bf16",
-    ),
-    _Check(
-        read=_mixed_precision,
-        ok=lambda v: v in ("no", "bf16"),
-        message=lambda v: f"mixed_precision={v!r} is not allowed; use 'no' or 'bf16'",
-    ),
-    _Check(
-        read=lambda c: (_mixed_precision(c), ((c.fsdp_config or {}).get("shardbridge") or {}).get("precision")),
-        ok=lambda v: v != ("bf16", "fp32"),
-        message=lambda v: (
-            f"mixed_precision: bf16 but {BLOCK_KEY}.precision: fp32; make them agree (the shardbridge block wins "
-            "when mixed_precision is 'no')"
-        ),
-    ),
-    _Check(
-        read=lambda c: c.num_processes,
-        ok=_is_int_at_least_1,
-        message=lambda v: (
-            f"num_processes={v!r} must be an int >= 1, the total process count"
-            + (" (it is not set: add num_processes: N)" if v == -1 else "")
-        ),
-    ),
-    _Check(
-        read=_unknown_axes,
-        ok=lambda v: not v,
-        message=lambda v: f"{v[0][0]}={v[0][1]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key",
-        error=NotImplementedError,
-    ),
-    _Check(
-        read=_bad_sizes,
-        ok=lambda v: not v,
-        message=lambda v: f"{v[0][0]}={v[0][1]!r} must be an int >= 1",
-    ),
+def _fsdp(cluster: Any) -> dict[str, Any]:
+    return dict(cluster.fsdp_config or {})
+
+
+def _is_mapping_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, dict)
+
+
+_FP8_MIXED = (
+    "mixed_precision: fp8 runs Accelerate's own FP8 path, which breaks under FSDP2 x TP; set mixed_precision: 'no' "
+    f"(or bf16) and {BLOCK_KEY}.fp8.backend: torchao (or te)"
 )
+_BOOL_MIXED = (
+    "YAML reads an unquoted no / yes as a boolean, which Accelerate's launcher cannot take; write mixed_precision: "
+    "'no' (quoted) or 'bf16'"
+)
+
+# The rules of read_config_file, in the order they are checked (the first broken one is the
+# error): what each reads from Accelerate's loaded config, what it accepts, the message otherwise.
+# The fsdp_* and fp8_config keys are checked after these, by _merge_accelerate_fsdp / _fp8.
+# fmt: off
+_CHECKS: tuple[_Check, ...] = (
+    *(_Check(lambda c, k=key: getattr(c, k, None), _is_mapping_or_none, lambda v, k=key: f"{k} must be a mapping, got {v!r}")
+      for key in ("fsdp_config", "parallelism_config", "fp8_config")),
+    _Check(lambda c: _fsdp(c).get("shardbridge"), _is_mapping_or_none, lambda v: f"{BLOCK_KEY} must be a mapping, got {v!r}"),
+    _Check(lambda c: c.use_cpu, lambda v: isinstance(v, bool), lambda v: f"use_cpu={v!r} must be true or false"),
+    _Check(lambda c: getattr(c.distributed_type, "value", c.distributed_type), lambda v: v == "FSDP",
+           lambda v: f"distributed_type={v!r}; set distributed_type: FSDP"),
+    _Check(lambda c: _fsdp(c).get("fsdp_version"), lambda v: str(v if v is not None else "1") == "2",
+           lambda v: f"fsdp_config.fsdp_version={v!r}; set fsdp_version: 2"),
+    _Check(lambda c: c.mixed_precision, lambda v: not isinstance(v, bool), lambda v: f"mixed_precision={v!r}: {_BOOL_MIXED}"),
+    _Check(_mixed_precision, lambda v: v != "fp8", lambda v: _FP8_MIXED),
+    _Check(_mixed_precision, lambda v: v != "fp16", lambda v: "mixed_precision: fp16 is not supported under FSDP2 here; use bf16"),
+    _Check(_mixed_precision, lambda v: v in ("no", "bf16"), lambda v: f"mixed_precision={v!r} is not allowed; use 'no' or 'bf16'"),
+    _Check(lambda c: (_mixed_precision(c), (_fsdp(c).get("shardbridge") or {}).get("precision")),
+           lambda v: v != ("bf16", "fp32"),
+           lambda v: f"mixed_precision: bf16 but {BLOCK_KEY}.precision: fp32; make them agree (the shardbridge block "
+                     "wins when mixed_precision is 'no')"),
+    _Check(lambda c: c.num_processes, _is_int_at_least_1,
+           lambda v: f"num_processes={v!r} must be an int >= 1, the total process count"
+                     + (" (it is not set: add num_processes: N)" if v == -1 else "")),
+    _Check(_unknown_axes, lambda v: not v,
+           lambda v: f"{v[0][0]}={v[0][1]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key",
+           NotImplementedError),
+    _Check(_bad_sizes, lambda v: not v, lambda v: f"{v[0][0]}={v[0][1]!r} must be an int >= 1"),
+)
+# fmt: on
 
 
 def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None) -> LaunchPlan:
@@ -282,11 +244,11 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
         value = check.read(cluster)
         if not check.ok(value):
             raise check.error(f"{where}: {check.message(value)}")
-    block = dict(cluster.fsdp_config.get("shardbridge") or {}) if cluster.fsdp_config else {}
+    block = dict(_fsdp(cluster).get("shardbridge") or {})
     if _mixed_precision(cluster) == "bf16":
         block.setdefault("precision", "bf16")
     _merge_accelerate_fp8(cluster.fp8_config or {}, block, where)
-    _merge_accelerate_fsdp(dict(cluster.fsdp_config or {}), block, where)
+    _merge_accelerate_fsdp(_fsdp(cluster), block, where)
     dims = _dims(cluster, where)
     config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
     return LaunchPlan(config=config, dims=dims, num_processes=cluster.num_processes)
