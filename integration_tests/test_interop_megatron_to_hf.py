@@ -16,7 +16,7 @@ import torch.nn.functional as F
 pytest.importorskip("megatron_fsdp")
 transformers = pytest.importorskip("transformers")
 
-from shardbridge import MixedPrecisionPolicy, ParallelDims, checkpoint  # noqa: E402
+from shardbridge import ParallelDims, PrecisionPolicy, checkpoint  # noqa: E402
 from shardbridge.models import Llama, LlamaConfig, export_hf_llama, synthetic_batch  # noqa: E402
 from shardbridge.testing import run_distributed  # noqa: E402
 
@@ -33,7 +33,7 @@ def _train_megatron_fsdp(path: str) -> float:
     pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")
     model = apply_llama_tp(Llama(CONFIG, seed=0), pm["tp"])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = shard_model(model, opt, pm, MixedPrecisionPolicy.fp32(), strategy="optim_grads_params")
+    model, opt = shard_model(model, opt, pm, PrecisionPolicy.fp32(), strategy="optim_grads_params")
     dp_rank, dp_size = pm["dp"].get_local_rank(), pm["dp"].size()
     for step in range(3):
         tokens, labels = synthetic_batch(CONFIG, 2, 16, step=step, dp_rank=dp_rank, dp_size=dp_size)

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from shardbridge import MixedPrecisionPolicy, ParallelDims, checkpoint  # noqa: E402
+from shardbridge import ParallelDims, PrecisionPolicy, checkpoint  # noqa: E402
 from shardbridge.models import (  # noqa: E402
     Llama,
     LlamaConfig,
@@ -29,7 +29,7 @@ CONFIG = LlamaConfig.tiny(vocab_size=250, intermediate_size=200)  # uneven over 
 
 def _train_and_save(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")
-    model = parallelize_llama(Llama(CONFIG, seed=0), pm, MixedPrecisionPolicy.fp32())
+    model = parallelize_llama(Llama(CONFIG, seed=0), pm, PrecisionPolicy.fp32())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     dp_rank, dp_size = pm["dp"].get_local_rank(), pm["dp"].size()
     for step in range(4):

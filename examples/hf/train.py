@@ -87,8 +87,7 @@ def main() -> None:
     accelerator = Accelerator(kwargs_handlers=[timeout])
     torch.manual_seed(0)  # same init everywhere (rank 0's weights are broadcast anyway)
     cfg = tiny_config(args.arch, args.hidden_size)
-    with accelerator.model_init_context():
-        model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)  # FP8 (the yaml's fp8 block): converted in prepare()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     dp = accelerator.parallel_mesh.dims.degree("dp")

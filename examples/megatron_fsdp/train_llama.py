@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from shardbridge import MixedPrecisionPolicy, ParallelDims, checkpoint
+from shardbridge import ParallelDims, PrecisionPolicy, checkpoint
 from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
 
 
@@ -73,7 +73,7 @@ def main() -> None:
     pm = ParallelDims(dp_shard=-1, tp=2).build_mesh(args.device)
     model = apply_llama_tp(Llama(cfg, seed=0), pm["tp"])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = shard_model(model, opt, pm, MixedPrecisionPolicy.bf16_comm(), strategy="optim_grads_params")
+    model, opt = shard_model(model, opt, pm, PrecisionPolicy.bf16_comm(), strategy="optim_grads_params")
     for step in range(args.steps):
         if args.microbatches > 1:
             _, mean = loss_of(model, cfg, pm, step, microbatches(model, args.microbatches))

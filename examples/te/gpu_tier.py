@@ -26,7 +26,7 @@ import shardbridge_te
 import torch
 import torch.distributed as dist
 import transformer_engine.pytorch as te
-from shardbridge import MixedPrecisionPolicy, ParallelDims
+from shardbridge import ParallelDims, PrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -75,7 +75,7 @@ def main() -> None:
     recipe = {"none": None, "current": Float8CurrentScaling(), "delayed": DelayedScaling()}[args.recipe]
     pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cuda")
     model = build(2, recipe)
-    shardbridge_te.parallelize(model, pm, MixedPrecisionPolicy.fp32())
+    shardbridge_te.parallelize(model, pm, PrecisionPolicy.fp32())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(0)
     for _ in range(3):
@@ -94,7 +94,7 @@ def main() -> None:
     for dims, rec in (({"dp_shard": 1, "tp": 4}, recipe), ({"dp_shard": 4}, None)):
         pm2 = ParallelDims(**dims).build_mesh("cuda")
         other = build(pm2.dims.tp, rec)
-        shardbridge_te.parallelize(other, pm2, MixedPrecisionPolicy.fp32())
+        shardbridge_te.parallelize(other, pm2, PrecisionPolicy.fp32())
         ckpt.load(path, model=other)
         got = full(other)
         # gelu MLP: fc1 is not fused, so every full tensor is comparable across TP degrees

@@ -17,7 +17,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from shardbridge import MixedPrecisionPolicy, ParallelDims  # noqa: E402
+from shardbridge import ParallelDims, PrecisionPolicy  # noqa: E402
 from shardbridge._comm_stats import count_collectives  # noqa: E402
 from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch  # noqa: E402
 from shardbridge.testing import run_distributed  # noqa: E402
@@ -52,16 +52,16 @@ def _run(kind: str, small: bool, steps: int) -> tuple[float, dict[str, int]]:
     pm = ParallelDims(dp_shard=-1).build_mesh("cpu")
     model = Llama(cfg, seed=0)
     if kind == "fsdp2":
-        model = parallelize_llama(model, pm, MixedPrecisionPolicy.fp32())
+        model = parallelize_llama(model, pm, PrecisionPolicy.fp32())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
-        policy = MixedPrecisionPolicy.fp32()
+        policy = PrecisionPolicy.fp32()
         if kind == "mfsdp_bf16comm":
             import warnings
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                policy = MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)
+                policy = PrecisionPolicy(grad_comm_dtype=torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = shard_model(model, opt, pm, policy, strategy="optim_grads_params")
     return _steps(model, opt, cfg, pm, steps, seq)

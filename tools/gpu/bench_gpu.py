@@ -81,7 +81,7 @@ def _row(name, sec, tokens, flops_per_token, device, losses, **extra):
 
 
 def bench_llama(args, device):
-    from shardbridge import MixedPrecisionPolicy, ParallelDims
+    from shardbridge import ParallelDims, PrecisionPolicy
     from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard
@@ -127,13 +127,13 @@ def bench_llama(args, device):
                 config=Float8LinearConfig.from_recipe_name(recipe),
                 module_filter_fn=lambda m, fqn: fqn != "output",
             )
-            return parallelize_llama(model, pm, MixedPrecisionPolicy.bf16(), compile=args.compile)
+            return parallelize_llama(model, pm, PrecisionPolicy.bf16(), compile=args.compile)
 
         return make
 
     contenders = {
         "shardbridge parallelize_llama bf16": lambda m: parallelize_llama(
-            m, pm, MixedPrecisionPolicy.bf16(), compile=args.compile
+            m, pm, PrecisionPolicy.bf16(), compile=args.compile
         ),
         "plain fully_shard bf16": plain,
         "torchao float8 tensorwise": float8("tensorwise"),
@@ -174,7 +174,7 @@ def bench_llama(args, device):
 def bench_te(args, device):
     import shardbridge_te
     import transformer_engine.pytorch as te
-    from shardbridge import MixedPrecisionPolicy, ParallelDims
+    from shardbridge import ParallelDims, PrecisionPolicy
     from transformer_engine.common import recipe as R
 
     h, ffn, heads, nl, seq, batch = (4096, 16384, 32, 4, args.seq, 2) if not args.tiny else (256, 1024, 8, 2, 128, 2)
@@ -202,7 +202,7 @@ def bench_te(args, device):
                             for _ in range(nl)
                         ]
                     )
-                shardbridge_te.parallelize(model, pm, MixedPrecisionPolicy.bf16())
+                shardbridge_te.parallelize(model, pm, PrecisionPolicy.bf16())
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 x = torch.randn(seq, batch, h, device=device, dtype=torch.bfloat16)
 

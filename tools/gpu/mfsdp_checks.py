@@ -7,7 +7,7 @@ tiny reference Llama, a few AdamW steps, per-step losses vs the same model train
 torch (fp32: rel. diff <= 1e-4); optim_grads_params also with bf16 compute (<= 3e-2) and a
 checkpoint round trip (save, load into a fresh model, next loss equal). On CUDA the CPU patch
 must stay inert (``_cpu_patch.installed()`` False), and with TransformerEngine installed
-``fp8-te-params`` trains with ``MixedPrecisionPolicy(fp8=FP8Recipe(backend="te", fp8_params=True))``
+``fp8-te-params`` trains a model converted with ``FP8Recipe(backend="te", fp8_params=True)``
 (``fp8_param_gather`` on, TE FP8 parameters; recorded as skipped without TE). Writes one JSON (``failed`` lists failures).
 """
 
@@ -23,7 +23,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from shardbridge import MixedPrecisionPolicy, ParallelDims
+from shardbridge import ParallelDims, PrecisionPolicy
 from shardbridge.models import Llama, LlamaConfig, synthetic_batch
 
 STEPS = 4
@@ -87,8 +87,8 @@ def main() -> None:
         }
 
     for strategy in STRATEGIES:
-        check(f"{strategy}-fp32", lambda s=strategy: strategy_run(s, MixedPrecisionPolicy.fp32(), 1e-4))
-    check("optim_grads_params-bf16", lambda: strategy_run("optim_grads_params", MixedPrecisionPolicy.bf16(), 3e-2))
+        check(f"{strategy}-fp32", lambda s=strategy: strategy_run(s, PrecisionPolicy.fp32(), 1e-4))
+    check("optim_grads_params-bf16", lambda: strategy_run("optim_grads_params", PrecisionPolicy.bf16(), 3e-2))
 
     def roundtrip():
         model = Llama(cfg, seed=0).to(device)
@@ -115,16 +115,16 @@ def main() -> None:
     check("checkpoint-roundtrip", roundtrip)
 
     def fp8_te_params():
-        # policy.fp8 -> DistributedDataParallelConfig(fp8_param_gather=True) (see [Note: FP8 under
+        # the model's recipe -> DistributedDataParallelConfig(fp8_param_gather=True) (see [Note: FP8 under
         # Megatron-FSDP]): TE FP8 parameters from fp8.convert, all-gathered in FP8, autocast on.
         from shardbridge import FP8Recipe, fp8
         from shardbridge_megatron_fsdp._compat import is_fp8_parameter, raw_parameters
 
         recipe = FP8Recipe(backend="te", name="tensorwise", fp8_params=True)
         model = Llama(cfg, seed=0).to(device)
-        converted = fp8.convert(model, recipe).modules
+        converted = fp8.convert(model, recipe, mesh=pm).modules
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model, opt = shard_model(model, opt, pm, MixedPrecisionPolicy(fp8=recipe), strategy="optim_grads_params")
+        model, opt = shard_model(model, opt, pm, PrecisionPolicy(), strategy="optim_grads_params")
         got = losses_of(model, opt, cfg, device)
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
         gather = model.ddp_config.fp8_param_gather

@@ -71,7 +71,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     import transformer_engine.pytorch as te
-    from shardbridge import MixedPrecisionPolicy, ParallelDims
+    from shardbridge import ParallelDims, PrecisionPolicy
     from torch.distributed.tensor import DTensor
     from transformer_engine.common import recipe as R
 
@@ -143,7 +143,7 @@ def main() -> None:
                 te.Linear(HIDDEN, FFN, tp_size=tp, parallel_mode="column", params_dtype=torch.float32),
                 te.Linear(FFN, HIDDEN, tp_size=tp, parallel_mode="row", params_dtype=torch.float32),
             )
-        shardbridge_te.parallelize(model, pm, MixedPrecisionPolicy.fp32())
+        shardbridge_te.parallelize(model, pm, PrecisionPolicy.fp32())
         ref = torch.nn.Sequential(torch.nn.Linear(HIDDEN, FFN), torch.nn.Linear(FFN, HIDDEN)).cuda()
         with torch.no_grad():
             for i in range(2):
@@ -166,7 +166,7 @@ def main() -> None:
     def current_params():
         recipe = R.Float8CurrentScaling()
         model = layers(tp, recipe)
-        shardbridge_te.parallelize(model, pm, MixedPrecisionPolicy.bf16())
+        shardbridge_te.parallelize(model, pm, PrecisionPolicy.bf16())
         losses = train(model, recipe)
         want = sorted(dist.get_process_group_ranks(pm["weight"].get_group()))
         groups, quantizer_groups, fp8_types = {}, {}, set()
@@ -196,7 +196,7 @@ def main() -> None:
     def delayed_extra_state():
         recipe = R.DelayedScaling()
         model = layers(tp, recipe)
-        shardbridge_te.parallelize(model, pm, MixedPrecisionPolicy.bf16())
+        shardbridge_te.parallelize(model, pm, PrecisionPolicy.bf16())
         losses = train(model, recipe)
         first = next(m for m in model.modules() if hasattr(m, "fp8_meta") and m.fp8_meta.get("scaling_fwd") is not None)
         saved = first.fp8_meta["scaling_fwd"].scale.detach().float().clone()
@@ -206,7 +206,7 @@ def main() -> None:
         dims2 = {"dp_shard": 1, "tp": 4} if world == 4 else {"dp_shard": -1}
         pm2 = ParallelDims(**dims2).build_mesh("cuda")
         other = layers(pm2.dims.tp, recipe)
-        shardbridge_te.parallelize(other, pm2, MixedPrecisionPolicy.bf16())
+        shardbridge_te.parallelize(other, pm2, PrecisionPolicy.bf16())
         ckpt.load(path, model=other)
         first2 = next(
             m for m in other.modules() if hasattr(m, "fp8_meta") and m.fp8_meta.get("scaling_fwd") is not None
@@ -239,10 +239,10 @@ def main() -> None:
             recipe = cls()
             out = {"supported": True}
             model = layers(tp, None)
-            shardbridge_te.parallelize(model, pm, MixedPrecisionPolicy.bf16())
+            shardbridge_te.parallelize(model, pm, PrecisionPolicy.bf16())
             out["compute_only_losses"] = train(model, recipe)
             model = layers(tp, recipe)
-            shardbridge_te.parallelize(model, pm, MixedPrecisionPolicy.bf16())
+            shardbridge_te.parallelize(model, pm, PrecisionPolicy.bf16())
             out["fp8_params_losses"] = train(model, recipe)
             out["ok"] = all(v == v for v in out["compute_only_losses"] + out["fp8_params_losses"])
             return out
@@ -269,7 +269,7 @@ def main() -> None:
                 m = te.Linear(HIDDEN, FFN, bias=True, parallel_mode="column", tp_size=mesh.dims.tp,
                               params_dtype=torch.bfloat16, device="meta")  # fmt: skip
             holder = torch.nn.Sequential(m)
-            shardbridge_te.parallelize(holder, mesh, MixedPrecisionPolicy.bf16(), units=[m])
+            shardbridge_te.parallelize(holder, mesh, PrecisionPolicy.bf16(), units=[m])
             return holder
 
         def values(holder):

@@ -1,4 +1,4 @@
-"""shardbridge._fp8: the FP8 tensor-type registry and the portable-checkpoint rule (torch only).
+"""shardbridge.fp8._tensors: the FP8 tensor-type registry and the portable-checkpoint rule (torch only).
 
 The framework FP8 classes (torchao, TE) are tested in their adapters; here a minimal wrapper
 subclass stands for "some framework's tensor subclass".
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from shardbridge import FP8_DTYPES, ParallelDims, checkpoint, is_fp8_tensor, register_fp8_tensor_type, to_plain
-from shardbridge._fp8 import _TO_PLAIN, plain_state_dict
+from shardbridge.fp8._tensors import _TO_PLAIN, plain_state_dict
 from shardbridge.testing import run_distributed
 from torch.utils._pytree import tree_map_only
 

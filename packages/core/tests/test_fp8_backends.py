@@ -1,6 +1,7 @@
 """shardbridge.fp8: the recipe, the backend registry and protocol, and the core's torchao backend.
 
-Tier 1 (pure) for the recipe and the registry; tier 3 (gloo) for apply_fsdp's check. The recipes
+Tier 1 (pure) for the recipe, the registry and the protocol's size; tier 3 (gloo) for the
+conversion before FSDP (apply_fsdp itself knows nothing of FP8). The recipes
 under FSDP2 x TP (numerics, bytes, checkpoints) are tested through the hf adapter
 (``packages/hf-adapter/tests/test_hf_fp8.py``); TE's backend in the te / hf adapters' tests.
 """
@@ -12,7 +13,8 @@ import sys
 
 import pytest
 import torch
-from shardbridge import FP8Recipe, MixedPrecisionPolicy, ParallelDims, apply_fsdp, fp8
+from shardbridge import FP8Recipe, ParallelDims, apply_fsdp, fp8
+from shardbridge._compat import local_tensor
 from shardbridge.testing import run_distributed
 from torch import nn
 
@@ -51,27 +53,42 @@ def test_registry_knows_torchao_and_te_without_importing_them():
         fp8.register_backend(object())
 
 
+def test_the_protocol_is_what_its_callers_use():
+    """Four hooks, each with a caller ([Note: the FP8 backend protocol]); nine before issue 24."""
+    import inspect
+
+    hooks = sorted(n for n, v in vars(fp8.FP8Backend).items() if inspect.isfunction(v) and not n.startswith("_"))
+    assert hooks == ["check", "convert", "refresh", "require_runtime"]
+    assert all(callable(getattr(fp8.get_backend(name), hook)) for name in ("torchao", "te") for hook in hooks)
+
+
 def test_torchao_backend_refuses_by_name():
     backend = fp8.get_backend("torchao")
     with pytest.raises(ValueError, match=r"'delayed' is not supported by backend 'torchao'.*\['te'\] run 'delayed'"):
         backend.check(FP8Recipe(name="delayed"))
     with pytest.raises(ValueError, match=r"fp8.params.margin: torchao recipe 'rowwise' takes no parameters"):
         backend.check(FP8Recipe(name="rowwise", params={"margin": 0}))
-    # mxfp8 with tp > 1 runs through the backend's local-shard styles (test_fp8_tp_styles.py): not refused.
-    backend.check(FP8Recipe(name="mxfp8"), tp=2)
-    assert backend.tp_styles(FP8Recipe(name="mxfp8")) == {
-        "colwise": fp8.MXFP8ColwiseParallel,
-        "rowwise": fp8.MXFP8RowwiseParallel,
-    }
-    assert backend.tp_styles(FP8Recipe(name="rowwise")) is None
     backend.check(FP8Recipe(name="mxfp8", params={"kernel": "emulated", "wgrad_with_hp": True}))
 
 
-def test_policy_carries_the_recipe_and_to_fsdp2_ignores_it():
-    policy = MixedPrecisionPolicy(fp8=FP8Recipe(name="rowwise"))
-    assert policy.to_fsdp2() == MixedPrecisionPolicy().to_fsdp2()
-    with pytest.raises(ValueError, match=r"fp8='rowwise' must be an FP8Recipe or None"):
-        MixedPrecisionPolicy(fp8="rowwise")
+def test_the_conversion_hands_the_tp_styles_of_its_modules():
+    pytest.importorskip("torchao")
+    every = {"module_filter": lambda m, fqn: isinstance(m, nn.Linear)}
+    mx, rowwise = nn.Sequential(nn.Linear(64, 64)), nn.Sequential(nn.Linear(64, 64))
+    # mxfp8 with tp > 1 runs through the backend's local-shard styles (test_fp8_tp_styles.py).
+    assert fp8.convert(mx, FP8Recipe(name="mxfp8"), **every).tp_styles == {
+        "colwise": fp8.MXFP8ColwiseParallel,
+        "rowwise": fp8.MXFP8RowwiseParallel,
+    }
+    assert fp8.convert(rowwise, FP8Recipe(name="rowwise"), **every).tp_styles is None  # torch's
+    assert fp8.converted(mx).tp_styles is not None and fp8.converted(rowwise).modules == ("0",)
+    assert fp8.converted_fqn(mx[0]) == "0" and fp8.recipe_of(mx) == FP8Recipe(name="mxfp8")
+
+
+def test_old_hook_names_are_deprecated_aliases_of_refresh():
+    for old in ("after_load", "after_optimizer_step"):
+        with pytest.warns(DeprecationWarning, match=rf"shardbridge.fp8.{old} is now shardbridge.fp8.refresh"):
+            assert getattr(fp8, old) is fp8.refresh
 
 
 def test_install_step_hook_rejects_non_optimizer():
@@ -79,28 +96,28 @@ def test_install_step_hook_rejects_non_optimizer():
         fp8.install_step_hook(object(), nn.Linear(2, 2))
 
 
-def _apply_fsdp_checks_conversion() -> dict:
+def _convert_then_fsdp_then_refresh() -> dict:
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
     pm = ParallelDims(dp_shard=2).build_mesh("cpu")
     recipe = FP8Recipe(name="tensorwise")
-    plain = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
-    try:
-        apply_fsdp(plain, pm, MixedPrecisionPolicy(fp8=recipe), units=[plain[0], plain[1]])
-        unconverted = "no error"
-    except ValueError as e:
-        unconverted = str(e)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     done = fp8.convert(model, recipe, module_filter=lambda m, fqn: isinstance(m, nn.Linear))
-    apply_fsdp(model, pm, MixedPrecisionPolicy(fp8=recipe), units=[model[0], model[1]])
-    model(torch.randn(4, 32)).sum().backward()
-    return {"unconverted": unconverted, "converted": done.modules, "recipe": fp8.recipe_of(model) == recipe}
+    apply_fsdp(model, pm, units=[model[0], model[1]])  # knows nothing of FP8
+    weights = [local_tensor(p) for p in model.parameters() if isinstance(local_tensor(p), WeightWithDynamicFloat8CastTensor)]
+    before = [w._precomputed_scale for w in weights]
+    fp8.refresh(model)  # the first scales, from the sharded weights (one all-reduce)
+    after = [w._precomputed_scale for w in weights]
+    model(torch.randn(4, 32)).sum().backward()  # float8 all-gathers on gloo (uint8 view, apply_fsdp's gloo rule)
+    return {"converted": done.modules, "recipe": fp8.recipe_of(model) == recipe, "before": before, "after": after}
 
 
-def test_apply_fsdp_runs_the_backend_and_refuses_an_unconverted_model():
+def test_convert_before_fsdp_then_refresh_gives_the_first_scales():
     pytest.importorskip("torchao")  # the core without extras (nox -s core) has no torchao
-    result = run_distributed(_apply_fsdp_checks_conversion, world_size=2)[0]
-    assert "policy.fp8=FP8Recipe(backend='torchao', name='tensorwise'" in result["unconverted"]
-    assert "call shardbridge.fp8.convert(model, policy.fp8) before" in result["unconverted"]
+    result = run_distributed(_convert_then_fsdp_then_refresh, world_size=2)[0]
     assert result["converted"] == ("0", "1") and result["recipe"]
+    assert len(result["before"]) == 2 and all(s is None for s in result["before"])
+    assert all(isinstance(s, torch.Tensor) and s.numel() == 1 for s in result["after"])
 
 
 def test_torchao_convert_refuses_what_would_silently_not_run_fp8():

@@ -1,4 +1,4 @@
-"""FP8Recipe / MixedPrecisionPolicy.fp8 construction: an unknown backend name is refused at once.
+"""FP8Recipe construction: an unknown backend name is refused at once.
 
 Registered backends (the core's torchao, ones registered by an adapter's import, and those an
 installed package declares in the ``shardbridge.fp8_backends`` entry-point group) are accepted,
@@ -13,8 +13,8 @@ import sys
 import textwrap
 
 import pytest
-from shardbridge import FP8Recipe, MixedPrecisionPolicy, fp8
-from shardbridge.fp8 import _backend
+from shardbridge import FP8Recipe, fp8
+from shardbridge.fp8 import _recipe as _backend
 
 
 def test_unknown_backend_is_refused_at_construction_with_the_available_names():
@@ -25,7 +25,7 @@ def test_unknown_backend_is_refused_at_construction_with_the_available_names():
     assert str(list(fp8.backend_names())) in message and "'torchao'" in message
     assert "shardbridge.fp8.register_backend" in message and "'shardbridge.fp8_backends'" in message
     with pytest.raises(ValueError, match=r"FP8Recipe.backend='nonsense' is not a registered FP8 backend"):
-        MixedPrecisionPolicy(fp8=FP8Recipe(backend="nonsense", name="rowwise"))
+        FP8Recipe(backend="nonsense", name="rowwise")
     with pytest.raises(ValueError, match=r"FP8Recipe.backend='nonsense'"):
         FP8Recipe.from_dict({"backend": "nonsense", "name": "tensorwise"})
 
@@ -72,8 +72,8 @@ def test_declared_backends_are_accepted_without_importing_them_even_when_missing
     out = _run(
         """
         import sys
-        from shardbridge import FP8Recipe, MixedPrecisionPolicy, fp8
-        MixedPrecisionPolicy(fp8=FP8Recipe(backend="te", name="delayed", fp8_params=True))
+        from shardbridge import FP8Recipe, fp8
+        FP8Recipe(backend="te", name="delayed", fp8_params=True)
         print([m for m in ("shardbridge_te", "transformer_engine") if m in sys.modules])
         recipe = FP8Recipe(backend="ghost", name="tensorwise")   # accepted: the name is declared
         try:

@@ -63,7 +63,7 @@ def _run(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 def _pair_under_tp() -> dict:
     pm = ParallelDims(dp_shard=1, tp=2).build_mesh("cpu")
     tp_mesh = pm["tp"]
-    styles = fp8.get_backend("torchao").tp_styles(MXFP8)
+    styles = fp8.converted(_mx_pair()).tp_styles  # what the conversion hands the TP pass
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
     high = _run(_pair(), x)
     single = _run(_mx_pair(), x)  # the oracle: the same recipe in one process
@@ -166,7 +166,7 @@ def _refused(tp_size: int, out_features: int) -> str:
     model = nn.Sequential(nn.Linear(64, out_features, bias=False))
     fp8.convert(model, MXFP8, module_filter=_every_linear)
     try:
-        parallelize_module(model, pm["tp"], {"0": fp8.get_backend("torchao").tp_styles(MXFP8)["colwise"]()})
+        parallelize_module(model, pm["tp"], {"0": fp8.converted(model).tp_styles["colwise"]()})
     except ValueError as e:
         return str(e)
     return "no error"
@@ -257,7 +257,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, *
         loss = _loss(model, tokens)
         loss.backward()
         opt.step()
-        fp8.after_optimizer_step(model)  # tensorwise with float8 all-gather: the new weights' scales
+        fp8.refresh(model)  # tensorwise with float8 all-gather: the new weights' scales
         opt.zero_grad()
         value = loss.detach().clone()
         if averaged:

@@ -230,11 +230,11 @@ def test_training_matches_single_process_reference(layout):
 
 
 def _tied_and_bf16(dims: dict):
-    from shardbridge import MixedPrecisionPolicy
+    from shardbridge import PrecisionPolicy
 
     pm = ParallelDims(**dims).build_mesh("cpu")
     cfg = LlamaConfig.tiny(tie_word_embeddings=True)
-    model = parallelize_llama(Llama(cfg, seed=0), pm, MixedPrecisionPolicy.bf16())
+    model = parallelize_llama(Llama(cfg, seed=0), pm, PrecisionPolicy.bf16())
     assert model.output.weight is model.tok_embeddings.weight
     tokens, labels = synthetic_batch(cfg, BATCH, SEQ, dp_rank=pm["dp"].get_local_rank(), dp_size=pm["dp"].size())
     logits = model(tokens)

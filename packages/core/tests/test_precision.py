@@ -1,4 +1,4 @@
-"""Tiers 1 and 3: MixedPrecisionPolicy validation, presets, lowering, and bf16 runs on gloo."""
+"""Tiers 1 and 3: PrecisionPolicy validation, presets, lowering, and bf16 runs on gloo."""
 
 import warnings
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from shardbridge import FP8Recipe, MixedPrecisionPolicy, ParallelDims, apply_fsdp
+from shardbridge import FP8Recipe, ParallelDims, PrecisionPolicy, apply_fsdp
 from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -16,11 +16,23 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 
 def test_defaults_are_full_precision():
-    policy = MixedPrecisionPolicy()
-    assert policy == MixedPrecisionPolicy.fp32()
+    policy = PrecisionPolicy()
+    assert policy == PrecisionPolicy.fp32()
     assert policy.param_dtype is None
     assert policy.main_params_dtype == policy.main_grads_dtype == policy.effective_grad_comm_dtype == torch.float32
     assert policy.to_fsdp2() == TorchMixedPrecisionPolicy(reduce_dtype=torch.float32)
+
+
+def test_old_name_is_a_deprecated_alias_of_precision_policy():
+    """``shardbridge.MixedPrecisionPolicy`` was renamed: torch's FSDP2 has another class of that name."""
+    import shardbridge
+
+    assert "MixedPrecisionPolicy" not in shardbridge.__all__ and "PrecisionPolicy" in shardbridge.__all__
+    with pytest.warns(DeprecationWarning, match=r"shardbridge.MixedPrecisionPolicy is now shardbridge.PrecisionPolicy"):
+        old = shardbridge.MixedPrecisionPolicy
+    assert old is PrecisionPolicy and old is not TorchMixedPrecisionPolicy
+    with pytest.warns(DeprecationWarning, match="PrecisionPolicy"):
+        from shardbridge import MixedPrecisionPolicy  # noqa: F401 (the from-import form goes through __getattr__ too)
 
 
 @pytest.mark.parametrize(
@@ -29,76 +41,73 @@ def test_defaults_are_full_precision():
         ({"param_dtype": torch.int8}, r"param_dtype=torch.int8 is not an allowed dtype; choose one of torch.float64"),
         ({"main_params_dtype": None}, r"main_params_dtype=None is not an allowed dtype; .*torch.float16$"),
         ({"grad_comm_dtype": "bf16"}, r"grad_comm_dtype='bf16' is not an allowed dtype"),
-        ({"output_dtype": torch.float8_e4m3fn}, r"output_dtype=torch.float8_e4m3fn .* set fp8=FP8Recipe"),
+        ({"output_dtype": torch.float8_e4m3fn}, r"output_dtype=torch.float8_e4m3fn .* shardbridge.fp8.convert\(model"),
         ({"cast_forward_inputs": 1}, r"cast_forward_inputs=1 must be a bool"),
-        ({"fp8": "tensorwise"}, r"fp8='tensorwise' must be an FP8Recipe or None"),
     ],
 )
 def test_validation_names_field_and_allowed_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        MixedPrecisionPolicy(**kwargs)
+        PrecisionPolicy(**kwargs)
 
 
-def test_fp8_recipe_names():
-    assert FP8Recipe().name == "tensorwise"
-    with pytest.raises(ValueError, match=r"FP8Recipe.name='e4m3' is not a known recipe; choose one of"):
-        FP8Recipe(name="e4m3")
+def test_fp8_is_not_a_field_of_the_policy():
+    """FP8 is a conversion of the model (shardbridge.fp8.convert), not a dtype FSDP2 lowers."""
+    with pytest.raises(TypeError, match="fp8"):
+        PrecisionPolicy(fp8=FP8Recipe())
 
 
 def test_narrow_grad_comm_warns_with_what_is_lost():
     with pytest.warns(UserWarning, match=r"8 significant bits instead of 24"):
-        MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)
+        PrecisionPolicy(grad_comm_dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match=r"11 significant bits instead of 24 and a largest finite value of 6.55e\+04"):
-        MixedPrecisionPolicy(grad_comm_dtype=torch.float16)
+        PrecisionPolicy(grad_comm_dtype=torch.float16)
     with pytest.warns(UserWarning, match=r"largest finite value of 6.55e\+04 instead of 3.39e\+38"):
-        MixedPrecisionPolicy(
+        PrecisionPolicy(
             main_params_dtype=torch.bfloat16, main_grads_dtype=torch.bfloat16, grad_comm_dtype=torch.float16
         )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        MixedPrecisionPolicy(grad_comm_dtype=torch.float64)  # wider: fine
-        MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16, main_params_dtype=torch.bfloat16)
-        MixedPrecisionPolicy.bf16_comm()  # the preset is the intent: no warning
+        PrecisionPolicy(grad_comm_dtype=torch.float64)  # wider: fine
+        PrecisionPolicy(main_grads_dtype=torch.bfloat16, main_params_dtype=torch.bfloat16)
+        PrecisionPolicy.bf16_comm()  # the preset is the intent: no warning
 
 
 def test_presets_and_from_name():
-    bf16 = MixedPrecisionPolicy.bf16()
+    bf16 = PrecisionPolicy.bf16()
     assert (bf16.param_dtype, bf16.main_params_dtype, bf16.main_grads_dtype, bf16.effective_grad_comm_dtype) == (
         torch.bfloat16,
         torch.float32,
         torch.float32,
         torch.float32,
     )
-    comm = MixedPrecisionPolicy.bf16_comm()
+    comm = PrecisionPolicy.bf16_comm()
     assert comm.effective_grad_comm_dtype == torch.bfloat16 and comm.main_grads_dtype == torch.float32
-    for name in MixedPrecisionPolicy.PRESETS:
-        assert MixedPrecisionPolicy.from_name(name) == getattr(MixedPrecisionPolicy, name)()
+    for name in PrecisionPolicy.PRESETS:
+        assert PrecisionPolicy.from_name(name) == getattr(PrecisionPolicy, name)()
     valid = r"choose one of \['fp32', 'bf16', 'bf16_comm'\]"
     with pytest.raises(ValueError, match=r"unknown mixed-precision preset 'fp16'; " + valid):
-        MixedPrecisionPolicy.from_name("fp16")
+        PrecisionPolicy.from_name("fp16")
 
 
 def test_lowering_to_fsdp2():
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=False)
+    policy = PrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=False)
     assert policy.to_fsdp2() == TorchMixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32, cast_forward_inputs=False
     )
-    assert MixedPrecisionPolicy.bf16_comm().to_fsdp2().reduce_dtype == torch.bfloat16
+    assert PrecisionPolicy.bf16_comm().to_fsdp2().reduce_dtype == torch.bfloat16
 
 
 def test_lowering_refuses_what_fsdp2_cannot_express():
     match = r"main_grads_dtype=torch.bfloat16 cannot be lowered.*shardbridge\[megatron\]"
     with pytest.raises(NotImplementedError, match=match):
-        MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16).to_fsdp2()
-    # fp8 changes no FSDP2 dtype (its backend converts modules); apply_fsdp checks the model.
-    assert MixedPrecisionPolicy(fp8=FP8Recipe()).to_fsdp2() == MixedPrecisionPolicy().to_fsdp2()
+        PrecisionPolicy(main_grads_dtype=torch.bfloat16).to_fsdp2()
 
 
 def test_policy_is_frozen_and_keyword_only():
     with pytest.raises(TypeError):
-        MixedPrecisionPolicy(torch.bfloat16)  # noqa: the fields are keyword-only
+        PrecisionPolicy(torch.bfloat16)  # noqa: the fields are keyword-only
     with pytest.raises(AttributeError):
-        MixedPrecisionPolicy().param_dtype = torch.bfloat16
+        PrecisionPolicy().param_dtype = torch.bfloat16
 
 
 # -- tier 3: what actually travels on gloo ------------------------------------------------------
@@ -116,7 +125,7 @@ class _RecordingReduceScatter(DefaultReduceScatter):
 def _one_step(dims: dict, preset: str):
     pm = ParallelDims(**dims).build_mesh("cpu")
     cfg = LlamaConfig.tiny()
-    model = parallelize_llama(Llama(cfg, seed=0), pm, MixedPrecisionPolicy.from_name(preset))
+    model = parallelize_llama(Llama(cfg, seed=0), pm, PrecisionPolicy.from_name(preset))
     recorder = _RecordingReduceScatter()
     for module in [model, *model.layers]:
         module.set_custom_reduce_scatter(recorder)
@@ -156,9 +165,9 @@ def _wrong_model_dtype():
     model = Llama(LlamaConfig.tiny()).to(torch.bfloat16)
     match = r"'tok_embeddings.weight' has dtype torch.bfloat16 .* model.to\(torch.float32\)"
     with pytest.raises(ValueError, match=match):
-        apply_fsdp(model, pm, MixedPrecisionPolicy.bf16())
+        apply_fsdp(model, pm, PrecisionPolicy.bf16())
     # A pure-bf16 policy accepts the bf16 model.
-    pure = MixedPrecisionPolicy(main_params_dtype=torch.bfloat16, main_grads_dtype=torch.bfloat16)
+    pure = PrecisionPolicy(main_params_dtype=torch.bfloat16, main_grads_dtype=torch.bfloat16)
     apply_fsdp(model, pm, pure)
     return model.output.weight.dtype
 

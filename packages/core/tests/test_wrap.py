@@ -182,11 +182,11 @@ def test_cpu_offload_on_cpu_does_not_pin():
 
 
 def _world_of_tp(policy_name):
-    from shardbridge import MixedPrecisionPolicy
+    from shardbridge import PrecisionPolicy
 
     pm = _mesh(dp_shard=1, tp=4)
     cfg = LlamaConfig.tiny(num_kv_heads=4)
-    policy = None if policy_name is None else MixedPrecisionPolicy.from_name(policy_name)
+    policy = None if policy_name is None else PrecisionPolicy.from_name(policy_name)
     model = parallelize_llama(Llama(cfg), pm, policy)
     _step(model, pm, cfg)
     weight = model.layers[0].feed_forward.gate_up.weight

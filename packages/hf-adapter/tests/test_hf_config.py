@@ -56,7 +56,7 @@ def test_bug7_fixed_block_and_accelerate_keys_reach_the_recipe(tmp_path):
     )
     from shardbridge_te import recipe_spec  # pure: the TE recipe class and kwargs the te backend builds
 
-    assert recipe_spec(block.policy().fp8) == (
+    assert recipe_spec(block.fp8.to_recipe()) == (
         "DelayedScaling",
         {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max", "margin": 0},
     )
@@ -72,7 +72,7 @@ def test_bug7_fixed_block_and_accelerate_keys_reach_the_recipe(tmp_path):
     )
     with pytest.warns(UserWarning, match=moved):
         plan = read_config_file(_write(tmp_path, text))
-    assert plan.config.policy().fp8.params == {"amax_history_len": 16, "amax_compute_algo": "max"}
+    assert plan.config.fp8.to_recipe().params == {"amax_history_len": 16, "amax_compute_algo": "max"}
 
 
 def test_importing_the_package_imports_no_host_framework():
@@ -93,7 +93,7 @@ def test_te_backend_with_tp_is_accepted_and_bad_te_recipes_refused():
 
     # TE's own TP modules (te backend convert): tp > 1 is no longer refused.
     cfg = HFConfig(fp8=FP8Config(backend="te", recipe="mxfp8"), dims=ParallelDims(dp_shard=2, tp=2))
-    assert (cfg.policy().fp8.backend, cfg.policy().fp8.name) == ("te", "mxfp8")
+    assert (cfg.fp8.to_recipe().backend, cfg.fp8.to_recipe().name) == ("te", "mxfp8")
     with pytest.raises(
         ValueError, match=r"fp8.amax_history_length: TE recipe 'tensorwise'.*remove 'amax_history_length'"
     ):
@@ -160,27 +160,3 @@ def test_unknown_fp8_keys_say_where_they_belong():
         match=r"if \['kernel'\] are parameters of the backend's recipe, put them under fp8.params: \{kernel: ...\}",
     ):
         HFConfig.from_block({"fp8": {"backend": "torchao", "recipe": "mxfp8", "kernel": "emulated"}})
-
-
-class _NoTPBackend:
-    """A registered backend whose only refusal depends on the TP degree."""
-
-    name, recipes = "test-no-tp", ("tensorwise",)
-
-    def check(self, recipe, *, tp=1):
-        if tp > 1:
-            raise NotImplementedError(f"backend test-no-tp runs tp=1 only, got tp={tp}")
-
-
-def test_tp_is_named_once_it_is_known():
-    from shardbridge import ParallelDims, fp8
-    from shardbridge.fp8 import _backend
-
-    backend = type("NoTP", (_NoTPBackend, fp8.FP8BackendBase), {})()
-    fp8.register_backend(backend)
-    try:
-        block = FP8Config(backend="test-no-tp")  # accepted before the TP degree is known
-        with pytest.raises(ValueError, match=r"\(backend 'test-no-tp', recipe 'tensorwise', tp=2\): .*got tp=2"):
-            HFConfig(fp8=block, dims=ParallelDims(dp_shard=2, tp=2))
-    finally:
-        _backend._BACKENDS.pop("test-no-tp")

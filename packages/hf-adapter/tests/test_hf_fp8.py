@@ -1,4 +1,4 @@
-"""torchao FP8 recipes through the hf adapter (``policy.fp8`` -> ``shardbridge.fp8``) on gloo, real torchao 0.18.
+"""torchao FP8 recipes through the hf adapter (the fp8 block -> ``shardbridge.fp8``) on gloo, real torchao 0.18.
 
 Per recipe and layout (dp2 x tp2, HSDP x tp2; mxfp8 also FSDP dp4 / HSDP 2x2), against independent
 oracles:
@@ -28,7 +28,7 @@ pytest.importorskip("torchao")
 transformers = pytest.importorskip("transformers")
 
 import hf_helpers  # noqa: E402
-from shardbridge import FP8Recipe, MixedPrecisionPolicy, ParallelDims, apply_fsdp, checkpoint, fp8, to_plain  # noqa: E402
+from shardbridge import FP8Recipe, ParallelDims, apply_fsdp, checkpoint, fp8, to_plain  # noqa: E402
 from shardbridge._comm_stats import count_collectives  # noqa: E402
 from shardbridge._compat import local_tensor  # noqa: E402
 from shardbridge.testing import run_distributed  # noqa: E402
@@ -162,12 +162,12 @@ def _recipe_run(recipe: str, dims: dict, tmp: str, hidden: int = 64) -> dict:
     plain, _ = _build(None, DP4, seed=1, hidden=hidden)
     checkpoint.load(f"{tmp}/ckpt", model=plain)
     plain_equal = all(torch.equal(v.full_tensor(), full[k]) for k, v in plain.state_dict().items())
-    # ... and an FP8 model of the first layout reads it back (fp8.after_load: fresh scales).
+    # ... and an FP8 model of the first layout reads it back (fp8.refresh: fresh scales).
     back, _ = _build(recipe, dims, seed=2, hidden=hidden)
     back_opt = _optimizer(back, "adamw")
     checkpoint.load(f"{tmp}/ckpt", model=back, optimizer=back_opt)
     stale_after_load = _scale_errors(back)
-    fp8.after_load(back)
+    fp8.refresh(back)
     back_equal = all(torch.equal(to_plain(v).full_tensor(), full[k]) for k, v in back.state_dict().items())
     return {
         "sgd_losses": sgd_losses,
@@ -194,7 +194,7 @@ def _reference_losses(recipe: str, dp_size: int, hidden: int = 64) -> list[float
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
-        fp8.after_optimizer_step(model)
+        fp8.refresh(model)
         opt.zero_grad()
         losses.append(loss.item())
     return losses
@@ -235,7 +235,7 @@ def _check_recipe(recipe: str, dims: dict, tmp_path) -> None:
     else:
         assert result["float8_numel"] == 0 and saved == 0, result  # high precision by design
     assert result["plain_equal"] and result["back_equal"], result
-    # tensorwise: scales follow the weights after every step and after a load (fp8.after_load).
+    # tensorwise: scales follow the weights after every step and after a load (fp8.refresh).
     assert result["scale_errors"] == [] and result["scale_errors_after_load"] == [], result
     if recipe == "tensorwise":
         assert len(result["stale_after_load"]) == result["num_float8"] > 0, result
@@ -310,14 +310,14 @@ def _only_fp8_group(use_uint8: bool) -> str:
     # Each Linear its own unit: an FSDP group of float8 weights only.
     units = [model[0], model[1]]
     if use_uint8:
-        apply_fsdp(model, pm, MixedPrecisionPolicy(fp8=recipe), units=units)  # the backend's after_fsdp
-    else:  # torch's fully_shard alone (apply_fsdp runs the backend's after_fsdp for any converted model)
+        apply_fsdp(model, pm, units=units)  # on gloo: every unit all-gathers float8 as uint8
+    else:  # torch's fully_shard alone: no uint8 view
         from torch.distributed.fsdp import fully_shard
 
         for unit in units:
             fully_shard(unit, mesh=pm.fsdp_mesh)
         fully_shard(model, mesh=pm.fsdp_mesh)
-        fp8.get_backend(recipe.backend).after_optimizer_step(model, recipe)  # first scales, no uint8 view
+    fp8.refresh(model)  # first scales: the float8 all-gather path
     try:
         model(torch.randn(4, 32)).sum().backward()
     except RuntimeError as e:
@@ -325,8 +325,8 @@ def _only_fp8_group(use_uint8: bool) -> str:
     return "ok"
 
 
-def _converted_without_policy_fp8() -> str:
-    """apply_fsdp with no policy.fp8 on a converted model still runs the backend's after_fsdp."""
+def _converted_without_refresh() -> str:
+    """apply_fsdp on a converted model, no refresh: float8 all-gathers work (torchao computes each scale itself)."""
     pm = ParallelDims(dp_shard=2).build_mesh("cpu")
     model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False))
     fp8.convert(model, FP8Recipe(name="tensorwise"), module_filter=lambda m, fqn: isinstance(m, nn.Linear))
@@ -339,8 +339,8 @@ def test_gloo_float8_all_gather_needs_uint8_view():
     without = run_distributed(_only_fp8_group, False, world_size=2)
     assert all("Invalid scalar type" in r for r in without), without
     assert run_distributed(_only_fp8_group, True, world_size=2) == ["ok", "ok"]
-    # A converted model given to apply_fsdp without policy.fp8: its backend's work is not skipped.
-    assert run_distributed(_converted_without_policy_fp8, world_size=2) == ["ok", "ok"]
+    # apply_fsdp's gloo rule holds for any converted model, refreshed or not (it knows no recipe).
+    assert run_distributed(_converted_without_refresh, world_size=2) == ["ok", "ok"]
 
 
 def _accelerated_optimizer_hook() -> dict:

@@ -1,4 +1,4 @@
-"""STRUCTURAL TIER: TE FP8 with tp > 1 through ``ShardbridgeAccelerator`` (policy.fp8 -> the te backend).
+"""STRUCTURAL TIER: TE FP8 with tp > 1 through ``ShardbridgeAccelerator`` (the fp8 block -> the te backend).
 
 TransformerEngine 2.20.2's real Python code with its compiled extension stood in (see
 [Note: the structural tier] in ``packages/te-adapter/tests/_te_structural.py``), the real
@@ -175,12 +175,12 @@ def _check_layout(out: dict, dims: dict) -> None:
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_each_yaml_recipe_maps_to_its_te_recipe(name):
-    """Pure (no TE import): the yaml block -> policy.fp8 -> the TE recipe class and keywords the backend builds."""
+    """Pure (no TE import): the yaml block -> its recipe -> the TE recipe class and keywords the backend builds."""
     from shardbridge_hf import HFConfig
     from shardbridge_te import recipe_spec
 
     block, cls, fields = RECIPES[name]
-    got_cls, kwargs = recipe_spec(HFConfig.from_block({"fp8": {"backend": "te", **block}}).policy().fp8)
+    got_cls, kwargs = recipe_spec(HFConfig.from_block({"fp8": {"backend": "te", **block}}).fp8.to_recipe())
     # The keywords passed are the expected fields (TE's own defaults fill the rest, e.g. nvfp4's format).
     assert got_cls == cls and kwargs == {k: v for k, v in fields.items() if k in kwargs}, kwargs
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from shardbridge import MixedPrecisionPolicy, ParallelDims
+from shardbridge import ParallelDims, PrecisionPolicy
 from shardbridge.models import Llama, LlamaConfig, synthetic_batch
 from torch.distributed.tensor import DTensor
 
@@ -80,7 +80,7 @@ def local_grads(pm, model) -> dict[str, tuple[tuple[slice, ...], torch.Tensor]]:
     return out
 
 
-def build(dims: dict, strategy: str, outer=None, policy: MixedPrecisionPolicy | None = None, adam: bool = False):
+def build(dims: dict, strategy: str, outer=None, policy: PrecisionPolicy | None = None, adam: bool = False):
     """Llama (+ the full TP plan when tp > 1) sharded by shard_model; returns (pm, model, opt)."""
     from shardbridge_megatron_fsdp import apply_llama_tp, shard_model
 

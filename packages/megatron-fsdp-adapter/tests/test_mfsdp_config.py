@@ -6,34 +6,36 @@ import sys
 
 import pytest
 import torch
-from shardbridge import MixedPrecisionPolicy
+from shardbridge import PrecisionPolicy
 from shardbridge.testing import run_distributed
 from shardbridge_megatron_fsdp import _compat, _cpu_patch, to_megatron_policy
 
 
 def test_precision_lowering():
-    p = to_megatron_policy(MixedPrecisionPolicy.bf16_comm())
+    p = to_megatron_policy(PrecisionPolicy.bf16_comm())
     assert (p.main_params_dtype, p.main_grads_dtype, p.grad_comm_dtype) == (
         torch.float32,
         torch.float32,
         torch.bfloat16,
     )
-    p = to_megatron_policy(MixedPrecisionPolicy.bf16())
+    p = to_megatron_policy(PrecisionPolicy.bf16())
     # fp32 main grads explicitly (Megatron-FSDP's None would follow a bf16 model)
     assert (p.main_grads_dtype, p.grad_comm_dtype) == (torch.float32, None)
 
 
 def test_precision_refuses_what_megatron_cannot_do():
     with pytest.raises(NotImplementedError, match="output_dtype"):
-        to_megatron_policy(MixedPrecisionPolicy(output_dtype=torch.float32))
-    with pytest.raises(ValueError, match="MixedPrecisionPolicy"):
+        to_megatron_policy(PrecisionPolicy(output_dtype=torch.float32))
+    with pytest.raises(ValueError, match="PrecisionPolicy"):
         to_megatron_policy("bf16")
 
 
 def test_version_parse_and_gate():
     assert _compat.parse_version("0.6.1rc2") == (0, 6, 1)  # the core's parser, shared by every adapter
-    assert _compat.MIN_VERSION <= _compat.megatron_fsdp_version() < _compat.MAX_VERSION
-    assert _compat.megatron_core_version() is None  # the hazard is absent in this environment
+    assert (0, 6, 1) <= _compat.megatron_fsdp_version() < (0, 7)
+    # The hazard is absent in this environment, and megatron_core_version has megatron_fsdp_version's contract.
+    with pytest.raises(ImportError, match=r'needs megatron-core; install it with pip install "shardbridge\[megatron-core\]"'):
+        _compat.megatron_core_version()
 
 
 def test_cpu_patch_is_scoped_and_reversible():
@@ -90,7 +92,7 @@ def _comm_bytes() -> dict:
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        bf16 = MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)
+        bf16 = PrecisionPolicy(grad_comm_dtype=torch.bfloat16)
     for name, policy in (("fp32", None), ("bf16", bf16)):
         pm, model, opt = build({"dp_shard": 4}, "optim_grads_params", policy=policy)
         with count_collectives() as counts:

@@ -12,8 +12,7 @@ from shardbridge_megatron_fsdp import _cpu_patch
 def _errors() -> list[str]:
     from mfsdp_helpers import CFG
     from shardbridge import ParallelDims
-    from shardbridge.models import Llama
-    from shardbridge.models._parallelize import apply_tp
+    from shardbridge.models import Llama, apply_llama_tp
     from shardbridge_megatron_fsdp import shard_model
     from torch.distributed.tensor import DTensor, Partial
 
@@ -36,7 +35,7 @@ def _errors() -> list[str]:
         out.append(str(e))
     tp = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")
     model = Llama(CFG)
-    apply_tp(model, tp["tp"])  # the core plan: row-parallel Shard(1) is accepted; a Partial param is not
+    apply_llama_tp(model, tp["tp"])  # the core plan: row-parallel Shard(1) is accepted; a Partial param is not
     w = model.layers[0].attention.o_proj.weight
     partial = DTensor.from_local(w.to_local().detach(), tp["tp"], [Partial()], run_check=False)
     model.layers[0].attention.o_proj.weight = torch.nn.Parameter(partial)
@@ -222,14 +221,14 @@ def _megatron_reference() -> dict[str, torch.Tensor]:
 
 def _megatron_style(root: str, strategy: str) -> dict[str, object]:
     from mfsdp_helpers import full_params
-    from shardbridge import MixedPrecisionPolicy, ParallelDims
+    from shardbridge import ParallelDims, PrecisionPolicy
     from shardbridge_megatron_fsdp import load, save, shard_model
 
     pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")
     dp = pm["dp"]
     out: dict[str, object] = {}
     # bf16 compute: the main weights must still be the fp32 originals (gathered over tp)
-    model, _ = shard_model(_MegatronNet(pm["tp"]), None, pm, MixedPrecisionPolicy.bf16(), strategy=strategy)
+    model, _ = shard_model(_MegatronNet(pm["tp"]), None, pm, PrecisionPolicy.bf16(), strategy=strategy)
     out["bf16_main"] = full_params(model)
     model = _MegatronNet(pm["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

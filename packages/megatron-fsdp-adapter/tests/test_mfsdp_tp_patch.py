@@ -100,8 +100,7 @@ def _unaligned_embedding() -> str:
     import megatron_fsdp
     from mfsdp_helpers import backward
     from shardbridge import ParallelDims
-    from shardbridge.models import Llama
-    from shardbridge.models._parallelize import apply_tp
+    from shardbridge.models import Llama, apply_llama_tp
     from shardbridge_megatron_fsdp import _cpu_patch
     from shardbridge_megatron_fsdp._shard import _quiet_device_warning
 
@@ -109,7 +108,7 @@ def _unaligned_embedding() -> str:
     _cpu_patch.install()
     _tp_patch.install(megatron_fsdp)
     model = Llama(CFG, seed=0)
-    apply_tp(model, pm["tp"])
+    apply_llama_tp(model, pm["tp"])
     with _quiet_device_warning(True):
         model = megatron_fsdp.fully_shard_model(
             model,
@@ -142,12 +141,12 @@ def _boxes(dims: dict, strategy: str, outer: str | None, bf16: bool) -> dict[str
     """Right after shard_model (no step): every distributed param's box (all ranks) and the values
     assembled from the boxes."""
     from mfsdp_helpers import build, full_params
-    from shardbridge import MixedPrecisionPolicy
+    from shardbridge import PrecisionPolicy
     from shardbridge_megatron_fsdp._checkpoint import dist_params
     from shardbridge_megatron_fsdp._compat import raw_parameters
 
     # bf16: the module computes in bf16, the main weights must still be the fp32 originals
-    pm, model, _ = build(dims, strategy, outer, policy=MixedPrecisionPolicy.bf16() if bf16 else None)
+    pm, model, _ = build(dims, strategy, outer, policy=PrecisionPolicy.bf16() if bf16 else None)
     boxes = {dp.fqn: (dp.offsets, tuple(dp.local.shape), dp.shape) for dp in dist_params(model)}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, boxes)

@@ -64,13 +64,12 @@ RECIPES = {
 def _build(recipe_name: str | None, dims: dict, seed: int, fp8_scale: float | None = None):
     """te.Linear(IN, OUT, column) under quantized_model_init(recipe) (None: plain), parallelized at ``dims``."""
     import shardbridge_te
-    from shardbridge import FP8Recipe, MixedPrecisionPolicy
-    from shardbridge.fp8 import get_backend
+    from shardbridge import FP8Recipe, PrecisionPolicy
 
     te = import_te()
     pm = ParallelDims(**dims).build_mesh("cpu")
     recipe = FP8Recipe(backend="te", name=recipe_name, fp8_params=True) if recipe_name else None
-    init = get_backend("te").model_init_context(recipe) if recipe else torch.device("meta")
+    init = shardbridge_te.model_init_context(recipe) if recipe else torch.device("meta")
     # Parameters on meta (device="meta"); TE's FP8 state (DelayedScaling's scale / amax buffers,
     # created with device="cuda") on the CPU, where a GPU run has it on the GPU.
     with cuda_construction("cpu"), torch.device("meta"), init:
@@ -79,8 +78,7 @@ def _build(recipe_name: str | None, dims: dict, seed: int, fp8_scale: float | No
         linear.fp8_meta["scaling_fwd"].scale.fill_(fp8_scale)
     holder = torch.nn.Sequential(linear)
     torch.manual_seed(seed)  # same values on every rank for the replicated pieces
-    policy = MixedPrecisionPolicy(fp8=recipe) if recipe else MixedPrecisionPolicy()
-    shardbridge_te.parallelize(holder, pm, policy, units=[linear])
+    shardbridge_te.parallelize(holder, pm, PrecisionPolicy(), fp8=recipe, units=[linear])
     return pm, holder
 
 

@@ -279,7 +279,7 @@ def test_te_backend_is_registered_and_maps_every_recipe():
     }
     for name, spec in want.items():
         recipe = FP8Recipe(backend="te", name=name)
-        get_backend("te").check(recipe, tp=2)
+        get_backend("te").check(recipe)
         assert recipe_spec(recipe) == spec
 
 
@@ -301,9 +301,13 @@ def test_te_backend_refuses_by_name():
 def test_parallelize_refuses_a_non_te_fp8_recipe_by_name():
     import pytest
     import shardbridge_te
-    from shardbridge import FP8Recipe, MixedPrecisionPolicy
+    from shardbridge import FP8Recipe
     from torch import nn
 
-    policy = MixedPrecisionPolicy(fp8=FP8Recipe(backend="torchao", name="rowwise"))
+    recipe = FP8Recipe(backend="torchao", name="rowwise")
     with pytest.raises(NotImplementedError, match=r"shardbridge_te.parallelize runs TransformerEngine modules.*backend='te'"):
-        shardbridge_te.parallelize(nn.Linear(2, 2), None, policy)
+        shardbridge_te.parallelize(nn.Linear(2, 2), None, fp8=recipe)
+    with pytest.raises(ValueError, match=r"FP8 parameters of backend 'torchao'; only TE builds FP8 parameters"):
+        shardbridge_te.model_init_context(FP8Recipe(backend="torchao", name="rowwise", fp8_params=True))
+    with shardbridge_te.model_init_context(FP8Recipe(backend="te", name="delayed")):  # no fp8_params: a no-op, no TE
+        pass

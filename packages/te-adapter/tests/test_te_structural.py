@@ -596,8 +596,7 @@ FP8_PARAM_QUANTIZERS = {
 def _fp8_params_lifecycle() -> dict:
     import shardbridge_te
     import torch.distributed as dist
-    from shardbridge import FP8Recipe, MixedPrecisionPolicy
-    from shardbridge.fp8 import get_backend
+    from shardbridge import FP8Recipe, PrecisionPolicy
     from shardbridge.fp8 import recipe_of as get_recipe_of
 
     te = import_te()
@@ -606,12 +605,12 @@ def _fp8_params_lifecycle() -> dict:
     out = {"registered": sorted(c.__name__ for c in shardbridge_te.register_te_fp8_types())}
     for name in FP8_PARAM_QUANTIZERS:
         recipe = FP8Recipe(backend="te", name=name, fp8_params=True)
-        with cuda_construction("cpu"), torch.device("meta"), get_backend("te").model_init_context(recipe):
+        with cuda_construction("cpu"), torch.device("meta"), shardbridge_te.model_init_context(recipe):
             linear = te.Linear(HIDDEN_, HIDDEN_, bias=False, parallel_mode="column", tp_size=2, device="meta")
         holder = torch.nn.Sequential(linear)
         try:
             with cuda_construction("cpu"):
-                shardbridge_te.parallelize(holder, pm, MixedPrecisionPolicy(fp8=recipe), units=[linear])
+                shardbridge_te.parallelize(holder, pm, PrecisionPolicy(), fp8=recipe, units=[linear])
             reached = "no kernel"
         except RuntimeError as e:
             reached = str(e)
@@ -623,7 +622,7 @@ def _fp8_params_lifecycle() -> dict:
             "quantizer": type(quantizer).__name__,
             "amax_group_is_weight": None if group is None else dist.get_process_group_ranks(group) == weight_ranks,
             "reached": reached,
-            # policy.fp8 read by parallelize: the recipe recorded, forward wrapped in te.autocast.
+            # fp8 read by parallelize: the recipe recorded, forward wrapped in te.autocast.
             "policy_read": get_recipe_of(holder) == recipe and "forward" in vars(holder),
         }
     return out

@@ -1,14 +1,17 @@
 """shardbridge: FSDP2 x tensor parallelism with DCP checkpoints and FP8 parameters.
 
-The core package imports torch only. Host-framework adapters live in ``shardbridge_te``,
-``shardbridge_megatron_fsdp`` and ``shardbridge_hf``.
+The core package imports torch and small pure-Python libraries only (docs/architecture.md).
+Host-framework adapters live in ``shardbridge_te``, ``shardbridge_megatron_fsdp`` and
+``shardbridge_hf``.
 
 Public surface: the names in ``__all__`` (grouped below as configuration, entry points and
-types, as torchao's ``float8`` does). Public subpackages with their own ``__all__``:
-``shardbridge.checkpoint``, ``shardbridge.fp8`` (FP8 recipes and backends), ``shardbridge.layout``
-(the layout algebra), ``shardbridge.models`` and ``shardbridge.testing``. Modules whose names start with ``_`` are implementation details;
-``shardbridge._compat`` is the one home of torch's private names, shared with the adapters
-(see [Note: upstream internals] there).
+types, as torchao's ``float8`` does). Public subpackages and modules with their own ``__all__``:
+``shardbridge.checkpoint``, ``shardbridge.fp8`` (FP8 recipes, backends, portable FP8 tensors),
+``shardbridge.layout`` (the layout algebra), ``shardbridge.models``, ``shardbridge.pretrained``,
+``shardbridge.testing``, and for adapters ``shardbridge.patching`` and ``shardbridge.cli``.
+Modules whose names start with ``_`` are implementation details; ``shardbridge._compat`` is the
+designated home of torch's private names, shared with the adapters (see [Note: upstream
+internals] there).
 """
 
 import importlib as _importlib
@@ -22,15 +25,6 @@ from shardbridge._cp import (
     cp_positions,
     cp_split,
     cp_unsplit,
-)
-from shardbridge._fp8 import (
-    FP8_DTYPES,
-    Uint8AllGather,
-    is_fp8_tensor,
-    plain_state_dict,
-    register_fp8_tensor_type,
-    to_plain,
-    use_uint8_all_gather,
 )
 from shardbridge._fused import (
     FUSED_SPECS_ATTR,
@@ -47,7 +41,7 @@ from shardbridge._fused import (
 )
 from shardbridge._mesh import FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
 from shardbridge._optim import param_group_fqns, rebind_param_groups
-from shardbridge._precision import FP8Recipe, MixedPrecisionPolicy
+from shardbridge._precision import PrecisionPolicy
 from shardbridge._tp import (
     TPMode,
     check_tp_divides,
@@ -56,7 +50,16 @@ from shardbridge._tp import (
     to_dtensor_param,
     tp_placements,
 )
-from shardbridge._wrap import FSDPUnit, SupportsFSDPUnits, apply_fsdp, fsdp_unit_params
+from shardbridge._wrap import (
+    FP8_DTYPES,
+    FSDPUnit,
+    SupportsFSDPUnits,
+    Uint8AllGather,
+    apply_fsdp,
+    fsdp_unit_params,
+    use_uint8_all_gather,
+)
+from shardbridge.fp8 import FP8Recipe, is_fp8_tensor, plain_state_dict, register_fp8_tensor_type, to_plain
 
 __version__ = "0.1.0"
 
@@ -65,8 +68,8 @@ __all__ = [
     # -- configuration ---------------------------------------------------------------------
     "FP8Recipe",
     "FusedSpec",
-    "MixedPrecisionPolicy",
     "ParallelDims",
+    "PrecisionPolicy",
     # -- entry points ----------------------------------------------------------------------
     # mesh and TP
     "check_tp_divides",
@@ -115,8 +118,8 @@ __all__ = [
     "Uint8AllGather",
 ]
 
-# Layout helpers moved to shardbridge.layout in 0.2; the old top-level names keep working for
-# one release (a DeprecationWarning each time one is read).
+# Layout helpers moved to shardbridge.layout in 0.1.0; the old top-level names keep working
+# until the next release (a DeprecationWarning each time one is read).
 _MOVED_TO_LAYOUT = frozenset(
     {
         "LayoutMismatch",
@@ -134,7 +137,21 @@ _MOVED_TO_LAYOUT = frozenset(
 )
 
 
+# Renamed in 0.1.0, with the same deprecation: torch's FSDP2 has a different class called MixedPrecisionPolicy
+# (torch.distributed.fsdp.MixedPrecisionPolicy); one name for two classes invited import mistakes.
+_RENAMED = {"MixedPrecisionPolicy": "PrecisionPolicy"}
+
+
 def __getattr__(name: str):  # PEP 562: deprecated aliases
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        _warnings.warn(
+            f"shardbridge.{name} is now shardbridge.{new} (torch.distributed.fsdp.{name} is another class); "
+            "the old name goes away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
     if name in _MOVED_TO_LAYOUT:
         _warnings.warn(
             f"shardbridge.{name} moved to shardbridge.layout.{name}; the old name goes away in the next release",

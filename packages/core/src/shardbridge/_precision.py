@@ -1,10 +1,10 @@
 """One mixed-precision policy for every host framework.
 
-:class:`MixedPrecisionPolicy` names the four dtypes of a training step once; the core lowers
-it to torch FSDP2 (:meth:`MixedPrecisionPolicy.to_fsdp2`), the adapters lower it to
-Megatron-FSDP and Accelerate. Its ``fp8`` field is the one FP8 setting of a run: an
-:class:`~shardbridge.fp8.FP8Recipe` that a registered backend runs (``shardbridge.fp8``; see
-[Note: one FP8 recipe] there).
+:class:`PrecisionPolicy` names the four dtypes of a training step once; the core lowers
+it to torch FSDP2 (:meth:`PrecisionPolicy.to_fsdp2`), the adapters lower it to
+Megatron-FSDP and Accelerate. FP8 is not a dtype of the policy: it is a conversion of the
+model's modules before it is parallelized (``shardbridge.fp8.convert``; [Note: one FP8
+recipe] there), as torchtitan keeps its float8 converter apart from FSDP's mixed precision.
 
 [Note: the dtypes of one training step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -34,26 +34,24 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from shardbridge.fp8._recipe import FP8Recipe
-
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
-__all__ = ["FP8Recipe", "MixedPrecisionPolicy", "ALLOWED_DTYPES"]
+__all__ = ["PrecisionPolicy", "ALLOWED_DTYPES"]
 
-#: dtypes a policy field may name. FP8 is not a field dtype: it is a recipe (``fp8=``).
+#: dtypes a policy field may name. FP8 is not a field dtype: it is a conversion (``shardbridge.fp8.convert``).
 ALLOWED_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, kw_only=True)
-class MixedPrecisionPolicy:
+class PrecisionPolicy:
     """The dtypes of compute, optimizer weights, gradients and gradient communication.
 
     See [Note: the dtypes of one training step]. Use a preset (:meth:`fp32`, :meth:`bf16`,
     :meth:`bf16_comm`, :meth:`from_name`) unless you need something else.
 
     Example:
-        >>> policy = MixedPrecisionPolicy.bf16()
+        >>> policy = PrecisionPolicy.bf16()
         >>> policy.param_dtype, policy.effective_grad_comm_dtype
         (torch.bfloat16, torch.float32)
         >>> policy.to_fsdp2().reduce_dtype
@@ -86,11 +84,6 @@ class MixedPrecisionPolicy:
     """Cast floating-point forward inputs of each wrapped unit to ``param_dtype``.
     False = the caller feeds inputs in the right dtype."""
 
-    fp8: FP8Recipe | None = None
-    """FP8 recipe for the linear layers: which backend ("torchao", "te") runs which scaling
-    recipe (see :class:`~shardbridge.fp8.FP8Recipe`). Every adapter either runs it through the
-    backend's hooks or refuses it by name. None = no FP8."""
-
     def __post_init__(self) -> None:
         for field_name in ("param_dtype", "grad_comm_dtype", "output_dtype"):
             _check_dtype(field_name, getattr(self, field_name), allow_none=True)
@@ -98,8 +91,6 @@ class MixedPrecisionPolicy:
             _check_dtype(field_name, getattr(self, field_name), allow_none=False)
         if not isinstance(self.cast_forward_inputs, bool):
             raise ValueError(f"cast_forward_inputs={self.cast_forward_inputs!r} must be a bool")
-        if self.fp8 is not None and not isinstance(self.fp8, FP8Recipe):
-            raise ValueError(f"fp8={self.fp8!r} must be an FP8Recipe or None, e.g. fp8=FP8Recipe(name='tensorwise')")
         lost = _what_is_lost(self.effective_grad_comm_dtype, self.main_grads_dtype)
         if lost:
             warnings.warn(
@@ -118,34 +109,34 @@ class MixedPrecisionPolicy:
     # -- presets -----------------------------------------------------------------------------
 
     @classmethod
-    def fp32(cls) -> MixedPrecisionPolicy:
+    def fp32(cls) -> PrecisionPolicy:
         """Everything in fp32: no mixed precision.
 
         Example:
-            >>> MixedPrecisionPolicy.fp32().to_fsdp2().param_dtype is None
+            >>> PrecisionPolicy.fp32().to_fsdp2().param_dtype is None
             True
         """
         return cls()
 
     @classmethod
-    def bf16(cls) -> MixedPrecisionPolicy:
+    def bf16(cls) -> PrecisionPolicy:
         """bf16 compute; fp32 main params, main grads and gradient communication.
 
         Example:
-            >>> MixedPrecisionPolicy.bf16().effective_grad_comm_dtype
+            >>> PrecisionPolicy.bf16().effective_grad_comm_dtype
             torch.float32
         """
         return cls(param_dtype=torch.bfloat16)
 
     @classmethod
-    def bf16_comm(cls) -> MixedPrecisionPolicy:
+    def bf16_comm(cls) -> PrecisionPolicy:
         """bf16 compute and bf16 reduce-scatter; fp32 main params and grads.
 
         Halves the gradient traffic of :meth:`bf16`. Choosing the preset is the intent, so it
         does not warn about the narrower communication dtype.
 
         Example:
-            >>> MixedPrecisionPolicy.bf16_comm().to_fsdp2().reduce_dtype
+            >>> PrecisionPolicy.bf16_comm().to_fsdp2().reduce_dtype
             torch.bfloat16
         """
         with warnings.catch_warnings():
@@ -153,17 +144,17 @@ class MixedPrecisionPolicy:
             return cls(param_dtype=torch.bfloat16, grad_comm_dtype=torch.bfloat16)
 
     @classmethod
-    def from_name(cls, name: str) -> MixedPrecisionPolicy:
+    def from_name(cls, name: str) -> PrecisionPolicy:
         """A preset by name (for the CLI and config files): one of :attr:`PRESETS`.
 
         Raises:
             ValueError: unknown name; the message lists the valid ones.
 
         Example:
-            >>> MixedPrecisionPolicy.from_name("bf16") == MixedPrecisionPolicy.bf16()
+            >>> PrecisionPolicy.from_name("bf16") == PrecisionPolicy.bf16()
             True
         """
-        factories: dict[str, Callable[[], MixedPrecisionPolicy]] = {
+        factories: dict[str, Callable[[], PrecisionPolicy]] = {
             "fp32": cls.fp32,
             "bf16": cls.bf16,
             "bf16_comm": cls.bf16_comm,
@@ -220,17 +211,12 @@ class MixedPrecisionPolicy:
         ``output_dtype`` and ``cast_forward_inputs`` unchanged. ``main_params_dtype`` has no
         FSDP2 field: it is the dtype of the model at wrap time, checked by ``apply_fsdp``.
 
-        ``fp8`` changes no FSDP2 dtype: its backend converts the modules before wrapping
-        (:func:`shardbridge.fp8.convert`) and ``apply_fsdp`` runs its after-FSDP work (float8
-        all-gather hooks, first scales); ``apply_fsdp`` refuses a policy whose recipe the model
-        was not converted for.
-
         Raises:
             NotImplementedError: ``main_grads_dtype != main_params_dtype``; torch FSDP2 cannot
                 express it, the message names what can.
 
         Example:
-            >>> MixedPrecisionPolicy.bf16_comm().to_fsdp2()
+            >>> PrecisionPolicy.bf16_comm().to_fsdp2()
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=None, cast_forward_inputs=True)
         """
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -251,7 +237,7 @@ def _check_dtype(field_name: str, value: object, *, allow_none: bool) -> None:
         return
     hint = ""
     if isinstance(value, torch.dtype) and value.is_floating_point:
-        hint = "; for FP8 training set fp8=FP8Recipe(...) instead of an FP8 dtype"
+        hint = "; for FP8 training convert the model instead: shardbridge.fp8.convert(model, FP8Recipe(...))"
     allowed = ", ".join(str(d) for d in ALLOWED_DTYPES) + (" or None" if allow_none else "")
     raise ValueError(f"{field_name}={value!r} is not an allowed dtype; choose one of {allowed}{hint}")
 

@@ -1,6 +1,11 @@
 """Which modules become FSDP2 units, and how they are wrapped.
 
-Public: :class:`SupportsFSDPUnits`, :data:`FSDPUnit`, :func:`apply_fsdp`, :func:`fsdp_unit_params`.
+Public: :class:`SupportsFSDPUnits`, :data:`FSDPUnit`, :func:`apply_fsdp`, :func:`fsdp_unit_params`,
+and for FSDP2 units made by hand, :func:`use_uint8_all_gather` (:class:`Uint8AllGather`, :data:`FP8_DTYPES`).
+
+Quantization is not this module's business: an FP8 model is converted before it is wrapped
+(``shardbridge.fp8.convert``), its weights bring their own FSDP2 all-gather hooks, and nothing
+here asks which recipe, if any, the model runs.
 
 [Note: FSDP units]
 ~~~~~~~~~~~~~~~~~~
@@ -29,24 +34,45 @@ over a size-1 mesh still copies every parameter in and out each step (measured 6
 tp=4 by ``tools/bench/bench_step.py``), and torchtitan likewise applies FSDP only when
 dp_shard or cp > 1. With casting requested it shards over the size-1 mesh, which is how the
 policy takes effect. Checkpoints do not care: they load across both representations.
+
+[Note: float8 all-gather on gloo]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+FSDP2 packs the all-gather inputs of one parameter group into one flat buffer. When every input
+is float8 (FP8 weights whose ``fsdp_pre_all_gather`` sends float8 data, e.g. torchao's tensorwise
+recipe) the buffer is float8, and gloo rejects it ("Invalid scalar type"); NCCL takes it. The
+bytes are what matter, so :class:`Uint8AllGather` views float8 buffers as uint8 (same size, no
+copy) and all-gathers those; any other buffer goes through exactly the call FSDP2's default
+makes (``all_gather_single``, torch 2.11-2.14). :func:`apply_fsdp` gives it to every unit it
+makes on gloo, whatever the model holds: a gloo fact about dtypes, not a choice of recipe.
+Mixed groups already use a uint8 buffer and are unaffected.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, Union, runtime_checkable
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
-from shardbridge._compat import fsdp_params, fsdp_unit_key, fsdp_unit_modules
+from shardbridge._compat import AllGather, fsdp_params, fsdp_shard_process_group, fsdp_unit_key, fsdp_unit_modules
 
 if TYPE_CHECKING:
     from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import MixedPrecisionPolicy
+    from shardbridge._precision import PrecisionPolicy
 
-__all__ = ["FSDPUnit", "SupportsFSDPUnits", "apply_fsdp", "fsdp_unit_params"]
+__all__ = [
+    "FP8_DTYPES",
+    "FSDPUnit",
+    "SupportsFSDPUnits",
+    "Uint8AllGather",
+    "apply_fsdp",
+    "fsdp_unit_params",
+    "use_uint8_all_gather",
+]
 
 FSDPUnit = Union[nn.Module, Sequence[nn.Module]]
 """One FSDP unit: a module, or several modules grouped into one ``fully_shard`` call."""
@@ -72,7 +98,7 @@ class SupportsFSDPUnits(Protocol):
 def apply_fsdp(
     model: nn.Module,
     mesh: ParallelMesh,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
     units: Sequence[FSDPUnit] | None = None,
     reshard_after_forward: bool | Literal["default"] = "default",
@@ -93,8 +119,6 @@ def apply_fsdp(
         model: the model, in ``policy.main_params_dtype``, after tensor parallelism.
         mesh: the :class:`~shardbridge.ParallelMesh` of the run.
         policy: mixed precision. None = torch defaults (no casting, reduce in the params' dtype).
-            With ``policy.fp8`` the model must have been converted by
-            :func:`shardbridge.fp8.convert`; the backend's after-FSDP work runs at the end.
         units: the units in forward order (see :class:`SupportsFSDPUnits`). None = ask
             ``model.fsdp_units()``.
         reshard_after_forward: "default" = every unit but the last reshards (the last is
@@ -111,13 +135,12 @@ def apply_fsdp(
         data-parallel and nothing is cast (see [Note: FSDP over a degree-1 data-parallel axis]).
 
     Raises:
-        ValueError: bad units, a parameter not in ``policy.main_params_dtype``, ``policy.fp8``
-            without a converted model, or a bad
+        ValueError: bad units, a parameter not in ``policy.main_params_dtype``, or a bad
             ``reshard_after_forward``; the message says what to change.
 
     Example:
         >>> pm = ParallelDims(dp_shard=-1).build_mesh("cpu")  # doctest: +SKIP
-        >>> apply_fsdp(model, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
+        >>> apply_fsdp(model, pm, PrecisionPolicy.bf16())  # doctest: +SKIP
     """
     if reshard_after_forward != "default" and not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True, False or 'default'")
@@ -127,7 +150,6 @@ def apply_fsdp(
     if mesh.dims.degree("dp_cp") == 1 and not needs_cast and not cpu_offload:
         if policy is not None:
             policy.check_model_dtype(model)
-        _fp8_after_fsdp(model, mesh, policy)
         return model  # See [Note: FSDP over a degree-1 data-parallel axis]
     if policy is not None:
         policy.check_model_dtype(model)
@@ -150,7 +172,7 @@ def apply_fsdp(
     # Root: reshard_after_forward=None lets FSDP keep it unsharded (it is needed first in backward).
     fully_shard(model, **common)
     _warn_if_root_manages_params(model, unit_list)
-    _fp8_after_fsdp(model, mesh, policy)
+    use_uint8_all_gather(model)  # See [Note: float8 all-gather on gloo]
 
     if gradient_divide_factor is not None:
         for module in model.modules():
@@ -159,19 +181,6 @@ def apply_fsdp(
                 module.set_force_sum_reduction_for_comms(True)
                 module.set_gradient_divide_factor(gradient_divide_factor)
     return model
-
-
-def _fp8_after_fsdp(model: nn.Module, mesh: ParallelMesh, policy: MixedPrecisionPolicy | None) -> None:
-    """The backend's after-FSDP work for a model fp8.convert converted (with or without ``policy.fp8``).
-
-    ``policy.fp8`` set: ValueError if the model was not converted for it. Unset with a converted
-    model: the model's own recipe, so its float8 all-gathers and first scales are never skipped.
-    """
-    from shardbridge import fp8
-
-    recipe = None if policy is None else policy.fp8
-    if recipe is not None or fp8.recipe_of(model) is not None:
-        fp8.after_fsdp(model, mesh, recipe)
 
 
 def fsdp_unit_params(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -283,3 +292,60 @@ def _check_no_empty_tp_pieces(model: nn.Module) -> None:
                     "sharded dim at least as large as the TP degree times the chunk size (e.g. divisible by tp) "
                     "or lower tp"
                 )
+
+
+FP8_DTYPES: frozenset[torch.dtype] = frozenset(
+    d
+    for d in (
+        getattr(torch, name, None)
+        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    )
+    if d is not None
+)
+"""The float8 dtypes of this torch (gloo all-gathers none of them)."""
+
+
+class Uint8AllGather(AllGather):
+    """FSDP2 all-gather that sends float8 buffers as uint8. See [Note: float8 all-gather on gloo]."""
+
+    def allocate(self, size: Iterable[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if output_tensor.dtype in FP8_DTYPES:
+            output_tensor = output_tensor.view(torch.uint8)
+            input_tensor = input_tensor.view(torch.uint8)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _backend(module: FSDPModule) -> str:
+    pg = fsdp_shard_process_group(module)
+    return "" if pg is None else dist.get_backend(pg)
+
+
+def use_uint8_all_gather(model: nn.Module, *, backends: tuple[str, ...] = ("gloo",)) -> int:
+    """Give every FSDP2 unit of ``model`` on one of ``backends`` the :class:`Uint8AllGather`.
+
+    :func:`apply_fsdp` calls it; call it yourself after ``fully_shard`` by hand. Units on other
+    backends (NCCL takes float8) are left alone. See [Note: float8 all-gather on gloo].
+
+    Returns:
+        The number of FSDP units changed.
+
+    Example:
+        >>> fully_shard(model, mesh=pm.fsdp_mesh)  # doctest: +SKIP
+        >>> use_uint8_all_gather(model)  # doctest: +SKIP
+        1
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and _backend(module) in backends:
+            module.set_custom_all_gather(Uint8AllGather())
+            changed += 1
+    return changed

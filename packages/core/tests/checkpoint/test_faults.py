@@ -463,10 +463,16 @@ def _save_two_ranks(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
+    """Two committed steps to damage copies of; the damage tests' outcome counts are printed at teardown.
+
+    The report belongs to the fixture, not to a test: it prints whatever the tests that used the
+    fixture recorded (all of them or a ``-k`` selection), in any order they ran.
+    """
     root = tmp_path_factory.mktemp("damage") / "ckpt"
     root.mkdir()
     _save_two_ranks(root)
-    return root
+    yield root
+    _report("damaged files")
 
 
 def _damage(path: Path, kind: str, how: str, other: Path) -> None:
@@ -521,10 +527,6 @@ def test_damaged_file_is_detected(tmp_path, two_steps, kind, how, caplog):
     _save(root, 3, 3.0)
     assert ck.latest(root) == ck.step_dir(root, 3) and _hidden(root) == []
     _record("damaged files", f"{how} -> detected by {'checksum' if same_size else 'size/listing/manifest'}")
-
-
-def test_damage_counts_report():
-    _report("damaged files")
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])

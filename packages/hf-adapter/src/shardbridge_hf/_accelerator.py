@@ -14,8 +14,8 @@
     _prepare_tp: imports ReplicateParallel,      _prepare_tp: no-op; TP from model.tp_plan on
       removed in transformers >= 5.1 (bug 1)       pm["tp"] (bug 2: transformers ignores it)
     fsdp2_prepare_model + load_full_state_dict   shardbridge_hf.parallelize: core apply_fsdp
-      (TP shards broadcast as full, bug 3)         units + MixedPrecisionPolicy, rank-0 weights
-    _prepare_te: no fp8_autocast (bug 5)         policy.fp8 through shardbridge.fp8: the te backend
+      (TP shards broadcast as full, bug 3)         units + PrecisionPolicy, rank-0 weights
+    _prepare_te: no fp8_autocast (bug 5)         the fp8 block through shardbridge.fp8: the te backend
                                                    converts with TE's own TP and autocasts (5, 7)
     _prepare_ao: hook on AcceleratedOptimizer    fp8.install_step_hook on the inner optimizer (6)
     AcceleratedScheduler: num_processes steps    dp steps per optimizer step (tp ranks share a
@@ -49,13 +49,8 @@ from shardbridge import (
 )
 from torch import nn
 
-from shardbridge_hf import _checkpoint, _patches, _pretrained
-from shardbridge_hf._compat import (
-    accelerator_models,
-    accelerator_schedulers,
-    enable_activation_checkpointing,
-    require_accelerate,
-)
+from shardbridge_hf import _checkpoint, _patches
+from shardbridge_hf._compat import accelerator_models, accelerator_schedulers, require_accelerate
 from shardbridge_hf._config import ENV_VAR, HFConfig
 from shardbridge_hf._parallelize import parallelize
 
@@ -212,15 +207,10 @@ class ShardbridgeAccelerator(Accelerator):
         device = torch.device("cpu") if self._sb_cpu else self.device
         if not self._sb_cpu and any(not p.is_meta for p in model.parameters()):
             model.to(device)
-        if self.shardbridge_config.activation_checkpointing:
-            # A flag on each decoder layer (no wrapper module: FQNs and the TP plan are unchanged);
-            # FSDP2 re-all-gathers a layer's parameters for its recompute in backward.
-            enable_activation_checkpointing(model)
         parallelize(model, self.parallel_mesh, self.shardbridge_config, device=device)
-        _quiet_tp_view_outputs(model, self.parallel_mesh.dims.tp)
         new = dict(model.named_parameters())
         # A tie restored in parallelize (init_empty_weights breaks it) leaves one parameter for two FQNs.
-        fqn_groups = [_pretrained.tied_groups(model, groups) for groups in fqn_groups]
+        fqn_groups = [_tied_groups(model, groups) for groups in fqn_groups]
         for opt, groups in zip(optimizers, fqn_groups):
             rebind_param_groups(opt, groups, new)  # See [Note: param groups by FQN] in the core
         accelerator_models(self).append(model)
@@ -299,10 +289,6 @@ class ShardbridgeAccelerator(Accelerator):
         """
         self.unscale_gradients()
         return clip_grad_norm_(parameters, max_norm, norm_type)
-
-    def model_init_context(self) -> contextlib.AbstractContextManager:
-        """The FP8 backend's model-building context (te with ``fp8_params``: ``quantized_model_init``); else a no-op."""
-        return fp8.model_init_context(self.shardbridge_config.policy().fp8)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -394,14 +380,14 @@ class ShardbridgeAccelerator(Accelerator):
             schedulers=list(accelerator_schedulers(self)),
             strict=strict,
         )
-        fp8.after_load(model)  # FP8 scales from the loaded weights (nothing without FP8)
+        fp8.refresh(model)  # FP8 scales from the loaded weights (nothing without FP8)
         return self.step
 
     def load_pretrained(self, path: str | os.PathLike[str], *, cast_dtype: bool = False) -> Any:
         """Load a ``from_pretrained`` folder into the prepared model, each rank reading only its slices.
 
         Call after ``prepare``, on every rank. Build the model without weights for the memory
-        win (see [Note: pretrained weights without materialising the model] in ``_pretrained``)::
+        win (see [Note: pretrained weights without materialising the model] in ``_parallelize``)::
 
             with accelerate.init_empty_weights():
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
@@ -421,8 +407,8 @@ class ShardbridgeAccelerator(Accelerator):
                 anything is written).
         """
         model, _ = self._require_prepared("load_pretrained")
-        report = _pretrained.load_pretrained(model, path, cast_dtype=cast_dtype)
-        fp8.after_load(model)  # FP8 scales from the loaded weights (nothing without FP8)
+        report = _checkpoint.load_pretrained(model, path, cast_dtype=cast_dtype)
+        fp8.refresh(model)  # FP8 scales from the loaded weights (nothing without FP8)
         return report
 
     def export_pretrained(
@@ -483,34 +469,28 @@ class _DataParallelScheduler(AcceleratedScheduler):
                 self.scheduler.step(*args, **kwargs)
 
 
-def _quiet_tp_view_outputs(model: nn.Module, tp: int) -> None:
-    """Filter torch's "returned a view tensor" warning for the units whose output is a TP ``to_local()``.
+def _tied_groups(model: nn.Module, fqn_groups: list[list[str]]) -> list[list[str]]:
+    """Optimizer groups by FQN with tied aliases merged into one entry (the model's own name).
 
-    [Note: FSDP2 view-output warning]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    FSDP2 (torch 2.13) warns whenever a unit returns a view: an in-place op on it (``x += y``)
-    would drop the unit's pre-backward hook. Under TP three units always do, on every forward
-    and every rank (24 copies in a 2-step, 4-rank run): the input embedding
-    (``RowwiseParallel`` output), the ``[norm, lm_head]`` unit (``colwise_gather_output``) and the
-    root, which returns those logits -- because ``DTensor.to_local()`` returns
-    ``local.view_as(local)`` by design. These views are consumed out of place by the
-    transformers models (the decoder adds the residual ``residual + hidden``; the loss reads the
-    logits): the gradients equal a one-process model's (``test_fsdp2_x_tp_trains_like_one_process``,
-    ``test_clip_grad_norm_matches_one_process``). So the warning is filtered once, for exactly
-    these units' class names; any other unit returning a view (a decoder layer) still warns.
-    What it cannot cover: a training script that modifies ``outputs.logits`` in place before
-    ``backward`` -- do that out of place.
+    An optimizer built under ``accelerate.init_empty_weights`` holds ``lm_head.weight`` and
+    ``embed_tokens.weight`` as two tensors; after re-tying (see ``_parallelize``'s step 1)
+    they are one parameter, which must appear once (twice would step it twice).
     """
-    if tp == 1:
-        return
-    import re
-    import warnings
-
-    names = {type(m).__name__ for m in (model.get_input_embeddings(), model.get_output_embeddings(), model) if m}
-    pattern = "|".join(re.escape(n) for n in sorted(names))
-    warnings.filterwarnings(
-        "ignore", message=rf"FSDP2-wrapped module \((?:[^)]*, )?(?:{pattern})(?:, [^)]*)?\) returned a view tensor"
-    )
+    every = dict(model.named_parameters(remove_duplicate=False))
+    canonical = {id(p): fqn for fqn, p in model.named_parameters()}
+    seen: set[int] = set()
+    out = []
+    for group in fqn_groups:
+        kept = []
+        for fqn in group:
+            p = every.get(fqn)
+            if p is None:
+                kept.append(fqn)  # rebind_param_groups names it
+            elif id(p) not in seen:
+                seen.add(id(p))
+                kept.append(canonical[id(p)])
+        out.append(kept)
+    return out
 
 
 def _refuse_plain_accelerate_launch() -> None:

@@ -1,4 +1,6 @@
-"""Accelerate's ``save_state`` / ``load_state`` on the core checkpoint, and export to a HF folder.
+"""Accelerate's ``save_state`` / ``load_state`` on the core checkpoint; export to and load from a HF folder.
+
+``load_pretrained`` reads a ``from_pretrained`` folder shard-on-read, each rank its slices.
 
 [Note: what a save_state checkpoint holds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -28,9 +30,13 @@ from typing import Any
 
 import torch
 from shardbridge import checkpoint
+from shardbridge.pretrained import PretrainedReport
+from shardbridge.pretrained import load_pretrained as core_load_pretrained
 from torch import nn
 
-__all__ = ["export_pretrained", "load_state", "save_state"]
+from shardbridge_hf._parallelize import release_guard
+
+__all__ = ["export_pretrained", "load_pretrained", "load_state", "save_state"]
 
 _EXTRA_KEY = "hf"
 
@@ -228,3 +234,41 @@ def _tuplify(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_tuplify(v) for v in value)
     return value
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike[str], *, cast_dtype: bool = False) -> PretrainedReport:
+    """Fill a prepared transformers model from a ``from_pretrained`` folder, each rank its slices.
+
+    Shard-on-read through the core loader (``shardbridge.pretrained``); a model prepared on meta
+    runs forward again afterwards (see [Note: pretrained weights without materialising the model]
+    in ``_parallelize``).
+
+    Args:
+        model: the model ``ShardbridgeAccelerator.prepare`` returned.
+        path: a ``save_pretrained`` folder (safetensors, sharded or not).
+        cast_dtype: cast floating-point checkpoint values to the model's dtype.
+
+    Raises:
+        ValueError: see :func:`shardbridge.pretrained.load_pretrained`; a missing key of a
+            checkpoint that transformers would convert while loading (per-expert MoE weights)
+            gets a hint.
+    """
+    # transformers' own lists are regexes matched with re.search.
+    missing = [f".*(?:{p}).*" for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
+    unexpected = [f".*(?:{p}).*" for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    try:
+        report = core_load_pretrained(
+            model, path, cast_dtype=cast_dtype, ignore_missing=missing, ignore_unexpected=unexpected
+        )
+    except ValueError as exc:
+        text = str(exc)
+        if ".experts." in text and "not in the checkpoint" in text:
+            raise ValueError(
+                f"{text} | this checkpoint stores MoE experts one by one ('experts.0.gate_proj.weight'), which "
+                "transformers merges into fused 'experts.gate_up_proj' while loading; shard-on-read of such "
+                "checkpoints is not supported yet: load with from_pretrained on every rank (prepare broadcasts "
+                "rank 0's weights), or re-save it with a fused-experts layout"
+            ) from exc
+        raise
+    release_guard(model)
+    return report

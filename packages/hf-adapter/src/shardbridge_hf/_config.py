@@ -30,14 +30,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from shardbridge import MixedPrecisionPolicy, ParallelDims, fp8
-from shardbridge.checkpoint._export import parse_size
+from shardbridge import ParallelDims, PrecisionPolicy, fp8
+from shardbridge.checkpoint import parse_size
 from shardbridge.fp8 import FP8Recipe
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -70,9 +69,9 @@ _DTYPES = {
 class FP8Config:
     """The yaml block ``fsdp_config.shardbridge.fp8``: the core's :class:`~shardbridge.fp8.FP8Recipe`, spelled for yaml.
 
-    :meth:`to_recipe` gives the recipe that becomes ``policy.fp8``; validation is the backend's
-    (``shardbridge.fp8.get_backend(backend).check``), so every error names a yaml key and what
-    the backend supports. The TE knobs keep Accelerate's yaml names (``amax_history_length``,
+    :meth:`to_recipe` gives the recipe ``parallelize`` converts the model with; validation is the
+    recipe's own (the names) and the backend's (``shardbridge.fp8.get_backend(backend).check``),
+    each rule in one place, so every error names a yaml key and what the backend supports. The TE knobs keep Accelerate's yaml names (``amax_history_length``,
     upstream bug 7) and become recipe parameters; ``params`` passes any other backend parameter.
 
     Example:
@@ -120,12 +119,6 @@ class FP8Config:
 
     def __post_init__(self) -> None:
         _one_of("fp8.backend", self.backend, ("none", *fp8.backend_names()))
-        names = (*FP8Recipe.NAMES, *FP8Recipe.ALIASES)
-        if self.recipe is not None and self.recipe not in names:
-            raise ValueError(
-                f"{BLOCK_KEY}.fp8.recipe={self.recipe!r} is not a known recipe; choose one of {list(FP8Recipe.NAMES)} "
-                f"(aliases {dict(FP8Recipe.ALIASES)})"
-            )
         _bool("fp8.fp8_params", self.fp8_params)
         if not isinstance(self.params, Mapping):
             raise ValueError(f"{BLOCK_KEY}.fp8.params={self.params!r} must be a mapping")
@@ -135,7 +128,7 @@ class FP8Config:
                 f"{BLOCK_KEY}.fp8 sets {twice} both as key(s) and in fp8.params "
                 f"({[self.PARAM_KEYS[k] for k in twice]}); keep one"
             )
-        self._check(tp=None)  # tp-independent checks now; HFConfig checks again at its TP degree
+        self.to_recipe()  # the recipe's and the backend's checks, named by yaml key
 
     @property
     def enabled(self) -> bool:
@@ -153,7 +146,7 @@ class FP8Config:
         return {**out, **dict(self.params)}
 
     def to_recipe(self) -> FP8Recipe | None:
-        """The core recipe (``policy.fp8``), or None for backend "none".
+        """The core recipe, checked by its backend, or None for backend "none".
 
         Raises:
             ValueError: a bad recipe name or field, naming the yaml key.
@@ -168,7 +161,7 @@ class FP8Config:
                 raise ValueError(f"{BLOCK_KEY}.fp8 sets recipe options with backend: none; set backend: torchao or te")
             return None
         try:
-            return FP8Recipe(
+            recipe = FP8Recipe(
                 backend=self.backend,
                 name=self.recipe or "tensorwise",
                 params=self.recipe_params(),
@@ -180,21 +173,12 @@ class FP8Config:
             raise ValueError(
                 f"{BLOCK_KEY}.{str(e).replace('FP8Recipe.name=', 'fp8.recipe=').replace('FP8Recipe.', 'fp8.')}"
             ) from None
-
-    def check_tp(self, tp: int) -> None:
-        """The backend's own check of the recipe at this TP degree (ValueError naming the yaml block)."""
-        self._check(tp=tp)
-
-    def _check(self, *, tp: int | None) -> None:
-        """The backend's check; None = before the TP degree is known (checked as tp=1, not named)."""
-        recipe = self.to_recipe()
-        if recipe is None:
-            return
         try:
-            fp8.get_backend(recipe.backend).check(recipe, tp=1 if tp is None else tp)
+            fp8.get_backend(recipe.backend).check(recipe)
         except (ValueError, NotImplementedError) as e:
-            where = f"backend {recipe.backend!r}, recipe {recipe.name!r}" + ("" if tp is None else f", tp={tp}")
+            where = f"backend {recipe.backend!r}, recipe {recipe.name!r}"
             raise ValueError(f"{BLOCK_KEY}.fp8 ({where}): {self._yaml_names(str(e))}") from None
+        return recipe
 
     def _yaml_names(self, message: str) -> str:
         """A backend's message with each recipe parameter named by the yaml key the user wrote.
@@ -302,7 +286,7 @@ class HFConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.precision, str):
-            _one_of("precision", self.precision, MixedPrecisionPolicy.PRESETS)
+            _one_of("precision", self.precision, PrecisionPolicy.PRESETS)
         elif isinstance(self.precision, Mapping):
             unknown = sorted(set(self.precision) - set(self.PRECISION_FIELDS))
             if unknown:
@@ -333,35 +317,28 @@ class HFConfig:
         _bool("cpu_offload", self.cpu_offload)
         if self.dims is not None and not isinstance(self.dims, ParallelDims):
             raise ValueError(f"dims must be a shardbridge.ParallelDims, got {self.dims!r}")
-        if self.dims is not None:
-            self.fp8.check_tp(self.dims.tp)
         # Building the policy validates the dtype combination (FSDP2 rules included).
         self.policy()
 
-    def policy(self) -> MixedPrecisionPolicy:
-        """The core :class:`~shardbridge.MixedPrecisionPolicy` this config asks for (``fp8`` from the fp8 block).
+    def policy(self) -> PrecisionPolicy:
+        """The core :class:`~shardbridge.PrecisionPolicy` this config asks for (FP8 is :attr:`fp8`'s recipe).
 
         Raises:
             ValueError: a dtype combination torch FSDP2 cannot run; the message says which key.
         """
         if isinstance(self.precision, str):
-            policy = MixedPrecisionPolicy.from_name(self.precision)
+            policy = PrecisionPolicy.from_name(self.precision)
         else:
             kwargs = {k: _dtype(f"precision.{k}", v) for k, v in self.precision.items() if v is not None}
             try:
-                policy = MixedPrecisionPolicy(**kwargs)
+                policy = PrecisionPolicy(**kwargs)
             except ValueError as e:
                 raise ValueError(f"{BLOCK_KEY}.precision: {e}") from None
         try:
             policy.check_grads_match_params()  # the core's FSDP2 rule, named by its yaml key here
         except NotImplementedError as e:
             raise ValueError(f"{BLOCK_KEY}.precision: {e}") from None
-        recipe = self.fp8.to_recipe()
-        if recipe is None:
-            return policy
-        with warnings.catch_warnings():  # the dtype warnings were given when the policy was built
-            warnings.simplefilter("ignore", UserWarning)
-            return dataclasses.replace(policy, fp8=recipe)
+        return policy
 
     # -- yaml block <-> config <-> JSON --------------------------------------------------------
 

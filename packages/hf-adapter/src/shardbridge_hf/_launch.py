@@ -42,12 +42,12 @@ import dataclasses
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from shardbridge import ParallelDims, fp8
-from shardbridge.cli._plugins import Verb
+from shardbridge.cli import Verb
 
 from shardbridge_hf._compat import require_accelerate
 from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig
@@ -118,6 +118,101 @@ class LaunchPlan:
     """Total number of processes the file asks for."""
 
 
+_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+"""The parallelism_config axes shardbridge_hf runs (``parallelism_config_<axis>_size``)."""
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One rule of a config file: the value it reads, whether that value is acceptable, the error otherwise."""
+
+    read: Callable[[Any], Any]
+    """Reads the value from Accelerate's loaded config (the command-line flags applied)."""
+    ok: Callable[[Any], bool]
+    """Whether the value is acceptable."""
+    message: Callable[[Any], str]
+    """The error for an unacceptable value: the key, the value and the fix."""
+    error: type[Exception] = ValueError
+
+
+def _mixed_precision(cluster: Any) -> Any:
+    return cluster.mixed_precision or "no"
+
+
+def _parallelism(cluster: Any) -> dict[str, Any]:
+    return dict(cluster.parallelism_config or {})
+
+
+def _unknown_axes(cluster: Any) -> list[tuple[str, Any]]:
+    """``parallelism_config_*_size`` keys of axes shardbridge_hf does not run, with a size other than 1."""
+    pc = _parallelism(cluster)
+    return [
+        (key, pc[key])
+        for key in sorted(pc)
+        if key.endswith("_size") and key.removeprefix("parallelism_config_").removesuffix("_size") not in _AXES
+        and pc[key] != 1
+    ]  # fmt: skip
+
+
+def _bad_sizes(cluster: Any) -> list[tuple[str, Any]]:
+    pc = _parallelism(cluster)
+    sizes = [(f"parallelism_config_{axis}_size", pc.get(f"parallelism_config_{axis}_size", 1)) for axis in _AXES]
+    return [(key, v) for key, v in sizes if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+
+
+def _is_int_at_least_1(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _fsdp(cluster: Any) -> dict[str, Any]:
+    return dict(cluster.fsdp_config or {})
+
+
+def _is_mapping_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, dict)
+
+
+_FP8_MIXED = (
+    "mixed_precision: fp8 runs Accelerate's own FP8 path, which breaks under FSDP2 x TP; set mixed_precision: 'no' "
+    f"(or bf16) and {BLOCK_KEY}.fp8.backend: torchao (or te)"
+)
+_BOOL_MIXED = (
+    "YAML reads an unquoted no / yes as a boolean, which Accelerate's launcher cannot take; write mixed_precision: "
+    "'no' (quoted) or 'bf16'"
+)
+
+# The rules of read_config_file, in the order they are checked (the first broken one is the
+# error): what each reads from Accelerate's loaded config, what it accepts, the message otherwise.
+# The fsdp_* and fp8_config keys are checked after these, by _merge_accelerate_fsdp / _fp8.
+# fmt: off
+_CHECKS: tuple[_Check, ...] = (
+    *(_Check(lambda c, k=key: getattr(c, k, None), _is_mapping_or_none, lambda v, k=key: f"{k} must be a mapping, got {v!r}")
+      for key in ("fsdp_config", "parallelism_config", "fp8_config")),
+    _Check(lambda c: _fsdp(c).get("shardbridge"), _is_mapping_or_none, lambda v: f"{BLOCK_KEY} must be a mapping, got {v!r}"),
+    _Check(lambda c: c.use_cpu, lambda v: isinstance(v, bool), lambda v: f"use_cpu={v!r} must be true or false"),
+    _Check(lambda c: getattr(c.distributed_type, "value", c.distributed_type), lambda v: v == "FSDP",
+           lambda v: f"distributed_type={v!r}; set distributed_type: FSDP"),
+    _Check(lambda c: _fsdp(c).get("fsdp_version"), lambda v: str(v if v is not None else "1") == "2",
+           lambda v: f"fsdp_config.fsdp_version={v!r}; set fsdp_version: 2"),
+    _Check(lambda c: c.mixed_precision, lambda v: not isinstance(v, bool), lambda v: f"mixed_precision={v!r}: {_BOOL_MIXED}"),
+    _Check(_mixed_precision, lambda v: v != "fp8", lambda v: _FP8_MIXED),
+    _Check(_mixed_precision, lambda v: v != "fp16", lambda v: "mixed_precision: fp16 is not supported under FSDP2 here; use bf16"),
+    _Check(_mixed_precision, lambda v: v in ("no", "bf16"), lambda v: f"mixed_precision={v!r} is not allowed; use 'no' or 'bf16'"),
+    _Check(lambda c: (_mixed_precision(c), (_fsdp(c).get("shardbridge") or {}).get("precision")),
+           lambda v: v != ("bf16", "fp32"),
+           lambda v: f"mixed_precision: bf16 but {BLOCK_KEY}.precision: fp32; make them agree (the shardbridge block "
+                     "wins when mixed_precision is 'no')"),
+    _Check(lambda c: c.num_processes, _is_int_at_least_1,
+           lambda v: f"num_processes={v!r} must be an int >= 1, the total process count"
+                     + (" (it is not set: add num_processes: N)" if v == -1 else "")),
+    _Check(_unknown_axes, lambda v: not v,
+           lambda v: f"{v[0][0]}={v[0][1]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key",
+           NotImplementedError),
+    _Check(_bad_sizes, lambda v: not v, lambda v: f"{v[0][0]}={v[0][1]!r} must be an int >= 1"),
+)
+# fmt: on
+
+
 def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None) -> LaunchPlan:
     """Read and validate an Accelerate config file with a shardbridge block.
 
@@ -145,77 +240,33 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
     if overrides:
         where += " with " + " ".join(f"--{k} {v}" for k, v in sorted(overrides.items()))
         _apply_overrides(cluster, overrides)
-    for key in ("fsdp_config", "parallelism_config", "fp8_config"):
-        if getattr(cluster, key, None) is not None and not isinstance(getattr(cluster, key), dict):
-            raise ValueError(f"{where}: {key} must be a mapping, got {getattr(cluster, key)!r}")
-    if (cluster.fsdp_config or {}).get("shardbridge") is not None and not isinstance(
-        cluster.fsdp_config["shardbridge"], dict
-    ):
-        raise ValueError(f"{where}: {BLOCK_KEY} must be a mapping, got {cluster.fsdp_config['shardbridge']!r}")
-    if not isinstance(cluster.use_cpu, bool):
-        raise ValueError(f"{where}: use_cpu={cluster.use_cpu!r} must be true or false")
-    distributed_type = getattr(cluster.distributed_type, "value", cluster.distributed_type)
-    if distributed_type != "FSDP":
-        raise ValueError(f"{where}: distributed_type={distributed_type!r}; set distributed_type: FSDP")
-    fsdp = dict(cluster.fsdp_config or {})
-    if str(fsdp.get("fsdp_version", "1")) != "2":
-        raise ValueError(f"{where}: fsdp_config.fsdp_version={fsdp.get('fsdp_version')!r}; set fsdp_version: 2")
-    block = dict(fsdp.get("shardbridge") or {})
-    if isinstance(cluster.mixed_precision, bool):
-        raise ValueError(
-            f"{where}: mixed_precision={cluster.mixed_precision!r}: YAML reads an unquoted no / yes as a boolean, "
-            "which Accelerate's launcher cannot take; write mixed_precision: 'no' (quoted) or 'bf16'"
-        )
-    mixed = cluster.mixed_precision or "no"
-    if mixed == "fp8":
-        raise ValueError(
-            f"{where}: mixed_precision: fp8 runs Accelerate's own FP8 path, which breaks under FSDP2 x TP; set "
-            f"mixed_precision: 'no' (or bf16) and {BLOCK_KEY}.fp8.backend: torchao (or te)"
-        )
-    if mixed == "fp16":
-        raise ValueError(f"{where}: mixed_precision: fp16 is not supported under FSDP2 here; use bf16")
-    if mixed not in ("no", "bf16"):
-        raise ValueError(f"{where}: mixed_precision={mixed!r} is not allowed; use 'no' or 'bf16'")
-    if mixed == "bf16":
-        if "precision" not in block:
-            block["precision"] = "bf16"
-        elif block["precision"] == "fp32":
-            raise ValueError(
-                f"{where}: mixed_precision: bf16 but {BLOCK_KEY}.precision: fp32; make them agree (the shardbridge "
-                "block wins when mixed_precision is 'no')"
-            )
+    for check in _CHECKS:  # in order: the first broken rule is the error
+        value = check.read(cluster)
+        if not check.ok(value):
+            raise check.error(f"{where}: {check.message(value)}")
+    block = dict(_fsdp(cluster).get("shardbridge") or {})
+    if _mixed_precision(cluster) == "bf16":
+        block.setdefault("precision", "bf16")
     _merge_accelerate_fp8(cluster.fp8_config or {}, block, where)
-    _merge_accelerate_fsdp(fsdp, block, where)
-    num_processes = cluster.num_processes
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        hint = " (it is not set: add num_processes: N)" if num_processes == -1 else ""
-        raise ValueError(f"{where}: num_processes={num_processes!r} must be an int >= 1, the total process count{hint}")
-    pc = dict(cluster.parallelism_config or {})
+    _merge_accelerate_fsdp(_fsdp(cluster), block, where)
+    dims = _dims(cluster, where)
+    config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
+    return LaunchPlan(config=config, dims=dims, num_processes=cluster.num_processes)
 
-    def size(name: str) -> int:
-        value = pc.get(f"parallelism_config_{name}_size", 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{where}: parallelism_config_{name}_size={value!r} must be an int >= 1")
-        return value
 
-    for key in sorted(pc):
-        name = key.removeprefix("parallelism_config_").removesuffix("_size")
-        if key.endswith("_size") and name not in ("dp_replicate", "dp_shard", "cp", "tp") and pc[key] != 1:
-            raise NotImplementedError(
-                f"{where}: {key}={pc[key]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key"
-            )
-    dims = ParallelDims(dp_replicate=size("dp_replicate"), dp_shard=size("dp_shard"), cp=size("cp"), tp=size("tp"))
+def _dims(cluster: Any, where: str) -> ParallelDims:
+    """The parallel degrees of ``parallelism_config`` (sizes checked by ``_CHECKS``), resolved against num_processes."""
+    pc = _parallelism(cluster)
+    dims = ParallelDims(**{axis: pc.get(f"parallelism_config_{axis}_size", 1) for axis in _AXES})
     if "parallelism_config_dp_shard_size" not in pc:
         dims = dataclasses.replace(dims, dp_shard=-1)
     try:
-        dims = dims.resolve(num_processes)
+        return dims.resolve(cluster.num_processes)
     except ValueError as e:
         raise ValueError(
-            f"{where}: parallelism_config sizes do not fit num_processes={num_processes}: {e} "
+            f"{where}: parallelism_config sizes do not fit num_processes={cluster.num_processes}: {e} "
             "(set parallelism_config_dp_shard_size, or num_processes)"
         ) from None
-    config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
-    return LaunchPlan(config=config, dims=dims, num_processes=num_processes)
 
 
 def check_runtime(plan: LaunchPlan, where: str) -> None:

@@ -1,13 +1,22 @@
-"""``parallelize``: FP8 conversion, TP, FSDP2 units and rank-0 weights for a transformers model.
+"""``parallelize``: FP8, TP, FSDP2 units and the weights they start from, for a transformers model.
 
 The steps, in the order they must run::
 
-    1. fp8 convert (torchao)    nn.Linear -> Float8Linear        BEFORE TP / FSDP
-    2. tensor parallelism       model.tp_plan on pm["tp"]         see [Note: HF TP plan on the shardbridge mesh]
-       context parallelism      attention over pm["cp"]           see [Note: HF context parallel] (_cp.py)
-    3. FSDP2 units (core)       embed | each decoder layer | [norm, lm_head] | root
-    4. rank-0 weights           broadcast full tensors, each rank keeps its piece
-    5. fp8 after_fsdp           uint8 all-gather on gloo, first scales
+    1. weights: where from     every parameter on meta on every rank: deferred, load_pretrained
+                               fills them (see [Note: pretrained weights without materialising the
+                               model]); else with sync_module_states rank 0's full tensors are kept
+    2. fp8 convert             nn.Linear -> the backend's modules, BEFORE TP / FSDP
+    3. tensor parallelism      model.tp_plan on pm["tp"]   see [Note: HF TP plan on the shardbridge mesh]
+       context parallelism     attention over pm["cp"]    see [Note: HF context parallel] (_cp.py)
+    4. FSDP2 units (core)      embed | each decoder layer | [norm, lm_head] | root; with
+                               activation_checkpointing, transformers' own per-layer checkpointing
+                               first; see [Note: FSDP2 view-output warning] for the TP units
+    5. weights installed       deferred: materialised, forward refused until load_pretrained;
+                               rank 0's: broadcast, each rank keeps its piece (upstream bug 3)
+    6. fp8 refresh             what derives from the sharded weights (torchao tensorwise: scales)
+
+The decision of step 1 and its mechanics of step 5 live here together: which weights a
+prepared model starts from is part of how it is sharded.
 
 [Note: rank-0 weights after sharding (upstream bug 3)]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -19,6 +28,29 @@ unsharded tensors (taken before step 2), broadcasts each one, and every rank cut
 piece with ``distribute_tensor(full, mesh, placements, src_data_rank=None)`` (no further
 communication). Ranks whose model was on ``meta`` are materialised first. The same path
 also makes randomly initialised ranks agree (``sync_module_states``).
+
+[Note: pretrained weights without materialising the model]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+::
+
+    with torch.device("meta"):                     # or accelerate.init_empty_weights()
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    model, opt = accelerator.prepare(model, AdamW(model.parameters()))
+    accelerator.load_pretrained(path)              # each rank reads its slices
+
+``prepare`` sees every parameter on ``meta`` on EVERY rank (one all-reduce agrees on it), so
+there are no rank-0 weights to broadcast: it applies TP and FSDP2 on meta, materialises the
+shards (real buffers are kept; non-persistent buffers on meta, RoPE's ``inv_freq``, are
+recomputed by transformers' own ``_init_weights`` and checked), and blocks ``forward`` until :func:`load_pretrained` has filled the weights
+(a forward on uninitialised memory would train silently on garbage). Each rank then reads
+only its slices (``shardbridge.pretrained``), so no rank ever holds the full model. A model
+built with real weights works too (``load_pretrained`` overwrites them).
+
+Names: ``save_pretrained`` of transformers 5 writes the model's own parameter names for
+dense models; the core's strict checks name any missing / unexpected key. Checkpoints in a
+layout transformers converts while loading (per-expert MoE weights merged into a fused
+``experts.gate_up_proj``: Mixtral, Qwen2/3-MoE, ...) are refused with that error and a hint;
+see docs/hf.md "Pretrained weights".
 """
 
 from __future__ import annotations
@@ -31,8 +63,7 @@ from shardbridge import apply_fsdp, fp8
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardbridge_hf._compat import no_split_modules
-from shardbridge_hf._pretrained import guard_until_loaded, materialise_on, on_meta_everywhere
+from shardbridge_hf._compat import enable_activation_checkpointing, init_module_buffers, no_split_modules
 from shardbridge_hf._tp import apply_tp, check_tp_divides, resolve_tp_plan
 
 if TYPE_CHECKING:
@@ -40,13 +71,15 @@ if TYPE_CHECKING:
 
     from shardbridge_hf._config import HFConfig
 
-__all__ = ["fsdp_units", "load_full_from_rank0", "parallelize"]
+__all__ = ["fsdp_units", "load_full_from_rank0", "parallelize", "release_guard"]
+
+_GUARD_ATTR = "_shardbridge_pretrained_guard"
 
 
 def parallelize(
     model: nn.Module, pm: ParallelMesh, config: HFConfig, *, device: torch.device | None = None
 ) -> nn.Module:
-    """Apply FP8 (``policy.fp8``'s backend), TP and FSDP2 to a transformers causal LM, in place.
+    """Apply FP8 (``config.fp8``'s backend), TP, activation checkpointing and FSDP2 to a transformers causal LM, in place.
 
     Call on every rank with the same arguments. Parameters may differ between ranks (or be
     on ``meta`` off rank 0) when ``config.sync_module_states``: rank 0's weights win.
@@ -68,12 +101,11 @@ def parallelize(
         >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
         >>> model = parallelize(LlamaForCausalLM(cfg), pm, HFConfig())  # doctest: +SKIP
     """
-    config.fp8.check_tp(pm.dims.tp)
     device = device or torch.device(pm.mesh.device_type)
     policy = config.policy()
-    # Every parameter on meta on every rank: the weights come from accelerator.load_pretrained
+    # 1. Every parameter on meta on every rank: the weights come from accelerator.load_pretrained
     # (shard-on-read), not from rank 0. See [Note: pretrained weights without materialising the model].
-    deferred = on_meta_everywhere(model)
+    deferred = _on_meta_everywhere(model)
     full = _rank0_full_tensors(model) if config.sync_module_states and not deferred else None
 
     plan: dict[str, Any] = {}
@@ -81,12 +113,13 @@ def parallelize(
         check_tp_divides(getattr(model, "config", None), pm.dims.tp)
         plan = dict(resolve_tp_plan(model, config.tp_plan))
     fp8_styles = None
-    if policy.fp8 is not None:
+    recipe = config.fp8.to_recipe()
+    if recipe is not None:
         # Before TP / FSDP. A backend with its own TP modules (te) shards them itself: the torch
         # TP pass skips what it reports done. See [Note: the FP8 backend protocol] in the core.
-        done = fp8.convert(model, policy.fp8, mesh=pm, tp_plan={k: v for k, v in plan.items() if isinstance(v, str)})
+        done = fp8.convert(model, recipe, mesh=pm, tp_plan={k: v for k, v in plan.items() if isinstance(v, str)})
         plan = {k: v for k, v in plan.items() if k not in done.tp_done}
-        fp8_styles = fp8.get_backend(policy.fp8.backend).tp_styles(policy.fp8)
+        fp8_styles = done.tp_styles
 
     if pm.dims.tp > 1:
         # Rank-0 weights are broadcast after sharding: no scatter here (it would hang with meta ranks).
@@ -102,24 +135,59 @@ def parallelize(
         fix=f"build it in that dtype (from_config(cfg, torch_dtype={policy.main_params_dtype})) or set "
         "fsdp_config.shardbridge.precision.main_params_dtype accordingly",
     )
-    # With policy.fp8, apply_fsdp also runs the backend's after-FSDP work (float8 all-gather on
-    # gloo, first scales, TE autocast).
+    units = fsdp_units(model)
+    if config.activation_checkpointing:
+        # A flag on each decoder layer (no wrapper module: FQNs and units are unchanged); FSDP2
+        # re-all-gathers a layer's parameters for its recompute in backward.
+        enable_activation_checkpointing(model)
     apply_fsdp(
         model,
         pm,
         policy,
-        units=fsdp_units(model),
+        units=units,
         reshard_after_forward=config.reshard_after_forward,
         cpu_offload=config.cpu_offload,
     )
+    _quiet_tp_view_outputs(model, pm.dims.tp)
 
     if deferred:
-        materialise_on(model, device)
-        guard_until_loaded(model)
-    elif config.sync_module_states:
+        _materialise_on(model, device)
+        _guard_until_loaded(model)  # load_pretrained fills the weights (and refreshes FP8)
+        return model
+    if config.sync_module_states:
         load_full_from_rank0(model, full, device=device)
-        fp8.after_load(model)  # the weights changed: per-tensor scales from rank 0's weights
+    fp8.refresh(model)  # what FP8 derives from the sharded weights (torchao tensorwise: the scales)
     return model
+
+
+def _quiet_tp_view_outputs(model: nn.Module, tp: int) -> None:
+    """Filter torch's "returned a view tensor" warning for the units whose output is a TP ``to_local()``.
+
+    [Note: FSDP2 view-output warning]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    FSDP2 (torch 2.13) warns whenever a unit returns a view: an in-place op on it (``x += y``)
+    would drop the unit's pre-backward hook. Under TP three units always do, on every forward
+    and every rank (24 copies in a 2-step, 4-rank run): the input embedding
+    (``RowwiseParallel`` output), the ``[norm, lm_head]`` unit (``colwise_gather_output``) and the
+    root, which returns those logits -- because ``DTensor.to_local()`` returns
+    ``local.view_as(local)`` by design. These views are consumed out of place by the
+    transformers models (the decoder adds the residual ``residual + hidden``; the loss reads the
+    logits): the gradients equal a one-process model's (``test_fsdp2_x_tp_trains_like_one_process``,
+    ``test_clip_grad_norm_matches_one_process``). So the warning is filtered once, for exactly
+    these units' class names; any other unit returning a view (a decoder layer) still warns.
+    What it cannot cover: a training script that modifies ``outputs.logits`` in place before
+    ``backward`` -- do that out of place.
+    """
+    if tp == 1:
+        return
+    import re
+    import warnings
+
+    names = {type(m).__name__ for m in (model.get_input_embeddings(), model.get_output_embeddings(), model) if m}
+    pattern = "|".join(re.escape(n) for n in sorted(names))
+    warnings.filterwarnings(
+        "ignore", message=rf"FSDP2-wrapped module \((?:[^)]*, )?(?:{pattern})(?:, [^)]*)?\) returned a view tensor"
+    )
 
 
 def fsdp_units(model: nn.Module) -> list[Any]:
@@ -199,3 +267,91 @@ def load_full_from_rank0(model: nn.Module, full: dict[str, torch.Tensor] | None,
             local.copy_(piece)
         else:
             local.copy_(buf)
+
+
+# -- step 1 / 5 of a model on meta everywhere: see [Note: pretrained weights without materialising the model]
+
+
+def _on_meta_everywhere(model: nn.Module) -> bool:
+    """True when every parameter is on ``meta`` on every rank (one all-reduce when distributed).
+
+    Meta on some ranks only is the rank-0-weights case (``cpu_ram_efficient_loading``), not this one.
+    When True, tied weights are re-tied (``model.tie_weights()``).
+    """
+    params = list(model.parameters())
+    mine = torch.tensor([int(bool(params) and all(p.is_meta for p in params))], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    everywhere = bool(mine.item())
+    if everywhere and hasattr(model, "tie_weights"):
+        # accelerate.init_empty_weights re-creates each registered parameter, so from_config's
+        # tie (lm_head.weight IS embed_tokens.weight) is lost; transformers' own call restores it.
+        model.tie_weights()
+    return everywhere
+
+
+@torch.no_grad()
+def _materialise_on(model: nn.Module, device: torch.device) -> None:
+    """Allocate every ``meta`` tensor on ``device`` (uninitialised), keeping the real ones' values.
+
+    Non-persistent buffers on ``meta`` (RoPE ``inv_freq`` of a model built under
+    ``torch.device("meta")``; no checkpoint holds them) are recomputed by transformers' own
+    ``_init_weights`` of their module, and checked: they are filled with NaN first, so one it
+    does not recompute is an error, never a silent garbage value.
+
+    Raises:
+        ValueError: a non-persistent buffer on ``meta`` that transformers does not recompute.
+    """
+    lost: list[tuple[str, nn.Module, str]] = []
+    for prefix, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta and name in module._non_persistent_buffers_set:
+                lost.append((f"{prefix}.{name}" if prefix else name, module, name))
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    real = {name: _local(t).clone() for name, t in tensors.items() if not _local(t).is_meta}
+    model.to_empty(device=device)
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    for name, value in real.items():
+        _local(tensors[name]).copy_(value)
+    for _, module, name in lost:
+        buf = module._buffers[name]
+        if buf.is_floating_point():
+            buf.fill_(float("nan"))
+    for module in {id(m): m for _, m, _ in lost}.values():
+        init_module_buffers(model, module)
+    for fqn, module, name in lost:
+        buf = module._buffers[name]
+        if not buf.is_floating_point() or bool(torch.isnan(buf).any()):
+            raise ValueError(
+                f"non-persistent buffer {fqn!r} was on the meta device and transformers does not recompute it "
+                "(no checkpoint holds it); build the model under accelerate.init_empty_weights() (parameters on "
+                "meta, buffers real) instead of torch.device('meta')"
+            )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t  # under no_grad: a view of the stored shard
+
+
+def _guard_until_loaded(model: nn.Module) -> None:
+    """Make ``model``'s forward raise until :func:`load_pretrained` fills its weights."""
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        raise RuntimeError(
+            "the model was prepared on the meta device and its weights are uninitialised; call "
+            "accelerator.load_pretrained(path) after prepare() and before the first forward"
+        )
+
+    setattr(model, _GUARD_ATTR, model.register_forward_pre_hook(refuse))
+
+
+def release_guard(model: nn.Module) -> None:
+    """Let ``model`` run forward again: its weights were loaded (``load_pretrained``). A no-op without a guard."""
+    guard = getattr(model, _GUARD_ATTR, None)
+    if guard is not None:
+        guard.remove()
+        delattr(model, _GUARD_ATTR)

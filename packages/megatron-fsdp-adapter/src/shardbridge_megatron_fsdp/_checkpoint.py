@@ -1,4 +1,9 @@
-"""Megatron-FSDP models and optimizers through shardbridge checkpoints (the core's format).
+"""Megatron-FSDP models and optimizers through shardbridge checkpoints (the core's format), for both hosts.
+
+One provider, :class:`MegatronFSDPStateDicts`, for a model either entry point wrapped: the
+standalone ``MegatronFSDP`` (``shard_model``) and Megatron-Core's ``FullyShardedDataParallel``
+(``mcore.shard_model``), whose ``.module`` is the bundled copy's ``MegatronFSDP``; both copies
+record the same boxes (``_compat.megatron_fsdp_module`` finds which one wrapped the model).
 
 [Note: Megatron-FSDP state as boxes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -30,10 +35,14 @@ plain-tensor optimizer states alike, and commits with its own manifest. So
 After a load the provider writes non-tensor optimizer values back and copies the main
 weights into the compute weights (``install_optimized_model_weights``).
 
-Optimizer states of a parameter whose local shard is empty on this rank do not exist
-(Megatron-FSDP's optimizer never saw that piece). On save such a rank simply has no entry
-(another rank writes the value); on load every rank describes the same keys (agreed with one
-``all_gather_object``), with a throwaway tensor shaped like the (empty) local shard or a
+Optimizer states of a parameter whose local shard is empty on this rank may not exist
+(Megatron-FSDP's optimizer never saw that piece), or exist with ``step`` still 0 (a rank whose
+shard is empty gets no gradient, so torch optimizers never step it there). Before a save each
+``step`` becomes the maximum over ranks (:func:`_agree_on_step`; measured on megatron-core's
+copy: without it a dp2 x tp2 checkpoint stored step 0 for 8 of 21 parameters after 2 steps, and
+a resharded load then restarted Adam's bias correction for them). A rank with no entry simply
+writes none (another rank writes the value); on load every rank describes the same keys (agreed
+with one ``all_gather_object``), with a throwaway tensor shaped like the (empty) local shard or a
 throwaway scalar (``step``), so every rank checks the same keys.
 """
 
@@ -42,6 +51,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -52,9 +62,14 @@ from shardbridge._compat import local_tensor
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardbridge_megatron_fsdp._compat import chunk_offsets, install_distributed_params, optimizer_named_parameters
+from shardbridge_megatron_fsdp._compat import (
+    chunk_offsets,
+    install_distributed_params,
+    megatron_fsdp_module,
+    optimizer_named_parameters,
+)
 
-__all__ = ["DistParam", "MegatronFSDPStateDicts", "dist_params", "load", "local_box", "save"]
+__all__ = ["DistParam", "MegatronFSDPStateDicts", "dist_params", "install_weights", "load", "local_box", "save"]
 
 
 @dataclass(frozen=True)
@@ -79,39 +94,44 @@ class DistParam:
         return local_tensor(self.param)
 
 
-def _mfsdp(model: nn.Module) -> Any:
-    from shardbridge_megatron_fsdp._compat import require_megatron_fsdp
-
-    mfsdp = require_megatron_fsdp()
-    if not isinstance(model, mfsdp.MegatronFSDP):
+def _mfsdp(model: nn.Module) -> tuple[Any, ModuleType]:
+    """``(MegatronFSDP module, its package)`` of a model either entry point wrapped; ValueError otherwise."""
+    found = megatron_fsdp_module(model)
+    if found is None:
         raise ValueError(
-            f"model must be the MegatronFSDP module shard_model returned, got {type(model).__name__}; "
-            "for torch-FSDP2 models use shardbridge.checkpoint.save / load"
+            f"model must be the module shard_model returned (MegatronFSDP, or Megatron-Core's "
+            f"FullyShardedDataParallel from mcore.shard_model), got {type(model).__name__}; for torch-FSDP2 models "
+            "use shardbridge.checkpoint.save / load"
         )
-    return model
+    return found
 
 
-def local_box(param: DTensor) -> tuple[int, ...]:
+def local_box(param: DTensor, package: ModuleType) -> tuple[int, ...]:
     """Global offsets of a Megatron-FSDP distributed parameter's local tensor.
 
-    Read from the chunk metadata Megatron-FSDP recorded on the local tensor, or (``no_shard``
-    parameters carry none) computed with its own gather; a collective in that case, so call
-    it for the same parameters in the same order on every rank. See
-    [Note: Megatron-FSDP state as boxes].
+    Read from the chunk metadata Megatron-FSDP (``package``, the copy that made ``param``)
+    recorded on the local tensor, or (``no_shard`` parameters carry none) computed with its own
+    gather; a collective in that case, so call it for the same parameters in the same order on
+    every rank. See [Note: Megatron-FSDP state as boxes].
     """
-    return chunk_offsets(param)
+    return chunk_offsets(param, package)
 
 
 def dist_params(model: nn.Module) -> list[DistParam]:
-    """Every distributed parameter of a MegatronFSDP model with its box, in a fixed order."""
-    model = _mfsdp(model)
-    install_distributed_params(model)
-    fused = fused_params(model.module)
+    """Every distributed parameter of a wrapped model with its box, in a fixed order."""
+    inner, package = _mfsdp(model)
+    install_distributed_params(inner)
+    fused = fused_params(inner.module)
     out = []
-    for fqn, param in optimizer_named_parameters(model):
+    for fqn, param in optimizer_named_parameters(inner):
         assert isinstance(param, DTensor), (fqn, type(param))
-        out.append(DistParam(fqn, param, local_box(param), fused.get(fqn)))
+        out.append(DistParam(fqn, param, local_box(param, package), fused.get(fqn)))
     return out
+
+
+def install_weights(model: nn.Module) -> None:
+    """Copy the (loaded) main weights into the compute weights (``install_optimized_model_weights``)."""
+    _mfsdp(model)[0].install_optimized_model_weights()
 
 
 def _shard_like(dp: DistParam, value: Any) -> bool:
@@ -147,12 +167,12 @@ def _state_keys(optimizer: torch.optim.Optimizer, params: list[DistParam]) -> di
 
 
 class MegatronFSDPStateDicts:
-    """The :class:`~shardbridge.checkpoint.StateDictProvider` of a MegatronFSDP model.
+    """The :class:`~shardbridge.checkpoint.StateDictProvider` of a Megatron-FSDP model (either host).
 
     State dicts of the distributed (main) parameters and their optimizer states under the
-    user's FQNs, each parameter's box from Megatron-FSDP's chunk metadata, and after a load
-    the non-tensor optimizer values written back and the main weights installed into the
-    compute weights. See [Note: Megatron-FSDP state as boxes].
+    user's FQNs, each parameter's box from Megatron-FSDP's chunk metadata, ``step`` agreed over
+    ranks before a save, and after a load the non-tensor optimizer values written back and the
+    main weights installed into the compute weights. See [Note: Megatron-FSDP state as boxes].
 
     Example:
         >>> checkpoint.save(path, model=model, optimizer=opt,
@@ -165,7 +185,7 @@ class MegatronFSDPStateDicts:
     def state_dicts(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_load: bool
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        params = self.dist_params(model)
+        params = dist_params(model)
         self._params = {dp.fqn: dp for dp in params}
         model_sd: dict[str, Any] = {dp.fqn: dp.param for dp in params}
         if optimizer is None:
@@ -173,7 +193,7 @@ class MegatronFSDPStateDicts:
         optim_sd: dict[str, Any] = {}
         keys = _state_keys(optimizer, params) if for_load else None
         if not for_load:
-            self.before_save(optimizer, params)
+            _agree_on_step(optimizer, params)
         for dp in params:
             state = optimizer.state.get(dp.param, {})
             for key, value in state.items():
@@ -223,51 +243,51 @@ class MegatronFSDPStateDicts:
                     if hyper != "params" and f"param_groups.{dp.fqn}.{hyper}" in optim_sd:
                         group[hyper] = optim_sd[f"param_groups.{dp.fqn}.{hyper}"]
         # The loaded values sit in the main (optimizer) weights; forward uses the compute weights.
-        self.install_weights(model)
-
-    # Hooks a subclass for another Megatron-FSDP copy overrides (mcore.McoreFSDPStateDicts).
-
-    def dist_params(self, model: nn.Module) -> list[DistParam]:
-        """The distributed parameters of ``model`` with their boxes, in a fixed order."""
-        return dist_params(model)
-
-    def before_save(self, optimizer: torch.optim.Optimizer, params: list[DistParam]) -> None:
-        """Make the optimizer state rank-consistent before it is saved (nothing here)."""
-
-    def install_weights(self, model: nn.Module) -> None:
-        """Copy the loaded main weights into the compute weights."""
-        _mfsdp(model).install_optimized_model_weights()
+        install_weights(model)
 
 
-def save(
-    path: str | os.PathLike[str],
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    step: int | None = None,
-    extra: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    async_: bool = False,
-) -> Path | core.AsyncSave:
+def _agree_on_step(optimizer: torch.optim.Optimizer, params: list[DistParam]) -> None:
+    """Give every rank the optimizer ``step`` of the ranks that hold the parameter's data.
+
+    See [Note: Megatron-FSDP state as boxes]: the value is the same scalar on every rank in the
+    checkpoint (DCP writes one rank's copy), so before a save each ``step`` becomes the maximum
+    over ranks. One all-reduce; nothing changes where every rank already agrees.
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    steps = []
+    for dp in params:
+        step = optimizer.state.get(dp.param, {}).get("step")
+        steps.append(-1.0 if step is None else float(step))
+    agreed = torch.tensor(steps, dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    for dp, value in zip(params, agreed.tolist()):
+        state = optimizer.state.get(dp.param)
+        if state is None or "step" not in state:
+            continue
+        if isinstance(state["step"], torch.Tensor):
+            state["step"].fill_(value)
+        else:
+            state["step"] = type(state["step"])(value)
+
+
+def save(path: str | os.PathLike[str], *, model: nn.Module, **kwargs: Any) -> Path | core.AsyncSave:
     """Save a Megatron-FSDP model (and optimizer) as a shardbridge checkpoint. Call on every rank.
 
-    ``shardbridge.checkpoint.save`` with :class:`MegatronFSDPStateDicts`, so the checkpoint
-    has the core's format: it loads with ``shardbridge.checkpoint.load`` into torch-FSDP2 /
-    TP / single-process models of any layout, exports with
-    ``shardbridge.checkpoint.export_safetensors``, and loads back into Megatron-FSDP with
-    :func:`load`. Fused parameters (registered with ``shardbridge.register_fused``) are
-    stored as their components. See [Note: Megatron-FSDP state as boxes].
+    ``shardbridge.checkpoint.save(path, model=model, **kwargs)`` (``optimizer``, ``step``,
+    ``extra``, ``overwrite``, ``async_``: its keywords) with :class:`MegatronFSDPStateDicts`, so
+    the checkpoint has the core's format: it loads with ``shardbridge.checkpoint.load`` into
+    torch-FSDP2 / TP / single-process models of any layout, exports with
+    ``shardbridge.checkpoint.export_safetensors``, and loads back into either Megatron-FSDP host
+    with :func:`load`. Fused parameters (registered with ``shardbridge.register_fused``; the
+    Megatron-Core entry point registers QKV and SwiGLU) are stored as their components. See
+    [Note: Megatron-FSDP state as boxes].
 
     Args:
         path: the checkpoint directory to create (e.g. ``shardbridge.checkpoint.step_dir``).
-        model: the MegatronFSDP module :func:`~shardbridge_megatron_fsdp.shard_model` returned.
-        optimizer: its optimizer (as returned by ``shard_model``), or None.
-        step: training step for the manifest.
-        extra: JSON-serialisable user state.
-        overwrite: replace an existing checkpoint at ``path``.
-        async_: return as soon as the state is staged in host memory; the checkpoint is
-            written and committed in the background (``shardbridge.checkpoint.save``'s
-            ``async_``; wait with the returned handle's ``wait()``).
+        model: the module :func:`~shardbridge_megatron_fsdp.shard_model` or
+            ``shardbridge_megatron_fsdp.mcore.shard_model`` returned.
+        **kwargs: the other keywords of ``shardbridge.checkpoint.save``.
 
     Returns:
         The committed checkpoint directory, or (``async_=True``) the
@@ -278,42 +298,24 @@ def save(
         >>> save(step_dir("/ckpt", 10), model=model, optimizer=opt, step=10)  # doctest: +SKIP
     """
     _mfsdp(model)
-    return core.save(
-        path,
-        model=model,
-        optimizer=optimizer,
-        step=step,
-        extra=extra,
-        overwrite=overwrite,
-        state_dicts=MegatronFSDPStateDicts(),
-        async_=async_,
-    )
+    return core.save(path, model=model, state_dicts=MegatronFSDPStateDicts(), **kwargs)
 
 
-def load(
-    path: str | os.PathLike[str],
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    strict: bool = True,
-    rng: bool = True,
-) -> core.TrainState:
-    """Load a shardbridge checkpoint into a Megatron-FSDP model, in place. Call on every rank.
+def load(path: str | os.PathLike[str], *, model: nn.Module, **kwargs: Any) -> core.TrainState:
+    """Load a shardbridge checkpoint into a Megatron-FSDP model (either host), in place. Call on every rank.
 
-    The checkpoint may come from Megatron-FSDP, torch FSDP2, TP or one process.
-
-    ``shardbridge.checkpoint.load`` with :class:`MegatronFSDPStateDicts`, which also handles
-    what a plain ``dcp.load`` leaves to the user: the loaded main weights are copied into
-    Megatron-FSDP's compute weights (``install_optimized_model_weights``; the upstream recipe
-    is ``model.load_state_dict`` after ``dcp.load``), and optimizer hyperparameters are
-    written back into the param groups.
+    The checkpoint may come from Megatron-FSDP, Megatron-Core, torch FSDP2, TP or one process.
+    ``shardbridge.checkpoint.load(path, model=model, **kwargs)`` (``optimizer``, ``strict``,
+    ``rng``: its keywords) with :class:`MegatronFSDPStateDicts`, which also handles what a plain
+    ``dcp.load`` leaves to the user: the loaded main weights are copied into Megatron-FSDP's
+    compute weights (``install_optimized_model_weights``; the upstream recipe is
+    ``model.load_state_dict`` after ``dcp.load``), and optimizer hyperparameters are written back
+    into the param groups.
 
     Args:
         path: the checkpoint directory.
-        model: the MegatronFSDP module from :func:`~shardbridge_megatron_fsdp.shard_model`.
-        optimizer: its optimizer, or None to load the model only.
-        strict: keys of model/optimizer and checkpoint must be the same.
-        rng: restore torch RNG states.
+        model: the module either ``shard_model`` returned.
+        **kwargs: the other keywords of ``shardbridge.checkpoint.load``.
 
     Returns:
         The checkpoint's :class:`~shardbridge.checkpoint.TrainState`.
@@ -322,6 +324,4 @@ def load(
         >>> state = load(latest("/ckpt"), model=model, optimizer=opt)  # doctest: +SKIP
     """
     _mfsdp(model)
-    return core.load(
-        path, model=model, optimizer=optimizer, strict=strict, rng=rng, state_dicts=MegatronFSDPStateDicts()
-    )
+    return core.load(path, model=model, state_dicts=MegatronFSDPStateDicts(), **kwargs)

@@ -1,7 +1,15 @@
-"""Version probes for megatron-fsdp, in one place (cached).
+"""Version probes and upstream internals of both Megatron-FSDP hosts, in one place (cached).
 
-Supported: ``megatron-fsdp>=0.6.1,<0.7`` (the range of the ``megatron`` extra). Megatron-FSDP
-0.6.1 is the ``megatron_fsdp`` package of Megatron-LM core_r0.19.0.
+The adapter has two entry points over one Megatron-FSDP: the standalone ``megatron_fsdp``
+package (``megatron-fsdp>=0.6.1,<0.7``, the ``megatron`` extra; 0.6.1 is the package of
+Megatron-LM core_r0.19.0) and the copy megatron-core bundles
+(``megatron.core.distributed.fsdp.src.megatron_fsdp``; ``megatron-core>=0.16.1,<0.17``, the
+``megatron-core`` extra; 0.16.1 is the newest release for Python 3.11). They never share an
+environment (see the Note). :func:`megatron_fsdp_version` and :func:`megatron_core_version`
+have one contract: the checked version as a tuple, or ImportError with the install hint.
+Every private name of either copy (and of megatron.core) the adapter reads is read here;
+:data:`COPIES` names the two package roots, and :func:`megatron_fsdp_module` finds which copy
+wrapped a model.
 
 [Note: megatron-core beside megatron-fsdp]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -21,47 +29,75 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import sys
 from collections.abc import Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 from shardbridge._compat import local_tensor, parse_version
+from shardbridge.patching import fmt_version
 
 __all__ = [
+    "BUNDLED",
+    "COPIES",
     "INSTALL_HINT",
-    "MAX_VERSION",
-    "MIN_VERSION",
+    "MCORE_INSTALL_HINT",
+    "STANDALONE",
+    "STRATEGIES",
     "attached_main_grads",
+    "bundled_fsdp",
     "chunk_offsets",
     "disable_grad_div_fusion",
+    "fix_missing_te_linear",
     "fsdp_tensor_spec",
     "fully_shard_model",
     "has_local_data",
     "install_distributed_params",
     "is_fp8_parameter",
     "megatron_core_version",
+    "megatron_fsdp_module",
     "megatron_fsdp_version",
     "optimizer_named_parameters",
     "parameter_groups",
     "raw_parameters",
+    "require_megatron_core",
     "require_megatron_fsdp",
 ]
 
-MIN_VERSION = (0, 6, 1)
-MAX_VERSION = (0, 7, 0)  # exclusive
+STANDALONE = "megatron_fsdp"
+"""Package root of the standalone Megatron-FSDP (``pip install megatron-fsdp``)."""
+BUNDLED = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+"""Package root of the Megatron-FSDP copy inside megatron-core."""
+COPIES = (STANDALONE, BUNDLED)
+"""Both copies: the same modules (``megatron_fsdp``, ``param_and_grad_buffer``, ``uneven_dtensor``, ...) under two roots."""
+
+STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP sharding strategies (0..3): what is sharded over ``dp_shard``."""
+
 INSTALL_HINT = 'pip install "shardbridge[megatron]"'
+MCORE_INSTALL_HINT = 'pip install "shardbridge[megatron-core]"'
+
+# (distribution, checked range [low, high), install hint, who needs it)
+_SUPPORTED: dict[str, tuple[tuple[int, ...], tuple[int, ...], str, str]] = {
+    "megatron-fsdp": ((0, 6, 1), (0, 7, 0), INSTALL_HINT, "shardbridge_megatron_fsdp"),
+    "megatron-core": ((0, 16, 1), (0, 17, 0), MCORE_INSTALL_HINT, "shardbridge_megatron_fsdp.mcore"),
+}
 
 
-def megatron_core_version() -> str | None:
-    """The installed megatron-core version, or None when ``megatron.core`` is not importable."""
+def _checked_version(distribution: str) -> tuple[int, ...]:
+    """The installed version of ``distribution`` as a tuple; ImportError (with the hint) when missing or unsupported."""
+    low, high, hint, owner = _SUPPORTED[distribution]
     try:
-        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-            return None
-    except (ImportError, ValueError):
-        return None
-    try:
-        return importlib.metadata.version("megatron-core")
+        version = importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+        raise ImportError(f"{owner} needs {distribution}; install it with {hint}") from None
+    parsed = parse_version(version)
+    if not low <= parsed < high:
+        raise ImportError(
+            f"{distribution} {version} is not supported by {owner} (needs >={fmt_version(low)},<{fmt_version(high)}); "
+            f"install a supported version with {hint}"
+        )
+    return parsed
 
 
 @functools.cache
@@ -77,22 +113,40 @@ def megatron_fsdp_version() -> tuple[int, ...]:
         >>> megatron_fsdp_version() >= (0, 6, 1)  # doctest: +SKIP
         True
     """
-    try:
-        version = importlib.metadata.version("megatron-fsdp")
-    except importlib.metadata.PackageNotFoundError:
-        raise ImportError(f"shardbridge_megatron_fsdp needs megatron-fsdp; install it with {INSTALL_HINT}") from None
-    parsed = parse_version(version)
-    if not MIN_VERSION <= parsed < MAX_VERSION:
-        raise ImportError(
-            f"megatron-fsdp {version} is not supported by shardbridge_megatron_fsdp (needs >=0.6.1,<0.7); "
-            f"install a supported version with {INSTALL_HINT}"
-        )
+    parsed = _checked_version("megatron-fsdp")
     _check_megatron_core()
     return parsed
 
 
+@functools.cache
+def megatron_core_version() -> tuple[int, ...]:
+    """The installed megatron-core version as a tuple, after checking it is supported.
+
+    Raises:
+        ImportError: megatron-core missing or outside [0.16.1, 0.17) (with the install hint).
+
+    Example:
+        >>> megatron_core_version() >= (0, 16, 1)  # doctest: +SKIP
+        True
+    """
+    return _checked_version("megatron-core")
+
+
+def _importable_megatron_core() -> str | None:
+    """The megatron-core beside megatron-fsdp: its version ("unknown" from a source tree), None when absent."""
+    try:
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _check_megatron_core() -> None:
-    core = megatron_core_version()
+    core = _importable_megatron_core()
     if core is None:
         return
     from megatron.core.distributed.distributed_data_parallel_config import (  # type: ignore[import-not-found]
@@ -124,6 +178,41 @@ def require_megatron_fsdp():
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
         import megatron_fsdp
     return megatron_fsdp
+
+
+def require_megatron_core() -> Any:
+    """Import and return ``megatron.core`` after the version check."""
+    megatron_core_version()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TE) .*not installed.*")
+        warnings.filterwarnings("ignore", message=".*Falling back to Torch Norm.*")
+        import megatron.core
+
+    return megatron.core
+
+
+def bundled_fsdp() -> ModuleType:
+    """Megatron-Core's bundled Megatron-FSDP package (:data:`BUNDLED`), after the version check."""
+    require_megatron_core()
+    return importlib.import_module(BUNDLED)
+
+
+def megatron_fsdp_module(model: Any) -> tuple[Any, ModuleType] | None:
+    """``(MegatronFSDP module, its package)`` of a wrapped model, or None.
+
+    ``model`` is the standalone ``MegatronFSDP`` (``shard_model``) or Megatron-Core's
+    ``FullyShardedDataParallel``, whose ``.module`` is the bundled copy's ``MegatronFSDP``
+    (``mcore.shard_model``). Only copies already imported are asked: a model one of them
+    wrapped implies it is imported.
+    """
+    for candidate in (model, getattr(model, "module", None)):
+        for root in COPIES:
+            impl = sys.modules.get(f"{root}.megatron_fsdp")
+            if impl is not None and isinstance(candidate, impl.MegatronFSDP):
+                return candidate, sys.modules[root]
+    return None
 
 
 def fully_shard_model(mfsdp: Any, ddp_config_fields: Mapping[str, Any], **kwargs: Any) -> Any:
@@ -191,9 +280,9 @@ def is_fp8_parameter(param: Any) -> bool:
     return bool(is_float8tensor(local_tensor(param) if isinstance(param, DTensor) else param))
 
 
-# -- megatron_fsdp internals (checked against megatron-fsdp 0.6.1) ----------------------------
+# -- Megatron-FSDP internals (checked against megatron-fsdp 0.6.1 and megatron-core 0.16.1's copy) --
 # MegatronFSDP exposes no public accessor for its buffers or distributed parameters; every
-# attribute below is read here and nowhere else in the adapter.
+# attribute below is read here and nowhere else in the adapter, the same in both copies.
 
 
 def parameter_groups(wrapped: Any) -> list[Any]:
@@ -242,17 +331,41 @@ def disable_grad_div_fusion(wrapped: Any) -> None:
     wrapped.ddp_config.gradient_reduce_div_fusion = False
 
 
-def chunk_offsets(param: Any) -> tuple[int, ...]:
+def chunk_offsets(param: Any, package: ModuleType) -> tuple[int, ...]:
     """Global offsets of a distributed parameter's local tensor, as Megatron-FSDP records them.
 
     Read from the chunk metadata on the local tensor, or (``no_shard`` parameters carry none)
-    computed with megatron_fsdp's own gather: a collective in that case.
+    computed with the gather of ``package`` (the copy that made ``param``): a collective then.
     """
     chunk_list = getattr(local_tensor(param), "__create_chunk_list__", None)
     if chunk_list is not None:
         meta = chunk_list()[0]
     else:
-        from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
-
-        meta = gather_and_compute_chunk_metadata(param)
+        uneven = importlib.import_module(f"{package.__name__}.uneven_dtensor")
+        meta = uneven.gather_and_compute_chunk_metadata(param)
     return tuple(int(o) for o in meta.offsets)
+
+
+class _NoTELinear:
+    """Stands for ``TELinear`` when Transformer Engine is not installed: no module is one."""
+
+
+def fix_missing_te_linear() -> bool:
+    """Make megatron-core's ``FullyShardedDataParallel`` constructible without Transformer Engine (0.16.1 bug).
+
+    ``mcore_fsdp_adapter._fix_tensor_parallel_attributes`` runs ``isinstance(m, (TELinear,))``
+    for every module when TP > 1, and without Transformer Engine ``TELinear`` is not a class
+    (megatron.core stubs the missing ``transformer_engine`` with a MagicMock): a TypeError, on
+    CPU and GPU alike, for every local-spec (non-TE) model. The module global is replaced by a
+    class nothing is an instance of, which is what "no TELinear" means there. Does nothing when
+    TE is installed.
+
+    Returns:
+        Whether the placeholder is in place.
+    """
+    require_megatron_core()
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    if not isinstance(mcore_fsdp_adapter.TELinear, type):
+        mcore_fsdp_adapter.TELinear = _NoTELinear
+    return mcore_fsdp_adapter.TELinear is _NoTELinear

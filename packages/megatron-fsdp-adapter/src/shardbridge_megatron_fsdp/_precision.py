@@ -1,10 +1,10 @@
-"""Lower shardbridge's :class:`~shardbridge.MixedPrecisionPolicy` to Megatron-FSDP's.
+"""Lower shardbridge's :class:`~shardbridge.PrecisionPolicy` to Megatron-FSDP's.
 
 [Note: Megatron-FSDP precision]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Megatron-FSDP (0.6, Megatron-LM PR #3067) keeps separate main buffers and names three dtypes::
 
-    shardbridge policy        Megatron-FSDP MixedPrecisionPolicy
+    shardbridge policy        Megatron-FSDP PrecisionPolicy
     main_params_dtype  -----> main_params_dtype   (optimizer weights; fp32 by default)
     main_grads_dtype   -----> main_grads_dtype    (accumulation; shardbridge default fp32,
                                                    Megatron-FSDP's None = "the model dtype")
@@ -25,13 +25,16 @@ sets ``output_dtype`` is refused by :func:`to_megatron_policy` rather than silen
 
 [Note: FP8 under Megatron-FSDP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``policy.fp8`` does not lower to ``megatron_fsdp.MixedPrecisionPolicy`` (it has no FP8 field)
-but to ``DistributedDataParallelConfig`` keywords (:func:`fp8_ddp_kwargs`)::
+FP8 is a conversion of the model before it is wrapped (``shardbridge.fp8.convert(model,
+recipe, mesh=pm)``); :func:`~shardbridge_megatron_fsdp.shard_model` reads the recipe the model
+was converted with (``shardbridge.fp8.recipe_of``) and lowers it, not to
+``megatron_fsdp.MixedPrecisionPolicy`` (it has no FP8 field), but to
+``DistributedDataParallelConfig`` keywords (:func:`fp8_ddp_kwargs`)::
 
-    policy.fp8                                    Megatron-FSDP (GPU)
+    recipe                                        Megatron-FSDP (GPU)
     FP8Recipe(backend="te", name=any TE recipe,  fp8_param_gather=True: TE FP8 parameters (built
               fp8_params=True)                    under te.quantized_model_init, i.e.
-                                                  shardbridge.fp8.model_init_context / convert)
+                                                  shardbridge_te.model_init_context / convert)
                                                   all-gathered in FP8; main weights in
                                                   main_params_dtype, re-quantized after each step
     fp8_params=False (FP8 compute on high-        refused: Megatron-FSDP flattens parameters into
@@ -42,9 +45,9 @@ but to ``DistributedDataParallelConfig`` keywords (:func:`fp8_ddp_kwargs`)::
 
 :func:`~shardbridge_megatron_fsdp.shard_model` passes the keywords into the
 ``DistributedDataParallelConfig`` that ``fully_shard_model`` builds (see [Note:
-DistributedDataParallelConfig fields fully_shard_model does not take] in ``_compat.py``),
-checks that the model holds FP8 parameters Megatron-FSDP recognises, and runs the backend's
-after-FSDP work (TE's FP8 autocast over the ``weight`` mesh) like ``shardbridge.apply_fsdp``.
+DistributedDataParallelConfig fields fully_shard_model does not take] in ``_compat.py``) and
+checks that the model holds FP8 parameters Megatron-FSDP recognises. TE's FP8 autocast over
+the ``weight`` mesh came with the conversion (pass ``mesh=`` to ``convert``).
 """
 
 from __future__ import annotations
@@ -52,42 +55,33 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from shardbridge import MixedPrecisionPolicy, fp8
+from shardbridge import FP8Recipe, PrecisionPolicy, fp8
 
 from shardbridge_megatron_fsdp._compat import require_megatron_fsdp
 
 __all__ = ["compute_dtype", "fp8_ddp_kwargs", "to_megatron_policy"]
 
 
-def compute_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:
+def compute_dtype(policy: PrecisionPolicy) -> torch.dtype | None:
     """The dtype the module is cast to before wrapping; None = leave it as it is."""
     return policy.param_dtype
 
 
-def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
+def to_megatron_policy(policy: PrecisionPolicy) -> Any:
     """``megatron_fsdp.MixedPrecisionPolicy`` for ``policy``. See [Note: Megatron-FSDP precision].
 
     Raises:
-        NotImplementedError: ``policy.output_dtype`` is set (no Megatron-FSDP counterpart), or
-            ``policy.fp8`` is (it lowers to :func:`fp8_ddp_kwargs`, see [Note: FP8 under
-            Megatron-FSDP]); the message says what to do instead.
+        NotImplementedError: ``policy.output_dtype`` is set (no Megatron-FSDP counterpart); the
+            message says what to do instead. (FP8 lowers to :func:`fp8_ddp_kwargs`.)
 
     Example:
-        >>> to_megatron_policy(MixedPrecisionPolicy.bf16_comm()).grad_comm_dtype  # doctest: +SKIP
+        >>> to_megatron_policy(PrecisionPolicy.bf16_comm()).grad_comm_dtype  # doctest: +SKIP
         torch.bfloat16
     """
-    if not isinstance(policy, MixedPrecisionPolicy):
+    if not isinstance(policy, PrecisionPolicy):
         raise ValueError(
-            f"policy must be a shardbridge.MixedPrecisionPolicy, got {type(policy).__name__}; "
-            "e.g. MixedPrecisionPolicy.bf16()"
-        )
-    if policy.fp8 is not None:
-        fp8_ddp_kwargs(policy, device_type="cuda")  # refuses what Megatron-FSDP cannot run, by name
-        raise NotImplementedError(
-            f"fp8={policy.fp8}: megatron_fsdp.MixedPrecisionPolicy has no FP8 field; FP8 parameters are a "
-            "DistributedDataParallelConfig setting (fp8_param_gather). Use shardbridge_megatron_fsdp.shard_model "
-            "(it passes them on a GPU), or lower policy.fp8 yourself with fp8_ddp_kwargs(policy, device_type=...) "
-            "and to_megatron_policy(dataclasses.replace(policy, fp8=None))"
+            f"policy must be a shardbridge.PrecisionPolicy, got {type(policy).__name__}; "
+            "e.g. PrecisionPolicy.bf16()"
         )
     if policy.output_dtype is not None:
         raise NotImplementedError(
@@ -106,13 +100,13 @@ def to_megatron_policy(policy: MixedPrecisionPolicy) -> Any:
     )
 
 
-def fp8_ddp_kwargs(policy: MixedPrecisionPolicy, *, device_type: str) -> dict[str, Any]:
-    """``DistributedDataParallelConfig`` keywords for ``policy.fp8``; ``{}`` without FP8.
+def fp8_ddp_kwargs(recipe: FP8Recipe | None, *, device_type: str) -> dict[str, Any]:
+    """``DistributedDataParallelConfig`` keywords for the model's FP8 ``recipe``; ``{}`` without FP8.
 
     See [Note: FP8 under Megatron-FSDP]. Pure: imports neither megatron_fsdp nor TE.
 
     Args:
-        policy: the run's policy.
+        recipe: the recipe the model was converted with (``shardbridge.fp8.recipe_of(model)``), or None.
         device_type: the mesh's device type ("cuda" on a GPU; "cpu" is refused for FP8).
 
     Raises:
@@ -121,11 +115,9 @@ def fp8_ddp_kwargs(policy: MixedPrecisionPolicy, *, device_type: str) -> dict[st
             FP8), or a device other than CUDA; each names what Megatron-FSDP supports.
 
     Example:
-        >>> from shardbridge import FP8Recipe
-        >>> fp8_ddp_kwargs(MixedPrecisionPolicy(fp8=FP8Recipe(backend="te", fp8_params=True)), device_type="cuda")
+        >>> fp8_ddp_kwargs(FP8Recipe(backend="te", fp8_params=True), device_type="cuda")
         {'fp8_param_gather': True}
     """
-    recipe = policy.fp8
     if recipe is None:
         return {}
     supported = 'Megatron-FSDP runs FP8 only as FP8 parameters: fp8=FP8Recipe(backend="te", name=..., fp8_params=True)'
@@ -150,6 +142,6 @@ def fp8_ddp_kwargs(policy: MixedPrecisionPolicy, *, device_type: str) -> dict[st
         raise NotImplementedError(
             f"fp8={recipe} with Megatron-FSDP on device {device_type!r}: fp8_param_gather all-gathers "
             "TransformerEngine FP8 parameters, which need TE's CUDA kernels; run on a GPU (mesh device 'cuda'), "
-            "or set MixedPrecisionPolicy.fp8=None on CPU"
+            "or train without FP8 on CPU"
         )
     return {"fp8_param_gather": True}

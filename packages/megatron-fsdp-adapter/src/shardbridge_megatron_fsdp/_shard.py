@@ -32,8 +32,8 @@
       helper buffer is built without the 1/dp scaling     factor onto the helper buffer (see
       factor, so gradients are SUMMED over dp (x dp)      [Note: HFSDP gradient scaling])
     CUDA-only calls                                      the CPU patch (_cpu_patch.py), CPU only
-    fully_shard_model has no fp8_param_gather argument   policy.fp8 (TE FP8 parameters, GPU) goes
-                                                          into its DistributedDataParallelConfig
+    fully_shard_model has no fp8_param_gather argument   the model's FP8 recipe (TE FP8 parameters,
+                                                          GPU) goes into its DistributedDataParallelConfig
                                                           (see [Note: FP8 under Megatron-FSDP])
 
 Meshes: the ParallelMesh's full 4-D mesh is handed over with ``dp_shard_dim="dp_shard"``,
@@ -46,14 +46,12 @@ the model's attention spans ``cp`` (``model.set_context_parallel(pm["cp"])``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from shardbridge import MixedPrecisionPolicy, ParallelMesh, fp8, param_group_fqns, rebind_param_groups
+from shardbridge import ParallelMesh, PrecisionPolicy, fp8, param_group_fqns, rebind_param_groups
 from torch import distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -61,6 +59,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shardbridge_megatron_fsdp import _tp_patch
 from shardbridge_megatron_fsdp._accumulate import accumulation_is_wrong, install_guard
 from shardbridge_megatron_fsdp._compat import (
+    STRATEGIES,
     disable_grad_div_fusion,
     fully_shard_model,
     install_distributed_params,
@@ -69,11 +68,10 @@ from shardbridge_megatron_fsdp._compat import (
     raw_parameters,
     require_megatron_fsdp,
 )
+from shardbridge_megatron_fsdp._optimizer import zero_step
 
 __all__ = ["OUTER_STRATEGIES", "STRATEGIES", "shard_model"]
 
-STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-"""Megatron-FSDP sharding strategies (0..3): what is sharded over ``dp_shard``."""
 OUTER_STRATEGIES: tuple[str, ...] = ("no_shard", "optim")
 """HSDP strategies over ``dp_replicate``: replicate, or also shard the optimizer state."""
 
@@ -214,7 +212,7 @@ def shard_model(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     mesh: ParallelMesh,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
     strategy: str | int = "optim_grads_params",
     outer_strategy: str | int | None = None,
@@ -234,11 +232,11 @@ def shard_model(
         optimizer: its optimizer, or None (then only the model is sharded).
         mesh: the run's :class:`~shardbridge.ParallelMesh`; with cp > 1 the model needs
             ``set_context_parallel`` (called here).
-        policy: mixed precision (see ``_precision.py``); None = fp32. ``policy.fp8`` runs on a
-            GPU as TE FP8 parameters (``FP8Recipe(backend="te", fp8_params=True)``, the model
-            converted with ``shardbridge.fp8.convert`` / built under
-            ``shardbridge.fp8.model_init_context``, ``param_dtype=None``), all-gathered with
-            ``fp8_param_gather``; see [Note: FP8 under Megatron-FSDP].
+        policy: mixed precision (see ``_precision.py``); None = fp32. FP8 is the model's
+            conversion (``shardbridge.fp8.convert(model, recipe, mesh=mesh)`` before this call):
+            on a GPU, TE FP8 parameters (``FP8Recipe(backend="te", fp8_params=True)``, TE modules
+            built under ``shardbridge_te.model_init_context``, ``param_dtype=None``), all-gathered
+            with ``fp8_param_gather``; see [Note: FP8 under Megatron-FSDP].
         strategy: what is sharded over ``dp_shard``: one of :data:`STRATEGIES` or 0..3.
         outer_strategy: HSDP over ``dp_replicate`` (dp_replicate > 1 only): "no_shard"
             (default) or "optim" (needs strategy "optim_grads_params"). None = no HSDP.
@@ -258,24 +256,24 @@ def shard_model(
 
     Raises:
         ValueError / NotImplementedError: configurations megatron-fsdp 0.6.1 cannot run
-            (named with the fix), among them ``policy.fp8`` on CPU or with ``fp8_params=False``
+            (named with the fix), among them an FP8 model on CPU or with ``fp8_params=False``
             (every torchao recipe).
 
     Example:
         >>> pm = ParallelDims(dp_shard=-1).build_mesh("cpu")  # doctest: +SKIP
         >>> model = Llama(LlamaConfig.tiny())  # doctest: +SKIP
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
-        >>> model, opt = shard_model(model, opt, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
+        >>> model, opt = shard_model(model, opt, pm, PrecisionPolicy.bf16())  # doctest: +SKIP
     """
     from shardbridge_megatron_fsdp import _cpu_patch
     from shardbridge_megatron_fsdp._checkpoint import dist_params
     from shardbridge_megatron_fsdp._precision import fp8_ddp_kwargs, to_megatron_policy
 
-    policy = MixedPrecisionPolicy.fp32() if policy is None else policy
+    policy = PrecisionPolicy.fp32() if policy is None else policy
     strategy = _strategy("strategy", strategy, STRATEGIES)
     outer_strategy = _validate(model, mesh, strategy, outer_strategy, average_in_collective)
-    # FP8: DistributedDataParallelConfig keywords (GPU only; refused by name otherwise).
-    ddp_kwargs = fp8_ddp_kwargs(policy, device_type=mesh.mesh.device_type)
+    # FP8: the model's conversion, as DistributedDataParallelConfig keywords (GPU only; refused by name otherwise).
+    ddp_kwargs = fp8_ddp_kwargs(fp8.recipe_of(model), device_type=mesh.mesh.device_type)
     if ddp_kwargs:
         _check_fp8_model(model, policy)
     unit_modules = _unit_modules(model, unit_modules, strategy)
@@ -296,11 +294,9 @@ def shard_model(
         model.to(policy.param_dtype)
     # 3. Wrap, and fix what megatron-fsdp 0.6.1 gets wrong after wrapping.
     with _quiet_device_warning(patched):
-        mp_policy = to_megatron_policy(_without_fp8(policy))  # policy.fp8 is in ddp_kwargs
+        mp_policy = to_megatron_policy(policy)
         wrapped = _wrap(model, mesh, mp_policy, strategy, outer_strategy, unit_modules, on_cpu, ddp_kwargs)
     _after_wrap(wrapped, mesh, strategy, outer_strategy)
-    if policy.fp8 is not None:
-        fp8.after_fsdp(model, mesh, policy.fp8)  # the backend's work: TE's FP8 autocast over `weight`
     params = dist_params(wrapped)
     # 4. Main weights from the full-precision originals (see [Note: Megatron-FSDP precision]).
     if originals is not None:
@@ -337,29 +333,14 @@ def _unit_modules(
     return unit_modules
 
 
-def _without_fp8(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
-    if policy.fp8 is None:
-        return policy
-    with warnings.catch_warnings():  # the user's policy was warned about (or chose a preset) already
-        warnings.simplefilter("ignore", UserWarning)
-        return dataclasses.replace(policy, fp8=None)
-
-
-def _check_fp8_model(model: nn.Module, policy: MixedPrecisionPolicy) -> None:
-    """ValueError unless ``model`` was converted for ``policy.fp8`` and holds FP8 parameters."""
-    have = fp8.recipe_of(model)
-    if have != policy.fp8:
-        raise ValueError(
-            f"policy.fp8={policy.fp8} but the model was "
-            + ("not converted" if have is None else f"converted for {have}")
-            + "; call shardbridge.fp8.convert(model, policy.fp8) (TE modules built under "
-            "shardbridge.fp8.model_init_context(policy.fp8) convert nothing more) before shard_model"
-        )
+def _check_fp8_model(model: nn.Module, policy: PrecisionPolicy) -> None:
+    """ValueError unless the FP8-converted ``model`` holds FP8 parameters and ``policy`` does not cast them."""
+    recipe = fp8.recipe_of(model)
     if not any(is_fp8_parameter(p) for p in model.parameters()):
         raise ValueError(
-            f"policy.fp8={policy.fp8} but no parameter of the {type(model).__name__} is a TransformerEngine FP8 "
-            "tensor, so fp8_param_gather would gather nothing in FP8; build the TE modules inside "
-            "shardbridge.fp8.model_init_context(policy.fp8) (te.quantized_model_init), or set fp8=None"
+            f"the model was converted for {recipe} but no parameter of the {type(model).__name__} is a "
+            "TransformerEngine FP8 tensor, so fp8_param_gather would gather nothing in FP8; build the TE modules "
+            "inside shardbridge_te.model_init_context(recipe) (te.quantized_model_init), or do not convert the model"
         )
     if policy.param_dtype is not None:
         raise ValueError(
@@ -434,23 +415,6 @@ def _main_weights_from(wrapped: nn.Module, params: list, originals: dict[str, to
 
 
 def _shard_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """``fully_shard_optimizer`` without its side effects on the weights and Adam's step count.
-
-    Its zero-gradient ``optimizer.step()`` runs with lr=0 (keeps the weights) and
-    weight_decay=0 (keeps decay out of the states: SGD would put ``weight_decay * p`` into its
-    momentum buffer on a zero gradient); the step counters it bumped are reset to 0.
-    """
-    neutral = {"lr": 0.0, "weight_decay": 0.0}
-    saved = [{k: g[k] for k in neutral if k in g} for g in optimizer.param_groups]
-    for g, old in zip(optimizer.param_groups, saved):
-        for k in old:
-            g[k] = torch.zeros_like(g[k]) if isinstance(g[k], torch.Tensor) else neutral[k]
-    require_megatron_fsdp().fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=True)
-    for g, old in zip(optimizer.param_groups, saved):
-        g.update(old)
-    for state in optimizer.state.values():
-        step = state.get("step")
-        if isinstance(step, torch.Tensor):
-            step.zero_()
-        elif step is not None:
-            state["step"] = 0
+    """``fully_shard_optimizer`` without its side effects on the weights and Adam's step count (see ``_optimizer``)."""
+    fully_shard_optimizer = require_megatron_fsdp().fully_shard_optimizer
+    zero_step(optimizer, lambda: fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=True))

@@ -65,31 +65,41 @@ from typing import Any
 
 import torch
 from shardbridge._compat import compute_local_shape_and_global_offset, parse_version
-from shardbridge._patching import Patch, PatchPlan, patch_attr
+from shardbridge.patching import Patch, PatchPlan, patch_attr
 from torch.distributed.tensor import DTensor
 
-from shardbridge_megatron_fsdp._compat import fsdp_tensor_spec, require_megatron_fsdp
+from shardbridge_megatron_fsdp._compat import BUNDLED, STANDALONE, fsdp_tensor_spec, require_megatron_fsdp
 
 __all__ = ["PATCHES", "align_tp_grads", "install", "installed", "is_tp_dtensor", "megatron_partition_dim", "uninstall"]
 
-_STANDALONE = "megatron_fsdp"
-_BUNDLED = "megatron.core.distributed.fsdp.src.megatron_fsdp"
-
 # (package name) -> versions of that Megatron-FSDP copy checked against the patch.
 _CHECKED: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    _STANDALONE: ((0, 6, 1), (0, 6, 1)),  # pip megatron-fsdp 0.6.1 (Megatron-LM core_r0.19.0)
-    _BUNDLED: ((0, 3, 1), (0, 3, 1)),  # the copy inside megatron-core 0.16.1
+    STANDALONE: ((0, 6, 1), (0, 6, 1)),  # pip megatron-fsdp 0.6.1 (Megatron-LM core_r0.19.0)
+    BUNDLED: ((0, 3, 1), (0, 3, 1)),  # the copy inside megatron-core 0.16.1
 }
 _INSTALL_HINTS = {
-    _STANDALONE: 'pip install "megatron-fsdp==0.6.1" (shardbridge[megatron])',
-    _BUNDLED: 'pip install "megatron-core==0.16.1" (shardbridge[megatron-core])',
+    STANDALONE: 'pip install "megatron-fsdp==0.6.1" (shardbridge[megatron])',
+    BUNDLED: 'pip install "megatron-core==0.16.1" (shardbridge[megatron-core])',
 }
 
 _COVERS = (
     "reproduced (no upstream issue): make_fsdp_dtensor / update_main_grads view a TP DTensor's "
     "local slice as (-1, *global_shape[1:]) and compare its global numel under no_shard"
 )
-PATCHES: tuple[str, ...] = ("make_fsdp_dtensor", "update_main_grads")
+# name -> (what is replaced, under the package's param_and_grad_buffer; what the replacement does; its undo)
+_TARGETS: dict[str, tuple[str, str, str]] = {
+    "make_fsdp_dtensor": (
+        "make_fsdp_dtensor",
+        "TP DTensor parameters: the FSDP DTensor views the slice with the TP-local shape",
+        "uninstall() restores the original module global",
+    ),
+    "update_main_grads": (
+        "ParamAndGradBuffer.update_main_grads",
+        "cached gradient DTensors of TP DTensor parameters are rebuilt by the patched function",
+        "uninstall() restores the original method",
+    ),
+}
+PATCHES: tuple[str, ...] = tuple(_TARGETS)
 """Names of the two patches (see [Note: TP DTensor parameters in Megatron-FSDP])."""
 
 _ALIGNED_ATTR = "_shardbridge_tp_grad_aligned"
@@ -102,23 +112,16 @@ def _plan(name: str) -> PatchPlan:
     return PatchPlan(
         owner="shardbridge_megatron_fsdp",
         framework=name,
-        patches=(
+        patches=tuple(
             Patch(
-                name="make_fsdp_dtensor",
-                target=f"{name}.param_and_grad_buffer.make_fsdp_dtensor",
+                name=patch,
+                target=f"{name}.param_and_grad_buffer.{target}",
                 covers=_COVERS,
                 checked=checked,
-                what="TP DTensor parameters: the FSDP DTensor views the slice with the TP-local shape",
-                undo="uninstall() restores the original module global",
-            ),
-            Patch(
-                name="update_main_grads",
-                target=f"{name}.param_and_grad_buffer.ParamAndGradBuffer.update_main_grads",
-                covers=_COVERS,
-                checked=checked,
-                what="cached gradient DTensors of TP DTensor parameters are rebuilt by the patched function",
-                undo="uninstall() restores the original method",
-            ),
+                what=what,
+                undo=undo,
+            )
+            for patch, (target, what, undo) in _TARGETS.items()
         ),
         installed=lambda: (0,),
         install_hint=lambda low, high: _INSTALL_HINTS[name],
@@ -131,7 +134,7 @@ def _package_name(package: types.ModuleType) -> str:
     if name not in _CHECKED:
         raise ValueError(
             f"package {name!r} is not a Megatron-FSDP copy this patch knows; pass the module "
-            f"`megatron_fsdp` (standalone) or `{_BUNDLED}` (megatron-core's copy)"
+            f"`megatron_fsdp` (standalone) or `{BUNDLED}` (megatron-core's copy)"
         )
     return name
 

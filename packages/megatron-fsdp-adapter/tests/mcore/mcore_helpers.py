@@ -207,7 +207,8 @@ def gather_full(wrapped, values: dict | None = None) -> dict[str, torch.Tensor]:
     ``split_local`` + ``merge_fused``.
     """
     from shardbridge._fused import merge_fused, split_local
-    from shardbridge_megatron_fsdp.mcore._checkpoint import dist_params, fused_tp
+    from shardbridge_megatron_fsdp._checkpoint import dist_params
+    from shardbridge_megatron_fsdp.mcore._layout import fused_tp
 
     out = {}
     for dp in dist_params(wrapped):
@@ -222,7 +223,7 @@ def gather_full(wrapped, values: dict | None = None) -> dict[str, torch.Tensor]:
                 full[tuple(slice(o, o + s) for o, s in zip(offsets, t.shape))] = t
         if dp.spec is not None:
             comps = {}
-            for piece in split_local(full, dp.spec, fused_tp(dp), 0):
+            for piece in split_local(full, dp.spec, fused_tp(dp.spec, dp.param), 0):
                 comps.setdefault(piece.name, []).append((piece.component_offset, piece.view))
             parts = {n: torch.cat([v for _, v in sorted(c, key=lambda x: x[0])], dp.spec.dim) for n, c in comps.items()}
             full = merge_fused(parts, dp.spec, 1)
@@ -232,6 +233,6 @@ def gather_full(wrapped, values: dict | None = None) -> dict[str, torch.Tensor]:
 
 def optimizer_states(wrapped, opt, key: str) -> dict:
     """fqn -> this rank's optimizer state ``key`` of each distributed parameter."""
-    from shardbridge_megatron_fsdp.mcore._checkpoint import dist_params
+    from shardbridge_megatron_fsdp._checkpoint import dist_params
 
     return {dp.fqn: opt.state[dp.param][key] for dp in dist_params(wrapped)}

@@ -13,8 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 
 def _reshard(root: str) -> dict:
-    from shardbridge_megatron_fsdp.mcore import destroy_parallel_state
-    from shardbridge_megatron_fsdp.mcore._checkpoint import load, save
+    from shardbridge_megatron_fsdp.mcore import destroy_parallel_state, load, save
 
     out: dict = {"params": {}, "losses": {}}
     try:

@@ -90,8 +90,7 @@ def test_read_megatron_fsdp_dtensor_checkpoint(tmp_path):
 def _split_plain_states(root: str, dims: dict, ffn: int) -> dict:
     """Upstream's split and shardbridge's split of the same plain (FusedAdam-style) fc1 states."""
     from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
-    from shardbridge_megatron_fsdp.mcore import destroy_parallel_state
-    from shardbridge_megatron_fsdp.mcore._checkpoint import save
+    from shardbridge_megatron_fsdp.mcore import destroy_parallel_state, save
 
     try:
         model, opt = build_sharded(dims, adam=True, ffn_hidden_size=ffn)

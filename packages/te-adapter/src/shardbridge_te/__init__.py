@@ -20,7 +20,7 @@ from shardbridge_te._apply import TEModuleState, set_device_mesh
 from shardbridge_te._checkpoint import register_te_fp8_types
 from shardbridge_te._compat import te_version
 from shardbridge_te._cp import CP_COMM_TYPES, set_context_parallel
-from shardbridge_te._fp8 import TEBackend, build_recipe, recipe_spec, remove_autocast
+from shardbridge_te._fp8 import TEBackend, build_recipe, model_init_context, recipe_spec, remove_autocast
 from shardbridge_te._fp8 import backend as _backend
 from shardbridge_te._lifecycle import default_units, materialize, parallelize
 from shardbridge_te._patches import PATCHES, Patch, patch_plan, unpatch
@@ -34,6 +34,7 @@ __all__ = [
     "TEModuleState",
     "default_units",
     "materialize",
+    "model_init_context",
     "parallelize",
     "patch_plan",
     "register_te_fp8_types",

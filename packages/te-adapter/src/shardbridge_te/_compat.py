@@ -13,7 +13,7 @@ from types import ModuleType
 from shardbridge._compat import parse_version as core_parse_version
 from shardbridge._compat import require_module
 
-__all__ = ["INSTALL_HINT", "parse_version", "te_pytorch", "te_version"]
+__all__ = ["INSTALL_HINT", "parse_version", "te_pytorch", "te_recipes", "te_version"]
 
 INSTALL_HINT = 'pip install "shardbridge[te]"'
 
@@ -47,6 +47,13 @@ def te_pytorch() -> ModuleType:
         hint=f"shardbridge_te needs TransformerEngine with its PyTorch extension: {INSTALL_HINT} "
         "(on a machine with CUDA; see docs/te.md)",
     )
+
+
+@functools.cache
+def te_recipes() -> ModuleType:
+    """``transformer_engine.common.recipe`` (the recipe classes), after :func:`te_pytorch` (the install hint)."""
+    te_pytorch()
+    return importlib.import_module("transformer_engine.common.recipe")
 
 
 @functools.cache

@@ -2,8 +2,10 @@
 
 Registered under the name "te" when ``shardbridge_te`` is imported and through the
 ``shardbridge.fp8_backends`` entry point, so the hf adapter drives it through
-``shardbridge.fp8`` without importing this package. This module imports no TE at import time:
-:meth:`TEBackend.check` and :func:`recipe_spec` are pure; the other hooks import TE.
+``shardbridge.fp8`` without importing this package. This module imports no TE at import time
+(TE is reached through ``_compat`` only): :meth:`TEBackend.check` and :func:`recipe_spec` are
+pure; the other hooks import TE. What only TE has, FP8 parameters built inside
+``te.quantized_model_init``, is :func:`model_init_context` here, not a hook of the core's protocol.
 
 [Note: TE recipes]
 ~~~~~~~~~~~~~~~~~~
@@ -29,6 +31,15 @@ group, the ``weight`` mesh as amax group and a local-tensor forward. The adapter
 skips these modules (``Converted.tp_done``); FSDP2 shards them like any DTensor parameter.
 Linears with a style TE has no mode for (``colwise_gather_output``: TE's column mode never
 gathers its output) stay ``nn.Linear`` under torch TP, in high precision.
+
+[Note: TE FP8 autocast from convert]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+TE computes in FP8 only inside ``te.autocast``, and Accelerate's FSDP2 path never enters it
+(accelerate #3710). :meth:`TEBackend.convert` therefore also runs the model's ``forward`` under
+``te.autocast(recipe, amax_reduction_group=<the weight mesh's group>)``: the conversion is the
+one place that knows the recipe, and FSDP's pre/post-forward hooks run outside ``forward``
+either way (an instance attribute, kept by ``fully_shard``'s class swap). Without a mesh the
+group is TE's default (None: the default process group). :func:`remove_autocast` undoes it.
 """
 
 from __future__ import annotations
@@ -43,10 +54,12 @@ import torch.distributed as dist
 from shardbridge.fp8 import Converted, FP8BackendBase, FP8Recipe
 from torch import nn
 
+from shardbridge_te._compat import te_pytorch, te_recipes
+
 if TYPE_CHECKING:
     from shardbridge import ParallelMesh
 
-__all__ = ["RECIPE_CLASSES", "TEBackend", "backend", "build_recipe", "recipe_spec"]
+__all__ = ["RECIPE_CLASSES", "TEBackend", "backend", "build_recipe", "model_init_context", "recipe_spec", "remove_autocast"]
 
 RECIPE_CLASSES: dict[str, str] = {
     "tensorwise": "Float8CurrentScaling",
@@ -100,11 +113,7 @@ def recipe_spec(recipe: FP8Recipe) -> tuple[str, dict[str, Any]]:
 
 def build_recipe(recipe: FP8Recipe) -> Any:
     """The TE recipe object for ``recipe`` (imports TE's ``common.recipe``)."""
-    from shardbridge_te._compat import te_pytorch
-
-    te_pytorch()  # the install hint when TE is missing
-    from transformer_engine.common import recipe as te_recipe
-
+    te_recipe = te_recipes()
     cls_name, kwargs = recipe_spec(recipe)
     if "fp8_format" in kwargs:
         kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
@@ -128,13 +137,11 @@ class TEBackend(FP8BackendBase):
 
     def require_runtime(self) -> None:
         """ImportError with the install hint unless ``transformer_engine.pytorch`` imports."""
-        from shardbridge_te._compat import te_pytorch
-
         te_pytorch()
 
-    def check(self, recipe: FP8Recipe, *, tp: int = 1) -> None:
+    def check(self, recipe: FP8Recipe) -> None:
         """Pure: recipe name, parameters; ``all_gather_fp8`` is a property of TE's FP8 params."""
-        super().check(recipe, tp=tp)
+        super().check(recipe)
         recipe_spec(recipe)
         if recipe.all_gather_fp8 and not recipe.fp8_params:
             raise ValueError(
@@ -151,11 +158,16 @@ class TEBackend(FP8BackendBase):
         tp_plan: Mapping[str, str] | None = None,
         module_filter: Callable[[nn.Module, str], bool] | None = None,
     ) -> Converted:
-        """``nn.Linear`` -> ``te.Linear`` with TE's own TP. See [Note: TE modules with TE's own TP, from nn.Linear]."""
+        """``nn.Linear`` -> ``te.Linear`` with TE's own TP, forward under FP8 autocast.
+
+        See [Note: TE modules with TE's own TP, from nn.Linear] and [Note: TE FP8 autocast from
+        convert]; TE's FP8 tensor classes are registered for checkpoints (``register_te_fp8_types``).
+        """
         from shardbridge_te._apply import set_device_mesh
-        from shardbridge_te._compat import te_pytorch
+        from shardbridge_te._checkpoint import register_te_fp8_types
 
         te = te_pytorch()
+        register_te_fp8_types()
         tp = 1 if mesh is None else mesh.dims.tp
         rank = 0 if tp == 1 else mesh["tp"].get_local_rank()
         plan = dict(tp_plan or {})
@@ -191,66 +203,73 @@ class TEBackend(FP8BackendBase):
             # DTensor TP params, TP group, weight-mesh amax group. A model of TE modules already given
             # its mesh (shardbridge_te.parallelize) converts nothing here and is left as it is.
             set_device_mesh(model, mesh)
+        _autocast_forward(model, mesh, recipe)
         return Converted(modules=tuple(names), tp_done=tuple(names) if tp > 1 else ())
 
-    def after_fsdp(self, model: nn.Module, mesh: ParallelMesh, recipe: FP8Recipe) -> None:
-        """Run ``model.forward`` under ``te.autocast(recipe, amax_reduction_group=weight mesh)``.
 
-        Fixes Accelerate's FSDP2 path, which never enters FP8 autocast (accelerate #3710).
-        Idempotent; :func:`remove_autocast` restores the identical previous ``forward``.
-        """
-        from shardbridge_te._compat import te_pytorch
+def _autocast_forward(model: nn.Module, mesh: ParallelMesh | None, recipe: FP8Recipe) -> None:
+    """Run ``model.forward`` under ``te.autocast(recipe, amax_reduction_group=weight mesh)``.
 
-        if _UNDO_ATTR in vars(model):
-            return
-        te = te_pytorch()
-        te_recipe = build_recipe(recipe)
-        forward = model.forward
-        # The amax-reduction group of the recipe's scaling: the weight mesh (dp_shard_cp x tp).
-        group = mesh["weight"].get_group() if dist.is_initialized() else None
-        # te.fp8_autocast in older TE; te.autocast (same arguments renamed) in 2.20.
-        autocast = getattr(te, "autocast", None)
+    See [Note: TE FP8 autocast from convert]. Idempotent; :func:`remove_autocast` restores the
+    identical previous ``forward``.
+    """
+    if _UNDO_ATTR in vars(model):
+        return
+    te = te_pytorch()
+    te_recipe = build_recipe(recipe)
+    forward = model.forward
+    # The amax-reduction group of the recipe's scaling: the weight mesh (dp_shard_cp x tp).
+    group = mesh["weight"].get_group() if mesh is not None and dist.is_initialized() else None
+    # te.fp8_autocast in older TE; te.autocast (same arguments renamed) in 2.20.
+    autocast = getattr(te, "autocast", None)
 
-        @functools.wraps(forward)
-        def fp8_forward(*args: Any, **kwargs: Any) -> Any:
-            ctx = (
-                autocast(enabled=True, recipe=te_recipe, amax_reduction_group=group)
-                if autocast is not None
-                else te.fp8_autocast(enabled=True, fp8_recipe=te_recipe, fp8_group=group)
-            )
-            with ctx:
-                return forward(*args, **kwargs)
+    @functools.wraps(forward)
+    def fp8_forward(*args: Any, **kwargs: Any) -> Any:
+        ctx = (
+            autocast(enabled=True, recipe=te_recipe, amax_reduction_group=group)
+            if autocast is not None
+            else te.fp8_autocast(enabled=True, fp8_recipe=te_recipe, fp8_group=group)
+        )
+        with ctx:
+            return forward(*args, **kwargs)
 
-        had = "forward" in vars(model)
-        previous = vars(model).get("forward")
-        model.forward = fp8_forward
+    had = "forward" in vars(model)
+    previous = vars(model).get("forward")
+    model.forward = fp8_forward
 
-        def undo() -> None:
-            if had:
-                model.forward = previous
-            else:
-                vars(model).pop("forward", None)
-            vars(model).pop(_UNDO_ATTR, None)
+    def undo() -> None:
+        if had:
+            model.forward = previous
+        else:
+            vars(model).pop("forward", None)
+        vars(model).pop(_UNDO_ATTR, None)
 
-        vars(model)[_UNDO_ATTR] = undo
+    vars(model)[_UNDO_ATTR] = undo
 
-    def model_init_context(self, recipe: FP8Recipe) -> contextlib.AbstractContextManager:
-        """``te.quantized_model_init`` for ``fp8_params``: TE FP8 weights (quantized in :func:`materialize`)."""
-        if not recipe.fp8_params:
-            return contextlib.nullcontext()
-        from shardbridge_te._compat import te_pytorch
 
-        return te_pytorch().quantized_model_init(enabled=True, recipe=build_recipe(recipe))
+def model_init_context(recipe: FP8Recipe | None) -> contextlib.AbstractContextManager:
+    """Where to build a TE model for ``recipe``: ``te.quantized_model_init`` when ``fp8_params``, else a no-op.
 
-    def register_plain_types(self) -> tuple[type, ...]:
-        """TE's FP8 tensor classes (Float8Tensor, MXFP8Tensor, Float8BlockwiseQTensor, NVFP4Tensor, ...)."""
-        from shardbridge_te._checkpoint import register_te_fp8_types
+    TE FP8 parameters (``FP8Recipe(backend="te", fp8_params=True)``) exist only for TE modules
+    built inside this context; :func:`~shardbridge_te.materialize` quantizes each local shard.
 
-        return register_te_fp8_types()
+    Example:
+        >>> with torch.device("meta"), model_init_context(recipe):  # doctest: +SKIP
+        ...     model = MyTEModel()
+    """
+    if recipe is None or not recipe.fp8_params:
+        return contextlib.nullcontext()
+    if recipe.backend != backend.name:
+        raise ValueError(
+            f"model_init_context: {recipe} asks for FP8 parameters of backend {recipe.backend!r}; only TE builds "
+            "FP8 parameters (FP8Recipe(backend='te', fp8_params=True))"
+        )
+    backend.check(recipe)
+    return te_pytorch().quantized_model_init(enabled=True, recipe=build_recipe(recipe))
 
 
 def remove_autocast(model: nn.Module) -> bool:
-    """Undo :meth:`TEBackend.after_fsdp`'s autocast wrap; returns whether there was one."""
+    """Undo the FP8 autocast wrap :meth:`TEBackend.convert` put on ``model.forward``; whether there was one."""
     undo = vars(model).get(_UNDO_ATTR)
     if undo is None:
         return False

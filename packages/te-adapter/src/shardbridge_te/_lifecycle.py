@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from shardbridge import FSDPUnit, MixedPrecisionPolicy, ParallelMesh, apply_fsdp, fp8
+from shardbridge import FP8Recipe, FSDPUnit, ParallelMesh, PrecisionPolicy, apply_fsdp
+from shardbridge import fp8 as shardbridge_fp8
 from shardbridge._compat import local_tensor, reset_sharded_params
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -172,8 +173,9 @@ def materialize(model: nn.Module, mesh: ParallelMesh, *, device: torch.device | 
 def parallelize(
     model: nn.Module,
     mesh: ParallelMesh,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
+    fp8: FP8Recipe | None = None,
     units: Sequence[FSDPUnit] | None = None,
     global_shapes: Mapping[str, Sequence[int]] | None = None,
     device: torch.device | str | None = None,
@@ -186,9 +188,12 @@ def parallelize(
     Args:
         model: built with TE modules, ideally on ``torch.device("meta")``.
         mesh: the run's :class:`~shardbridge.ParallelMesh`.
-        policy: mixed precision for FSDP2 (None = no casting). ``policy.fp8`` must be a TE recipe
-            (``FP8Recipe(backend="te", ...)``): forward then runs under ``te.autocast`` with it and
-            the ``weight`` mesh as amax group; other backends are refused by name.
+        policy: mixed precision for FSDP2 (None = no casting).
+        fp8: a TE recipe (``FP8Recipe(backend="te", ...)``; build the model in
+            :func:`~shardbridge_te.model_init_context` for FP8 parameters): forward then runs under
+            ``te.autocast`` with it and the ``weight`` mesh as amax group (the model is converted
+            with ``shardbridge.fp8.convert``, which swaps nothing in a model of TE modules); other
+            backends are refused by name. None = no FP8.
         units: FSDP units; None = :func:`default_units` (each outermost TE module).
         global_shapes: see :func:`set_device_mesh` (uneven TP pieces).
         device: see :func:`materialize`.
@@ -204,24 +209,23 @@ def parallelize(
         >>> pm = ParallelDims(dp_shard=-1, tp=2).build_mesh("cuda")  # doctest: +SKIP
         >>> with torch.device("meta"), te.quantized_model_init(recipe=Float8CurrentScaling()):  # doctest: +SKIP
         ...     model = MyTEModel(tp_size=2)
-        >>> parallelize(model, pm, MixedPrecisionPolicy.bf16())  # doctest: +SKIP
+        >>> parallelize(model, pm, PrecisionPolicy.bf16())  # doctest: +SKIP
     """
-    recipe = None if policy is None else policy.fp8
-    if recipe is not None:
+    if fp8 is not None:
         from shardbridge_te._fp8 import TEBackend
 
-        if not isinstance(fp8.get_backend(recipe.backend), TEBackend):
+        if not isinstance(shardbridge_fp8.get_backend(fp8.backend), TEBackend):
             raise NotImplementedError(
-                f"policy.fp8={recipe}: shardbridge_te.parallelize runs TransformerEngine modules, whose FP8 is "
+                f"fp8={fp8}: shardbridge_te.parallelize runs TransformerEngine modules, whose FP8 is "
                 "TE's: use FP8Recipe(backend='te', name=...) (build the model in "
-                "shardbridge.fp8.model_init_context(recipe) for FP8 parameters); torchao recipes run on nn.Linear "
+                "shardbridge_te.model_init_context(recipe) for FP8 parameters); torchao recipes run on nn.Linear "
                 "models (shardbridge.fp8.convert + apply_fsdp, or shardbridge_hf)"
             )
     set_device_mesh(model, mesh, global_shapes=global_shapes)
-    if recipe is not None:
-        # The model is TE modules already: nothing to convert; this records the recipe, and
-        # apply_fsdp then runs the backend's after-FSDP work (forward under te.autocast).
-        fp8.convert(model, recipe, mesh=mesh, module_filter=lambda module, fqn: False)
+    if fp8 is not None:
+        # The model is TE modules already: nothing to swap; this records the recipe, registers TE's
+        # FP8 tensors for checkpoints and runs forward under te.autocast over the weight mesh.
+        shardbridge_fp8.convert(model, fp8, mesh=mesh, module_filter=lambda module, fqn: False)
     if mesh.dims.cp > 1:
         from shardbridge_te._cp import set_context_parallel
 

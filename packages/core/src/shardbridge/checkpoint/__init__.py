@@ -26,18 +26,22 @@ How an asynchronous save stages and commits in the background: [Note: async save
 ``_async.py``. How tied parameters are stored once: [Note: tied tensors] in ``_state.py``.
 
 Public: the names in ``__all__``. The ``_``-prefixed modules (the chunk objects handed to DCP,
-the planners, the manifest schema, the collective helpers) are not public.
+the planners, the manifest schema, the collective helpers) are not public. Readers of DCP
+directories that shardbridge did not write (the megatron adapter's Megatron-LM ``fsdp_dtensor``
+reader) use the same no-code-runs reading: :func:`read_metadata`, :class:`TrustedReader`,
+:func:`check_no_links` (see [Note: untrusted checkpoints] in ``_trust.py``).
 """
 
 from shardbridge.checkpoint._async import AsyncSave, wait
 from shardbridge.checkpoint._commit import latest, step_dir
-from shardbridge.checkpoint._export import NameMap, export_safetensors
+from shardbridge.checkpoint._export import NameMap, export_safetensors, parse_size
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
 from shardbridge.checkpoint._integrity import FileProblem, VerifyReport, verify
 from shardbridge.checkpoint._load import TrainState, load, load_latest
 from shardbridge.checkpoint._provider import StateDictProvider
 from shardbridge.checkpoint._save import save
 from shardbridge.checkpoint._state import component_fqn
+from shardbridge.checkpoint._trust import TrustedReader, UntrustedCheckpointError, check_no_links, read_metadata
 
 __all__ = [
     "AsyncSave",
@@ -47,13 +51,18 @@ __all__ = [
     "StateDictProvider",
     "TensorInfo",
     "TrainState",
+    "TrustedReader",
+    "UntrustedCheckpointError",
     "VerifyReport",
+    "check_no_links",
     "component_fqn",
     "export_safetensors",
     "inspect",
     "latest",
     "load",
     "load_latest",
+    "parse_size",
+    "read_metadata",
     "save",
     "step_dir",
     "verify",

@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from shardbridge._compat import local_tensor
-from shardbridge._fp8 import plain_state_dict
 from shardbridge._fused import FusedSpec, fused_params
 from shardbridge.checkpoint._chunks import LocalChunks
 from shardbridge.checkpoint._components import ParamInfo, component_fqn, fused_tp_size, param_box, split_fused_value
 from shardbridge.checkpoint._provider import StateDictProvider
 from shardbridge.checkpoint._repair import Box, OnBadLayout, boxed_pieces, check_dtensor, describe
+from shardbridge.fp8._tensors import plain_state_dict
 
 __all__ = [
     "PACKED_PARAM_GROUPS",

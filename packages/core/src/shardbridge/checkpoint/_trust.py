@@ -63,7 +63,7 @@ import os
 import pickle
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -202,19 +202,37 @@ class MetadataUnpickler(_PyUnpickler):
     del _opcode
 
 
-def read_metadata(checkpoint_dir: str | os.PathLike[str], *, data_files: bool = True) -> Metadata:
+def read_metadata(
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    data_files: bool = True,
+    select: Callable[[Metadata], Iterable[str]] | None = None,
+) -> Metadata:
     """The DCP metadata of ``checkpoint_dir``, read without running code from it.
+
+    Chunk offsets and sizes pickled as tuples of ints (Megatron-FSDP's own DCP writer, e.g.
+    Megatron-LM's ``fsdp_dtensor`` checkpoints, writes them so; torch's writes ``torch.Size``)
+    are read as ``torch.Size``, so such checkpoints pass the structure check DCP's own pass.
 
     Args:
         checkpoint_dir: the checkpoint directory.
         data_files: also check that every item lies inside its data file (what bounds the
             memory a reader allocates by the bytes on disk); False for readers of the
             metadata alone (inspect), which then describe a checkpoint with damaged data files.
+        select: for a reader of some entries only (a foreign checkpoint whose other entries
+            may be damaged): given the unpickled metadata, returns the keys to keep (it may
+            raise its own error); the others are dropped with their storage records before
+            the structure check, which then covers exactly the kept entries. None = all.
 
     Raises:
         UntrustedCheckpointError: the file references anything but DCP metadata classes,
             or its structure is not what DCP writes (see [Note: untrusted checkpoints]).
         ValueError: the file is missing or not a pickle.
+
+    Example:
+        >>> md = read_metadata("ckpt/step-00000010")  # doctest: +SKIP
+        >>> sorted(md.state_dict_metadata)[:1]  # doctest: +SKIP
+        ['model.layers.0.attention.o_proj.weight']
     """
     path = Path(checkpoint_dir) / _DCP_METADATA_NAME
     try:
@@ -231,8 +249,33 @@ def read_metadata(checkpoint_dir: str | os.PathLike[str], *, data_files: bool = 
             f"{where} is not DCP metadata ({type(err).__name__}: {err}); the checkpoint is damaged or was not "
             "written by shardbridge / DCP"
         ) from None
+    if type(metadata) is Metadata and isinstance(metadata.state_dict_metadata, dict):
+        _sizes_as_torch_size(metadata)
+        if select is not None:
+            _keep_only(metadata, set(select(metadata)))
     _check_metadata(metadata, Path(checkpoint_dir) if data_files else None, where)
     return metadata
+
+
+def _sizes_as_torch_size(md: Metadata) -> None:
+    """Chunk offsets / sizes written as tuples of ints -> ``torch.Size`` (anything else is left to the check)."""
+    for entry in md.state_dict_metadata.values():
+        if type(entry) is not TensorStorageMetadata or not isinstance(entry.chunks, list):
+            continue
+        for chunk in entry.chunks:
+            if type(chunk) is not ChunkStorageMetadata:
+                continue
+            for name in ("offsets", "sizes"):
+                value = getattr(chunk, name)
+                if type(value) is tuple and all(type(v) is int for v in value):
+                    setattr(chunk, name, torch.Size(value))
+
+
+def _keep_only(md: Metadata, keep: set[str]) -> None:
+    """Drop every entry but ``keep`` from ``md``, with the storage records of the dropped ones."""
+    md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items() if k in keep}
+    if isinstance(md.storage_data, dict):
+        md.storage_data = {i: r for i, r in md.storage_data.items() if getattr(i, "fqn", None) in keep}
 
 
 def _refuse(where: str, what: str) -> UntrustedCheckpointError:

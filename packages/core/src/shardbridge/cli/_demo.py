@@ -288,13 +288,13 @@ def _quiet() -> None:
 def _build(cfg: DemoConfig, layout: dict[str, int], seed: int):
     import torch
 
-    from shardbridge import MixedPrecisionPolicy, ParallelDims
+    from shardbridge import ParallelDims, PrecisionPolicy
     from shardbridge.models import Llama, parallelize_llama
 
     _quiet()
     pm = ParallelDims(**layout).build_mesh("cpu")
     model = Llama(cfg.llama_config(), seed=seed)
-    parallelize_llama(model, pm, MixedPrecisionPolicy.fp32())
+    parallelize_llama(model, pm, PrecisionPolicy.fp32())
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     return pm, model, optimizer
 

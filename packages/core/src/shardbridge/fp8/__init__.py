@@ -1,57 +1,82 @@
-"""FP8 training as one concept: a recipe (:class:`FP8Recipe`) and backends that run it.
+"""FP8 training as one concept: a recipe, backends that convert a model for it, portable FP8 tensors.
 
-Users set ``MixedPrecisionPolicy(fp8=FP8Recipe(backend=..., name=...))``; adapters call
-:func:`convert` before TP / FSDP and the after-step / after-load hooks, and ``apply_fsdp``
-runs the backend's after-FSDP work. Backends: "torchao" (here; torchao imported lazily) and
-"te" (``shardbridge_te``, found through the ``shardbridge.fp8_backends`` entry point). See
-[Note: one FP8 recipe] and [Note: the FP8 backend protocol]. The checkpoint rule for FP8 tensor
-subclasses lives in ``shardbridge`` itself (:func:`shardbridge.register_fp8_tensor_type`).
+Convert BEFORE tensor parallelism and FSDP, refresh after the weights change; the FSDP and TP
+code never asks for FP8 (torchtitan's converter shape)::
 
-Public: the names in ``__all__``.
+    done = fp8.convert(model, FP8Recipe(backend="torchao", name="tensorwise"), mesh=pm)
+    parallelize_llama(model, pm, policy)          # TP with done.tp_styles, FSDP2 units, fp8.refresh
+    fp8.install_step_hook(optimizer, model)       # fp8.refresh after every optimizer step
+
+Backends: "torchao" (here; torchao imported lazily) and "te" (``shardbridge_te``, found through
+the ``shardbridge.fp8_backends`` entry point). See [Note: one FP8 recipe], [Note: the FP8 backend
+protocol] and [Note: portable FP8 checkpoints].
+
+Public: the names in ``__all__``, in three groups: configuration, what adapters and users call,
+and what a backend implements or registers.
 """
 
-from shardbridge.fp8._backend import (
+import warnings as _warnings
+
+from shardbridge.fp8._convert import convert, converted, converted_fqn, install_step_hook, recipe_of, refresh
+from shardbridge.fp8._recipe import (
     ENTRY_POINT_GROUP,
     Converted,
     FP8Backend,
     FP8BackendBase,
-    after_fsdp,
-    after_load,
-    after_optimizer_step,
+    FP8Recipe,
     backend_names,
-    convert,
-    converted_fqn,
     get_backend,
-    install_step_hook,
-    model_init_context,
-    recipe_of,
     register_backend,
 )
-from shardbridge.fp8._recipe import FP8Recipe
+from shardbridge.fp8._tensors import (
+    is_fp8_tensor,
+    plain_state_dict,
+    register_fp8_tensor_type,
+    to_plain,
+)
 from shardbridge.fp8._torchao import TorchaoBackend, default_module_filter
 from shardbridge.fp8._tp_styles import MXFP8ColwiseParallel, MXFP8RowwiseParallel
 
 register_backend(TorchaoBackend())
 
 __all__ = [
+    # -- configuration ---------------------------------------------------------------------
+    "FP8Recipe",
+    # -- convert, refresh, checkpoint ------------------------------------------------------
+    "convert",
+    "converted",
+    "converted_fqn",
+    "install_step_hook",
+    "is_fp8_tensor",
+    "plain_state_dict",
+    "recipe_of",
+    "refresh",
+    "to_plain",
+    # -- backends --------------------------------------------------------------------------
     "ENTRY_POINT_GROUP",
     "Converted",
     "FP8Backend",
     "FP8BackendBase",
-    "FP8Recipe",
     "MXFP8ColwiseParallel",
     "MXFP8RowwiseParallel",
     "TorchaoBackend",
-    "after_fsdp",
-    "after_load",
-    "after_optimizer_step",
     "backend_names",
-    "convert",
-    "converted_fqn",
     "default_module_filter",
     "get_backend",
-    "install_step_hook",
-    "model_init_context",
-    "recipe_of",
     "register_backend",
+    "register_fp8_tensor_type",
 ]
+
+# Folded into refresh() in 0.1.0 (issue 24): the same hook ran after a step and after a load.
+_RENAMED = {"after_load": "refresh", "after_optimizer_step": "refresh"}
+
+
+def __getattr__(name: str):  # PEP 562: deprecated aliases
+    if name in _RENAMED:
+        _warnings.warn(
+            f"shardbridge.fp8.{name} is now shardbridge.fp8.{_RENAMED[name]}; the old name goes away in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module 'shardbridge.fp8' has no attribute {name!r}")

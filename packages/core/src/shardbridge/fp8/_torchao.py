@@ -16,8 +16,8 @@ torchao is optional: this module imports it only when a hook runs (ImportError w
 - tensorwise: one scale per tensor, so the weight can be cast to float8 BEFORE the all-gather
   (``enable_fsdp_float8_all_gather``); the scale is the amax over the whole weight, which
   :func:`precompute_float8_dynamic_scale_for_fsdp` computes for all weights with one all-reduce
-  after every optimizer step and after every load. On gloo the float8 buffers travel as uint8
-  (:func:`shardbridge.use_uint8_all_gather`).
+  after parallelizing, after every optimizer step and after every load (:meth:`refresh`). On
+  gloo the float8 buffers travel as uint8 (``apply_fsdp``; [Note: float8 all-gather on gloo]).
 - rowwise / rowwise_with_gw_hp: a scale per row of the UNSHARDED weight; a shard cannot be cast
   before the all-gather without changing the numerics, so torchao (0.18) all-gathers the weight in
   high precision by design and casts after (torchtitan #3032 chose this recipe anyway: better
@@ -28,20 +28,20 @@ torchao is optional: this module imports it only when a hook runs (ImportError w
   scales are computed after the all-gather. On CPU it runs the ``EMULATED`` kernel preference
   (PyTorch ops, no Triton/CUTLASS). Under TP, torch's styles would be silently wrong: the
   wrapper intercepts ``F.linear`` in ``__torch_function__``, which a DTensor call never reaches
-  (DTensor dispatches below it), so the matmuls would run in high precision. :meth:`tp_styles`
-  therefore returns the core's local-shard styles, which call ``F.linear`` on the local shards
+  (DTensor dispatches below it), so the matmuls would run in high precision. :meth:`convert`
+  therefore returns the core's local-shard styles (``Converted.tp_styles``), which call ``F.linear`` on the local shards
   where the wrapper sees it (see [Note: MXFP8 under tensor parallelism] in ``_tp_styles.py``);
   a TP-local dim that is not a multiple of 32 is refused by name there. A converted Linear whose
   weight is a DTensor under any OTHER style refuses to run (NotImplementedError naming it)
   instead of computing in high precision. torchao 0.18's MXFP8 ``F.linear`` also drops the bias:
   converted Linears add it themselves.
 
-Which modules take :meth:`tp_styles`: exactly those :func:`shardbridge.fp8.convert` converted
-(``shardbridge.fp8.converted_fqn``), in the core's Llama plan and the hf adapter alike.
+Which modules take ``Converted.tp_styles``: exactly those :func:`shardbridge.fp8.convert`
+converted (``shardbridge.fp8.converted_fqn``), in the core's Llama plan and the hf adapter alike.
 
 Checkpoints: the two wrapper subclasses hold the high-precision weight (``__tensor_flatten__``
-names it), which is what :func:`shardbridge.register_fp8_tensor_type` saves: a view, so loads
-write the live weight in place, bit-exact, and any torch reads the checkpoint.
+names it), which is what :func:`shardbridge.register_fp8_tensor_type` saves (``convert`` registers
+both): a view, so loads write the live weight in place, bit-exact, and any torch reads the checkpoint.
 """
 
 from __future__ import annotations
@@ -57,13 +57,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardbridge._compat import require_module
-from shardbridge._fp8 import register_fp8_tensor_type, use_uint8_all_gather
-from shardbridge.fp8._backend import Converted, FP8BackendBase, converted_fqn
-from shardbridge.fp8._recipe import FP8Recipe
+from shardbridge.fp8._convert import converted_fqn
+from shardbridge.fp8._recipe import Converted, FP8BackendBase
+from shardbridge.fp8._tensors import register_fp8_tensor_type
 from shardbridge.fp8._tp_styles import MXFP8ColwiseParallel, MXFP8RowwiseParallel, check_mx_tokens
 
 if TYPE_CHECKING:
     from shardbridge._mesh import ParallelMesh
+    from shardbridge.fp8._recipe import FP8Recipe
 
 __all__ = ["TorchaoBackend", "default_module_filter"]
 
@@ -149,9 +150,9 @@ class TorchaoBackend(FP8BackendBase):
         """ImportError with the install hint unless torchao imports."""
         _torchao("torchao.float8")
 
-    def check(self, recipe: FP8Recipe, *, tp: int = 1) -> None:
+    def check(self, recipe: FP8Recipe) -> None:
         """ValueError / NotImplementedError naming what torchao runs here."""
-        super().check(recipe, tp=tp)
+        super().check(recipe)
         allowed = _PARAMS[recipe.name]
         for key, value in recipe.params.items():
             if key not in allowed:
@@ -184,14 +185,15 @@ class TorchaoBackend(FP8BackendBase):
         tp_plan: Mapping[str, str] | None = None,
         module_filter: Callable[[nn.Module, str], bool] | None = None,
     ) -> Converted:
-        """Float8Linear (float8 recipes) or MXFP8 weight wrappers (mxfp8) on the filtered Linears."""
+        """Float8Linear (float8 recipes) or MXFP8 weight wrappers (mxfp8) on the filtered Linears; their TP styles."""
+        _register_plain_types()
         chosen = module_filter or default_module_filter
         parallel = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
         if parallel is not None:
             raise ValueError(
                 f"fp8.convert: parameter {parallel!r} is already a DTensor (tensor parallelism or FSDP was applied); "
                 "torchao converts plain Linears: convert the model first, then parallelize it (parallelize_llama / "
-                "apply_tp / apply_fsdp)"
+                "apply_llama_tp / apply_fsdp)"
             )
         if not any(chosen(m, n) for n, m in model.named_modules()):
             # An "FP8 run" that computes everything in high precision is a silently ignored setting.
@@ -209,8 +211,8 @@ class TorchaoBackend(FP8BackendBase):
             float8.convert_to_float8_training(model, module_filter_fn=chosen, config=config)
             linear = _torchao("torchao.float8.float8_linear").Float8Linear
             names = tuple(n for n, m in model.named_modules() if isinstance(m, linear))
-            return Converted(modules=names)
-        return Converted(modules=self._convert_mxfp8(model, recipe, chosen))
+            return Converted(modules=names, tp_styles=_tp_styles(recipe))
+        return Converted(modules=self._convert_mxfp8(model, recipe, chosen), tp_styles=_tp_styles(recipe))
 
     def _convert_mxfp8(self, model: nn.Module, recipe: FP8Recipe, chosen: Callable[[nn.Module, str], bool]) -> tuple:
         moe = _torchao("torchao.prototype.moe_training.config")
@@ -242,44 +244,36 @@ class TorchaoBackend(FP8BackendBase):
             linear.forward = types.MethodType(_mxfp8_linear_forward, linear)  # TP styles replace it again
         return names
 
-    def tp_styles(self, recipe: FP8Recipe) -> Mapping[str, type] | None:
-        """tensorwise: torchao's float8 styles (float8 activations across TP); mxfp8: local-shard styles.
-
-        mxfp8's styles run each converted Linear on its local shards, where torchao's weight wrapper
-        sees ``F.linear`` (see [Note: MXFP8 under tensor parallelism]); rowwise recipes: torch's.
-        """
-        if recipe.name == "mxfp8":
-            return {"colwise": MXFP8ColwiseParallel, "rowwise": MXFP8RowwiseParallel}
-        if recipe.name != "tensorwise":
-            return None
-        tp = _torchao("torchao.float8.float8_tensor_parallel")
-        return {"colwise": tp.Float8ColwiseParallel, "rowwise": tp.Float8RowwiseParallel}
-
-    def after_fsdp(self, model: nn.Module, mesh: ParallelMesh, recipe: FP8Recipe) -> None:
-        """Float8 all-gathers as uint8 on gloo, and the first per-tensor scales."""
-        if _all_gathers_float8(recipe):
-            use_uint8_all_gather(model)
-            self.after_optimizer_step(model, recipe)
-
     @torch.no_grad()
-    def after_optimizer_step(self, model: nn.Module, recipe: FP8Recipe) -> None:
-        """tensorwise with float8 all-gather: every weight's scale from the new weights (one all-reduce)."""
+    def refresh(self, model: nn.Module, recipe: FP8Recipe) -> None:
+        """tensorwise with float8 all-gather: every weight's scale from the current weights (one all-reduce)."""
         if _all_gathers_float8(recipe):
             _torchao("torchao.float8").precompute_float8_dynamic_scale_for_fsdp(model)
 
-    def after_load(self, model: nn.Module, recipe: FP8Recipe) -> None:
-        """The weights changed: recompute the scales as after a step."""
-        self.after_optimizer_step(model, recipe)
 
-    @functools.cache  # noqa: B019 (one backend object per process)
-    def register_plain_types(self) -> tuple[type, ...]:
-        """Both torchao weight wrappers save their high-precision tensor (a view: loads are in place)."""
-        classes = [_torchao("torchao.float8.fsdp_utils").WeightWithDynamicFloat8CastTensor]
-        try:
-            tensor = require_module("torchao.prototype.moe_training.tensor", hint=INSTALL_HINT)
-            classes += [tensor.MXFP8TrainingWeightWrapperTensor, tensor.Float8TrainingWeightWrapperTensor]
-        except ImportError:
-            pass  # a torchao without the prototype: nothing of it can be in a model either
-        for cls in classes:
-            register_fp8_tensor_type(cls, _inner_tensor)
-        return tuple(classes)
+def _tp_styles(recipe: FP8Recipe) -> Mapping[str, type] | None:
+    """tensorwise: torchao's float8 styles (float8 activations across TP); mxfp8: local-shard styles.
+
+    mxfp8's styles run each converted Linear on its local shards, where torchao's weight wrapper
+    sees ``F.linear`` (see [Note: MXFP8 under tensor parallelism]); rowwise recipes: torch's.
+    """
+    if recipe.name == "mxfp8":
+        return {"colwise": MXFP8ColwiseParallel, "rowwise": MXFP8RowwiseParallel}
+    if recipe.name != "tensorwise":
+        return None
+    tp = _torchao("torchao.float8.float8_tensor_parallel")
+    return {"colwise": tp.Float8ColwiseParallel, "rowwise": tp.Float8RowwiseParallel}
+
+
+@functools.cache
+def _register_plain_types() -> tuple[type, ...]:
+    """Both torchao weight wrappers save their high-precision tensor (a view: loads are in place)."""
+    classes = [_torchao("torchao.float8.fsdp_utils").WeightWithDynamicFloat8CastTensor]
+    try:
+        tensor = require_module("torchao.prototype.moe_training.tensor", hint=INSTALL_HINT)
+        classes += [tensor.MXFP8TrainingWeightWrapperTensor, tensor.Float8TrainingWeightWrapperTensor]
+    except ImportError:
+        pass  # a torchao without the prototype: nothing of it can be in a model either
+    for cls in classes:
+        register_fp8_tensor_type(cls, _inner_tensor)
+    return tuple(classes)

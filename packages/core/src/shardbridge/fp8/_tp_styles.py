@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from shardbridge.fp8._backend import converted_fqn
+from shardbridge.fp8._convert import converted_fqn
 
 __all__ = ["MXFP8ColwiseParallel", "MXFP8RowwiseParallel", "check_mx_tokens"]
 

@@ -40,22 +40,23 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import MixedPrecisionPolicy
+    from shardbridge._precision import PrecisionPolicy
 
-__all__ = ["parallelize_llama"]
+__all__ = ["apply_llama_tp", "parallelize_llama"]
 
 
 def parallelize_llama(
     model: Llama,
     mesh: ParallelMesh,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
     compile: bool = False,
     cp_comm: str = "all_gather",
 ) -> Llama:
     """Tensor parallelism (when tp > 1), context parallelism (cp > 1), per-block compile, then FSDP2 units.
 
-    Call on an initialised model (``init_weights`` done) whose parameters are identical on
+    A model converted for FP8 (``shardbridge.fp8.convert``, before this call) gets its backend's
+    TP styles for the converted Linears and, at the end, ``fp8.refresh``. Call on an initialised model (``init_weights`` done) whose parameters are identical on
     every rank; call with the same arguments on every rank. With cp > 1, feed each rank its
     part of the batch (``shardbridge.cp_split`` of tokens and labels over ``mesh["cp"]``) and
     reduce the loss with ``shardbridge.cp_cross_entropy``.
@@ -78,9 +79,7 @@ def parallelize_llama(
         >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
         >>> model = parallelize_llama(Llama(LlamaConfig.tiny()), pm)  # doctest: +SKIP
     """
-    if mesh.dims.tp > 1:
-        _check_tp_divides(model, mesh.dims.tp)
-        apply_tp(model, mesh["tp"])
+    apply_llama_tp(model, mesh["tp"])
     if mesh.dims.cp > 1:
         # Attention spans the cp axis; params stay replicated over cp, FSDP shards them over
         # the flattened dp_shard_cp (see [Note: loss over dp_cp] in shardbridge._cp).
@@ -89,19 +88,37 @@ def parallelize_llama(
         for block in model.layers:
             block.compile()
     apply_fsdp(model, mesh, policy)
+    fp8.refresh(model)  # an FP8-converted model: what derives from the sharded weights (first scales)
     return model
 
 
-def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
-    """Shard ``model`` over the 1-D ``tp_mesh`` as in [Note: Llama TP plan]."""
+def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
+    """Shard ``model`` over the 1-D ``tp_mesh`` as in [Note: Llama TP plan]: the TP step of :func:`parallelize_llama`.
+
+    Column-parallel qkv/gate_up (fused), row-parallel o_proj/down, vocab-parallel embedding and
+    output. For frameworks that shard the rest themselves (``shardbridge_megatron_fsdp.shard_model``);
+    a 1-rank ``tp_mesh`` changes nothing.
+
+    Returns:
+        ``model``, sharded in place.
+
+    Raises:
+        ValueError: ``num_kv_heads`` or ``intermediate_size`` not divisible by the tp size.
+
+    Example:
+        >>> apply_llama_tp(Llama(LlamaConfig.tiny()), pm["tp"])  # doctest: +SKIP
+    """
+    if tp_mesh.size() == 1:
+        return model
+    _check_tp_divides(model, tp_mesh.size())
     plan: dict[str, ParallelStyle] = {
         # Shard(0) vocab rows; Partial -> Replicate (all-reduce) of the looked-up rows.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         # Shard(-1) -> Replicate: full-vocab logits on every TP rank.
         "output": ColwiseParallel(output_layouts=Replicate()),
     }
-    recipe = fp8.recipe_of(model)
-    fp8_styles = fp8.get_backend(recipe.backend).tp_styles(recipe) if recipe is not None else None
+    done = fp8.converted(model)
+    fp8_styles = done.tp_styles if done is not None else None
 
     def style(kind: str, linear: nn.Module) -> ParallelStyle:
         # Modules fp8.convert converted take its backend's styles (MXFP8: the linear on local shards).
@@ -121,6 +138,7 @@ def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> None:
     if model.config.tie_word_embeddings:
         # Both are Shard(0) over vocab rows; ColwiseParallel re-wrapped output's parameter.
         model.output.weight = model.tok_embeddings.weight
+    return model
 
 
 def _shard_fused_weight(linear: nn.Linear, tp_mesh: DeviceMesh) -> None:

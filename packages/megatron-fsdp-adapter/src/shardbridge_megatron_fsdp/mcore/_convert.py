@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from shardbridge.cli._plugins import Verb
+from shardbridge.cli import Verb
 from torch import nn
 
-from shardbridge_megatron_fsdp.mcore._compat import INSTALL_HINT
+from shardbridge_megatron_fsdp._compat import MCORE_INSTALL_HINT
 from shardbridge_megatron_fsdp.mcore._hf import LlamaArch, hf_name, megatron_name, write_hf_config
 
 __all__ = ["cli_verb", "export_hf", "fsdp_dtensor_to_hf", "hf_to_checkpoint", "main"]
@@ -86,7 +86,7 @@ def fsdp_dtensor_to_hf(
     ``head_dim`` defaults to hidden_size // num_attention_heads (Megatron's ``kv_channels``).
     """
     from safetensors.torch import save_file
-    from shardbridge._fused import split_fused
+    from shardbridge import split_fused
 
     from shardbridge_megatron_fsdp.mcore._fsdp_dtensor import read_fsdp_dtensor
     from shardbridge_megatron_fsdp.mcore._layout import MegatronQKVSpec
@@ -163,7 +163,7 @@ def hf_to_checkpoint(
         q, k, v = (flat.pop(f"{base}.{p}.weight") for p in QKV_NAMES)
         groups = k.shape[0] // head_dim
         spec = MegatronQKVSpec.megatron(num_heads=arch.num_attention_heads, num_query_groups=groups, head_dim=head_dim)
-        from shardbridge._fused import merge_fused
+        from shardbridge import merge_fused
 
         flat[f"{base}.linear_qkv.weight"] = merge_fused({"q_proj": q, "k_proj": k, "v_proj": v}, spec, 1)
         _set(root, f"{base}.linear_qkv.weight", flat.pop(f"{base}.linear_qkv.weight"), spec, register_fused)
@@ -304,5 +304,5 @@ def _arch(args: argparse.Namespace, config: dict | None) -> LlamaArch:
 cli_verb = Verb(
     help="convert Megatron-Core GPT checkpoints to / from Hugging Face folders",
     main=main,
-    install_hint=INSTALL_HINT,
+    install_hint=MCORE_INSTALL_HINT,
 )

@@ -38,15 +38,14 @@ and the fix (read the model alone with ``optimizer=False``: model weights are DT
 always split right).
 
 Nothing in the checkpoint runs code: ``.metadata`` goes through the core's restricted
-unpickler (Megatron-FSDP writes chunk offsets as tuples, which are normalised to
-``torch.Size`` before the core's structure check), tensors through ``weights_only`` reads.
+unpickler (``shardbridge.checkpoint.read_metadata``, which reads Megatron-FSDP's tuple chunk
+offsets as ``torch.Size``), tensors through ``weights_only`` reads.
 Runs in one process, no process group; the result holds the whole model (and optimizer
 states) in memory.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import re
@@ -55,7 +54,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from shardbridge.checkpoint._trust import MetadataUnpickler, TrustedReader, _check_metadata, check_no_links
+from shardbridge.checkpoint import TrustedReader, check_no_links, read_metadata
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 __all__ = ["FsdpDTensorCheckpoint", "SwiGLUSplitError", "read_fsdp_dtensor"]
@@ -79,34 +78,22 @@ class FsdpDTensorCheckpoint:
     """Parameter name -> {state name (``exp_avg``, ...): full tensor}; empty with ``optimizer=False``."""
 
 
-def _size(value: object) -> torch.Size:
-    return torch.Size(int(v) for v in value)  # Megatron-FSDP writes tuples; DCP writes torch.Size
-
-
-def _read_metadata(path: Path) -> Metadata:
-    where = repr(str(path / ".metadata"))
-    try:
-        data = (path / ".metadata").read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"{str(path)!r} has no .metadata: it is not a DCP / fsdp_dtensor checkpoint") from None
-    md = MetadataUnpickler(io.BytesIO(data), where=where).load()
-    if not isinstance(md, Metadata):
-        raise ValueError(f"{where} is not DCP metadata")
-    for entry in md.state_dict_metadata.values():
-        if isinstance(entry, TensorStorageMetadata):
-            for chunk in entry.chunks:
-                chunk.offsets, chunk.sizes = _size(chunk.offsets), _size(chunk.sizes)
-    return md
-
-
 def _coverage(entry: TensorStorageMetadata) -> int:
     return sum(math.prod(c.sizes) for c in entry.chunks)
 
 
-def _drop(md: Metadata, keys: set[str]) -> None:
-    for key in keys:
-        del md.state_dict_metadata[key]
-    md.storage_data = {i: s for i, s in md.storage_data.items() if i.fqn not in keys}
+def _wanted(path: Path, md: Metadata, *, optimizer: bool) -> list[str]:
+    """The entries to read: model weights (no ``_extra_state``), and optimizer tensor states if asked; checked."""
+    wanted: dict[str, TensorStorageMetadata] = {}
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        if key.startswith("model.") and not key.endswith("._extra_state"):
+            wanted[key] = entry
+        elif optimizer and _OPTIM.match(key) and entry.size != torch.Size([]):
+            wanted[key] = entry
+    _check_covered(path, wanted)
+    return list(wanted)
 
 
 def read_fsdp_dtensor(path: str | os.PathLike[str], *, optimizer: bool = True) -> FsdpDTensorCheckpoint:
@@ -125,7 +112,7 @@ def read_fsdp_dtensor(path: str | os.PathLike[str], *, optimizer: bool = True) -
             its tensor (written by the #4423 split from plain-tensor states).
         ValueError: any other tensor not fully covered, a missing ``_w``/``_v`` partner, or a
             directory that is not a DCP checkpoint.
-        shardbridge.checkpoint._trust.UntrustedCheckpointError: metadata that is not DCP's.
+        shardbridge.checkpoint.UntrustedCheckpointError: metadata that is not DCP's.
 
     Example:
         >>> ckpt = read_fsdp_dtensor("ckpt/iter_0000100", optimizer=False)  # doctest: +SKIP
@@ -133,22 +120,13 @@ def read_fsdp_dtensor(path: str | os.PathLike[str], *, optimizer: bool = True) -
         torch.Size([2 * ffn_hidden_size, hidden_size])
     """
     path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{str(path)!r} has no .metadata: it is not a DCP / fsdp_dtensor checkpoint")
     check_no_links(path)
-    md = _read_metadata(path)
-    tensors = {k: e for k, e in md.state_dict_metadata.items() if isinstance(e, TensorStorageMetadata)}
-    wanted: dict[str, TensorStorageMetadata] = {}
-    ignored = set()
-    for key, entry in tensors.items():
-        if key.startswith("model.") and not key.endswith("._extra_state"):
-            wanted[key] = entry
-        elif optimizer and _OPTIM.match(key) and entry.size != torch.Size([]):
-            wanted[key] = entry
-        else:
-            ignored.add(key)
-    _check_covered(path, wanted)
-    _drop(md, set(md.state_dict_metadata) - set(wanted))
-    _check_metadata(md, path, repr(str(path / ".metadata")))
-    buffers = {k: torch.empty(e.size, dtype=e.properties.dtype) for k, e in wanted.items()}
+    # No code runs; Megatron-FSDP's tuple chunk offsets are read as torch.Size; only the wanted
+    # entries are kept and checked (the others may be the damaged states of the Note).
+    md = read_metadata(path, select=lambda md: _wanted(path, md, optimizer=optimizer))
+    buffers = {k: torch.empty(e.size, dtype=e.properties.dtype) for k, e in md.state_dict_metadata.items()}
     dcp.load(buffers, storage_reader=TrustedReader(path, metadata=md), no_dist=True)
     out = FsdpDTensorCheckpoint()
     for key, value in buffers.items():

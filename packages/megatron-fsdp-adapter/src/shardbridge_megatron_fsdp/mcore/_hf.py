@@ -84,10 +84,7 @@ def hf_name(name: str) -> str | None:
         >>> hf_name("decoder.layers.3.mlp.linear_fc2.weight")
         'model.layers.3.mlp.down_proj.weight'
     """
-    for pattern, repl in _TO_HF:
-        if pattern.match(name):
-            return pattern.sub(repl, name)
-    return None
+    return _rename(_TO_HF, name)
 
 
 def megatron_name(name: str) -> str | None:
@@ -97,7 +94,11 @@ def megatron_name(name: str) -> str | None:
         >>> megatron_name("model.layers.0.self_attn.o_proj.weight")
         'decoder.layers.0.self_attention.linear_proj.weight'
     """
-    for pattern, repl in _TO_MEGATRON:
+    return _rename(_TO_MEGATRON, name)
+
+
+def _rename(table: tuple[tuple[re.Pattern[str], str], ...], name: str) -> str | None:
+    for pattern, repl in table:
         if pattern.match(name):
             return pattern.sub(repl, name)
     return None
@@ -205,10 +206,11 @@ def load_hf(model: Any, folder: str | os.PathLike[str]) -> dict[str, int]:
         >>> load_hf(model, "Llama-tiny")  # doctest: +SKIP
     """
     from safetensors import safe_open
-    from shardbridge._fused import split_local
+    from shardbridge import split_local
     from shardbridge.pretrained import read_index
 
-    from shardbridge_megatron_fsdp.mcore._checkpoint import _inner, dist_params, fused_tp
+    from shardbridge_megatron_fsdp._checkpoint import dist_params, install_weights
+    from shardbridge_megatron_fsdp.mcore._layout import fused_tp
 
     index = read_index(folder)
     params = dist_params(model)
@@ -226,7 +228,7 @@ def load_hf(model: Any, folder: str | os.PathLike[str]) -> dict[str, int]:
             for name in dp.spec.names:
                 shapes.append((component_fqn(dp.fqn, name), tuple(dp.spec.component_shape(name, dp.shape))))
             if dp.local.numel():
-                for piece in split_local(dp.local, dp.spec, fused_tp(dp), dp.offsets[dp.spec.dim]):
+                for piece in split_local(dp.local, dp.spec, fused_tp(dp.spec, dp.param), dp.offsets[dp.spec.dim]):
                     offsets = list(dp.offsets)
                     offsets[dp.spec.dim] = piece.component_offset
                     pieces.append((component_fqn(dp.fqn, piece.name), piece.view, tuple(offsets)))
@@ -260,6 +262,6 @@ def load_hf(model: Any, folder: str | os.PathLike[str]) -> dict[str, int]:
         read += value.numel() * value.element_size()
         with torch.no_grad():
             view.copy_(value.to(view.dtype) if value.dtype != view.dtype else value)
-    _inner(model).install_optimized_model_weights()
+    install_weights(model)
     total = sum(int(torch.Size(shape).numel()) * dtype.itemsize for _, shape, dtype in index.values())
     return {"bytes_read": read, "checkpoint_bytes": total}

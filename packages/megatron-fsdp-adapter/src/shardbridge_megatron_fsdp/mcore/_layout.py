@@ -24,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from shardbridge import FusedSpec, register_fused
-from shardbridge._fused import FusedSegment
+from shardbridge import FusedSegment, FusedSpec, register_fused
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["MegatronQKVSpec", "register_gpt_fused", "tp_dim", "tp_local"]
+__all__ = ["MegatronQKVSpec", "fused_tp", "register_gpt_fused", "tp_dim", "tp_local"]
 
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 SWIGLU_NAMES = ("gate_proj", "up_proj")
@@ -118,3 +118,15 @@ def tp_local(full: torch.Tensor, dim: int | None, spec: FusedSpec | None, tp_siz
             f"size {full.shape[dim]} along dim {dim} is not divisible by tensor_model_parallel_size={tp_size}"
         )
     return full.chunk(tp_size, dim)[tp_rank]
+
+
+def fused_tp(spec: FusedSpec | None, param: DTensor) -> int:
+    """The TP degree that interleaves a fused parameter's items (1 for Megatron QKV's fixed order and unfused ones)."""
+    if spec is None or isinstance(spec, MegatronQKVSpec):
+        return 1
+    tp = 1
+    names = param.device_mesh.mesh_dim_names or ()
+    for name, size, p in zip(names, param.device_mesh.shape, param.placements):
+        if name == "tp" and type(p) is Shard and p.dim == spec.dim:
+            tp *= size
+    return tp

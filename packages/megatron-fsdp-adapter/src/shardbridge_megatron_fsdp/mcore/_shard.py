@@ -9,9 +9,9 @@ configuration::
     ParallelDims(dp_shard=-1, tp=T)  ------>  parallel_state.initialize_model_parallel(T)
                                               (rank order tp fastest, as ParallelDims' mesh)
                                               + model_parallel_cuda_manual_seed(seed)
-    MixedPrecisionPolicy            ------>  DistributedDataParallelConfig(
+    PrecisionPolicy            ------>  DistributedDataParallelConfig(
                                                 grad_reduce_in_fp32, preserve_fp32_weights)
-    MixedPrecisionPolicy.fp8        ------>  DistributedDataParallelConfig(fp8_param_gather=True)
+    shard_model(fp8=FP8Recipe)  ------>  DistributedDataParallelConfig(fp8_param_gather=True)
                                               on a GPU, checked against the TransformerConfig's
                                               fp8 / fp8_recipe / fp8_param (see [Note: FP8 on
                                               the Megatron-Core path])
@@ -26,7 +26,7 @@ the vocab-parallel embedding and output layer, ``partition_dim=0``) AND row-para
 (``linear_proj``, ``linear_fc2``, ``partition_dim=1``). The bundled Megatron-FSDP turns them
 into DTensors on its (dp_cp, tp) mesh itself, so no TP conversion happens here. On gloo
 ``gradient_reduce_div_fusion`` is turned off (no PREMUL_SUM), and on a host without CUDA the
-Megatron-Core CPU patch is installed (see [Note: the Megatron-Core CPU patch]). Without
+CPU patch is installed for the megatron-core host (see [Note: the CPU patch] in ``_cpu_patch.py``). Without
 Transformer Engine, megatron-core 0.16.1's ``FullyShardedDataParallel`` fails for any TP > 1
 model (``isinstance(m, (TELinear,))`` with a stand-in that is no class); ``_compat.fix_missing_te_linear`` fixes that on any device.
 """
@@ -37,22 +37,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import MixedPrecisionPolicy, ParallelDims, param_group_fqns, rebind_param_groups
+from shardbridge import FP8Recipe, ParallelDims, PrecisionPolicy, param_group_fqns, rebind_param_groups
 from torch import nn
 
-from shardbridge_megatron_fsdp.mcore import _cpu_patch
-from shardbridge_megatron_fsdp.mcore._compat import (
+from shardbridge_megatron_fsdp import _cpu_patch
+from shardbridge_megatron_fsdp._compat import (
+    STRATEGIES,
     bundled_fsdp,
+    disable_grad_div_fusion,
     fix_missing_te_linear,
+    install_distributed_params,
     optimizer_named_parameters,
-    replace_params_with_distributed,
     require_megatron_core,
 )
+from shardbridge_megatron_fsdp._optimizer import zero_step
 from shardbridge_megatron_fsdp.mcore._layout import register_gpt_fused
 
 __all__ = ["STRATEGIES", "check_cpu_config", "destroy_parallel_state", "init_parallel_state", "shard_model"]
-
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 # TransformerConfig fields that select CUDA-only kernels; False on a host without CUDA.
 _CUDA_ONLY_FLAGS = (
@@ -91,7 +92,7 @@ def init_parallel_state(dims: ParallelDims, *, seed: int = 0) -> ParallelDims:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    _cpu_patch.install(pin=True)
+    _cpu_patch.install(_cpu_patch.MEGATRON_CORE, pin=True)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp)
     model_parallel_cuda_manual_seed(seed)
     return dims
@@ -123,17 +124,17 @@ _MCORE_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
 """``TransformerConfig.fp8_recipe`` values of megatron-core 0.16.1 that are shardbridge recipe names."""
 
 
-def fp8_fields(policy: MixedPrecisionPolicy, config: Any, *, device_type: str) -> dict[str, Any]:
-    """``DistributedDataParallelConfig`` keywords for ``policy.fp8`` on the Megatron-Core path.
+def fp8_fields(recipe: FP8Recipe | None, config: Any, *, device_type: str) -> dict[str, Any]:
+    """``DistributedDataParallelConfig`` keywords for the FP8 ``recipe`` on the Megatron-Core path.
 
     [Note: FP8 on the Megatron-Core path]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     Megatron-Core builds its TE modules from the ``TransformerConfig`` (``fp8``,
     ``fp8_recipe``, ``fp8_param``), and its Megatron-FSDP all-gathers FP8 parameters with
-    ``DistributedDataParallelConfig(fp8_param_gather=True)``. shardbridge's policy is the one
-    FP8 setting, so the two must say the same::
+    ``DistributedDataParallelConfig(fp8_param_gather=True)``. shardbridge's recipe (``shard_model``'s
+    ``fp8``) is the one FP8 setting, so the two must say the same::
 
-        policy.fp8                                   TransformerConfig        DDP config
+        fp8                                          TransformerConfig        DDP config
         None                                         fp8=None, fp8_param=F    (nothing)
         FP8Recipe(backend="te", name=R,              fp8="e4m3"|"hybrid",     fp8_param_gather=True
                   fp8_params=True), R in             fp8_recipe=R,
@@ -145,52 +146,51 @@ def fp8_fields(policy: MixedPrecisionPolicy, config: Any, *, device_type: str) -
     disagrees with the policy. GPU only: nothing here has run on a GPU yet.
 
     Raises:
-        ValueError: the TransformerConfig disagrees with ``policy.fp8`` (both named).
+        ValueError: the TransformerConfig disagrees with ``recipe`` (both named).
         NotImplementedError: what this path does not run (named, with what it does).
     """
     from shardbridge_megatron_fsdp._precision import fp8_ddp_kwargs
 
-    recipe = policy.fp8
     if recipe is None:
         on = [f"{n}={getattr(config, n)!r}" for n in ("fp8", "fp8_param") if getattr(config, n, None)]
         if on:
             raise ValueError(
-                f"TransformerConfig {', '.join(on)} but MixedPrecisionPolicy.fp8=None: the policy is the run's one FP8 "
-                f"setting; set policy.fp8=FP8Recipe(backend='te', name={getattr(config, 'fp8_recipe', 'delayed')!r}, "
+                f"TransformerConfig {', '.join(on)} but shard_model(fp8=None): the recipe is the run's one FP8 "
+                f"setting; pass fp8=FP8Recipe(backend='te', name={getattr(config, 'fp8_recipe', 'delayed')!r}, "
                 "fp8_params=True) (GPU), or TransformerConfig(fp8=None, fp8_param=False)"
             )
         return {}
-    fields = fp8_ddp_kwargs(policy, device_type=device_type)  # torchao, fp8_params=False, CPU: refused by name
+    fields = fp8_ddp_kwargs(recipe, device_type=device_type)  # torchao, fp8_params=False, CPU: refused by name
     if recipe.name not in _MCORE_FP8_RECIPES:
         raise NotImplementedError(
-            f"MixedPrecisionPolicy.fp8={recipe}: megatron-core 0.16.1 configures {recipe.name!r} outside "
+            f"fp8={recipe}: megatron-core 0.16.1 configures {recipe.name!r} outside "
             f"TransformerConfig.fp8_recipe (fp4 recipes), which is not wired; use one of {list(_MCORE_FP8_RECIPES)}"
         )
     want = {"fp8": ("e4m3", "hybrid"), "fp8_recipe": (recipe.name,), "fp8_param": (True,)}
     wrong = [f"{n}={getattr(config, n, None)!r}" for n, ok in want.items() if getattr(config, n, None) not in ok]
     if wrong:
         raise ValueError(
-            f"MixedPrecisionPolicy.fp8={recipe} but TransformerConfig {', '.join(wrong)}: Megatron-Core builds its TE "
+            f"fp8={recipe} but TransformerConfig {', '.join(wrong)}: Megatron-Core builds its TE "
             f"modules from the TransformerConfig, so set TransformerConfig(fp8='hybrid' or 'e4m3', "
-            f"fp8_recipe={recipe.name!r}, fp8_param=True), or change policy.fp8 to match it"
+            f"fp8_recipe={recipe.name!r}, fp8_param=True), or change fp8 to match it"
         )
     return fields
 
 
 def _ddp_config(
-    policy: MixedPrecisionPolicy, strategy: str, model_dtype: torch.dtype, fp8_kwargs: dict[str, Any] | None = None
+    policy: PrecisionPolicy, strategy: str, model_dtype: torch.dtype, fp8_kwargs: dict[str, Any] | None = None
 ) -> Any:
     """DistributedDataParallelConfig for ``policy``: megatron-core 0.16.1 has two booleans (+ fp8_kwargs)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     if policy.output_dtype is not None:
         raise NotImplementedError(
-            f"MixedPrecisionPolicy.output_dtype={policy.output_dtype} has no Megatron-Core FSDP counterpart in "
+            f"PrecisionPolicy.output_dtype={policy.output_dtype} has no Megatron-Core FSDP counterpart in "
             "megatron-core 0.16.1 (it does not cast module outputs); set output_dtype=None"
         )
     if policy.param_dtype not in (None, model_dtype):
         raise ValueError(
-            f"MixedPrecisionPolicy.param_dtype={policy.param_dtype} but the model's parameters are {model_dtype}: "
+            f"PrecisionPolicy.param_dtype={policy.param_dtype} but the model's parameters are {model_dtype}: "
             "Megatron-Core computes in the dtype the model is built in; build it with "
             "TransformerConfig(params_dtype=..., bf16=...) or set param_dtype=None"
         )
@@ -226,9 +226,10 @@ def shard_model(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     config: Any,
-    policy: MixedPrecisionPolicy | None = None,
+    policy: PrecisionPolicy | None = None,
     *,
     strategy: str = "optim_grads_params",
+    fp8: FP8Recipe | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Wrap a Megatron-Core model in Megatron-Core's ``FullyShardedDataParallel``; rebind the optimizer.
 
@@ -244,6 +245,8 @@ def shard_model(
         config: the model's ``TransformerConfig``.
         policy: precision; None = fp32 everywhere.
         strategy: Megatron-FSDP sharding (``no_shard`` ... ``optim_grads_params``).
+        fp8: the run's FP8 recipe; it must agree with the TransformerConfig Megatron-Core built
+            the model from (see [Note: FP8 on the Megatron-Core path]). None = no FP8.
 
     Returns:
         ``(wrapped model, optimizer)``: call the wrapped model like the original; train with
@@ -251,9 +254,9 @@ def shard_model(
 
     Raises:
         ValueError: an unknown strategy, a CUDA-only kernel selected on a CPU host, or a
-            TransformerConfig whose FP8 fields disagree with ``policy.fp8``.
-        NotImplementedError: a policy Megatron-Core 0.16.1 cannot express (``policy.fp8`` on
-            CPU, torchao recipes; see [Note: FP8 on the Megatron-Core path]).
+            TransformerConfig whose FP8 fields disagree with ``fp8``.
+        NotImplementedError: a policy Megatron-Core 0.16.1 cannot express, or an FP8 recipe on
+            CPU or of torchao (see [Note: FP8 on the Megatron-Core path]).
 
     Example:
         >>> dims = init_parallel_state(ParallelDims(dp_shard=-1, tp=2))  # doctest: +SKIP
@@ -264,14 +267,14 @@ def shard_model(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
     check_cpu_config(config)
-    policy = policy or MixedPrecisionPolicy()
+    policy = policy or PrecisionPolicy()
     model_dtype = next(model.parameters()).dtype
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ddp_config = _ddp_config(policy, strategy, model_dtype, fp8_fields(policy, config, device_type=device_type))
+    ddp_config = _ddp_config(policy, strategy, model_dtype, fp8_fields(fp8, config, device_type=device_type))
     group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
     register_gpt_fused(model, config)
 
-    _cpu_patch.install(pin=True)
+    _cpu_patch.install(_cpu_patch.MEGATRON_CORE, pin=True)
     fix_missing_te_linear()
     from megatron.core.distributed import FullyShardedDataParallel
 
@@ -279,13 +282,13 @@ def shard_model(
     wrapped = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model, device=device)
     inner = wrapped.module
     if dist.get_backend() == "gloo":
-        inner.ddp_config.gradient_reduce_div_fusion = False  # gloo has no PREMUL_SUM
-    replace_params_with_distributed(inner)
+        disable_grad_div_fusion(inner)  # gloo has no PREMUL_SUM
+    install_distributed_params(inner)
     if optimizer is None:
         return wrapped, None
     params = dict(optimizer_named_parameters(inner))
     rebind_param_groups(optimizer, group_fqns, params)
-    # Our checkpoints go through McoreFSDPStateDicts, not upstream's state-dict post-hook.
+    # Our checkpoints go through MegatronFSDPStateDicts, not upstream's state-dict post-hook.
     bundled_fsdp().fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=False)
     _init_optimizer_state(optimizer)
     return wrapped, optimizer
@@ -294,25 +297,16 @@ def shard_model(
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's states now, as a fresh optimizer's (so a checkpoint can load into them).
 
-    One base ``step()`` on zero gradients with lr=0 and weight_decay=0 (weights and moments
-    stay as they are: SGD's momentum buffer and Adam's moments are zero, which is what the
-    first real step computes from), then every ``step`` counter back to 0.
+    One base ``step()`` on zero gradients, made neutral by ``_optimizer.zero_step`` (SGD's momentum
+    buffer and Adam's moments stay zero, which is what the first real step computes from).
     """
-    neutral = {"lr": 0.0, "weight_decay": 0.0}
-    saved = [{k: g[k] for k in neutral if k in g} for g in optimizer.param_groups]
-    for g, old in zip(optimizer.param_groups, saved):
-        for k in old:
-            g[k] = torch.zeros_like(g[k]) if isinstance(g[k], torch.Tensor) else neutral[k]
-        for p in g["params"]:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def step() -> None:
+        for p in params:
             p.grad = torch.zeros_like(p)
-    type(optimizer).step(optimizer)
-    for g, old in zip(optimizer.param_groups, saved):
-        g.update(old)
-        for p in g["params"]:
+        type(optimizer).step(optimizer)
+        for p in params:
             p.grad = None
-    for state in optimizer.state.values():
-        step = state.get("step")
-        if isinstance(step, torch.Tensor):
-            step.zero_()
-        elif step is not None:
-            state["step"] = 0
+
+    zero_step(optimizer, step)

@@ -1,17 +1,15 @@
-"""FP8 parameters under FSDP2 and DCP: what every framework's FP8 weight needs from the core.
+"""FP8 tensors in checkpoints: what every framework's FP8 weight needs from the core.
 
 The core does not quantize. A framework's FP8 weight is a tensor subclass (torchao's
 ``WeightWithDynamicFloat8CastTensor``, TransformerEngine's ``Float8Tensor``, ...) that brings its
 own FSDP2 hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: 1 byte per element on the
-wire). What the core adds is framework-neutral:
-
-* :func:`register_fp8_tensor_type` + :func:`to_plain`: the checkpoint rule. See
-  [Note: portable FP8 checkpoints].
-* :func:`use_uint8_all_gather`: FSDP2 all-gathers of float8 data on backends without float8
-  dtypes (gloo). See [Note: float8 all-gather on gloo].
-* The amax-reduction group for per-tensor current scaling is the core's ``weight`` mesh
-  (``ParallelMesh["weight"]``: every rank holding a different piece of a weight); adapters hand
-  it to their framework.
+wire). What the core adds here is the checkpoint rule, :func:`register_fp8_tensor_type` +
+:func:`to_plain` (see [Note: portable FP8 checkpoints]); each backend's ``convert`` registers its
+subclasses. Two more framework-neutral pieces live where they act: float8 all-gathers on gloo
+(:func:`shardbridge.use_uint8_all_gather`, [Note: float8 all-gather on gloo] in
+``shardbridge._wrap``), and the amax-reduction group for per-tensor current scaling, the core's
+``weight`` mesh (``ParallelMesh["weight"]``: every rank holding a different piece of a weight),
+which adapters hand to their framework.
 
 [Note: portable FP8 checkpoints]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -30,48 +28,26 @@ A subclass that wraps a high-precision tensor (torchao) returns a VIEW of it, so
 load writes the live weight directly; a subclass that stores quantized bytes (TE) returns a
 dequantized copy, and ``copy_`` re-quantizes it. An unregistered tensor subclass in a state
 dict is an error at save time, never a checkpoint only some readers can open.
-
-[Note: float8 all-gather on gloo]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-FSDP2 packs the all-gather inputs of one parameter group into one flat buffer. When every input
-is float8 the buffer is float8, and gloo rejects it ("Invalid scalar type"); NCCL takes it. The
-bytes are what matter, so :class:`Uint8AllGather` views float8 buffers as uint8 (same size, no
-copy) and all-gathers those. Mixed groups already use a uint8 buffer and are unaffected.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardbridge._compat import AllGather, fsdp_shard_process_group, local_tensor
+from shardbridge._compat import local_tensor
 
 __all__ = [
-    "FP8_DTYPES",
-    "Uint8AllGather",
     "is_fp8_tensor",
     "plain_state_dict",
     "register_fp8_tensor_type",
     "registered_fp8_tensor_types",
     "to_plain",
-    "use_uint8_all_gather",
 ]
-
-FP8_DTYPES: frozenset[torch.dtype] = frozenset(
-    d
-    for d in (
-        getattr(torch, name, None)
-        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-    )
-    if d is not None
-)
-"""The float8 dtypes of this torch."""
 
 ToPlain = Callable[[torch.Tensor], torch.Tensor]
 _TO_PLAIN: dict[type, ToPlain] = {}
@@ -160,48 +136,3 @@ def to_plain(t: Any, *, key: str = "<tensor>") -> Any:
 def plain_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
     """A state dict with every FP8 subclass value made plain (keys and order kept)."""
     return {k: to_plain(v, key=k) for k, v in sd.items()}
-
-
-class Uint8AllGather(AllGather):
-    """FSDP2 all-gather that sends float8 buffers as uint8. See [Note: float8 all-gather on gloo]."""
-
-    def allocate(self, size: Iterable[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        if output_tensor.dtype in FP8_DTYPES:
-            output_tensor = output_tensor.view(torch.uint8)
-            input_tensor = input_tensor.view(torch.uint8)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-def _backend(module: FSDPModule) -> str:
-    pg = fsdp_shard_process_group(module)
-    return "" if pg is None else dist.get_backend(pg)
-
-
-def use_uint8_all_gather(model: nn.Module, *, backends: tuple[str, ...] = ("gloo",)) -> int:
-    """Give every FSDP2 unit of ``model`` on one of ``backends`` the :class:`Uint8AllGather`.
-
-    Call after ``fully_shard``. Units on other backends (NCCL takes float8) are left alone.
-
-    Returns:
-        The number of FSDP units changed.
-
-    Example:
-        >>> apply_fsdp(model, pm, policy)  # doctest: +SKIP
-        >>> use_uint8_all_gather(model)  # doctest: +SKIP
-        4
-    """
-    changed = 0
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and _backend(module) in backends:
-            module.set_custom_all_gather(Uint8AllGather())
-            changed += 1
-    return changed

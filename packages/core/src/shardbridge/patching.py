@@ -10,7 +10,10 @@ naming what is lost, and let the framework's own code run), and how it is undone
 site first asks :meth:`PatchPlan.gate`; :func:`patch_attr` / :func:`patch_item` return an undo
 that restores the identical previous object, which the adapter keeps wherever the upstream
 object outlives the call. The rules are the same for every adapter, so they live here; the
-plans themselves (TE's, Accelerate's) live in each adapter's ``_patches.py``.
+plans themselves (TE's, Accelerate's, Megatron-FSDP's) live in each adapter.
+
+Public (for adapters): the names in ``__all__``. A public module rather than a name in
+``shardbridge.__all__``: training code never uses it, adapters do.
 """
 
 from __future__ import annotations
