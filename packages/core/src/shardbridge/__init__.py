@@ -56,9 +56,8 @@ from shardbridge._tp import (
     to_dtensor_param,
     tp_placements,
 )
+from shardbridge._version import __version__  # written once, in _version.py
 from shardbridge._wrap import FSDPUnit, SupportsFSDPUnits, apply_fsdp, fsdp_unit_params
-
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",

@@ -124,7 +124,7 @@ def require_module(module: str, *, hint: str) -> Any:
     machine without CUDA, not ImportError); the message keeps the original error.
 
     Example:
-        >>> require_module("math", hint='pip install "shardbridge[x]"').sqrt(4.0)
+        >>> require_module("math", hint='pip install "mathlib>=1.0"').sqrt(4.0)
         2.0
     """
     try:

@@ -10,6 +10,7 @@ import importlib.metadata
 from typing import Any
 
 from shardbridge._compat import parse_version
+from shardbridge._extras import install_hint
 
 __all__ = [
     "accelerate_version",
@@ -23,7 +24,7 @@ __all__ = [
     "transformers_version",
 ]
 
-_HINT = 'shardbridge_hf needs accelerate and transformers: pip install "shardbridge[hf]"'
+_HINT = f"shardbridge_hf needs accelerate and transformers: {install_hint('hf')}"
 
 
 @functools.cache

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from shardbridge import ParallelDims, fp8
+from shardbridge._extras import install_hint
 from shardbridge.cli._plugins import Verb
 
 from shardbridge_hf._compat import require_accelerate
@@ -447,6 +448,6 @@ if __name__ == "__main__":
 cli_verb = Verb(
     help="validate an Accelerate config's fsdp_config.shardbridge block, then accelerate launch (docs/hf.md)",
     main=main,
-    install_hint='pip install "shardbridge[hf]"',
+    install_hint=install_hint("hf"),
 )
 """``shardbridge launch``: registered in the ``shardbridge.cli`` entry-point group (pyproject.toml)."""

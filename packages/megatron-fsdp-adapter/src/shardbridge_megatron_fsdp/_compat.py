@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from shardbridge._compat import local_tensor, parse_version
+from shardbridge._extras import install_hint
 
 __all__ = [
     "INSTALL_HINT",
@@ -48,7 +49,7 @@ __all__ = [
 
 MIN_VERSION = (0, 6, 1)
 MAX_VERSION = (0, 7, 0)  # exclusive
-INSTALL_HINT = 'pip install "shardbridge[megatron]"'
+INSTALL_HINT = install_hint("megatron")  # [Note: install hints] in shardbridge/_extras.py
 
 
 def megatron_core_version() -> str | None:

@@ -81,8 +81,8 @@ _CHECKED: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     _BUNDLED: ((0, 3, 1), (0, 3, 1)),  # the copy inside megatron-core 0.16.1
 }
 _INSTALL_HINTS = {
-    _STANDALONE: 'pip install "megatron-fsdp==0.6.1" (shardbridge[megatron])',
-    _BUNDLED: 'pip install "megatron-core==0.16.1" (shardbridge[megatron-core])',
+    _STANDALONE: 'pip install "megatron-fsdp==0.6.1" (in the megatron extra)',
+    _BUNDLED: 'pip install "megatron-core==0.16.1" (the megatron-core extra; never beside megatron-fsdp)',
 }
 
 _COVERS = (

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from shardbridge._extras import install_hint
 from shardbridge.fp8._recipe import FP8Recipe
 
 if TYPE_CHECKING:
@@ -226,7 +227,7 @@ def get_backend(name: str) -> FP8Backend:
             loaded = ep.load()
             register_backend(loaded() if isinstance(loaded, type) else loaded)
     if name not in _BACKENDS:
-        hint = ' (pip install "shardbridge[te]" on a GPU machine, then import shardbridge_te)' if name == "te" else ""
+        hint = f" (on a GPU machine: {install_hint('te')}; then import shardbridge_te)" if name == "te" else ""
         raise ValueError(f"fp8 backend {name!r} is not available; available: {list(backend_names())}{hint}")
     return _BACKENDS[name]
 

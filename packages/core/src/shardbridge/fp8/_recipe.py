@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from shardbridge._extras import install_hint
+
 __all__ = ["FP8Recipe"]
 
 
@@ -105,7 +107,8 @@ class FP8Recipe:
             raise ValueError(
                 f"FP8Recipe.backend={self.backend!r} is not a registered FP8 backend; choose one of "
                 f"{list(backend_names())} (others register with shardbridge.fp8.register_backend or the "
-                f"{ENTRY_POINT_GROUP!r} entry-point group; 'te' comes with pip install \"shardbridge[te]\")"
+                f"{ENTRY_POINT_GROUP!r} entry-point group; 'te' comes with shardbridge_te and TransformerEngine: "
+                f"{install_hint('te')})"
             )
         if not isinstance(self.params, Mapping):
             raise ValueError(f"FP8Recipe.params={self.params!r} must be a mapping of parameter names to values")

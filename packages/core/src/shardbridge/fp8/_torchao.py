@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardbridge._compat import require_module
+from shardbridge._extras import install_hint
 from shardbridge._fp8 import register_fp8_tensor_type, use_uint8_all_gather
 from shardbridge.fp8._backend import Converted, FP8BackendBase, converted_fqn
 from shardbridge.fp8._recipe import FP8Recipe
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchaoBackend", "default_module_filter"]
 
-INSTALL_HINT = 'pip install "shardbridge[fp8]"'
+INSTALL_HINT = install_hint("fp8")  # [Note: install hints] in shardbridge/_extras.py
 _SKIP_NAMES = ("lm_head", "output", "embed")
 _FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 _PARAMS: dict[str, dict[str, tuple[type, ...]]] = {

@@ -16,6 +16,7 @@ import importlib.metadata
 from typing import Any
 
 from shardbridge._compat import local_tensor, parse_version
+from shardbridge._extras import install_hint
 
 __all__ = [
     "INSTALL_HINT",
@@ -32,7 +33,7 @@ __all__ = [
 
 MIN_VERSION = (0, 16, 1)
 MAX_VERSION = (0, 17, 0)  # exclusive
-INSTALL_HINT = 'pip install "shardbridge[megatron-core]"'
+INSTALL_HINT = install_hint("megatron-core")  # [Note: install hints] in shardbridge/_extras.py
 
 
 @functools.cache
