@@ -1,6 +1,7 @@
 """shardbridge_megatron_fsdp: Megatron-FSDP with shardbridge's mesh, precision policy and checkpoints.
 
-Megatron-FSDP is the standalone ``megatron_fsdp`` package. ``pip install "shardbridge[megatron]"``.
+Megatron-FSDP is the standalone ``megatron_fsdp`` package: the ``megatron`` extra
+(``pip install -e ".[megatron]"`` in a clone; README.md, Install).
 
 Public: the names in ``__all__``::
 

@@ -1,7 +1,8 @@
 """The torchao FP8 backend: float8 training recipes and MXFP8, under FSDP2 x TP (torchao 0.18).
 
-torchao is optional: this module imports it only when a hook runs (ImportError with
-``pip install "shardbridge[fp8]"`` otherwise), so ``import shardbridge`` never does.
+torchao is optional: this module imports it only when a hook runs (otherwise an ImportError
+with the install hint of the ``fp8`` extra, [Note: install hints] in ``shardbridge/_extras.py``),
+so ``import shardbridge`` never does.
 
 [Note: torchao recipes under FSDP2 x TP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
