@@ -1,0 +1,212 @@
+"""Tier 4: every command and Python block in README.md and docs/**/*.md runs, as printed.
+
+[Note: executed docs]
+~~~~~~~~~~~~~~~~~~~~~
+The collector reads every fenced block of README.md, docs/**/*.md and packages/*/README.md:
+
+    ```bash / ```sh        run with ``bash -e -o pipefail`` (the test's interpreter's bin/ first on PATH)
+    ```python, first line  written to that file (a script a later block of the same page runs,
+      ``# NAME.py``          e.g. ``torchrun ... NAME.py``); never run by itself
+    ```python, ``>>>``      a doctest: every output must match (ELLIPSIS, NORMALIZE_WHITESPACE)
+    ```python, otherwise   run with ``python``
+    ```text / ```yaml /    not run (output, listings, config files)
+      ```console-output ...
+    ``` (no language)      an error: say what the block is
+
+A block whose fence has ``<!-- docs-test: skip (REASON) -->`` on the line directly above is not
+run; it is counted with its reason (GPU only, hours long, needs a network, ...). Each page's blocks
+run in order in one scratch directory of their own, which holds a symlink to every top-level
+entry of the repository (so ``examples/...``, ``tools/...`` resolve as from the repository root,
+and what a block writes stays in the scratch directory): a later block may use what an earlier
+one wrote (README: the demo, then ``shardbridge ckpt inspect shardbridge-demo/checkpoints``).
+The first block that fails fails its page, with the block's line, text and output. At the end
+the test prints ``docs: ran N block(s) in P page(s), skipped M (reasons)``.
+
+Run one page: ``pytest integration_tests/test_docs.py -k hf.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = {"bash": "bash", "sh": "bash", "python": "python"}
+NOT_RUN = {"text", "yaml", "console-output", "json", "toml", "ini", "diff", "c", "cpp", "cuda", "markdown"}
+ALIASES = {"shell": "bash", "console": "bash (or console-output for output)", "zsh": "bash", "py": "python",
+           "python3": "python", "pycon": "python (a doctest: >>>)"}  # fmt: skip
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<lang>[^`\s]*)[ \t]*$")
+MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*skip\s*\((?P<reason>.+)\)\s*-->\s*$")
+SCRIPT_NAME = re.compile(r"^#\s*(?P<name>[\w.-]+\.py)\s*$")
+BLOCK_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page."""
+
+    page: str
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    skip: str | None  # the marker's reason, or None
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+    @property
+    def script_name(self) -> str | None:
+        first = next((line for line in self.text.splitlines() if line.strip()), "")
+        match = SCRIPT_NAME.match(first)
+        return match.group("name") if self.lang == "python" and match else None
+
+
+def pages() -> list[str]:
+    found = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted(REPO.glob("packages/*/README.md"))]
+    return [str(p.relative_to(REPO)) for p in found if p.is_file()]
+
+
+def parse(page: str) -> list[Block]:
+    """Every fenced block of ``page``, with the skip marker of the line above, if any."""
+    lines = (REPO / page).read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        match = FENCE.match(lines[i])
+        if match is None:
+            i += 1
+            continue
+        indent, ticks = match.group("indent"), match.group("ticks")
+        close = re.compile(rf"^{re.escape(indent)}{ticks}`*[ \t]*$")
+        j = i + 1
+        while j < len(lines) and not close.match(lines[j]):
+            j += 1
+        if j == len(lines):
+            raise ValueError(f"{page}:{i + 1}: a code fence that is never closed")
+        body = "\n".join(line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : j])
+        above = MARKER.match(lines[i - 1]) if i else None
+        blocks.append(Block(page, i + 1, match.group("lang").lower(), body + "\n", above and above.group("reason")))
+        i = j + 1
+    return blocks
+
+
+def _problems(blocks: list[Block]) -> list[str]:
+    """What the collector refuses before running anything: unlabelled fences, shell/python aliases,
+    scripts no later block runs."""
+    out = []
+    for n, block in enumerate(blocks):
+        if not block.lang:
+            out.append(
+                f"{block.where}: a fence without a language; label it bash/sh/python (run) or "
+                "text/yaml/console-output (not run)"
+            )
+        elif block.lang in ALIASES:
+            out.append(f"{block.where}: ```{block.lang} is not collected; write ```{ALIASES[block.lang]}")
+        elif block.lang not in RUN and block.lang not in NOT_RUN:
+            out.append(f"{block.where}: unknown fence language {block.lang!r}; use one of {sorted({*RUN, *NOT_RUN})}")
+        name = block.script_name
+        if name and block.skip is None and not any(name in later.text for later in blocks[n + 1 :] if later.lang in RUN):
+            out.append(f"{block.where}: the script {name} is written but no later bash/python block of the page runs it")
+    return out
+
+
+def test_every_fence_says_what_it_is():
+    """No block escapes the docs test by having no language (or a language it does not collect)."""
+    problems = [p for page in pages() for p in _problems(parse(page))]
+    assert not problems, "\n".join(problems)
+
+
+# -- running ------------------------------------------------------------------------------------
+
+_COUNTS: Counter = Counter()
+_SKIPPED: Counter = Counter()
+_PAGES: set = set()
+
+
+def _scratch(tmp_path: Path) -> Path:
+    """A directory that looks like the repository root for reading and keeps every write to itself."""
+    for entry in REPO.iterdir():
+        if entry.name not in (".git",) and not (tmp_path / entry.name).exists():
+            (tmp_path / entry.name).symlink_to(entry)
+    return tmp_path
+
+
+def _env() -> dict[str, str]:
+    bin_dir = str(Path(sys.executable).parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("SHARDBRIDGE_HF_CONFIG", None)
+    return env
+
+
+def _command(block: Block, cwd: Path, index: int) -> list[str] | None:
+    """The command that runs ``block`` (its text written into ``cwd``), or None for a script file."""
+    if block.script_name:
+        (cwd / block.script_name).write_text(block.text)
+        return None
+    if block.lang in ("bash", "sh"):
+        path = cwd / f".docs-block-{index}.sh"
+        path.write_text(block.text)
+        return ["bash", "-e", "-o", "pipefail", str(path)]
+    if block.text.lstrip().startswith(">>>"):
+        path = cwd / f".docs-block-{index}.txt"
+        path.write_text(block.text)
+        return [sys.executable, "-m", "doctest", "-o", "ELLIPSIS", "-o", "NORMALIZE_WHITESPACE", str(path)]
+    path = cwd / f".docs-block-{index}.py"
+    path.write_text(block.text)
+    return [sys.executable, str(path)]
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [p for p in pages() if any(b.lang in RUN for b in parse(p))])
+def test_page_runs_as_printed(page, tmp_path):
+    blocks = parse(page)
+    problems = _problems(blocks)
+    assert not problems, "\n".join(problems)
+    cwd = _scratch(tmp_path)
+    _PAGES.add(page)
+    for index, block in enumerate(blocks):
+        if block.lang not in RUN:
+            continue
+        if block.skip is not None:
+            _SKIPPED[block.skip] += 1
+            continue
+        command = _command(block, cwd, index)
+        if command is None:
+            continue
+        start = time.perf_counter()
+        try:
+            run = subprocess.run(
+                command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{block.where}: the block ran longer than {BLOCK_TIMEOUT_S} s:\n{block.text}")
+        _COUNTS["ran"] += 1
+        _COUNTS["seconds"] += time.perf_counter() - start
+        assert run.returncode == 0, (
+            f"{block.where} ({block.lang}) exited {run.returncode}:\n{block.text}\n--- output (tail) ---\n"
+            f"{_tail(run.stdout)}\n{_tail(run.stderr)}"
+        )
+
+
+def summary() -> str | None:
+    """``docs: ran N block(s) ..., skipped M (reasons)``, or None when no page ran."""
+    if not _PAGES:
+        return None
+    skipped = sum(_SKIPPED.values())
+    reasons = "; ".join(f"{n} x {reason}" for reason, n in sorted(_SKIPPED.items(), key=lambda kv: -kv[1]))
+    return (
+        f"docs: ran {_COUNTS['ran']} block(s) in {len(_PAGES)} page(s) ({_COUNTS['seconds']:.0f} s), "
+        f"skipped {skipped}" + (f" ({reasons})" if reasons else "")
+    )
