@@ -57,10 +57,12 @@ from shardbridge._tp import (
     tp_placements,
 )
 from shardbridge._version import __version__  # written once, in _version.py
+from shardbridge._versions import UntestedVersionWarning
 from shardbridge._wrap import FSDPUnit, SupportsFSDPUnits, apply_fsdp, fsdp_unit_params
 
 __all__ = [
     "__version__",
+    "UntestedVersionWarning",
     # -- configuration ---------------------------------------------------------------------
     "FP8Recipe",
     "FusedSpec",
@@ -142,3 +144,14 @@ def __getattr__(name: str):  # PEP 562: deprecated aliases
         )
         return getattr(_importlib.import_module("shardbridge.layout"), name)
     raise AttributeError(f"module 'shardbridge' has no attribute {name!r}")
+
+
+def _check_torch_version() -> None:
+    """One UntestedVersionWarning for a torch outside TORCH_CHECKED ([Note: version policy] in _versions.py)."""
+    from shardbridge._compat import TORCH_CHECKED, torch_version
+    from shardbridge._versions import warn_if_untested
+
+    warn_if_untested("torch", torch_version()[:3], TORCH_CHECKED)
+
+
+_check_torch_version()
