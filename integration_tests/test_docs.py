@@ -14,7 +14,12 @@ The collector reads every fenced block of README.md, docs/**/*.md and packages/*
     ``` (no language)      an error: say what the block is
 
 A block whose fence has ``<!-- docs-test: skip (REASON) -->`` on the line directly above is not
-run; it is counted with its reason (GPU only, hours long, needs a network, ...). Each page's blocks
+run; it is counted with its reason (GPU only, hours long, needs a network, ...). A Python block
+under ``<!-- docs-test: signatures (MODULE) -->`` is an API listing: each entry
+(``name(params) -> ret``, ``def name(params)``, ``class Name:`` with annotated fields or method
+signatures) is checked against the real object in MODULE: parameter names, kinds (positional,
+``*``, keyword-only) and defaults; dataclass fields and their defaults (every field, unless the
+listing has a ``...`` line); every listed method. Each page's blocks
 run in order in one scratch directory of their own, which holds a symlink to every top-level
 entry of the repository (so ``examples/...``, ``tools/...`` resolve as from the repository root,
 and what a block writes stays in the scratch directory): a later block may use what an earlier
@@ -27,6 +32,10 @@ Run one page: ``pytest integration_tests/test_docs.py -k hf.md``.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -44,7 +53,7 @@ NOT_RUN = {"text", "yaml", "console-output", "json", "toml", "ini", "diff", "c",
 ALIASES = {"shell": "bash", "console": "bash (or console-output for output)", "zsh": "bash", "py": "python",
            "python3": "python", "pycon": "python (a doctest: >>>)"}  # fmt: skip
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<lang>[^`\s]*)[ \t]*$")
-MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*skip\s*\((?P<reason>.+)\)\s*-->\s*$")
+MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<kind>skip|signatures)\s*\((?P<reason>.+)\)\s*-->\s*$")
 SCRIPT_NAME = re.compile(r"^#\s*(?P<name>[\w.-]+\.py)\s*$")
 BLOCK_TIMEOUT_S = 600
 
@@ -57,7 +66,8 @@ class Block:
     line: int  # 1-based line of the opening fence
     lang: str
     text: str
-    skip: str | None  # the marker's reason, or None
+    skip: str | None  # the skip marker's reason, or None
+    signatures: str | None = None  # the module a signatures marker names, or None
 
     @property
     def where(self) -> str:
@@ -93,7 +103,18 @@ def parse(page: str) -> list[Block]:
             raise ValueError(f"{page}:{i + 1}: a code fence that is never closed")
         body = "\n".join(line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : j])
         above = MARKER.match(lines[i - 1]) if i else None
-        blocks.append(Block(page, i + 1, match.group("lang").lower(), body + "\n", above and above.group("reason")))
+        kind = above.group("kind") if above else None
+        reason = above.group("reason").strip() if above else None
+        blocks.append(
+            Block(
+                page,
+                i + 1,
+                match.group("lang").lower(),
+                body + "\n",
+                skip=reason if kind == "skip" else None,
+                signatures=reason if kind == "signatures" else None,
+            )
+        )
         i = j + 1
     return blocks
 
@@ -164,6 +185,124 @@ def _command(block: Block, cwd: Path, index: int) -> list[str] | None:
     return [sys.executable, str(path)]
 
 
+# -- API listings ([Note: executed docs], the signatures marker) ---------------------------------
+
+
+def _entries(text: str) -> list[str]:
+    """The listing's entries: a line at column 0 starts one, indented lines continue it."""
+    out: list[str] = []
+    for line in text.splitlines():
+        code = re.sub(r"\s+#.*$", "", line.rstrip())  # a trailing comment
+        if not code.strip() or code.lstrip().startswith("#"):
+            continue
+        if code[0].isspace() and out:
+            out[-1] += "\n" + code
+        else:
+            out.append(code)
+    return out
+
+
+def _default_text(node: ast.expr | None) -> str | None:
+    return None if node is None else ast.unparse(node)
+
+
+def _params(args: ast.arguments) -> list[tuple[str, str, str | None]]:
+    """(name, kind, default source) per parameter of an ast signature."""
+    positional = [*args.posonlyargs, *args.args]
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    out = [(a.arg, "positional", _default_text(d)) for a, d in zip(positional, defaults)]
+    if args.vararg:
+        out.append((args.vararg.arg, "*args", None))
+    out += [(a.arg, "keyword", _default_text(d)) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    if args.kwarg:
+        out.append((args.kwarg.arg, "**kwargs", None))
+    return out
+
+
+_KINDS = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional",
+    inspect.Parameter.VAR_POSITIONAL: "*args",
+    inspect.Parameter.KEYWORD_ONLY: "keyword",
+    inspect.Parameter.VAR_KEYWORD: "**kwargs",
+}
+
+
+def _same_default(listed: str | None, actual: object) -> bool:
+    if listed is None:
+        return actual is inspect.Parameter.empty
+    if actual is inspect.Parameter.empty:
+        return False
+    try:
+        return ast.literal_eval(listed) == actual
+    except ValueError:  # a name such as torch.float32
+        return listed.split(".")[-1] == (getattr(actual, "__name__", None) or repr(actual).split(".")[-1])
+
+
+def _compare_function(where: str, listed: ast.arguments, target: object, skip_self: bool) -> list[str]:
+    actual = [
+        (p.name, _KINDS[p.kind], p.default)
+        for p in inspect.signature(target).parameters.values()
+        if not (skip_self and p.name == "self")
+    ]
+    mine = [p for p in _params(listed) if not (skip_self and p[0] == "self")]
+    if [(n, k) for n, k, _ in mine] != [(n, k) for n, k, _ in actual]:
+        return [f"{where}: listed {[(n, k) for n, k, _ in mine]}, actual {[(n, k) for n, k, _ in actual]}"]
+    return [
+        f"{where}: default of {n} listed as {d}, actual {a!r}"
+        for (n, _, d), (_, _, a) in zip(mine, actual)
+        if not _same_default(d, a)
+    ]
+
+
+def check_signatures(block: Block) -> list[str]:
+    """Each entry of an API listing against the real object (see [Note: executed docs])."""
+    module = importlib.import_module(block.signatures)
+    problems = []
+    for entry in _entries(block.text):
+        source = entry if entry.startswith(("def ", "class ", "@")) else "def " + entry
+        source = re.sub(r"\)(\s*->[^:\n]*)?\s*$", r")\1: ...", source) if not source.startswith(("class", "@")) else source
+        try:
+            tree = ast.parse(source)
+        except SyntaxError as exc:
+            problems.append(f"cannot read the entry as a signature ({exc.msg}): {entry.splitlines()[0]}")
+            continue
+        node = tree.body[0]
+        target = getattr(module, node.name, None)
+        if target is None:
+            problems.append(f"{block.signatures} has no {node.name!r}")
+        elif isinstance(node, ast.FunctionDef):
+            problems += _compare_function(node.name, node.args, target, skip_self=False)
+        elif dataclasses.is_dataclass(target):
+            fields = {f.name: f for f in dataclasses.fields(target)}
+            listed = {i.target.id for i in node.body if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)}
+            elided = any(
+                isinstance(i, ast.Expr) and isinstance(i.value, ast.Constant) and i.value.value is Ellipsis
+                for i in node.body
+            )
+            if not elided and set(fields) - listed:  # a complete listing unless it says "..."
+                problems.append(f"{node.name}: fields {sorted(set(fields) - listed)} are not listed (or add a ... line)")
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    name = item.target.id
+                    if name not in fields:
+                        problems.append(f"{node.name} has no field {name!r} (fields: {list(fields)})")
+                    elif item.value is not None and not _same_default(
+                        ast.unparse(item.value), fields[name].default
+                    ):  # fmt: skip
+                        problems.append(f"{node.name}.{name}: default listed as {ast.unparse(item.value)}, "
+                                        f"actual {fields[name].default!r}")  # fmt: skip
+        else:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    method = getattr(target, item.name, None)
+                    if method is None:
+                        problems.append(f"{node.name} has no method {item.name!r}")
+                    else:
+                        problems += _compare_function(f"{node.name}.{item.name}", item.args, method, skip_self=True)
+    return problems
+
+
 def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
@@ -181,6 +320,11 @@ def test_page_runs_as_printed(page, tmp_path):
             continue
         if block.skip is not None:
             _SKIPPED[block.skip] += 1
+            continue
+        if block.signatures is not None:
+            problems = check_signatures(block)
+            assert not problems, f"{block.where}: the listing does not match {block.signatures}:\n" + "\n".join(problems)
+            _COUNTS["ran"] += 1
             continue
         command = _command(block, cwd, index)
         if command is None:
