@@ -9,7 +9,9 @@ The collector reads every fenced block of README.md, docs/**/*.md and packages/*
       ``# NAME.py``          e.g. ``torchrun ... NAME.py``); never run by itself
     ```python, ``>>>``      a doctest: every output must match (ELLIPSIS, NORMALIZE_WHITESPACE)
     ```python, otherwise   run with ``python``
-    ```text / ```yaml /    not run (output, listings, config files)
+    ```yaml with a top-  an Accelerate config file: read and validated by shardbridge_hf.read_config_file
+      level distributed_type  (what ``shardbridge launch`` does before starting any process)
+    ```text / ```yaml /    not run (output, listings, fragments of config files)
       ```console-output ...
     ``` (no language)      an error: say what the block is
 
@@ -167,8 +169,17 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _is_accelerate_config(block: Block) -> bool:
+    return block.lang == "yaml" and re.search(r"^distributed_type:", block.text, re.MULTILINE) is not None
+
+
 def _command(block: Block, cwd: Path, index: int) -> list[str] | None:
     """The command that runs ``block`` (its text written into ``cwd``), or None for a script file."""
+    if _is_accelerate_config(block):
+        path = cwd / f".docs-block-{index}.yaml"
+        path.write_text(block.text)
+        code = "import sys; from shardbridge_hf import read_config_file; print(read_config_file(sys.argv[1]))"
+        return [sys.executable, "-c", code, str(path)]
     if block.script_name:
         (cwd / block.script_name).write_text(block.text)
         return None
@@ -195,7 +206,7 @@ def _entries(text: str) -> list[str]:
         code = re.sub(r"\s+#.*$", "", line.rstrip())  # a trailing comment
         if not code.strip() or code.lstrip().startswith("#"):
             continue
-        if code[0].isspace() and out:
+        if out and (code[0].isspace() or out[-1].splitlines()[-1].startswith("@")):  # a continuation, or after a decorator
             out[-1] += "\n" + code
         else:
             out.append(code)
@@ -308,7 +319,9 @@ def _tail(text: str, lines: int = 40) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [p for p in pages() if any(b.lang in RUN for b in parse(p))])
+@pytest.mark.parametrize(
+    "page", [p for p in pages() if any(b.lang in RUN or _is_accelerate_config(b) for b in parse(p))]
+)
 def test_page_runs_as_printed(page, tmp_path):
     blocks = parse(page)
     problems = _problems(blocks)
@@ -316,7 +329,7 @@ def test_page_runs_as_printed(page, tmp_path):
     cwd = _scratch(tmp_path)
     _PAGES.add(page)
     for index, block in enumerate(blocks):
-        if block.lang not in RUN:
+        if block.lang not in RUN and not _is_accelerate_config(block):
             continue
         if block.skip is not None:
             _SKIPPED[block.skip] += 1
