@@ -266,6 +266,14 @@ def _compare_function(where: str, listed: ast.arguments, target: object, skip_se
     ]
 
 
+def _field_default(field: dataclasses.Field) -> object:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return field.default_factory()  # type: ignore[misc]
+    return inspect.Parameter.empty
+
+
 def check_signatures(block: Block) -> list[str]:
     """Each entry of an API listing against the real object (see [Note: executed docs])."""
     module = importlib.import_module(block.signatures)
@@ -298,11 +306,9 @@ def check_signatures(block: Block) -> list[str]:
                     name = item.target.id
                     if name not in fields:
                         problems.append(f"{node.name} has no field {name!r} (fields: {list(fields)})")
-                    elif item.value is not None and not _same_default(
-                        ast.unparse(item.value), fields[name].default
-                    ):  # fmt: skip
+                    elif item.value is not None and not _same_default(ast.unparse(item.value), _field_default(fields[name])):
                         problems.append(f"{node.name}.{name}: default listed as {ast.unparse(item.value)}, "
-                                        f"actual {fields[name].default!r}")  # fmt: skip
+                                        f"actual {_field_default(fields[name])!r}")  # fmt: skip
         else:
             for item in node.body:
                 if isinstance(item, ast.FunctionDef):
