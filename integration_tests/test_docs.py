@@ -206,7 +206,9 @@ def _entries(text: str) -> list[str]:
         code = re.sub(r"\s+#.*$", "", line.rstrip())  # a trailing comment
         if not code.strip() or code.lstrip().startswith("#"):
             continue
-        if out and (code[0].isspace() or out[-1].splitlines()[-1].startswith("@")):  # a continuation, or after a decorator
+        open_brackets = sum(out[-1].count(c) for c in "([{") - sum(out[-1].count(c) for c in ")]}") if out else 0
+        # a continuation: indented, inside open brackets, or after a decorator
+        if out and (code[0].isspace() or open_brackets > 0 or out[-1].splitlines()[-1].startswith("@")):
             out[-1] += "\n" + code
         else:
             out.append(code)
