@@ -96,7 +96,7 @@ def _apply_fsdp_checks_conversion() -> dict:
 
 
 def test_apply_fsdp_runs_the_backend_and_refuses_an_unconverted_model():
-    pytest.importorskip("torchao")  # the core without extras (nox -s core) has no torchao
+    pytest.importorskip("torchao", reason="needs torchao (the fp8 extra); nox -s core runs without it")
     result = run_distributed(_apply_fsdp_checks_conversion, world_size=2)[0]
     assert "policy.fp8=FP8Recipe(backend='torchao', name='tensorwise'" in result["unconverted"]
     assert "call shardbridge.fp8.convert(model, policy.fp8) before" in result["unconverted"]
@@ -106,6 +106,7 @@ def test_apply_fsdp_runs_the_backend_and_refuses_an_unconverted_model():
 def test_torchao_convert_refuses_what_would_silently_not_run_fp8():
     """From a new user's review: a model with no Linear the filter takes (an "FP8 run" in high
     precision), and mxfp8's Triton kernels asked for on CPU (torchao asserted inside forward)."""
+    pytest.importorskip("torchao", reason="needs torchao (the fp8 extra); nox -s core runs without it")
     with pytest.raises(ValueError, match=r"fp8 recipe tensorwise: no module of the model is selected for FP8"):
         fp8.convert(nn.Sequential(nn.Linear(40, 88)), FP8Recipe(name="tensorwise"))
     with pytest.raises(ValueError, match=r"the module_filter selects none"):
@@ -127,5 +128,6 @@ def _convert_after_fsdp() -> str:
 
 def test_convert_after_fsdp_or_tp_is_refused():
     """Before: accepted, then the first step failed inside torchao / FSDP (mixed Tensor and DTensor)."""
+    pytest.importorskip("torchao", reason="needs torchao (the fp8 extra); nox -s core runs without it")
     for message in run_distributed(_convert_after_fsdp, world_size=2):
         assert "parameter '0.weight' is already a DTensor" in message and "convert the model first" in message

@@ -47,10 +47,12 @@ def warn_if_untested(package: str, installed: tuple[int, ...], checked: tuple[tu
     low, high = checked
     if low <= installed[: len(low)] and installed[: len(high)] <= high:
         return False
-    warnings.warn(
+    # warn_explicit: one line ("shardbridge:0: UntestedVersionWarning: ..."), not the caller's source line too
+    warnings.warn_explicit(
         f"{package} {_fmt(installed)} is untested with shardbridge: its CI and nox runs checked {package} "
         f"{_fmt(low)} .. {_fmt(high)} (docs/testing.md, Version policy)",
         UntestedVersionWarning,
-        stacklevel=3,
+        filename="shardbridge",
+        lineno=0,
     )
     return True
