@@ -50,7 +50,8 @@ def torch_versions(session, torch):
 @nox.parametrize(
     "adapter,extra",
     [
-        nox.param("hf-adapter", "hf", id="hf-adapter"),
+        # te-structural: the hf adapter's TE-through-Accelerate tests (test_hf_te.py) run TE's Python code
+        nox.param("hf-adapter", "hf,te-structural", id="hf-adapter"),
         nox.param("megatron-fsdp-adapter", "megatron", id="megatron-fsdp-adapter"),
         nox.param("te-adapter", "te-structural", id="te-adapter"),
     ],
@@ -76,7 +77,11 @@ HF_MATRIX = [
     ("5.0.0", "1.15.0"),
     ("5.23.0", "1.10.1"),
     ("5.23.0", "1.15.0"),
+    ("5.24.0", "1.10.1"),
+    ("5.24.0", "1.15.0"),
 ]
+# Keep in step with TRANSFORMERS_CHECKED in shardbridge_hf/_compat.py (the newest pinned here) and
+# with the accelerate range of shardbridge_hf/_patches.py.
 
 
 @nox.session(python="3.11")

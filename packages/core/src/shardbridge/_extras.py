@@ -22,7 +22,7 @@ import functools
 import importlib.metadata
 import re
 
-__all__ = ["DISTRIBUTION", "extra_requirements", "install_hint"]
+__all__ = ["DISTRIBUTION", "extra_requirements", "install_hint", "missing_requirements"]
 
 DISTRIBUTION = "shardbridge"
 """The distribution's name on pip's side (``pip show shardbridge``)."""
@@ -87,3 +87,23 @@ def install_hint(extra: str) -> str:
         return f"install shardbridge's {extra} extra ({extra_form})"
     packages = " ".join(f'"{r}"' for r in requirements)
     return f"pip install {packages} (the {extra} extra; {extra_form})"
+
+
+def missing_requirements(extra: str) -> list[str]:
+    """The requirement strings of extra ``extra`` whose distribution is not installed (names only, no version check).
+
+    Tests that need an optional extra skip with this list and :func:`install_hint`. Returns []
+    when shardbridge's metadata is not installed (nothing to compare with).
+
+    Example:
+        >>> missing_requirements("plot")  # doctest: +SKIP
+        ['matplotlib>=3.8']
+    """
+    missing = []
+    for req in extra_requirements(extra) or ():
+        name = re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0]
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(req)
+    return missing
