@@ -147,6 +147,23 @@ def test_every_fence_says_what_it_is():
     assert not problems, "\n".join(problems)
 
 
+def test_no_file_refers_to_notes_outside_the_repository():
+    """The repository stands alone: no file points at engineering notes that are not part of it."""
+    names = ["KNOWLEDGE" + ".md", "DESIGN" + ".md", "STYLE" + ".md", "../" + "shared", "/work/" + "shared"]
+    pattern = re.compile("|".join(re.escape(n) for n in names))
+    skip_dirs = {".git", ".venv", ".venv-core", ".venv-mcore", ".venv-wheel", ".nox", "__pycache__", "build", "dist"}
+    found = []
+    for path in REPO.rglob("*"):
+        if path.is_dir() or skip_dirs & set(path.relative_to(REPO).parts) or path.suffix in (".png", ".pyc"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [f"{path.relative_to(REPO)}:{n}" for n, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+    assert not found, found
+
+
 # -- running ------------------------------------------------------------------------------------
 
 _COUNTS: Counter = Counter()

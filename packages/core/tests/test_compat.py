@@ -102,7 +102,7 @@ def _private_uses(path: pathlib.Path) -> list[str]:
             found.extend(
                 f"{path.name}:{node.lineno}: from {node.module} import {a.name}"
                 for a in node.names
-                if a.name.startswith("_") and a.name != "_StridedShard"  # the placement's own name (DESIGN.md)
+                if a.name.startswith("_") and a.name != "_StridedShard"  # the placement's own name (upstream names are kept)
             )
         elif (
             isinstance(node, ast.Call)
