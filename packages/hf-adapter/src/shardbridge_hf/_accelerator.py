@@ -93,6 +93,10 @@ class ShardbridgeAccelerator(Accelerator):
             ``project_dir``, ...). ``fsdp_plugin`` and ``mixed_precision="fp8"`` are refused:
             the shardbridge block owns wrapping and precision.
 
+    Attributes:
+        num_optimizer_steps: optimizer steps taken; ``save_state`` records it as the checkpoint's
+            step, ``load_state`` restores and returns it (no script has to set a step).
+
     Example:
         >>> from shardbridge_hf import ShardbridgeAccelerator  # doctest: +SKIP
         >>> accelerator = ShardbridgeAccelerator()  # doctest: +SKIP
@@ -148,6 +152,7 @@ class ShardbridgeAccelerator(Accelerator):
         """Optimizer steps taken (counted by a post-step hook; saved and restored by save/load_state).
 
         See [Note: the step a checkpoint records]."""
+        self._sb_step_hook: Any = None
 
     # -- state: FSDP2 everywhere, one mesh ----------------------------------------------------
 
@@ -230,9 +235,8 @@ class ShardbridgeAccelerator(Accelerator):
         inner = optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
             inner = inner.optimizer
-        handle = getattr(self, "_sb_step_hook", None)
-        if handle is not None:
-            handle.remove()
+        if self._sb_step_hook is not None:  # a second prepare(): count the new optimizer only
+            self._sb_step_hook.remove()
         self._sb_step_hook = inner.register_step_post_hook(lambda *_args, **_kwargs: self._one_step())
 
     def _one_step(self) -> None:
