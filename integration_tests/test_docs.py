@@ -343,7 +343,17 @@ def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _missing_extras() -> list[str]:
+    from shardbridge._extras import missing_requirements
+
+    return missing_requirements("all")
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(
+    bool(_missing_extras()),
+    reason=f"the docs run in tools/test.sh's environment (extras all,te-structural); not installed: {_missing_extras()}",
+)
 @pytest.mark.parametrize(
     "page", [p for p in pages() if any(b.lang in RUN or _is_accelerate_config(b) for b in parse(p))]
 )
