@@ -28,16 +28,17 @@ def core(session):
     session.run("python", "-m", "pytest", "packages/core/tests", "integration_tests", *session.posargs, env=ENV)
 
 
-# The oldest torch shardbridge supports (the project's GPU machines run 2.11+cu130) and the newest
-# installable here (pip's local cap; 2.15 exists only as multi-GB CUDA builds). Both are CUDA
-# builds that run on CPU. Keep in step with TORCH_CHECKED in shardbridge/_compat.py.
-TORCH_VERSIONS = ["2.11.0", "2.14.1"]
+# The oldest torch shardbridge supports (the project's GPU machines run 2.11+cu130), the newest
+# before it, and the newest on PyPI. pip's default on PyPI is the newest (2.15.0 today: a CUDA 13.2
+# build, ~2.6 GB with its nvidia-* wheels, that imports and runs on CPU; gloo works). Keep in step
+# with TORCH_CHECKED in shardbridge/_compat.py and docs/testing.md, "torch versions".
+TORCH_VERSIONS = ["2.11.0", "2.14.1", "2.15.0"]
 
 
 @nox.session(python="3.11")
 @nox.parametrize("torch", TORCH_VERSIONS)
 def torch_versions(session, torch):
-    """The core tests on the oldest supported and the newest installable torch (docs/testing.md)."""
+    """The core tests on the oldest supported and the newest torch (docs/testing.md, "torch versions")."""
     pin = f"torch=={torch}"
     session.install(pin)
     session.install(pin, "-e", ".[test]")
@@ -49,7 +50,8 @@ def torch_versions(session, torch):
 @nox.parametrize(
     "adapter,extra",
     [
-        nox.param("hf-adapter", "hf", id="hf-adapter"),
+        # te-structural: the hf adapter's TE-through-Accelerate tests (test_hf_te.py) run TE's Python code
+        nox.param("hf-adapter", "hf,te-structural", id="hf-adapter"),
         nox.param("megatron-fsdp-adapter", "megatron", id="megatron-fsdp-adapter"),
         nox.param("te-adapter", "te-structural", id="te-adapter"),
     ],
@@ -75,7 +77,11 @@ HF_MATRIX = [
     ("5.0.0", "1.15.0"),
     ("5.23.0", "1.10.1"),
     ("5.23.0", "1.15.0"),
+    ("5.24.0", "1.10.1"),
+    ("5.24.0", "1.15.0"),
 ]
+# Keep in step with TRANSFORMERS_CHECKED in shardbridge_hf/_compat.py (the newest pinned here) and
+# with the accelerate range of shardbridge_hf/_patches.py.
 
 
 @nox.session(python="3.11")

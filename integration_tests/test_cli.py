@@ -22,7 +22,7 @@ def test_layout_reports_the_dcp_bug_case():
     run = _cli("layout", "--shape", "9,16", "--mesh", "dp_shard=4,tp=2", "--placements", "SS(0,2),S(0)")
     assert run.returncode == 1, run.stderr
     assert "2 coordinate(s) where DCP would describe the layout wrongly" in run.stdout
-    # rank 6 = (3, 0) holds nothing, rank 7 = (3, 1) holds row 8 (KNOWLEDGE.md, checked on gloo in test_layout)
+    # rank 6 = (3, 0) holds nothing, rank 7 = (3, 1) holds row 8 (checked against real FSDP2 on gloo in test_layout)
     assert "coordinate (3, 0) (rank 6): FSDP2 holds nothing of dim 0" in run.stdout
     assert "coordinate (3, 1) (rank 7): FSDP2 holds dim 0 indices [8, 9)" in run.stdout
 

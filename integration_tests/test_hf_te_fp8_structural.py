@@ -31,6 +31,15 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
 
+from shardbridge.extras import install_hint, missing_requirements  # noqa: E402
+
+if missing_requirements("te-structural"):  # what TE's Python code imports
+    pytest.skip(
+        f"needs the te-structural extra ({', '.join(missing_requirements('te-structural'))} not installed): "
+        f"{install_hint('te-structural')}",
+        allow_module_level=True,
+    )
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]

@@ -66,6 +66,7 @@ def _launch(config: Path, out: Path, *args: str) -> dict:
     report = json.loads((out / "report.json").read_text())
     report["losses"] = {int(k): v for k, v in report["losses"].items()}
     report.update(torch.load(out / "report.json.pt"))
+    report["output"] = run.stdout + run.stderr
     return report
 
 
@@ -95,6 +96,13 @@ def test_llama_trains_saves_and_exports(llama_run):
     assert (out / "ckpt" / "step-00000003").is_dir() and (out / "ckpt" / "step-00000006").is_dir()
     logits = _from_pretrained_logits(out / "hf", report["probe"])
     torch.testing.assert_close(logits, report["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_launch_prints_only_the_training_script_lines(llama_run):
+    """No upstream noise from 4 workers ([Note: upstream noise in a launch]): every line is train.py's."""
+    _, _, report = llama_run
+    lines = [line for line in report["output"].splitlines() if line.strip()]
+    assert lines and all(line.startswith("step ") for line in lines), "\n".join(lines[:20])
 
 
 def test_llama_resume_is_bit_exact(llama_run, tmp_path):

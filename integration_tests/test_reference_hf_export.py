@@ -18,6 +18,7 @@ from shardbridge.models import (  # noqa: E402
     Llama,
     LlamaConfig,
     export_hf_llama,
+    hf_llama_export_record,
     hf_llama_name,
     parallelize_llama,
     synthetic_batch,
@@ -39,7 +40,8 @@ def _train_and_save(path: str) -> tuple[torch.Tensor, torch.Tensor]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-    checkpoint.save(path, model=model, optimizer=opt, step=4)
+    # The record makes `shardbridge ckpt export` (the core CLI, no model config) write a HF folder.
+    checkpoint.save(path, model=model, optimizer=opt, step=4, extra={"export": hf_llama_export_record(CONFIG)})
     probe, _ = synthetic_batch(CONFIG, 2, 16, seed=7, step=0, dp_rank=0, dp_size=1)
     with torch.no_grad():
         out = model(probe)
@@ -60,6 +62,22 @@ def test_sharded_reference_llama_exports_to_from_pretrained(tmp_path):
     # Every HF parameter came from the checkpoint (none left at its random init).
     exported = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(exported) == {n for n, _ in hf.named_parameters()}
+
+    # `shardbridge ckpt export CKPT OUT` gives the same folder: config.json and every tensor
+    from safetensors.torch import load_file
+    from shardbridge.cli._main import main
+
+    assert main(["ckpt", "export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "cli" / "config.json").read_text()) == config
+    cli = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cli")
+    with torch.no_grad():
+        assert torch.equal(cli(probe).logits, hf_logits)
+
+    def tensors(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    ours, theirs = tensors(tmp_path / "cli"), tensors(out)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_hf_llama_name_refuses_unknown_names():

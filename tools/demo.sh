@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Set up .venv and run the main job: `shardbridge demo` (4 gloo processes, train, checkpoint,
 # reshard, export). Extra arguments go to `shardbridge demo` (see `shardbridge demo --help`).
+# The demo writes ./shardbridge-demo in the directory it is started from.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash tools/setup.sh
+ROOT="$(cd -P "$(dirname "$0")/.." && pwd)"
+bash "$ROOT/tools/setup.sh"
+VENV="${VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "${VENV:-.venv}/bin/shardbridge" demo "$@"
+exec "$VENV/bin/shardbridge" demo "$@"

@@ -42,6 +42,7 @@ PUBLIC = (
     "shardbridge.pretrained",
     "shardbridge.testing",
     "shardbridge.patching",
+    "shardbridge.extras",
     "shardbridge.cli",
     "shardbridge_te",
     "shardbridge_megatron_fsdp",

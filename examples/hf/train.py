@@ -109,7 +109,6 @@ def main() -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        accelerator.step = step
         losses[step] = accelerator.reduce_loss(loss).item()
         norm_text = f" grad_norm {grad_norm.item():.4f}" if args.max_grad_norm else ""
         accelerator.print(f"step {step} loss {losses[step]:.6f}{norm_text}")

@@ -123,6 +123,7 @@ def test_convert_before_fsdp_then_refresh_gives_the_first_scales():
 def test_torchao_convert_refuses_what_would_silently_not_run_fp8():
     """From a new user's review: a model with no Linear the filter takes (an "FP8 run" in high
     precision), and mxfp8's Triton kernels asked for on CPU (torchao asserted inside forward)."""
+    pytest.importorskip("torchao", reason="needs torchao (the fp8 extra); nox -s core runs without it")
     with pytest.raises(ValueError, match=r"fp8 recipe tensorwise: no module of the model is selected for FP8"):
         fp8.convert(nn.Sequential(nn.Linear(40, 88)), FP8Recipe(name="tensorwise"))
     with pytest.raises(ValueError, match=r"the module_filter selects none"):
@@ -144,5 +145,6 @@ def _convert_after_fsdp() -> str:
 
 def test_convert_after_fsdp_or_tp_is_refused():
     """Before: accepted, then the first step failed inside torchao / FSDP (mixed Tensor and DTensor)."""
+    pytest.importorskip("torchao", reason="needs torchao (the fp8 extra); nox -s core runs without it")
     for message in run_distributed(_convert_after_fsdp, world_size=2):
         assert "parameter '0.weight' is already a DTensor" in message and "convert the model first" in message

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-pytest.importorskip("torchao")  # the core without extras (nox -s core) has no torchao
+pytest.importorskip("torchao", reason="needs torchao (the fp8 extra); nox -s core runs without it")  # the core without extras (nox -s core) has no torchao
 
 MXFP8 = FP8Recipe(name="mxfp8")
 STEPS, BATCH_PER_DP, SEQ = 3, 2, 32

@@ -1,4 +1,4 @@
-"""Tier 1: the core imports torch only (DESIGN.md: dependencies point down)."""
+"""Tier 1: the core imports torch only (dependencies point down: docs/architecture.md, Layers)."""
 
 import subprocess
 import sys

@@ -41,7 +41,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-KNOWLEDGE_CASE = ((9, 16), (4, 2), [_StridedShard(0, split_factor=2), Shard(0)])
+DCP_BUG_CASE = ((9, 16), (4, 2), [_StridedShard(0, split_factor=2), Shard(0)])
 
 
 # -- oracles -----------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def fsdp_cases(draw):
 @SETTINGS
 @given(layouts())
 @example(((9, 4), (1, 2), [_StridedShard(0, split_factor=2), Shard(1)]))  # pieces re-join: merged
-@example(KNOWLEDGE_CASE)
+@example(DCP_BUG_CASE)
 def test_local_chunk_is_what_torch_split_holds(layout):
     shape, mesh_shape, placements = layout
     for c in _coords(mesh_shape):
@@ -228,7 +228,7 @@ def test_fsdp_chunk_tiles_and_agrees_with_dtensor_when_tp_pieces_are_equal(case)
 
 
 def test_knowledge_case_is_reported_with_the_fix():
-    shape, mesh_shape, placements = KNOWLEDGE_CASE
+    shape, mesh_shape, placements = DCP_BUG_CASE
     mismatches = find_dcp_mismatches(shape, mesh_shape, placements)
     oracle_wrong = [
         c
@@ -255,23 +255,23 @@ def test_knowledge_case_is_reported_with_the_fix():
 
 
 def test_divisible_case_is_not_reported():
-    assert find_dcp_mismatches((16, 16), (4, 2), KNOWLEDGE_CASE[2]) == []
+    assert find_dcp_mismatches((16, 16), (4, 2), DCP_BUG_CASE[2]) == []
 
 
 def test_fsdp_and_torch_split_disagree_for_uneven_colwise():
     """[Note: strided sharding order]: torch's left-to-right split of (_StridedShard(0, 2),
     Shard(0)) is not what FSDP2 holds for dim 0 = 9; DCP describes the split, so only the
     FSDP2 layout is reported."""
-    shape, mesh_shape, placements = KNOWLEDGE_CASE
+    shape, mesh_shape, placements = DCP_BUG_CASE
     differ = [
         c
         for c in _coords(mesh_shape)
         if not torch.equal(_torch_split(shape, mesh_shape, placements, c), _torch_fsdp_tp(shape, 0, 2, c[1], 4, c[0]))
     ]
-    assert differ == [m.coordinate for m in find_dcp_mismatches(*KNOWLEDGE_CASE, actual="fsdp")]
-    assert find_dcp_mismatches(*KNOWLEDGE_CASE, actual="dtensor") == []
+    assert differ == [m.coordinate for m in find_dcp_mismatches(*DCP_BUG_CASE, actual="fsdp")]
+    assert find_dcp_mismatches(*DCP_BUG_CASE, actual="dtensor") == []
     for c in differ:
-        assert fsdp_chunk(*KNOWLEDGE_CASE, c) != local_chunk(*KNOWLEDGE_CASE, c)
+        assert fsdp_chunk(*DCP_BUG_CASE, c) != local_chunk(*DCP_BUG_CASE, c)
 
 
 def test_empty_tp_piece_is_reported():
@@ -309,7 +309,7 @@ def test_custom_actual_layout():
 
 
 def test_dcp_chunk_wraps_torch():
-    for shape, mesh_shape, placements in [KNOWLEDGE_CASE, ((5, 3), (2, 2), [Shard(1), Replicate()])]:
+    for shape, mesh_shape, placements in [DCP_BUG_CASE, ((5, 3), (2, 2), [Shard(1), Replicate()])]:
         for c in _coords(mesh_shape):
             assert dcp_chunk(shape, mesh_shape, placements, c) == _torch_box(shape, mesh_shape, placements, c)
 
@@ -318,22 +318,22 @@ def test_dcp_chunk_wraps_torch():
 
 
 def test_render_marks_the_mismatched_ranks():
-    text = render_layout(*KNOWLEDGE_CASE)
+    text = render_layout(*DCP_BUG_CASE)
     assert text.isascii()
-    bad = {m.rank for m in find_dcp_mismatches(*KNOWLEDGE_CASE)}
+    bad = {m.rank for m in find_dcp_mismatches(*DCP_BUG_CASE)}
     rank_rows = [line for line in text.splitlines() if re.match(r"^\s*\d+[! ] \(", line)]
     assert len(rank_rows) == 8
     assert {int(line.split()[0].rstrip("!")) for line in rank_rows if "!" in line[:6]} == bad
-    for c in _coords(KNOWLEDGE_CASE[1]):
-        intervals = fsdp_chunk(*KNOWLEDGE_CASE, c)[0]
+    for c in _coords(DCP_BUG_CASE[1]):
+        intervals = fsdp_chunk(*DCP_BUG_CASE, c)[0]
         row = next(line for line in rank_rows if f"{str(c).replace(' ', '')}" in line)
         assert (" ".join(f"[{a}, {b})" for a, b in intervals) or "-") in row
     assert "dp_shard=4 x tp=2" in text
-    assert "!" not in render_layout((16, 16), (4, 2), KNOWLEDGE_CASE[2])
+    assert "!" not in render_layout((16, 16), (4, 2), DCP_BUG_CASE[2])
 
 
 def test_render_compresses_runs():
-    placements = KNOWLEDGE_CASE[2]
+    placements = DCP_BUG_CASE[2]
     text = render_layout((64, 16), (4, 2), placements, mesh_dim_names=("dp_shard", "tp"))
     run_rows = [line for line in text.splitlines() if re.match(r"^  \[\d+, \d+\)", line)]
     assert len(run_rows) == 8  # one per owner, not one per row

@@ -94,7 +94,6 @@ def train_steps(accelerator, model, optimizer, steps, *, start: int = 0, schedul
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad()
-        accelerator.step = step
         losses.append(accelerator.reduce_loss(loss).item())
     return losses
 

@@ -74,6 +74,35 @@ def test_resume_is_bit_exact(saved_run):
             assert torch.equal(r["params"][name], value), name
 
 
+def _steps_under_accumulation(root: str) -> dict:
+    """4 micro-batches with gradient_accumulation_steps=2: 2 optimizer steps; no step set by hand."""
+    acc = H.sb_accelerator(ParallelDims(dp_shard=2), gradient_accumulation_steps=2)
+    model = H.tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = acc.prepare(model, opt)
+    for micro in range(1, 5):
+        with acc.accumulate(model):
+            ids = H.local_batch(micro, acc.parallel_mesh["dp"].get_local_rank(), 2)
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            opt.step()
+            opt.zero_grad()
+    saved = acc.save_state(f"{root}/acc")
+    fresh = H.sb_accelerator(ParallelDims(dp_shard=2), gradient_accumulation_steps=2)
+    model2 = H.tiny_model("llama", seed=7)
+    fresh.prepare(model2, torch.optim.AdamW(model2.parameters(), lr=3e-3))
+    returned = fresh.load_state(saved)
+    return {"counted": acc.num_optimizer_steps, "returned": returned, "restored": fresh.num_optimizer_steps,
+            "accelerate_step": (acc.step, fresh.step)}  # fmt: skip
+
+
+def test_load_state_restores_the_optimizer_steps_without_user_code(tmp_path):
+    """[Note: the step a checkpoint records]: Accelerator.step counts micro-batches inside accumulate()
+    (0 without it); the checkpoint's step is the optimizer steps that ran, and both are restored."""
+    for r in run_distributed(_steps_under_accumulation, str(tmp_path), world_size=2, timeout=240):
+        assert r["counted"] == r["returned"] == r["restored"] == 2, r
+        assert r["accelerate_step"] == (4, 4), r
+
+
 @pytest.mark.parametrize(
     "dims",
     [{"dp_shard": 4}, {"dp_shard": 1, "tp": 4}, {"dp_replicate": 2, "dp_shard": 1, "tp": 2}],
@@ -186,7 +215,6 @@ def _tied_async_save(root: str) -> dict:
     model, opt = acc.prepare(model, opt)
     H.train_steps(acc, model, opt, 1)
     want = H.full_params(model)
-    acc.step = 1
     pending = acc.save_state(f"{root}/tied", async_=True)  # the accelerator passes async_ through
     assert isinstance(pending, checkpoint.AsyncSave)
     H.train_steps(acc, model, opt, 1, start=1)  # changes the weights while the writer runs

@@ -301,7 +301,22 @@ def test_convert_skips_head_and_unaligned_dims():
         fp8.convert(model, FP8Recipe(name="rowwise"))
 
 
+# [Note: a deliberately failed collective stays out of the shared groups]
+# Without the uint8 view, FSDP2's all-gather of float8 weights FAILS on gloo ("Invalid scalar
+# type"), which is what this test shows. A 1-D mesh over the whole world uses the DEFAULT process
+# group, on which the worker pool runs its barrier after every task. gloo's barrier first waits
+# on every work the group still lists as in progress and re-raises its error, and the gloo worker
+# thread removes a finished work from that list only after the waiter has been woken: under load
+# the failed all-gather was still listed when the pool's barrier started, so the barrier raised
+# "Invalid scalar type" on one rank (reproduced: 1 barrier in ~130 right after a failed float8
+# all-gather on 2 loaded cores; 0 in 300 on a private group). The failing run therefore gets a
+# private group that nothing else ever waits on.
+
+
 def _only_fp8_group(use_uint8: bool) -> str:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
     pm = ParallelDims(dp_shard=2).build_mesh("cpu")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False))
@@ -314,9 +329,10 @@ def _only_fp8_group(use_uint8: bool) -> str:
     else:  # torch's fully_shard alone: no uint8 view
         from torch.distributed.fsdp import fully_shard
 
+        private = DeviceMesh.from_group(dist.new_group(list(range(dist.get_world_size()))), "cpu")
         for unit in units:
-            fully_shard(unit, mesh=pm.fsdp_mesh)
-        fully_shard(model, mesh=pm.fsdp_mesh)
+            fully_shard(unit, mesh=private)  # see [Note: a deliberately failed collective stays out of the shared groups]
+        fully_shard(model, mesh=private)
     fp8.refresh(model)  # first scales: the float8 all-gather path
     try:
         model(torch.randn(4, 32)).sum().backward()

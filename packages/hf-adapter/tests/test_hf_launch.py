@@ -5,8 +5,11 @@ Pure tests (no process group), against accelerate's own config loader.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from shardbridge.extras import install_hint
 
 pytest.importorskip("accelerate")
 
@@ -254,6 +257,54 @@ def test_launch_help_shows_config_file_and_every_option_group(monkeypatch, capsy
     out = capsys.readouterr().out
     for shown in ("--config_file", "--num_processes", "--mixed_precision", "FSDP Arguments", "ParallelismConfig"):
         assert shown in out, shown
+    # shardbridge's own part first: its usage, then every key of the block, then Accelerate's options
+    from shardbridge_hf import CheckpointConfig, FP8Config, HFConfig
+
+    assert out.startswith("usage: shardbridge launch --config_file"), out[:200]
+    accelerate_part = out.index("usage: shardbridge-launch [-h]")
+    keys = [f.name for f in dataclasses.fields(HFConfig) if f.name not in ("dims", "use_cpu", "fp8", "checkpoint")]
+    keys += [f"fp8.{f.name}" for f in dataclasses.fields(FP8Config)]
+    keys += [f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointConfig)]
+    for key in keys:
+        assert 0 <= out.find(f"\n  {key} ") < accelerate_part, key
+    assert out.index("precision ") < out.index("--num_processes NUM_PROCESSES")
+
+
+def test_upstream_noise_is_filtered_by_message_and_nothing_else(caplog):
+    """[Note: upstream noise in a launch]: torchao's CUDA-kernel lines (no CUDA here) and torch's pytree
+    deprecation line for torchao's enums are dropped; other records of the same loggers still print."""
+    import enum
+    import logging
+
+    from shardbridge_hf._launch import quiet_upstream_noise
+
+    class TorchaoEnum(enum.Enum):
+        A = 1
+
+    class OtherEnum(enum.Enum):
+        A = 1
+
+    TorchaoEnum.__module__ = "torchao.float8.config"
+    quiet_upstream_noise()
+    quiet_upstream_noise()  # idempotent: one filter per logger
+    assert len(logging.getLogger("torchao").filters) == 1
+    deprecated = "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type. "
+    deprecated += "Calling register_constant() on Enum subclasses is deprecated and will be an error in a future release."
+    with caplog.at_level(logging.WARNING):
+        ao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+        ao.warning("Failed to load /x/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load this library")
+        ao.warning("Failed to load /x/torchao/_C_cutlass_90a.abi3.so: Could not load this library")
+        ao.warning("Failed to load /x/torchao/_C_mine.so: kept")
+        ao.warning("something else torchao says")
+        pytree.warning(deprecated, TorchaoEnum)
+        pytree.warning(deprecated, OtherEnum)
+    shown = [r.getMessage() for r in caplog.records]
+    if torch.cuda.is_available():  # a GPU machine: a CUDA kernel that does not load concerns the run
+        assert sum("_C_mxfp8" in m or "_C_cutlass" in m for m in shown) == 2, shown
+    else:
+        assert not any("_C_mxfp8" in m or "_C_cutlass" in m for m in shown), shown
+    assert any("_C_mine" in m for m in shown) and "something else torchao says" in shown, shown
+    assert [m for m in shown if "register_constant" in m] == [deprecated % OtherEnum], shown
 
 
 def test_launcher_without_the_hf_extra_prints_one_line(monkeypatch, capsys):
@@ -276,7 +327,9 @@ def test_launcher_without_the_hf_extra_prints_one_line(monkeypatch, capsys):
         _compat.require_accelerate.cache_clear()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("shardbridge-launch: error:"), err
-    assert 'pip install "shardbridge[hf]"' in err[0] and "accelerate is not installed" in err[0]
+    assert "accelerate is not installed" in err[0], err
+    # a command that works without an index hosting shardbridge: the packages, or the extra from a clone
+    assert install_hint("hf") in err[0] and 'pip install -e ".[hf]"' in err[0] and '"accelerate<' in err[0], err
 
 
 def test_without_sync_module_states_rank0_only_loading_is_turned_off(tmp_path, no_launch):
@@ -312,4 +365,5 @@ def test_fp8_backend_that_cannot_import_here_is_refused_before_any_process_start
         err = capsys.readouterr().err.strip()
         assert code == 2 and not launched
         assert len(err.splitlines()) == 1, err
-        assert "fsdp_config.shardbridge.fp8.backend='te' cannot run here:" in err and "shardbridge[te]" in err, err
+        assert "fsdp_config.shardbridge.fp8.backend='te' cannot run here:" in err, err
+        assert '"transformer_engine[pytorch]' in err and 'pip install -e ".[te]"' in err, err

@@ -32,6 +32,22 @@ def test_each_patch_is_gated_by_its_checked_range(patch, monkeypatch):
                 assert _patches.gate(patch.name) is False
 
 
+def test_an_untested_transformers_is_named_in_one_warning(monkeypatch):
+    """[Note: version policy]: transformers has no upper bound; outside TRANSFORMERS_CHECKED one warning names it."""
+    from shardbridge import UntestedVersionWarning
+
+    low, high = _compat.TRANSFORMERS_CHECKED
+    assert low <= _compat.transformers_version()[: len(low)] and _compat.transformers_version()[: len(high)] <= high
+    newer = (high[0], high[1] + 1, 0)
+    monkeypatch.setattr(_compat, "transformers_version", lambda: newer)
+    _compat.require_accelerate.cache_clear()
+    try:
+        with pytest.warns(UntestedVersionWarning, match=rf"transformers {newer[0]}\.{newer[1]}\.0 is untested"):
+            _compat.require_accelerate()
+    finally:
+        _compat.require_accelerate.cache_clear()
+
+
 def test_accelerator_refuses_an_unchecked_accelerate_before_any_work(monkeypatch):
     from shardbridge_hf import ShardbridgeAccelerator
 

@@ -29,6 +29,15 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
+from shardbridge.extras import install_hint, missing_requirements  # noqa: E402
+
+if missing_requirements("te-structural"):  # what TE's Python code imports (nox -s "adapter(hf-adapter)" installs it)
+    pytest.skip(
+        f"needs the te-structural extra ({', '.join(missing_requirements('te-structural'))} not installed): "
+        f"{install_hint('te-structural')}",
+        allow_module_level=True,
+    )
+
 TESTS = Path(__file__).resolve().parents[2] / "te-adapter" / "tests"
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))  # the structural harness (run_distributed hands sys.path on)

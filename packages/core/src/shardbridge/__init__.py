@@ -50,6 +50,7 @@ from shardbridge._tp import (
     to_dtensor_param,
     tp_placements,
 )
+from shardbridge._version import __version__  # written once, in _version.py
 from shardbridge._wrap import (
     FP8_DTYPES,
     FSDPUnit,
@@ -59,12 +60,12 @@ from shardbridge._wrap import (
     fsdp_unit_params,
     use_uint8_all_gather,
 )
+from shardbridge.extras import UntestedVersionWarning
 from shardbridge.fp8 import FP8Recipe, is_fp8_tensor, plain_state_dict, register_fp8_tensor_type, to_plain
-
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "UntestedVersionWarning",
     # -- configuration ---------------------------------------------------------------------
     "FP8Recipe",
     "FusedSpec",
@@ -160,3 +161,14 @@ def __getattr__(name: str):  # PEP 562: deprecated aliases
         )
         return getattr(_importlib.import_module("shardbridge.layout"), name)
     raise AttributeError(f"module 'shardbridge' has no attribute {name!r}")
+
+
+def _check_torch_version() -> None:
+    """One UntestedVersionWarning for a torch outside TORCH_CHECKED ([Note: version policy] in shardbridge.extras)."""
+    from shardbridge._compat import TORCH_CHECKED, torch_version
+    from shardbridge.extras import warn_if_untested
+
+    warn_if_untested("torch", torch_version()[:3], TORCH_CHECKED)
+
+
+_check_torch_version()

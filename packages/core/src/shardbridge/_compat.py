@@ -7,15 +7,15 @@ DTensor's local tensor without autograd, flattening a DeviceMesh, DCP's state-di
 flattening). Every such name is reached here and nowhere else in the monorepo: the core and
 all three adapters call the named helpers below. Each helper says which torch versions it
 was checked against; :data:`TORCH_CHECKED` is the range the test suite runs (``nox -s
-torch_versions`` runs it on the floor, 2.11.0, and the newest installable here, 2.14.1). When
+torch_versions`` runs it on the floor, 2.11.0, on 2.14.1 and on the newest, 2.15.0). When
 torch renames one of these, this file is the only place to change, and :func:`require_attr` turns the
 ``AttributeError`` deep inside a training step into an error naming the torch version.
 
 Host-framework internals (Accelerate, megatron_fsdp, TE, torchao) live in each adapter's own
 ``_compat.py``; the version parser they share is :func:`parse_version`.
 
-Checked against torch 2.11.0, 2.13.0 (CPU) and 2.14.1 (2.11.0 and 2.14.1: CUDA builds run on CPU by
-``nox -s torch_versions``).
+Checked against torch 2.11.0, 2.13.0 (CPU), 2.14.1 and 2.15.0 (2.11.0, 2.14.1 and 2.15.0: CUDA
+builds run on CPU by ``nox -s torch_versions``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ __all__ = [
     "unflatten_mesh",
 ]
 
-TORCH_CHECKED = ((2, 11, 0), (2, 14, 1))
+TORCH_CHECKED = ((2, 11, 0), (2, 15, 0))
 """Oldest and newest torch the test suite has run on (inclusive)."""
 
 
@@ -124,7 +124,7 @@ def require_module(module: str, *, hint: str) -> Any:
     machine without CUDA, not ImportError); the message keeps the original error.
 
     Example:
-        >>> require_module("math", hint='pip install "shardbridge[x]"').sqrt(4.0)
+        >>> require_module("math", hint='pip install "mathlib>=1.0"').sqrt(4.0)
         2.0
     """
     try:
@@ -147,7 +147,7 @@ def require_attr(obj: Any, name: str, *, what: str) -> Any:
 
 
 tree_map = importlib.import_module("torch.utils._pytree").tree_map
-"""``torch.utils._pytree.tree_map`` (private module, stable since 2.0). Checked: 2.11, 2.13, 2.14."""
+"""``torch.utils._pytree.tree_map`` (private module, stable since 2.0). Checked: 2.11, 2.13, 2.14, 2.15."""
 
 
 # -- DTensor ------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def local_tensor(t: DTensor) -> torch.Tensor:
     """A DTensor's local tensor as stored, outside autograd (``DTensor._local_tensor``).
 
     ``to_local()`` is public but goes through autograd (a new view per call, gradient
-    plumbing); checkpoint and gradient code needs the stored tensor itself. Checked: 2.6 .. 2.14.
+    plumbing); checkpoint and gradient code needs the stored tensor itself. Checked: 2.6 .. 2.15.
     """
     return t._local_tensor
 
@@ -191,7 +191,7 @@ def dtensor_to_local(t: DTensor, grad_placements: Any) -> torch.Tensor:
 
     torch < 2.13 (checked: 2.11.0) returns an uneven sharded parameter's gradient as Replicate
     (see ``_ToLocalKeepingLayout``); there the gradient is built with ``t``'s global shape and
-    stride instead. Checked: 2.11 (workaround), 2.13, 2.14 (public ``to_local``).
+    stride instead. Checked: 2.11 (workaround), 2.13, 2.14, 2.15 (public ``to_local``).
     """
     if torch_version() < (2, 13):  # torch 2.11: to_local's grad stride breaks AccumulateGrad's layout contract
         return _ToLocalKeepingLayout.apply(t, tuple(grad_placements))
@@ -203,7 +203,7 @@ def compute_local_shape_and_global_offset(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """What torch (hence DCP) says a coordinate holds: ``tensor._utils``'s private function.
 
-    Checked: 2.11, 2.13, 2.14 (the ``(global_shape, mesh_shape, coordinate, placements)`` form).
+    Checked: 2.11, 2.13, 2.14, 2.15 (the ``(global_shape, mesh_shape, coordinate, placements)`` form).
     """
     from torch.distributed.tensor import _utils
 
@@ -215,12 +215,12 @@ def compute_local_shape_and_global_offset(
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """``mesh._flatten(name)``: one 1-D mesh over all of ``mesh``'s ranks. Checked: 2.6 .. 2.14."""
+    """``mesh._flatten(name)``: one 1-D mesh over all of ``mesh``'s ranks. Checked: 2.6 .. 2.15."""
     return require_attr(mesh, "_flatten", what="ParallelDims.build_mesh")(name)
 
 
 def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """``mesh._unflatten(dim, sizes, names)``, reusing ``mesh``'s groups. Checked: 2.11, 2.13, 2.14."""
+    """``mesh._unflatten(dim, sizes, names)``, reusing ``mesh``'s groups. Checked: 2.11, 2.13, 2.14, 2.15."""
     return require_attr(mesh, "_unflatten", what="ParallelMesh.fsdp_mesh (HSDP)")(dim, sizes, names)
 
 
@@ -231,7 +231,7 @@ def flash_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     """SDPA's CPU flash kernel with its log-sum-exp: ``(out, lse)``, lse ``[b, h, q]`` float32/64.
 
     ``aten._scaled_dot_product_flash_attention_for_cpu`` (what SDPA dispatches to on CPU; public
-    SDPA drops the lse). Equal q and kv heads. Checked: 2.13 (2.11 and 2.14 not yet run).
+    SDPA drops the lse). Equal q and kv heads. Checked: 2.13, 2.15 (2.11 and 2.14 not yet run).
     """
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
 
@@ -248,7 +248,7 @@ def flash_attention_cpu_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`flash_attention_cpu` given the (possibly merged) ``out`` and ``lse``.
 
-    ``aten._scaled_dot_product_flash_attention_for_cpu_backward``. Checked: 2.13 (2.11, 2.14 not yet run).
+    ``aten._scaled_dot_product_flash_attention_for_cpu_backward``. Checked: 2.13, 2.15 (2.11, 2.14 not yet run).
     """
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale
@@ -258,7 +258,7 @@ def flash_attention_cpu_backward(
 # -- FSDP2 --------------------------------------------------------------------------------
 
 AllGather = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_api").AllGather
-"""FSDP2's base class for ``set_custom_all_gather`` (private module ``_fsdp_api``). Checked: 2.11, 2.13, 2.14."""
+"""FSDP2's base class for ``set_custom_all_gather`` (private module ``_fsdp_api``). Checked: 2.11, 2.13, 2.14, 2.15."""
 
 
 def _fsdp_state(module: FSDPModule) -> Any:
@@ -268,7 +268,7 @@ def _fsdp_state(module: FSDPModule) -> Any:
 def fsdp_param_groups(module: FSDPModule) -> list[Any]:
     """The ``FSDPParamGroup``s of one FSDP2 unit.
 
-    torch 2.13, 2.14: the list ``_fsdp_param_groups``; 2.11: one ``_fsdp_param_group`` (or None).
+    torch 2.13 - 2.15: the list ``_fsdp_param_groups``; 2.11: one ``_fsdp_param_group`` (or None).
     """
     state = _fsdp_state(module)
     groups = getattr(state, "_fsdp_param_groups", None)
@@ -298,7 +298,7 @@ def reset_sharded_params(module: FSDPModule) -> None:
     """Re-point FSDP2's sharded parameters at their (replaced) local tensors.
 
     Needed after a parameter's local tensor is swapped in place (materialising a meta
-    module, quantizing), as torch's own ``fully_shard`` tests do. Checked: 2.11, 2.13, 2.14.
+    module, quantizing), as torch's own ``fully_shard`` tests do. Checked: 2.11, 2.13, 2.14, 2.15.
     """
     for fsdp_param in fsdp_params(module):
         fsdp_param.reset_sharded_param()
@@ -315,13 +315,13 @@ def fsdp_shard_process_group(module: FSDPModule) -> Any:
 
 
 DCPStorageInfo = importlib.import_module("torch.distributed.checkpoint.filesystem")._StorageInfo
-"""Where one DCP item lives in its file (``filesystem._StorageInfo``); in every ``.metadata``. Checked: 2.11, 2.13, 2.14."""
+"""Where one DCP item lives in its file (``filesystem._StorageInfo``); in every ``.metadata``. Checked: 2.11, 2.13, 2.14, 2.15."""
 
 DCP_MEM_FORMAT_ENCODING = importlib.import_module("torch.distributed.checkpoint.metadata")._MEM_FORMAT_ENCODING
-"""How ``TensorProperties`` pickles a memory format (``metadata._MEM_FORMAT_ENCODING``). Checked: 2.11, 2.13, 2.14."""
+"""How ``TensorProperties`` pickles a memory format (``metadata._MEM_FORMAT_ENCODING``). Checked: 2.11, 2.13, 2.14, 2.15."""
 
 dcp_set_element = importlib.import_module("torch.distributed.checkpoint._traverse").set_element
-"""DCP's nested-dict setter (``_traverse.set_element``), as its load planner uses it. Checked: 2.11, 2.13, 2.14."""
+"""DCP's nested-dict setter (``_traverse.set_element``), as its load planner uses it. Checked: 2.11, 2.13, 2.14, 2.15."""
 
 PyUnpickler = pickle._Unpickler  # type: ignore[attr-defined]
 """Python's pure-Python unpickler (``pickle._Unpickler``): its dispatch table is a dict, so a subclass
@@ -329,14 +329,14 @@ can restrict single opcodes (BUILD) as well as globals. CPython 3.10 .. 3.13."""
 
 
 def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """DCP's nested -> dotted-key flattening (``checkpoint._nested_dict``). Checked: 2.11, 2.13, 2.14."""
+    """DCP's nested -> dotted-key flattening (``checkpoint._nested_dict``). Checked: 2.11, 2.13, 2.14, 2.15."""
     from torch.distributed.checkpoint import _nested_dict
 
     return require_attr(_nested_dict, "flatten_state_dict", what="checkpoint")(state_dict)
 
 
 def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """DCP's ShardedTensor flattening (``checkpoint._sharded_tensor_utils``). Checked: 2.11, 2.13, 2.14."""
+    """DCP's ShardedTensor flattening (``checkpoint._sharded_tensor_utils``). Checked: 2.11, 2.13, 2.14, 2.15."""
     from torch.distributed.checkpoint import _sharded_tensor_utils
 
     return require_attr(_sharded_tensor_utils, "_flatten_sharded_tensors", what="checkpoint")(state_dict)
@@ -348,7 +348,7 @@ def torch_save_without_crc(obj: Any, stream: Any) -> None:
     ``torch.serialization.set_crc32_options(False)`` does the same for every thread of the
     process; this passes the choice to this one writer (``PyTorchFileWriter(stream, crc32,
     alignment)``, ``serialization._save``: private). torch.load does not check the CRC32
-    (the option's documented contract). Checked: 2.11, 2.13, 2.14.
+    (the option's documented contract). Checked: 2.11, 2.13, 2.14, 2.15.
     """
     from torch import serialization
 
@@ -391,7 +391,7 @@ def group_timeout(group: Any = None) -> Any:
 def fake_store() -> Any:
     """A store for ``init_process_group("fake", ...)``: one process pretends to be any rank.
 
-    ``torch.testing._internal.distributed.fake_pg.FakeStore`` (private). Checked: 2.11, 2.13, 2.14.
+    ``torch.testing._internal.distributed.fake_pg.FakeStore`` (private). Checked: 2.11, 2.13, 2.14, 2.15.
     """
     from torch.testing._internal.distributed import fake_pg
 

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from shardbridge.extras import install_hint
+
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
@@ -177,7 +179,7 @@ class PrecisionPolicy:
                 f"torch FSDP2 keeps sharded gradients in the sharded parameter's dtype "
                 f"(main_params_dtype={self.main_params_dtype}), so main_grads_dtype={self.main_grads_dtype} "
                 "cannot be lowered to it; set main_grads_dtype=main_params_dtype, or use Megatron-FSDP "
-                '(shardbridge_megatron_fsdp, pip install "shardbridge[megatron]") which keeps separate main grads'
+                f"(shardbridge_megatron_fsdp; {install_hint('megatron')}) which keeps separate main grads"
             )
 
     def check_model_dtype(self, model: torch.nn.Module, *, fix: str = "") -> None:

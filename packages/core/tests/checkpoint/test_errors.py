@@ -27,7 +27,7 @@ def _exception(*causes: BaseException) -> CheckpointException:
 
 
 def test_short_write_on_a_full_filesystem_says_no_space_left(tmp_path, monkeypatch):
-    # What a full disk looks like from inside torch.save's zip writer (KNOWLEDGE.md).
+    # What a full disk looks like from inside torch.save's zip writer (torch 2.13, reproduced: "unexpected pos N vs M").
     monkeypatch.setattr(_errors, "_free_bytes", lambda path: 0)
     cause = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     with pytest.raises(OSError, match="No space left on device") as info:

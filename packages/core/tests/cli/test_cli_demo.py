@@ -85,6 +85,15 @@ def test_bad_flags_are_refused_before_any_process_starts(capsys, tmp_path, argv,
     assert not (tmp_path / "demo").exists()
 
 
+def test_png_is_checked_before_any_process_starts(capsys, tmp_path, monkeypatch):
+    line = _error(capsys, "--out", str(tmp_path / "demo"), "--png", str(tmp_path / "no" / "x.png"))
+    assert "--png" in line and "does not exist" in line, line
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if the plot extra were absent
+    line = _error(capsys, "--out", str(tmp_path / "demo"), "--png", str(tmp_path / "x.png"))
+    assert "--png needs matplotlib" in line and 'pip install -e ".[plot]"' in line, line
+    assert not (tmp_path / "demo").exists()
+
+
 def test_unwritable_out(capsys, tmp_path):
     (tmp_path / "file").write_text("mine")
     assert "is not writable (Not a directory)" in _error(capsys, "--out", str(tmp_path / "file" / "demo"))

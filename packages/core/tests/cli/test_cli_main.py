@@ -276,3 +276,19 @@ def test_output_into_a_closed_pipe_is_not_an_error(tmp_path):
         shell=True, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.stdout.startswith("checkpoint ") and run.stderr == "", run.stderr
+
+
+def test_version_is_one_line_with_the_package_and_torch_versions(capsys):
+    import importlib.metadata
+
+    import shardbridge
+    import torch
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, out
+    assert out.startswith(f"shardbridge {shardbridge.__version__} (") and f"torch {torch.__version__}" in out, out
+    # one source: the installed metadata says what shardbridge._version says
+    assert importlib.metadata.version("shardbridge") == shardbridge.__version__

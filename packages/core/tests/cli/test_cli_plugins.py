@@ -27,7 +27,7 @@ def test_launch_is_registered_by_the_hf_adapter():
     (ep,) = [ep for ep in importlib.metadata.entry_points(group=GROUP) if ep.name == "launch"]
     assert ep.value == "shardbridge_hf._launch:cli_verb"
     verb = _plugins.load_verb("launch")
-    assert isinstance(verb, Verb) and "accelerate launch" in verb.help and "shardbridge[hf]" in verb.install_hint
+    assert isinstance(verb, Verb) and "accelerate launch" in verb.help and 'pip install -e ".[hf]"' in verb.install_hint
 
 
 def _fake(monkeypatch, value: str) -> None:

@@ -52,6 +52,7 @@ from torch import nn
 from shardbridge_hf import _checkpoint, _patches
 from shardbridge_hf._compat import accelerator_models, accelerator_schedulers, require_accelerate
 from shardbridge_hf._config import ENV_VAR, HFConfig
+from shardbridge_hf._launch import quiet_upstream_noise
 from shardbridge_hf._parallelize import parallelize
 
 require_accelerate()
@@ -87,6 +88,10 @@ class ShardbridgeAccelerator(Accelerator):
             ``project_dir``, ...). ``fsdp_plugin`` and ``mixed_precision="fp8"`` are refused:
             the shardbridge block owns wrapping and precision.
 
+    Attributes:
+        num_optimizer_steps: optimizer steps taken; ``save_state`` records it as the checkpoint's
+            step, ``load_state`` restores and returns it (no script has to set a step).
+
     Example:
         >>> from shardbridge_hf import ShardbridgeAccelerator  # doctest: +SKIP
         >>> accelerator = ShardbridgeAccelerator()  # doctest: +SKIP
@@ -105,6 +110,7 @@ class ShardbridgeAccelerator(Accelerator):
     ) -> None:
         # [Note: hf patch plan]: RuntimeError before any work on an accelerate this was not checked with.
         _patches.gate("partial_state_fsdp")
+        quiet_upstream_noise()  # before transformers imports torchao: [Note: upstream noise in a launch]
         self._sb_undo: list[Callable[[], None]] = []
         if config is None:
             _refuse_plain_accelerate_launch()
@@ -137,6 +143,11 @@ class ShardbridgeAccelerator(Accelerator):
         self._install_fsdp_state()
         self._sb_model: nn.Module | None = None
         self._sb_optimizer: Any = None
+        self.num_optimizer_steps = 0
+        """Optimizer steps taken (counted by a post-step hook; saved and restored by save/load_state).
+
+        See [Note: the step a checkpoint records]."""
+        self._sb_step_hook: Any = None
 
     # -- state: FSDP2 everywhere, one mesh ----------------------------------------------------
 
@@ -189,6 +200,7 @@ class ShardbridgeAccelerator(Accelerator):
             for i in optimizers:
                 result[i] = self.prepare_optimizer(args[i], device_placement=False)
                 self._sb_optimizer = result[i]
+            self._count_optimizer_steps(self._sb_optimizer)
             if fp8.recipe_of(self._sb_model) is not None:
                 for i in optimizers:
                     # On the torch optimizer inside AcceleratedOptimizer (upstream bug 6).
@@ -201,6 +213,29 @@ class ShardbridgeAccelerator(Accelerator):
             for i, obj in zip(rest, prepared):
                 result[i] = obj
         return result[0] if len(result) == 1 else tuple(result)
+
+    # [Note: the step a checkpoint records]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Accelerate's ``Accelerator.step`` counts micro-batches inside ``accumulate()`` (and is reset
+    # at the end of a data loader); a loop without ``accumulate()`` leaves it at 0, so a checkpoint
+    # that recorded it said step 0 every time and a resumed run started its data from the top. The
+    # accelerator therefore counts the optimizer steps that really ran (a post-step hook on the
+    # torch optimizer inside ``AcceleratedOptimizer``: a step skipped during gradient accumulation
+    # or by a GradScaler never reaches it) in ``num_optimizer_steps``. ``save_state`` records that
+    # count as the checkpoint's step (and names ``project_dir/checkpoints/step-N`` after it) plus
+    # Accelerate's own ``step``; ``load_state`` restores both and returns the count, the number of
+    # batches to skip with ``skip_first_batches`` (times the gradient accumulation steps).
+
+    def _count_optimizer_steps(self, optimizer: Any) -> None:
+        inner = optimizer
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer
+        if self._sb_step_hook is not None:  # a second prepare(): count the new optimizer only
+            self._sb_step_hook.remove()
+        self._sb_step_hook = inner.register_step_post_hook(lambda *_args, **_kwargs: self._one_step())
+
+    def _one_step(self) -> None:
+        self.num_optimizer_steps += 1
 
     def _prepare_sb_model(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> nn.Module:
         fqn_groups = [param_group_fqns(model, opt, when="prepare()") for opt in optimizers]
@@ -301,10 +336,11 @@ class ShardbridgeAccelerator(Accelerator):
         async_: bool = False,
         **save_model_func_kwargs: Any,
     ) -> str | checkpoint.AsyncSave:
-        """Save model, optimizer, schedulers, RNG and ``self.step`` as a shardbridge checkpoint.
+        """Save model, optimizer, schedulers, RNG and the step as a shardbridge checkpoint.
 
-        ``output_dir`` None = ``checkpoint.step_dir(project_dir/checkpoints, step)``. The
-        checkpoint loads into any layout (see [Note: what a save_state checkpoint holds]).
+        The step is :attr:`num_optimizer_steps`, the optimizer steps taken so far (see [Note: the
+        step a checkpoint records]). ``output_dir`` None = ``checkpoint.step_dir(project_dir/checkpoints,
+        step)``. The checkpoint loads into any layout (see [Note: what a save_state checkpoint holds]).
 
         Args:
             output_dir: the checkpoint directory.
@@ -329,7 +365,7 @@ class ShardbridgeAccelerator(Accelerator):
         if output_dir is None:
             if not self.project_dir:
                 raise ValueError("save_state(output_dir=None) needs Accelerator(project_dir=...); pass output_dir")
-            output_dir = checkpoint.step_dir(Path(self.project_dir) / "checkpoints", self.step)
+            output_dir = checkpoint.step_dir(Path(self.project_dir) / "checkpoints", self.num_optimizer_steps)
         model, optimizer = self._require_prepared("save_state")
         cfg = self.shardbridge_config.checkpoint
         path = _checkpoint.save_state(
@@ -337,7 +373,8 @@ class ShardbridgeAccelerator(Accelerator):
             model=model,
             optimizer=optimizer,
             schedulers=list(accelerator_schedulers(self)),
-            step=self.step,
+            step=self.num_optimizer_steps,
+            accelerate_step=self.step,
             on_bad_layout=cfg.on_bad_layout,
             parallel_dims=self.parallel_mesh.dims,
             overwrite=overwrite,
@@ -353,7 +390,11 @@ class ShardbridgeAccelerator(Accelerator):
         strict: bool = True,
         **load_model_func_kwargs: Any,
     ) -> int:
-        """Load a ``save_state`` checkpoint (any layout); restores ``self.step`` and returns it.
+        """Load a ``save_state`` checkpoint (any layout); returns the step it recorded.
+
+        Restores :attr:`num_optimizer_steps` (the returned step: the optimizer steps the saving
+        run had taken, the batches to skip with ``skip_first_batches``) and Accelerate's own
+        ``step`` (see [Note: the step a checkpoint records]).
 
         Args:
             input_dir: the checkpoint directory; None = the latest under ``project_dir/checkpoints``.
@@ -373,15 +414,16 @@ class ShardbridgeAccelerator(Accelerator):
             if input_dir is None:
                 raise ValueError(f"no checkpoint under {self.project_dir}/checkpoints")
         model, optimizer = self._require_prepared("load_state")
-        self.step = _checkpoint.load_state(
+        steps = _checkpoint.load_state(
             input_dir,
             model=model,
             optimizer=optimizer,
             schedulers=list(accelerator_schedulers(self)),
             strict=strict,
         )
+        self.num_optimizer_steps, self.step = steps.optimizer_steps, steps.accelerate_step
         fp8.refresh(model)  # FP8 scales from the loaded weights (nothing without FP8)
-        return self.step
+        return self.num_optimizer_steps
 
     def load_pretrained(self, path: str | os.PathLike[str], *, cast_dtype: bool = False) -> Any:
         """Load a ``from_pretrained`` folder into the prepared model, each rank reading only its slices.

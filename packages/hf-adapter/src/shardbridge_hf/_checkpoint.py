@@ -8,7 +8,8 @@ One :func:`shardbridge.checkpoint.save` directory (atomic, portable, reshardable
 
     model.<fqn>, optim.state.<fqn>.<state>   DCP tensors (transformers' own FQNs)
     rng/rank-*.pt                            each rank's torch RNG (core)
-    manifest extra["hf"]                     {"step": accelerator.step, "schedulers": [state_dict...],
+    manifest extra["hf"]                     {"step": optimizer steps taken, "accelerate_step":
+                                              Accelerator.step, "schedulers": [state_dict...],
                                               "python_rng": ..., "numpy_rng": ..., "model_config": {...}}
     manifest extra["export"]                 {"files": {"config.json": {...}}}: what the core's
                                               `shardbridge ckpt export` writes beside the weights
@@ -26,7 +27,7 @@ import math
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from shardbridge import checkpoint
@@ -41,6 +42,15 @@ __all__ = ["export_pretrained", "load_pretrained", "load_state", "save_state"]
 _EXTRA_KEY = "hf"
 
 
+class LoadedSteps(NamedTuple):
+    """The steps a :func:`save_state` checkpoint recorded."""
+
+    optimizer_steps: int
+    """Optimizer steps the saving run had taken (the checkpoint's step)."""
+    accelerate_step: int
+    """Accelerate's ``Accelerator.step`` (micro-batches inside ``accumulate()``)."""
+
+
 def save_state(
     path: str | os.PathLike[str],
     *,
@@ -48,6 +58,7 @@ def save_state(
     optimizer: torch.optim.Optimizer | None,
     schedulers: list[Any],
     step: int,
+    accelerate_step: int = 0,
     on_bad_layout: str = "repair",
     parallel_dims: Any = None,
     overwrite: bool = False,
@@ -80,6 +91,7 @@ def save_state(
     extra = {
         _EXTRA_KEY: {
             "step": step,
+            "accelerate_step": accelerate_step,
             "schedulers": scheduler_states,
             "python_rng": _jsonable(random.getstate()),
             "numpy_rng": [np_state[0], np_state[1].tolist(), *[_jsonable(x) for x in np_state[2:]]],
@@ -118,8 +130,8 @@ def load_state(
     optimizer: torch.optim.Optimizer | None,
     schedulers: list[Any],
     strict: bool = True,
-) -> int:
-    """Load what :func:`save_state` wrote, into any layout. Returns the saved step.
+) -> LoadedSteps:
+    """Load what :func:`save_state` wrote, into any layout. Returns the saved steps.
 
     Raises:
         ValueError: not a shardbridge checkpoint, keys / shapes that do not fit, or a
@@ -142,7 +154,9 @@ def load_state(
 
         kind, keys, *rest = hf["numpy_rng"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
-    return int(hf.get("step", state.step or 0))
+    step = int(hf.get("step", state.step or 0))
+    # Checkpoints written before "accelerate_step" existed recorded Accelerator.step as the step.
+    return LoadedSteps(optimizer_steps=step, accelerate_step=int(hf.get("accelerate_step", step)))
 
 
 def export_pretrained(

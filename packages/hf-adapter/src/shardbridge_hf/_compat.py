@@ -10,8 +10,10 @@ import importlib.metadata
 from typing import Any
 
 from shardbridge._compat import parse_version
+from shardbridge.extras import install_hint, warn_if_untested
 
 __all__ = [
+    "TRANSFORMERS_CHECKED",
     "accelerate_version",
     "accelerator_models",
     "accelerator_schedulers",
@@ -23,17 +25,27 @@ __all__ = [
     "transformers_version",
 ]
 
-_HINT = 'shardbridge_hf needs accelerate and transformers: pip install "shardbridge[hf]"'
+_HINT = f"shardbridge_hf needs accelerate and transformers: {install_hint('hf')}"
+
+
+TRANSFORMERS_CHECKED = ((5, 0), (5, 24))
+"""Oldest and newest transformers the hf matrix (noxfile.py HF_MATRIX) and CI ran, inclusive; each
+bound admits its patch releases. Outside: one UntestedVersionWarning ([Note: version policy] in the
+core's ``shardbridge.extras``). accelerate's range is its patch plan's (``_patches._CHECKED``), which refuses."""
 
 
 @functools.cache
 def require_accelerate() -> None:
-    """ImportError with the install hint when accelerate or transformers is missing."""
+    """ImportError with the install hint when accelerate or transformers is missing.
+
+    Also warns once when the installed transformers lies outside :data:`TRANSFORMERS_CHECKED`.
+    """
     for name in ("accelerate", "transformers"):
         try:
             importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             raise ImportError(f"{_HINT} ({name} is not installed)") from None
+    warn_if_untested("transformers", transformers_version(), TRANSFORMERS_CHECKED)
 
 
 @functools.cache

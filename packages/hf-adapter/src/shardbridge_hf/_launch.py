@@ -39,8 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
+import re
 import sys
+import textwrap
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,11 +51,12 @@ from typing import Any, NoReturn
 
 from shardbridge import ParallelDims, fp8
 from shardbridge.cli import Verb
+from shardbridge.extras import install_hint
 
 from shardbridge_hf._compat import require_accelerate
 from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig
 
-__all__ = ["LaunchPlan", "cli_verb", "main", "read_config_file"]
+__all__ = ["LaunchPlan", "cli_verb", "main", "quiet_upstream_noise", "read_config_file"]
 
 # Accelerate exports fp8_config keys as ACCELERATE_FP8_<KEY>; TERecipeKwargs reads other names
 # for these two (upstream bug 7). We translate them into the block instead.
@@ -408,6 +412,72 @@ def _merge_accelerate_fp8(fp8_config: dict[str, Any], block: dict[str, Any], whe
     block["fp8"] = fp8
 
 
+# [Note: upstream noise in a launch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A CPU launch printed 16 lines that concern no user run, even with FP8 off (transformers imports
+# torchao while it builds a model, in every worker): per rank, torchao 0.18's "Failed to load
+# .../_C_mxfp8...so" and "... _C_cutlass_90a...so" (its CUDA kernels, which cannot load without
+# CUDA and which no CPU path uses), and torch 2.13's "<enum 'KernelPreference'> is an Enum subclass
+# ... register_constant() on Enum subclasses is deprecated" (torchao registers its enums with
+# torch's pytree; torch deprecated that for Enums). Each is dropped by a logging filter matching
+# its message, only where it cannot concern the run (the kernels: only without CUDA; the pytree
+# line: only for torchao's own enums). Every other record of those loggers still prints.
+
+
+class _DropKnownNoise(logging.Filter):
+    """Drops the records of [Note: upstream noise in a launch], by message."""
+
+    def __init__(self, match: Callable[[logging.LogRecord], bool]) -> None:
+        super().__init__()
+        self._match = match
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return not self._match(record)
+        except Exception:  # noqa: BLE001 - a record we cannot read is printed, never lost
+            return True
+
+
+def _torchao_cuda_kernel_not_loaded(record: logging.LogRecord) -> bool:
+    # torchao/__init__.py: logger.warning(f"Failed to load {file}: {e}") for each _C*.so. Only
+    # its CUDA kernels, and only on a machine without CUDA, where nothing could use them.
+    import torch
+
+    message = record.getMessage()
+    return (
+        message.startswith("Failed to load ")
+        and any(name in message for name in ("_C_mxfp8", "_C_cutlass"))
+        and not torch.cuda.is_available()
+    )
+
+
+def _torchao_enum_registration(record: logging.LogRecord) -> bool:
+    # torch/utils/_pytree.py (2.13): log.warning("%s is an Enum subclass ... register_constant()
+    # on Enum subclasses is deprecated ...", cls): torchao's KernelPreference / ScaleCalculationMode.
+    cls = record.args[0] if isinstance(record.args, tuple) and record.args else None
+    return "register_constant() on Enum subclasses is deprecated" in record.msg and str(
+        getattr(cls, "__module__", "")
+    ).startswith("torchao")
+
+
+_NOISE_FILTERS = {  # logger name -> filter (see [Note: upstream noise in a launch])
+    "torchao": _DropKnownNoise(_torchao_cuda_kernel_not_loaded),
+    "torch.utils._pytree": _DropKnownNoise(_torchao_enum_registration),
+}
+
+
+def quiet_upstream_noise() -> None:
+    """Install the log filters of [Note: upstream noise in a launch] (idempotent).
+
+    Called by the launcher and by every ``ShardbridgeAccelerator`` (the workers), before
+    transformers imports torchao.
+    """
+    for name, noise in _NOISE_FILTERS.items():
+        logger = logging.getLogger(name)
+        if noise not in logger.filters:
+            logger.addFilter(noise)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shardbridge-launch`` (and of ``shardbridge launch``).
 
@@ -423,6 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["--config_file", "examples/hf/cpu_fsdp2_tp2.yaml", "examples/hf/train.py"])  # doctest: +SKIP
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_upstream_noise()
     try:
         require_accelerate()
         from accelerate.commands.launch import launch_command, launch_command_parser
@@ -432,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = launch_command_parser()
     parser.prog = "shardbridge-launch"
     parser.error = _one_line_usage_error(parser.prog)  # not Accelerate's 100-line usage dump
+    accelerate_help = parser.format_help
+    parser.format_help = lambda: shardbridge_help() + "\n" + accelerate_help()  # ours first, then Accelerate's
     with _argv_for_help(parser.prog, argv):
         args = parser.parse_args(argv)
     if args.config_file is None:
@@ -462,6 +535,77 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def shardbridge_help() -> str:
+    """The top of ``shardbridge launch --help``: what the launcher adds, and every key of the block.
+
+    The keys, defaults and one-line meanings are read from the config dataclasses
+    (:class:`~shardbridge_hf.HFConfig`, ``FP8Config``, ``CheckpointConfig``), so the list cannot
+    drift from what the launcher accepts.
+    """
+    from shardbridge_hf._config import CheckpointConfig, FP8Config
+
+    lines = [
+        "usage: shardbridge launch --config_file CONFIG.yaml [accelerate launch options] SCRIPT [SCRIPT ARGS]",
+        "",
+        f"Validates the Accelerate config file's {BLOCK_KEY} block and its fit with the rest of the file",
+        "(FSDP2, parallelism sizes, process count, Accelerate's own fsdp_* keys) before any process starts, then",
+        "runs `accelerate launch` (docs/hf.md). A bad file exits 2 with one line naming the key and the fix.",
+        "",
+        "shardbridge options:",
+        "  --config_file FILE    required: the Accelerate config file holding the shardbridge block",
+        "  flags that restate a key of the file (--num_processes, --mixed_precision, --fsdp_*,",
+        "  --parallelism_config_*) win over the file, as in accelerate launch, and are validated with it",
+        "",
+        f"{BLOCK_KEY} keys (default, meaning; docs/hf.md, The yaml reference):",
+    ]
+    for prefix, cls in (("", HFConfig), ("fp8.", FP8Config), ("checkpoint.", CheckpointConfig)):
+        docs = _field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in ("dims", "use_cpu") or (not prefix and f.name in ("fp8", "checkpoint")):
+                continue  # filled from parallelism_config / use_cpu; sub-blocks listed key by key
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            head = f"  {prefix + f.name:<26} {_yaml_value(default):<10} "
+            lines += textwrap.wrap(
+                docs.get(f.name, ""), width=110, initial_indent=head, subsequent_indent=" " * len(head)
+            ) or [head.rstrip()]
+    lines += ["", "Accelerate's own options (accelerate launch --help) follow.", ""]
+    return "\n".join(lines)
+
+
+def _yaml_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, Mapping):
+        return "{}" if not value else str(dict(value))
+    return str(value)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The first sentence of each field's docstring (the string literal under it), from the source."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (frozen / zipped install): keys and defaults only
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    out = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            text = re.sub(r":\w+:`([^`]*)`", r"\1", " ".join(after.value.value.split())).replace("``", "")
+            out[node.target.id] = re.split(r"(?<!e\.g)(?<!i\.e)\.\s", text)[0].rstrip(".")
+    return out
 
 
 def _command_line_overrides(args: Any) -> dict[str, Any]:
@@ -498,6 +642,6 @@ if __name__ == "__main__":
 cli_verb = Verb(
     help="validate an Accelerate config's fsdp_config.shardbridge block, then accelerate launch (docs/hf.md)",
     main=main,
-    install_hint='pip install "shardbridge[hf]"',
+    install_hint=install_hint("hf"),
 )
 """``shardbridge launch``: registered in the ``shardbridge.cli`` entry-point group (pyproject.toml)."""

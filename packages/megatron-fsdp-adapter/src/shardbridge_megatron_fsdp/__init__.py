@@ -1,9 +1,9 @@
 """shardbridge_megatron_fsdp: Megatron-FSDP with shardbridge's mesh, precision policy and checkpoints.
 
 One adapter with two entry points over Megatron-FSDP: this package's :func:`shard_model` runs
-the standalone ``megatron_fsdp`` package (``pip install "shardbridge[megatron]"``);
+the standalone ``megatron_fsdp`` package (the ``megatron`` extra: ``pip install -e ".[megatron]"`` in a clone; README.md, Install);
 ``shardbridge_megatron_fsdp.mcore`` runs Megatron-Core models under the copy megatron-core
-bundles (``pip install "shardbridge[megatron-core]"``; never in one environment with the
+bundles (the ``megatron-core`` extra; never in one environment with the
 standalone one). Both share one CPU patch, one checkpoint provider and one ``_compat``.
 
 Public: the names in ``__all__``::

@@ -35,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from shardbridge._compat import local_tensor, parse_version
+from shardbridge.extras import install_hint
 from shardbridge.patching import fmt_version
 
 __all__ = [
@@ -74,8 +75,8 @@ COPIES = (STANDALONE, BUNDLED)
 STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP sharding strategies (0..3): what is sharded over ``dp_shard``."""
 
-INSTALL_HINT = 'pip install "shardbridge[megatron]"'
-MCORE_INSTALL_HINT = 'pip install "shardbridge[megatron-core]"'
+INSTALL_HINT = install_hint("megatron")  # [Note: install hints] in shardbridge/extras.py
+MCORE_INSTALL_HINT = install_hint("megatron-core")
 
 # (distribution, checked range [low, high), install hint, who needs it)
 _SUPPORTED: dict[str, tuple[tuple[int, ...], tuple[int, ...], str, str]] = {

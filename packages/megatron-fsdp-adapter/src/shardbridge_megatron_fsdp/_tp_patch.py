@@ -78,8 +78,8 @@ _CHECKED: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     BUNDLED: ((0, 3, 1), (0, 3, 1)),  # the copy inside megatron-core 0.16.1
 }
 _INSTALL_HINTS = {
-    STANDALONE: 'pip install "megatron-fsdp==0.6.1" (shardbridge[megatron])',
-    BUNDLED: 'pip install "megatron-core==0.16.1" (shardbridge[megatron-core])',
+    STANDALONE: 'pip install "megatron-fsdp==0.6.1" (in the megatron extra)',
+    BUNDLED: 'pip install "megatron-core==0.16.1" (the megatron-core extra; never beside megatron-fsdp)',
 }
 
 _COVERS = (

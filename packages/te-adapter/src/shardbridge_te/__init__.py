@@ -1,6 +1,6 @@
 """shardbridge_te: TransformerEngine modules under FSDP2 x TP with DCP checkpoints.
 
-``pip install "shardbridge[te]"``. One call gives every TE module (Linear, LayerNormLinear,
+The ``te`` extra (TransformerEngine; README.md, Install). One call gives every TE module (Linear, LayerNormLinear,
 LayerNormMLP, LayerNorm, RMSNorm, DotProductAttention, GroupedLinear, and those inside
 MultiheadAttention / TransformerLayer) DTensor TP parameters, the TP group and the ``weight``
 mesh as amax-reduction group; :func:`parallelize` also shards with FSDP2 and materializes.

@@ -12,10 +12,11 @@ from types import ModuleType
 
 from shardbridge._compat import parse_version as core_parse_version
 from shardbridge._compat import require_module
+from shardbridge.extras import install_hint
 
 __all__ = ["INSTALL_HINT", "parse_version", "te_pytorch", "te_recipes", "te_version"]
 
-INSTALL_HINT = 'pip install "shardbridge[te]"'
+INSTALL_HINT = install_hint("te")  # [Note: install hints] in shardbridge/extras.py
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

@@ -7,7 +7,7 @@
      torch's own ``dcp_to_torch_save`` of the checkpoint (an independent reader);
   5. export Hugging Face-style safetensors and check them too;
   6. print losses, step time, bytes all-gathered per step, checkpoint size and throughput,
-     and the layout picture of one weight.
+     and the layout picture of one weight (``--png FILE``: also as an image).
 
 Exit code 0 = every check passed.
 """
@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--keep", action="store_true", help="keep a previous demo output's files instead of replacing them"
+    )
+    parser.add_argument(
+        "--png",
+        metavar="FILE",
+        default=None,
+        help="also draw the layout of one weight in layout A as an image (needs matplotlib: the plot extra)",
     )
     parser.add_argument(
         "--collective-timeout",
@@ -207,6 +213,16 @@ def run_demo(args: argparse.Namespace) -> int:
     from shardbridge.testing import WorkerPool
 
     cfg = _config_from_args(args)
+    png = getattr(args, "png", None)
+    if png is not None:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(png))):
+            raise ValueError(f"--png {png!r}: its folder does not exist; create it or pass another file")
+        from shardbridge.layout._picture import _require_matplotlib
+
+        try:  # before any process starts, not after minutes of training
+            _require_matplotlib()
+        except ImportError as err:
+            raise ValueError(f"--png needs matplotlib, which is not importable: {' '.join(str(err).split())}") from None
     prepare_out(Path(cfg.out), keep=args.keep)
 
     print(f"shardbridge demo: {cfg.model} Llama, layout A {_fmt(cfg.layout)} -> layout B {_fmt(cfg.reload_layout)}")
@@ -229,7 +245,14 @@ def run_demo(args: argparse.Namespace) -> int:
         for p in pools.values():
             p.close()
     export = _export_phase(cfg, train["checkpoint"])
-    return _print_summary(cfg, train, reload_b, single, export)
+    code = _print_summary(cfg, train, reload_b, single, export)
+    if png is not None and train["layout"] is not None:
+        from shardbridge.layout import save_layout_png
+
+        shape, mesh_shape, placements, names, fqn = train["layout"]
+        save_layout_png(png, shape, mesh_shape, placements, mesh_dim_names=names, title=f"{fqn} in layout A")
+        print(f"layout picture: {png}")
+    return code
 
 
 # [Note: demo output]
@@ -306,7 +329,7 @@ def _train_phase(cfg: DemoConfig) -> dict[str, Any]:
 
     from shardbridge import checkpoint, cp_cross_entropy, cp_split
     from shardbridge._comm_stats import count_collectives
-    from shardbridge.models import synthetic_batch
+    from shardbridge.models import hf_llama_export_record, synthetic_batch
 
     pm, model, optimizer = _build(cfg, cfg.layout, seed=cfg.seed)
     llama = cfg.llama_config()
@@ -345,7 +368,8 @@ def _train_phase(cfg: DemoConfig) -> dict[str, Any]:
         model=model,
         optimizer=optimizer,
         step=cfg.steps,
-        extra={"demo": True},
+        # `shardbridge ckpt export` of this checkpoint writes a folder from_pretrained loads
+        extra={"demo": True, "export": hf_llama_export_record(llama)},
         parallel_dims=pm.dims,
         async_=True,
     )
@@ -366,7 +390,8 @@ def _train_phase(cfg: DemoConfig) -> dict[str, Any]:
         "reduce_scatter_bytes": scattered,
         "save_s": save_s,
         "checkpoint": ckpt_path,
-        "picture": picture,
+        "picture": picture[0],
+        "layout": picture[1],
         "num_params": sum(p.numel() for p in model.parameters()),
     }
 
@@ -465,7 +490,8 @@ def _compare(expected: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     return {"checked": len(set(expected) & set(got)), "missing": missing[:5], "different": different[:5]}
 
 
-def _layout_picture(model, pm) -> str:
+def _layout_picture(model, pm) -> tuple[str, tuple | None]:
+    """The ASCII picture of one sharded weight, and its layout (shape, mesh, placements, names, fqn) for --png."""
     from torch.distributed.tensor import DTensor
 
     from shardbridge.layout import render_layout
@@ -473,15 +499,10 @@ def _layout_picture(model, pm) -> str:
     for fqn, param in model.named_parameters():
         if isinstance(param, DTensor) and fqn.endswith("feed_forward.gate_up.weight"):
             mesh = param.device_mesh
+            layout = (tuple(param.shape), tuple(mesh.shape), tuple(param.placements), mesh.mesh_dim_names, fqn)
             header = f"{fqn}: global {tuple(param.shape)}, placements {tuple(param.placements)}"
-            return (
-                header
-                + "\n"
-                + render_layout(
-                    tuple(param.shape), tuple(mesh.shape), tuple(param.placements), mesh_dim_names=mesh.mesh_dim_names
-                )
-            )
-    return "(no sharded gate_up weight in this layout)"
+            return header + "\n" + render_layout(*layout[:3], mesh_dim_names=layout[3]), layout
+    return "(no sharded gate_up weight in this layout)", None
 
 
 # ------------------------------------------------------------------ export (this process)

@@ -1,4 +1,4 @@
-"""The ``shardbridge`` command line: ``demo``, ``layout``, ``ckpt inspect``, ``ckpt verify``, ``ckpt export``.
+"""The ``shardbridge`` command line: ``demo``, ``layout``, ``ckpt inspect``, ``ckpt verify``, ``ckpt export``, ``--version``.
 
 This is the edge where command-line text becomes configs; nothing below it reads the
 environment or argv.
@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shardbridge.cli._plugins import load_verb, verb_names
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "version_text"]
 
 _DEBUG = "--debug"
 
@@ -37,6 +37,14 @@ _MAX_SHAPE_DIM = 2**62
 _MAX_MESH_COORDINATES = 2**16  # the picture and the mismatch search visit every coordinate
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: one line, unwrapped (argparse's own ``version`` action wraps at the terminal width)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        print(version_text())
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``shardbridge`` command."""
     parser = _OneLineErrorParser(
@@ -44,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="FSDP2 x tensor parallelism with DCP checkpoints that reshard across layouts.",
     )
     parser.add_argument(_DEBUG, action="store_true", help="on an error, also print the traceback")
+    parser.add_argument(
+        "--version", action=_VersionAction, nargs=0, help="print shardbridge's and torch's versions and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from shardbridge.cli import _demo
@@ -70,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="one placement per mesh axis: R, S(d), SS(d,split_factor); e.g. 'SS(0,2),S(0)'",
     )
     layout.add_argument("--dim", type=int, default=0, help="tensor dim to draw (default 0)")
+    layout.add_argument(
+        "--png",
+        metavar="FILE",
+        default=None,
+        help="also draw the layout as an image: one panel per rank, the blocks of the tensor it holds (dims 0 and "
+        "1) and DCP's box (needs matplotlib: the plot extra)",
+    )
     layout.set_defaults(func=_run_layout)
 
     # Verbs adapters contribute (entry-point group "shardbridge.cli"): listed for --help by name
@@ -201,6 +219,8 @@ def _run_layout(args: argparse.Namespace) -> int:
             "give one placement per mesh axis"
         )
     print(_layout.render_layout(shape, mesh_shape, placements, mesh_dim_names=mesh_names, dim=args.dim))
+    if args.png is not None:
+        _write_png(args.png, shape, mesh_shape, placements, mesh_names)
     mismatches = _layout.find_dcp_mismatches(shape, mesh_shape, placements)
     if mismatches:
         # render_layout has already explained each one (the '!' rows).
@@ -208,6 +228,39 @@ def _run_layout(args: argparse.Namespace) -> int:
         return 1
     print("\nDCP describes every shard of this layout correctly.")
     return 0
+
+
+def _write_png(path: str, shape, mesh_shape, placements, mesh_names) -> None:
+    """The layout picture as a PNG (``--png``), or ValueError naming the flag."""
+    from shardbridge import layout as _layout
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--png {path!r}: folder {folder!r} does not exist; create it or pass another file")
+    try:
+        _layout.save_layout_png(path, shape, mesh_shape, placements, mesh_dim_names=mesh_names)
+    except ImportError as err:
+        raise ValueError(f"--png needs matplotlib, which is not importable: {' '.join(str(err).split())}") from None
+    except OSError as err:
+        raise ValueError(f"--png {path!r} cannot be written ({err.strerror or err}); pass a writable file") from None
+    print(f"\nwrote {path}")
+
+
+def version_text() -> str:
+    """What ``shardbridge --version`` prints: shardbridge's version and where it is imported from, torch's.
+
+    Example:
+        >>> version_text()  # doctest: +SKIP
+        'shardbridge 0.1.0 (/.../site-packages/shardbridge), torch 2.13.0+cpu, Python 3.11.7'
+    """
+    import platform
+
+    import torch
+
+    import shardbridge
+
+    where = os.path.dirname(os.path.abspath(shardbridge.__file__))
+    return f"shardbridge {shardbridge.__version__} ({where}), torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:

@@ -76,6 +76,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from torch import nn
 
+from shardbridge.extras import install_hint
+
 if TYPE_CHECKING:
     from shardbridge._mesh import ParallelMesh
 
@@ -163,7 +165,8 @@ class FP8Recipe:
             raise ValueError(
                 f"FP8Recipe.backend={self.backend!r} is not a registered FP8 backend; choose one of "
                 f"{list(backend_names())} (others register with shardbridge.fp8.register_backend or the "
-                f"{ENTRY_POINT_GROUP!r} entry-point group; 'te' comes with pip install \"shardbridge[te]\")"
+                f"{ENTRY_POINT_GROUP!r} entry-point group; 'te' comes with shardbridge_te and TransformerEngine: "
+                f"{install_hint('te')})"
             )
         if not isinstance(self.params, Mapping):
             raise ValueError(f"FP8Recipe.params={self.params!r} must be a mapping of parameter names to values")
@@ -335,7 +338,7 @@ def get_backend(name: str) -> FP8Backend:
             loaded = ep.load()
             register_backend(loaded() if isinstance(loaded, type) else loaded)
     if name not in _BACKENDS:
-        hint = ' (pip install "shardbridge[te]" on a GPU machine, then import shardbridge_te)' if name == "te" else ""
+        hint = f" (on a GPU machine: {install_hint('te')}; then import shardbridge_te)" if name == "te" else ""
         raise ValueError(f"fp8 backend {name!r} is not available; available: {list(backend_names())}{hint}")
     return _BACKENDS[name]
 

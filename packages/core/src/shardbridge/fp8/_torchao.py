@@ -1,7 +1,8 @@
 """The torchao FP8 backend: float8 training recipes and MXFP8, under FSDP2 x TP (torchao 0.18).
 
-torchao is optional: this module imports it only when a hook runs (ImportError with
-``pip install "shardbridge[fp8]"`` otherwise), so ``import shardbridge`` never does.
+torchao is optional: this module imports it only when a hook runs (otherwise an ImportError
+with the install hint of the ``fp8`` extra, [Note: install hints] in ``shardbridge/extras.py``),
+so ``import shardbridge`` never does.
 
 [Note: torchao recipes under FSDP2 x TP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -57,6 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardbridge._compat import require_module
+from shardbridge.extras import install_hint
 from shardbridge.fp8._convert import converted_fqn
 from shardbridge.fp8._recipe import Converted, FP8BackendBase
 from shardbridge.fp8._tensors import register_fp8_tensor_type
@@ -68,7 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchaoBackend", "default_module_filter"]
 
-INSTALL_HINT = 'pip install "shardbridge[fp8]"'
+INSTALL_HINT = install_hint("fp8")  # [Note: install hints] in shardbridge/extras.py
 _SKIP_NAMES = ("lm_head", "output", "embed")
 _FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 _PARAMS: dict[str, dict[str, tuple[type, ...]]] = {

@@ -7,7 +7,9 @@ Pure functions of (global shape, mesh shape, placements, coordinate); no process
   stores), :func:`fsdp_placements` (the placements ``fully_shard`` gives a TP parameter);
 - what DCP writes down: :func:`dcp_chunk`, :func:`chunk_box`;
 - where that is wrong: :func:`find_dcp_mismatches` -> :class:`LayoutMismatch`;
-- the picture and the CLI syntax: :func:`render_layout`, :func:`parse_placements`,
+- the picture and the CLI syntax: :func:`render_layout` (ASCII), :func:`save_layout_png` /
+  :func:`draw_layout` (an image: one panel per rank, the blocks it holds; needs the ``plot``
+  extra) over :func:`layout_blocks` (the rectangles, pure algebra), :func:`parse_placements`,
   :func:`parse_mesh`.
 
 Example::
@@ -32,6 +34,7 @@ from shardbridge.layout._algebra import (
     local_chunk,
 )
 from shardbridge.layout._mismatch import LayoutMismatch, find_dcp_mismatches
+from shardbridge.layout._picture import Block, draw_layout, layout_blocks, rank_color, save_layout_png
 from shardbridge.layout._text import parse_mesh, parse_placements, render_layout
 
 __all__ = [
@@ -52,4 +55,10 @@ __all__ = [
     "parse_mesh",
     "parse_placements",
     "render_layout",
+    # picture (matplotlib: the plot extra)
+    "Block",
+    "draw_layout",
+    "layout_blocks",
+    "rank_color",
+    "save_layout_png",
 ]

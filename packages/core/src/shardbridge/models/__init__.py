@@ -6,7 +6,7 @@ it: :func:`hf_llama_name`, :func:`hf_llama_config`, :func:`export_hf_llama`. The
 (``Attention``, ``FeedForward``, ``TransformerBlock``) are not public.
 """
 
-from shardbridge.models._hf import export_hf_llama, hf_llama_config, hf_llama_name
+from shardbridge.models._hf import export_hf_llama, hf_llama_config, hf_llama_export_record, hf_llama_name
 from shardbridge.models._llama import Llama, LlamaConfig, ParamTP, synthetic_batch
 from shardbridge.models._parallelize import apply_llama_tp, parallelize_llama
 
@@ -17,6 +17,7 @@ __all__ = [
     "apply_llama_tp",
     "export_hf_llama",
     "hf_llama_config",
+    "hf_llama_export_record",
     "hf_llama_name",
     "parallelize_llama",
     "synthetic_batch",

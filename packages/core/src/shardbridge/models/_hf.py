@@ -32,7 +32,7 @@ import torch
 from shardbridge.checkpoint import export_safetensors
 from shardbridge.models._llama import LlamaConfig
 
-__all__ = ["export_hf_llama", "hf_llama_config", "hf_llama_name"]
+__all__ = ["export_hf_llama", "hf_llama_config", "hf_llama_export_record", "hf_llama_name"]
 
 _LAYER_RULES = (
     (r"attention\.([qkvo])_proj\.weight", r"self_attn.\1_proj.weight"),
@@ -95,6 +95,45 @@ def hf_llama_config(config: LlamaConfig, *, dtype: torch.dtype | str = "float32"
         "tie_word_embeddings": config.tie_word_embeddings,
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
+    }
+
+
+def hf_llama_export_record(config: LlamaConfig, *, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
+    """What to record in a reference-Llama checkpoint so that ``shardbridge ckpt export`` writes a HF folder.
+
+    Pass it as ``extra={"export": hf_llama_export_record(config)}`` to
+    :func:`shardbridge.checkpoint.save`: ``shardbridge ckpt export CKPT OUT`` then writes the
+    weights under transformers' names and ``config.json`` beside them, a folder
+    ``AutoModelForCausalLM.from_pretrained(OUT)`` loads (the same folder as
+    :func:`export_hf_llama`). See [Note: export recorded in a checkpoint] in ``shardbridge/cli/_main.py``.
+
+    Args:
+        config: the model's :class:`LlamaConfig`.
+        dtype: the ``dtype`` written into ``config.json`` (the saved weights' dtype).
+
+    Returns:
+        ``{"name_map": {checkpoint FQN: HF name}, "files": {"config.json": {...}}}`` (plain JSON).
+
+    Example:
+        >>> record = hf_llama_export_record(LlamaConfig.tiny())
+        >>> record["name_map"]["layers.0.attention.q_proj.weight"], sorted(record["files"])
+        ('model.layers.0.self_attn.q_proj.weight', ['config.json'])
+    """
+    layer = (
+        "attention.q_proj.weight",
+        "attention.k_proj.weight",
+        "attention.v_proj.weight",
+        "attention.o_proj.weight",
+        "feed_forward.gate_proj.weight",
+        "feed_forward.up_proj.weight",
+        "feed_forward.down.weight",
+        "attention_norm.weight",
+        "ffn_norm.weight",
+    )
+    fqns = [*_TOP, *(f"layers.{i}.{name}" for i in range(config.num_layers) for name in layer)]
+    return {
+        "name_map": {fqn: hf_llama_name(fqn) for fqn in fqns},
+        "files": {"config.json": hf_llama_config(config, dtype=dtype)},
     }
 
 

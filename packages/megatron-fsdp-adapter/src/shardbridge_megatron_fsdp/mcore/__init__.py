@@ -1,7 +1,6 @@
 """shardbridge_megatron_fsdp.mcore: the Megatron-Core entry point of the megatron adapter.
 
-Megatron-Core GPT models under Megatron-Core's own (bundled) Megatron-FSDP.
-``pip install "shardbridge[megatron-core]"`` (megatron-core 0.16.1; never together with the
+The ``megatron-core`` extra (megatron-core 0.16.1; README.md, Install; never together with the
 standalone ``megatron-fsdp`` of the ``megatron`` extra). Importing this subpackage imports
 neither megatron.core nor megatron_fsdp; the first call that needs megatron.core does.
 

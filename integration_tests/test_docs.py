@@ -1,0 +1,404 @@
+"""Tier 4: every command and Python block in README.md and docs/**/*.md runs, as printed.
+
+[Note: executed docs]
+~~~~~~~~~~~~~~~~~~~~~
+The collector reads every fenced block of README.md, docs/**/*.md and packages/*/README.md:
+
+    ```bash / ```sh        run with ``bash -e -o pipefail`` (the test's interpreter's bin/ first on PATH)
+    ```python, first line  written to that file (a script a later block of the same page runs,
+      ``# NAME.py``          e.g. ``torchrun ... NAME.py``); never run by itself
+    ```python, ``>>>``      a doctest: every output must match (ELLIPSIS, NORMALIZE_WHITESPACE)
+    ```python, otherwise   run with ``python``
+    ```yaml with a top-  an Accelerate config file: read and validated by shardbridge_hf.read_config_file
+      level distributed_type  (what ``shardbridge launch`` does before starting any process)
+    ```text / ```yaml /    not run (output, listings, fragments of config files)
+      ```console-output ...
+    ``` (no language)      an error: say what the block is
+
+A block whose fence has ``<!-- docs-test: skip (REASON) -->`` on the line directly above is not
+run; it is counted with its reason (GPU only, hours long, needs a network, ...). A Python block
+under ``<!-- docs-test: signatures (MODULE) -->`` is an API listing: each entry
+(``name(params) -> ret``, ``def name(params)``, ``class Name:`` with annotated fields or method
+signatures) is checked against the real object in MODULE: parameter names, kinds (positional,
+``*``, keyword-only) and defaults; dataclass fields and their defaults (every field, unless the
+listing has a ``...`` line); every listed method. Each page's blocks
+run in order in one scratch directory of their own, which holds a symlink to every top-level
+entry of the repository (so ``examples/...``, ``tools/...`` resolve as from the repository root,
+and what a block writes stays in the scratch directory): a later block may use what an earlier
+one wrote (README: the demo, then ``shardbridge ckpt inspect shardbridge-demo/checkpoints``).
+The first block that fails fails its page, with the block's line, text and output. At the end
+the test prints ``docs: ran N block(s) in P page(s), skipped M (reasons)``.
+
+Run one page: ``pytest integration_tests/test_docs.py -k hf.md``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = {"bash": "bash", "sh": "bash", "python": "python"}
+NOT_RUN = {"text", "yaml", "console-output", "json", "toml", "ini", "diff", "c", "cpp", "cuda", "markdown"}
+ALIASES = {"shell": "bash", "console": "bash (or console-output for output)", "zsh": "bash", "py": "python",
+           "python3": "python", "pycon": "python (a doctest: >>>)"}  # fmt: skip
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<lang>[^`\s]*)[ \t]*$")
+MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<kind>skip|signatures)\s*\((?P<reason>.+)\)\s*-->\s*$")
+SCRIPT_NAME = re.compile(r"^#\s*(?P<name>[\w.-]+\.py)\s*$")
+BLOCK_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page."""
+
+    page: str
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    skip: str | None  # the skip marker's reason, or None
+    signatures: str | None = None  # the module a signatures marker names, or None
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+    @property
+    def script_name(self) -> str | None:
+        first = next((line for line in self.text.splitlines() if line.strip()), "")
+        match = SCRIPT_NAME.match(first)
+        return match.group("name") if self.lang == "python" and match else None
+
+
+def pages() -> list[str]:
+    found = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted(REPO.glob("packages/*/README.md"))]
+    return [str(p.relative_to(REPO)) for p in found if p.is_file()]
+
+
+def parse(page: str) -> list[Block]:
+    """Every fenced block of ``page``, with the skip marker of the line above, if any."""
+    lines = (REPO / page).read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        match = FENCE.match(lines[i])
+        if match is None:
+            i += 1
+            continue
+        indent, ticks = match.group("indent"), match.group("ticks")
+        close = re.compile(rf"^{re.escape(indent)}{ticks}`*[ \t]*$")
+        j = i + 1
+        while j < len(lines) and not close.match(lines[j]):
+            j += 1
+        if j == len(lines):
+            raise ValueError(f"{page}:{i + 1}: a code fence that is never closed")
+        body = "\n".join(line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : j])
+        above = MARKER.match(lines[i - 1]) if i else None
+        kind = above.group("kind") if above else None
+        reason = above.group("reason").strip() if above else None
+        blocks.append(
+            Block(
+                page,
+                i + 1,
+                match.group("lang").lower(),
+                body + "\n",
+                skip=reason if kind == "skip" else None,
+                signatures=reason if kind == "signatures" else None,
+            )
+        )
+        i = j + 1
+    return blocks
+
+
+def _problems(blocks: list[Block]) -> list[str]:
+    """What the collector refuses before running anything: unlabelled fences, shell/python aliases,
+    scripts no later block runs."""
+    out = []
+    for n, block in enumerate(blocks):
+        if not block.lang:
+            out.append(
+                f"{block.where}: a fence without a language; label it bash/sh/python (run) or "
+                "text/yaml/console-output (not run)"
+            )
+        elif block.lang in ALIASES:
+            out.append(f"{block.where}: ```{block.lang} is not collected; write ```{ALIASES[block.lang]}")
+        elif block.lang not in RUN and block.lang not in NOT_RUN:
+            out.append(f"{block.where}: unknown fence language {block.lang!r}; use one of {sorted({*RUN, *NOT_RUN})}")
+        name = block.script_name
+        if name and block.skip is None and not any(name in later.text for later in blocks[n + 1 :] if later.lang in RUN):
+            out.append(f"{block.where}: the script {name} is written but no later bash/python block of the page runs it")
+    return out
+
+
+def test_every_fence_says_what_it_is():
+    """No block escapes the docs test by having no language (or a language it does not collect)."""
+    problems = [p for page in pages() for p in _problems(parse(page))]
+    assert not problems, "\n".join(problems)
+
+
+def test_no_file_refers_to_notes_outside_the_repository():
+    """The repository stands alone: no file points at engineering notes that are not part of it."""
+    names = ["KNOWLEDGE" + ".md", "DESIGN" + ".md", "STYLE" + ".md", "../" + "shared", "/work/" + "shared"]
+    pattern = re.compile("|".join(re.escape(n) for n in names))
+    skip_dirs = {".git", ".venv", ".venv-core", ".venv-mcore", ".venv-wheel", ".nox", "__pycache__", "build", "dist"}
+    found = []
+    for path in REPO.rglob("*"):
+        if path.is_dir() or skip_dirs & set(path.relative_to(REPO).parts) or path.suffix in (".png", ".pyc"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [f"{path.relative_to(REPO)}:{n}" for n, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+    assert not found, found
+
+
+# -- running ------------------------------------------------------------------------------------
+
+_COUNTS: Counter = Counter()
+_SKIPPED: Counter = Counter()
+_PAGES: set = set()
+
+
+def _scratch(tmp_path: Path) -> Path:
+    """A directory that looks like the repository root for reading and keeps every write to itself."""
+    for entry in REPO.iterdir():
+        if entry.name not in (".git",) and not (tmp_path / entry.name).exists():
+            (tmp_path / entry.name).symlink_to(entry)
+    return tmp_path
+
+
+def _env() -> dict[str, str]:
+    bin_dir = str(Path(sys.executable).parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("SHARDBRIDGE_HF_CONFIG", None)
+    return env
+
+
+def _is_accelerate_config(block: Block) -> bool:
+    return block.lang == "yaml" and re.search(r"^distributed_type:", block.text, re.MULTILINE) is not None
+
+
+def _command(block: Block, cwd: Path, index: int) -> list[str] | None:
+    """The command that runs ``block`` (its text written into ``cwd``), or None for a script file."""
+    if _is_accelerate_config(block):
+        path = cwd / f".docs-block-{index}.yaml"
+        path.write_text(block.text)
+        code = "import sys; from shardbridge_hf import read_config_file; print(read_config_file(sys.argv[1]))"
+        return [sys.executable, "-c", code, str(path)]
+    if block.script_name:
+        (cwd / block.script_name).write_text(block.text)
+        return None
+    if block.lang in ("bash", "sh"):
+        path = cwd / f".docs-block-{index}.sh"
+        path.write_text(block.text)
+        return ["bash", "-e", "-o", "pipefail", str(path)]
+    if block.text.lstrip().startswith(">>>"):
+        path = cwd / f".docs-block-{index}.txt"
+        path.write_text(block.text)
+        return [sys.executable, "-m", "doctest", "-o", "ELLIPSIS", "-o", "NORMALIZE_WHITESPACE", str(path)]
+    path = cwd / f".docs-block-{index}.py"
+    path.write_text(block.text)
+    return [sys.executable, str(path)]
+
+
+# -- API listings ([Note: executed docs], the signatures marker) ---------------------------------
+
+
+def _entries(text: str) -> list[str]:
+    """The listing's entries: a line at column 0 starts one, indented lines continue it."""
+    out: list[str] = []
+    for line in text.splitlines():
+        code = re.sub(r"\s+#.*$", "", line.rstrip())  # a trailing comment
+        if not code.strip() or code.lstrip().startswith("#"):
+            continue
+        open_brackets = sum(out[-1].count(c) for c in "([{") - sum(out[-1].count(c) for c in ")]}") if out else 0
+        # a continuation: indented, inside open brackets, or after a decorator
+        if out and (code[0].isspace() or open_brackets > 0 or out[-1].splitlines()[-1].startswith("@")):
+            out[-1] += "\n" + code
+        else:
+            out.append(code)
+    return out
+
+
+def _default_text(node: ast.expr | None) -> str | None:
+    return None if node is None else ast.unparse(node)
+
+
+def _params(args: ast.arguments) -> list[tuple[str, str, str | None]]:
+    """(name, kind, default source) per parameter of an ast signature."""
+    positional = [*args.posonlyargs, *args.args]
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    out = [(a.arg, "positional", _default_text(d)) for a, d in zip(positional, defaults)]
+    if args.vararg:
+        out.append((args.vararg.arg, "*args", None))
+    out += [(a.arg, "keyword", _default_text(d)) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    if args.kwarg:
+        out.append((args.kwarg.arg, "**kwargs", None))
+    return out
+
+
+_KINDS = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional",
+    inspect.Parameter.VAR_POSITIONAL: "*args",
+    inspect.Parameter.KEYWORD_ONLY: "keyword",
+    inspect.Parameter.VAR_KEYWORD: "**kwargs",
+}
+
+
+def _same_default(listed: str | None, actual: object) -> bool:
+    if listed is None:
+        return actual is inspect.Parameter.empty
+    if actual is inspect.Parameter.empty:
+        return False
+    try:
+        return ast.literal_eval(listed) == actual
+    except ValueError:  # a name such as torch.float32
+        return listed.split(".")[-1] == (getattr(actual, "__name__", None) or repr(actual).split(".")[-1])
+
+
+def _compare_function(where: str, listed: ast.arguments, target: object, skip_self: bool) -> list[str]:
+    actual = [
+        (p.name, _KINDS[p.kind], p.default)
+        for p in inspect.signature(target).parameters.values()
+        if not (skip_self and p.name == "self")
+    ]
+    mine = [p for p in _params(listed) if not (skip_self and p[0] == "self")]
+    if [(n, k) for n, k, _ in mine] != [(n, k) for n, k, _ in actual]:
+        return [f"{where}: listed {[(n, k) for n, k, _ in mine]}, actual {[(n, k) for n, k, _ in actual]}"]
+    return [
+        f"{where}: default of {n} listed as {d}, actual {a!r}"
+        for (n, _, d), (_, _, a) in zip(mine, actual)
+        if not _same_default(d, a)
+    ]
+
+
+def _field_default(field: dataclasses.Field) -> object:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return field.default_factory()  # type: ignore[misc]
+    return inspect.Parameter.empty
+
+
+def check_signatures(block: Block) -> list[str]:
+    """Each entry of an API listing against the real object (see [Note: executed docs])."""
+    module = importlib.import_module(block.signatures)
+    problems = []
+    for entry in _entries(block.text):
+        source = entry if entry.startswith(("def ", "class ", "@")) else "def " + entry
+        source = re.sub(r"\)(\s*->[^:\n]*)?\s*$", r")\1: ...", source) if not source.startswith(("class", "@")) else source
+        try:
+            tree = ast.parse(source)
+        except SyntaxError as exc:
+            problems.append(f"cannot read the entry as a signature ({exc.msg}): {entry.splitlines()[0]}")
+            continue
+        node = tree.body[0]
+        target = getattr(module, node.name, None)
+        if target is None:
+            problems.append(f"{block.signatures} has no {node.name!r}")
+        elif isinstance(node, ast.FunctionDef):
+            problems += _compare_function(node.name, node.args, target, skip_self=False)
+        elif dataclasses.is_dataclass(target):
+            fields = {f.name: f for f in dataclasses.fields(target)}
+            listed = {i.target.id for i in node.body if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)}
+            elided = any(
+                isinstance(i, ast.Expr) and isinstance(i.value, ast.Constant) and i.value.value is Ellipsis
+                for i in node.body
+            )
+            if not elided and set(fields) - listed:  # a complete listing unless it says "..."
+                problems.append(f"{node.name}: fields {sorted(set(fields) - listed)} are not listed (or add a ... line)")
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    name = item.target.id
+                    if name not in fields:
+                        problems.append(f"{node.name} has no field {name!r} (fields: {list(fields)})")
+                    elif item.value is not None and not _same_default(ast.unparse(item.value), _field_default(fields[name])):
+                        problems.append(f"{node.name}.{name}: default listed as {ast.unparse(item.value)}, "
+                                        f"actual {_field_default(fields[name])!r}")  # fmt: skip
+        else:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    method = getattr(target, item.name, None)
+                    if method is None:
+                        problems.append(f"{node.name} has no method {item.name!r}")
+                    else:
+                        problems += _compare_function(f"{node.name}.{item.name}", item.args, method, skip_self=True)
+    return problems
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _missing_extras() -> list[str]:
+    from shardbridge.extras import missing_requirements
+
+    return missing_requirements("all")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    bool(_missing_extras()),
+    reason=f"the docs run in tools/test.sh's environment (extras all,te-structural); not installed: {_missing_extras()}",
+)
+@pytest.mark.parametrize(
+    "page", [p for p in pages() if any(b.lang in RUN or _is_accelerate_config(b) for b in parse(p))]
+)
+def test_page_runs_as_printed(page, tmp_path):
+    blocks = parse(page)
+    problems = _problems(blocks)
+    assert not problems, "\n".join(problems)
+    cwd = _scratch(tmp_path)
+    _PAGES.add(page)
+    for index, block in enumerate(blocks):
+        if block.lang not in RUN and not _is_accelerate_config(block):
+            continue
+        if block.skip is not None:
+            _SKIPPED[block.skip] += 1
+            continue
+        if block.signatures is not None:
+            problems = check_signatures(block)
+            assert not problems, f"{block.where}: the listing does not match {block.signatures}:\n" + "\n".join(problems)
+            _COUNTS["ran"] += 1
+            continue
+        command = _command(block, cwd, index)
+        if command is None:
+            continue
+        start = time.perf_counter()
+        try:
+            run = subprocess.run(
+                command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{block.where}: the block ran longer than {BLOCK_TIMEOUT_S} s:\n{block.text}")
+        _COUNTS["ran"] += 1
+        _COUNTS["seconds"] += time.perf_counter() - start
+        assert run.returncode == 0, (
+            f"{block.where} ({block.lang}) exited {run.returncode}:\n{block.text}\n--- output (tail) ---\n"
+            f"{_tail(run.stdout)}\n{_tail(run.stderr)}"
+        )
+
+
+def summary() -> str | None:
+    """``docs: ran N block(s) ..., skipped M (reasons)``, or None when no page ran."""
+    if not _PAGES:
+        return None
+    skipped = sum(_SKIPPED.values())
+    reasons = "; ".join(f"{n} x {reason}" for reason, n in sorted(_SKIPPED.items(), key=lambda kv: -kv[1]))
+    return (
+        f"docs: ran {_COUNTS['ran']} block(s) in {len(_PAGES)} page(s) ({_COUNTS['seconds']:.0f} s), "
+        f"skipped {skipped}" + (f" ({reasons})" if reasons else "")
+    )
