@@ -504,16 +504,28 @@ class ArchResult:
         return all(v == "pass" for v in self.checks.values())
 
 
-def run_arch(model_type: str, *, timeout: float = 300, **extra) -> ArchResult:
-    """Every check of the module docstring for one architecture."""
+RUN_TIMEOUT = 300.0
+"""Seconds one distributed run may take (the script's ``--timeout``)."""
+PG_TIMEOUT: float | None = None
+"""Collective timeout of the gloo pool; None = the harness default (the script's ``--pg-timeout``: a
+background run at ``nice 19`` on a shared machine can wait longer than that for a core)."""
+
+
+def _run4(fn, *args, **kwargs) -> list:
     from shardbridge.testing import run_distributed
 
+    pg = {} if PG_TIMEOUT is None else {"pg_timeout": PG_TIMEOUT}
+    return run_distributed(fn, *args, world_size=4, timeout=RUN_TIMEOUT, **pg, **kwargs)
+
+
+def run_arch(model_type: str, **extra) -> ArchResult:
+    """Every check of the module docstring for one architecture."""
     checks: dict[str, str] = {}
     grads: dict[str, GradMatch] = {}
     with tempfile.TemporaryDirectory() as root:
         try:
             ref = reference(model_type, **extra)
-            runs = run_distributed(train_save_resume_export, model_type, root, world_size=4, timeout=timeout, **extra)
+            runs = _run4(train_save_resume_export, model_type, root, **extra)
         except Exception as exc:  # noqa: BLE001 - reported in the table
             reason = _reason(exc)
             return ArchResult({c: reason for c in CHECKS})
@@ -524,7 +536,7 @@ def run_arch(model_type: str, *, timeout: float = 300, **extra) -> ArchResult:
         grads["dp2_tp2"] = compare_step1({"losses": r0["losses"], "grads": r0["grads"], "norm": r0["norm"]}, ref)
         checks["match_dp2_tp2"] = grads["dp2_tp2"].verdict()
         try:
-            got = run_distributed(first_step, model_type, layout="hsdp_tp2", world_size=4, timeout=timeout, **extra)[0]
+            got = _run4(first_step, model_type, layout="hsdp_tp2", **extra)[0]
             grads["hsdp_tp2"] = compare_step1(got, ref)
             checks["match_hsdp_tp2"] = grads["hsdp_tp2"].verdict()
         except Exception as exc:  # noqa: BLE001
@@ -532,7 +544,7 @@ def run_arch(model_type: str, *, timeout: float = 300, **extra) -> ArchResult:
         checks["resume"] = "pass" if not r0["resume_mismatch"] else f"differs: {r0['resume_mismatch'][:2]}"
         for name, dims in RESHARD.items():
             try:
-                got = run_distributed(load_full, model_type, root, dims, world_size=4, timeout=timeout, **extra)[0]
+                got = _run4(load_full, model_type, root, dims, **extra)[0]
                 diff = [n for n, p in r0["params"].items() if not torch.equal(got[n], p)]
                 checks[f"reshard_{name}"] = "pass" if not diff else f"differs: {diff[:2]}"
             except Exception as exc:  # noqa: BLE001
@@ -544,14 +556,12 @@ def run_arch(model_type: str, *, timeout: float = 300, **extra) -> ArchResult:
     return ArchResult({c: checks[c] for c in CHECKS}, grads)
 
 
-def run_variant(model_type: str, variant: str, *, timeout: float = 300) -> ArchResult:
+def run_variant(model_type: str, variant: str) -> ArchResult:
     """``match_dp2_tp2`` (step 1) of ``model_type`` with the overrides of ``variants(model_type)[variant]``."""
-    from shardbridge.testing import run_distributed
-
     extra = variants(model_type)[variant]
     try:
         ref = reference(model_type, steps=1, **extra)
-        got = run_distributed(first_step, model_type, world_size=4, timeout=timeout, **extra)[0]
+        got = _run4(first_step, model_type, **extra)[0]
     except Exception as exc:  # noqa: BLE001 - reported in the table
         return ArchResult({"match_dp2_tp2": _reason(exc)})
     match = compare_step1(got, ref)
@@ -603,10 +613,14 @@ def row(model_type: str) -> str:
 
 def main(argv: list[str]) -> None:
     """Run the sweep and print the docs/hf.md table (markdown), one row per architecture as it finishes."""
+    global RUN_TIMEOUT, PG_TIMEOUT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("archs", nargs="*", help="model types (default: every architecture with a TP or EP plan)")
     parser.add_argument("--shard", default="1/1", help="I/N: run every N-th architecture starting at the I-th")
+    parser.add_argument("--timeout", type=float, default=RUN_TIMEOUT, help="seconds per distributed run")
+    parser.add_argument("--pg-timeout", type=float, default=None, help="gloo collective timeout (seconds)")
     args = parser.parse_args(argv)
+    RUN_TIMEOUT, PG_TIMEOUT = args.timeout, args.pg_timeout
     index, count = (int(x) for x in args.shard.split("/"))
     archs = args.archs or sorted(sweep_archs())
     archs = archs[index - 1 :: count]
