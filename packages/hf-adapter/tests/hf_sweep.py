@@ -239,7 +239,8 @@ def variants(model_type: str) -> dict[str, dict]:
     - ``shared_experts``: shared experts on (count 1, size 64) where the tiny config has none
       (Qwen1.5-MoE, DeepSeek publish them).
 
-    A variant whose overrides leave the tiny config as it is (the knob already set) is not listed.
+    A variant whose overrides leave the tiny config as it is (the knob already set), or that the
+    config class refuses (a field typed ``int`` cannot be None), is not listed.
     """
     fields = _defaults(model_type)
     base = tiny_config(model_type).to_dict()
@@ -260,8 +261,19 @@ def variants(model_type: str) -> dict[str, dict]:
     return {
         name: overrides
         for name, overrides in out.items()
-        if any(base.get(k, object()) != v for k, v in overrides.items())
+        if any(base.get(k, object()) != v for k, v in overrides.items()) and _accepts(model_type, overrides)
     }
+
+
+def _accepts(model_type: str, overrides: dict) -> bool:
+    """Does the config class take these values (axk1 types ``q_lora_rank: int``: no MLA without q-LoRA)?"""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' typed config fields
+
+    try:
+        tiny_config(model_type, **overrides)
+    except (TypeError, ValueError, StrictDataclassError):
+        return False
+    return True
 
 
 def build(model_type: str, seed: int, **extra):
