@@ -1,6 +1,6 @@
 """The architecture sweep (``hf_sweep.py``) as a test: train, match one process gradient by gradient, resume, reshard, export.
 
-Default run: ``hf_sweep.CI_ARCHS`` and ``hf_sweep.CI_VARIANTS``. ``SHARDBRIDGE_HF_SWEEP=all`` runs
+Default run: ``hf_sweep.CI_ARCHS`` (``match_hsdp_tp2`` for ``hf_sweep.CI_HSDP``) and ``hf_sweep.CI_VARIANTS``. ``SHARDBRIDGE_HF_SWEEP=all`` runs
 every ``*ForCausalLM`` of the installed transformers whose config has a TP plan (those with only
 an EP plan and the documented exceptions of ``hf_sweep.KNOWN`` are listed, not run: docs/hf.md,
 "Architecture sweep") and every variant of each; ``SHARDBRIDGE_HF_SWEEP=a,b`` runs the named ones.
@@ -40,6 +40,7 @@ def _selected_variants() -> list[tuple[str, str]]:
 def test_ci_slice_is_runnable():
     archs = S.sweep_archs()
     assert set(S.CI_ARCHS) <= set(archs) and all(S.skip_reason(a) is None for a in S.CI_ARCHS)
+    assert set(S.CI_HSDP) <= set(S.CI_ARCHS)
     for arch, variant in S.CI_VARIANTS:
         assert S.skip_reason(arch) is None and variant in S.variants(arch), (arch, variant)
 
@@ -90,8 +91,10 @@ def test_gradient_comparison_catches_a_scaled_gradient():
 
 @pytest.mark.parametrize("model_type", _selected())
 def test_architecture(model_type):
-    result = S.run_arch(model_type)
-    assert result.passed(), result.checks
+    hsdp = bool(os.environ.get("SHARDBRIDGE_HF_SWEEP")) or model_type in S.CI_HSDP
+    result = S.run_arch(model_type, hsdp=hsdp)
+    expected = [c for c in S.CHECKS if hsdp or c != "match_hsdp_tp2"]
+    assert result.checks == dict.fromkeys(expected, "pass"), result.checks
 
 
 @pytest.mark.parametrize(("model_type", "variant"), _selected_variants())
