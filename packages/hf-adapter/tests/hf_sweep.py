@@ -93,6 +93,8 @@ BASE = dict(
     # shared experts: sizes only (whether a config has them is the "shared_experts" variant's business)
     shared_experts_intermediate_size=64,
     moe_shared_expert_intermediate_size=64,
+    # per-layer input embeddings (Gemma 3n / 4): their own vocabulary, 262144 x 256 per layer by default
+    vocab_size_per_layer_input=H.VOCAB,
 )
 
 # Per-architecture fixes on top of BASE (field names differ between configs).
@@ -126,6 +128,10 @@ OVERRIDES: dict[str, dict] = {
     # default: 2e9 params; its fields are named moe_topk / num_layers (BASE's names are aliases the
     # config's to_dict does not list), so top-12 of 4 + 2 experts and 28 layers without these
     "longcat_flash": dict(ffn_hidden_size=128, expert_ffn_hidden_size=64, zero_expert_num=2, moe_topk=2, num_layers=1),
+    # GPT-J style fields (BASE reaches n_embd / n_layer / n_head / n_positions through the aliases): the
+    # default rotary_dim 64 is more than a tiny head (64 / 8 = 8)
+    "codegen": dict(rotary_dim=4, n_ctx=64),
+    "gptj": dict(rotary_dim=4),
 }
 
 # The default CI run: representative architectures, one or more per style family (budget:
@@ -209,11 +215,18 @@ def _defaults(model_type: str) -> frozenset:
 
 
 def tiny_config(model_type: str, **extra):
-    """A tiny fp32 config of ``model_type``: BASE where the config has the field, no dropout."""
+    """A tiny fp32 config of ``model_type``: BASE where the config has the field (or its alias), no dropout.
+
+    Aliases are the config class's ``attribute_map`` (GPT-J / CodeGen: ``n_embd`` for ``hidden_size``).
+    """
     from transformers import AutoConfig
 
     fields = _defaults(model_type)
-    kwargs = {k: v for k, v in BASE.items() if k in fields}
+    aliases = getattr(type(AutoConfig.for_model(model_type)), "attribute_map", {}) or {}
+    # An alias never overrides a field BASE sets by its own name (DeepSeek-V4 maps intermediate_size to
+    # moe_intermediate_size, which BASE sizes itself).
+    kwargs = {aliases[k]: v for k, v in BASE.items() if k not in fields and aliases.get(k) in fields}
+    kwargs.update({k: v for k, v in BASE.items() if k in fields})
     if "qk_rope_head_dim" in fields:  # MLA: the rotary part of a head
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
     kwargs.update(OVERRIDES.get(model_type, {}))
@@ -279,11 +292,23 @@ def _accepts(model_type: str, overrides: dict) -> bool:
     return True
 
 
+MAX_PARAMS = 5e7  # a "tiny" model above this (200 MB fp32) has size fields BASE does not reach
+
+
 def build(model_type: str, seed: int, **extra):
+    """The tiny model, in fp32, train mode; ValueError (before allocating) when it is not tiny."""
     from transformers import AutoModelForCausalLM
 
+    config = tiny_config(model_type, **extra)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if num_params > MAX_PARAMS:
+        raise ValueError(
+            f"the tiny {model_type} config has {num_params:.1e} parameters (> {MAX_PARAMS:.0e}): some of its size "
+            "fields have names BASE does not reach; add them to hf_sweep.OVERRIDES"
+        )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **extra), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.train()
 
 
