@@ -6,6 +6,8 @@ Oracles: the ``save_pretrained`` model itself (``full_tensor()`` of every parame
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -25,11 +27,11 @@ def _save(folder, tied: bool) -> torch.nn.Module:
     return model
 
 
-def _load(folder: str, empty: str) -> dict:
+def _load(folder: str, empty: str, dims: dict) -> dict:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    acc = H.sb_accelerator(ParallelDims(**dims))
     # init_empty_weights: parameters on meta, RoPE buffers real, ties lost (prepare re-ties).
     # torch.device("meta"): everything on meta (prepare recomputes RoPE's inv_freq).
     with init_empty_weights() if empty == "init_empty_weights" else torch.device("meta"):
@@ -59,16 +61,32 @@ def _load(folder: str, empty: str) -> dict:
     }
 
 
+# Every world size: one process (no FSDP2, no TP), tp only (no FSDP2), dp only, dp x tp. A tied folder
+# once failed in one process ("'lm_head.weight' not in the checkpoint": to_empty untied the embedding).
+LAYOUTS = {"1": {}, "tp2": {"tp": 2}, "dp4": {"dp_shard": 4}, "dp2_tp2": DP2_TP2}
+
+
 @pytest.mark.parametrize(
-    ("tied", "empty"),
-    [(False, "init_empty_weights"), (True, "init_empty_weights"), (True, "meta")],
-    ids=["untied-init_empty_weights", "tied-init_empty_weights", "tied-meta"],
+    ("tied", "empty", "layout"),
+    [
+        (False, "init_empty_weights", "dp2_tp2"),
+        (True, "init_empty_weights", "dp2_tp2"),
+        (True, "meta", "dp2_tp2"),
+        (True, "meta", "1"),
+        (True, "init_empty_weights", "1"),
+        (False, "meta", "1"),
+        (True, "meta", "tp2"),
+        (True, "meta", "dp4"),
+    ],
+    ids=lambda v: {True: "tied", False: "untied"}.get(v, v) if isinstance(v, bool) else v,
 )
-def test_load_pretrained_shard_on_read_matches_the_unsharded_model(tmp_path, tied, empty):
+def test_load_pretrained_shard_on_read_matches_the_unsharded_model(tmp_path, tied, empty, layout):
     ref = _save(tmp_path / "hf", tied)
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
-    results = run_distributed(_load, str(tmp_path / "hf"), empty, world_size=4, timeout=180)
-    ids = H.global_batch(1, 2)
+    dims = LAYOUTS[layout]
+    world = math.prod(dims.values())
+    results = run_distributed(_load, str(tmp_path / "hf"), empty, dims, world_size=world, timeout=180)
+    ids = H.global_batch(1, dims.get("dp_shard", 1))  # the batch every dp rank's share comes from
     with torch.no_grad():
         ref_loss = ref(input_ids=ids, labels=ids).loss.item()
     for rank, r in enumerate(results):
@@ -77,8 +95,8 @@ def test_load_pretrained_shard_on_read_matches_the_unsharded_model(tmp_path, tie
             assert torch.equal(r["full"][name], p), (rank, name)
         assert r["tied"] == tied
         torch.testing.assert_close(r["losses"][0], ref_loss, rtol=1e-5, atol=1e-6)
-        # dp2 x tp2: a rank reads ~1/4 of the weights (norms are replicated over tp: 1/2 of them).
-        assert r["bytes"] < 0.3 * r["total"], (rank, r["bytes"], r["total"])
+        # A rank reads ~1/world of the weights (norms replicated over tp: 1/dp of them); one process all.
+        assert r["bytes"] <= (1 / world + 0.05) * r["total"], (rank, r["bytes"], r["total"])
 
 
 def _load_moe(folder: str) -> str:

@@ -48,7 +48,7 @@ def test_plan_entries_may_name_parameters():
     assert plan["model.layers.1.mlp.experts"] == "moe_tp_experts"
 
 
-def test_unplanned_per_head_norm_is_refused():
+def test_unplanned_per_head_norm_gets_the_data_flow_rule():
     model = H.tiny_model("qwen3", head_dim=8)
     auto = resolve_tp_plan(model)  # the model's own plan names q_norm / k_norm
     assert auto["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
@@ -58,14 +58,11 @@ def test_unplanned_per_head_norm_is_refused():
         "model.layers.*.self_attn.v_proj": "colwise",
         "model.layers.*.self_attn.o_proj": "rowwise",
     }
-    with pytest.raises(
-        ValueError,
-        match=r"model\.layers\.0\.self_attn\.q_norm.*drift apart.*"
-        r"'model\.layers\.\*\.self_attn\.q_norm': 'replicated_with_grad_allreduce'",
-    ):
-        resolve_tp_plan(model, user)
-    user["model.layers.*.self_attn.q_norm"] = user["model.layers.*.self_attn.k_norm"] = "replicated_with_grad_allreduce"
-    assert len(resolve_tp_plan(model, user)) == 2 * 6
+    # A user plan that leaves them out: they sit in a block with colwise and rowwise layers, so they
+    # get the same rule (their gradients all-reduced iff partial, [Note: partial gradients over tp]).
+    plan = resolve_tp_plan(model, user)
+    assert len(plan) == 2 * 6
+    assert plan["model.layers.1.self_attn.k_norm"] == "replicated_with_grad_allreduce"
 
 
 # -- per-head norms: one Replicate DTensor on the tp mesh, no drift ---------------------------

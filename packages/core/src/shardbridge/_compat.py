@@ -42,6 +42,7 @@ __all__ = [
     "dcp_set_element",
     "compute_local_shape_and_global_offset",
     "distribution_version",
+    "dtensor_boundary",
     "dtensor_to_local",
     "fake_store",
     "flash_attention_cpu",
@@ -184,6 +185,25 @@ class _ToLocalKeepingLayout(torch.autograd.Function):
             return None, None
         mesh, placements, shape, stride = ctx.meta
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None
+
+
+def dtensor_boundary(node: Any) -> tuple[str, tuple[Any, ...]] | None:
+    """Is autograd ``node`` a DTensor <-> local tensor boundary, and with which placements?
+
+    ``("to_local", placements of the DTensor)`` for the node ``DTensor.to_local()`` creates
+    (torch's ``_ToTorchTensor``: its ctx ``dtensor_spec``), ``("from_local", placements)`` for
+    ``DTensor.from_local()``'s (``_FromTorchTensor``: ctx ``forward_input_placements``); None for any
+    other node. Gradient-flow analyses walk the plain-tensor graph between such boundaries.
+    Checked: 2.11, 2.13, 2.14.
+    """
+    name = type(node).__name__
+    if name == "_ToTorchTensorBackward":
+        return "to_local", tuple(node.dtensor_spec.placements)
+    if name == "_FromTorchTensorBackward":
+        return "from_local", tuple(node.forward_input_placements)
+    if name == "_ToLocalKeepingLayoutBackward":
+        return "to_local", node.meta[1]
+    return None
 
 
 def dtensor_to_local(t: DTensor, grad_placements: Any) -> torch.Tensor:

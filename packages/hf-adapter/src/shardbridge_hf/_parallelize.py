@@ -290,6 +290,16 @@ def _on_meta_everywhere(model: nn.Module) -> bool:
     return everywhere
 
 
+def _shared_params(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """``(module, name)`` registrations of each parameter registered more than once (tied weights)."""
+    by_id: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                by_id.setdefault(id(p), []).append((module, name))
+    return [regs for regs in by_id.values() if len(regs) > 1]
+
+
 @torch.no_grad()
 def _materialise_on(model: nn.Module, device: torch.device) -> None:
     """Allocate every ``meta`` tensor on ``device`` (uninitialised), keeping the real ones' values.
@@ -310,7 +320,14 @@ def _materialise_on(model: nn.Module, device: torch.device) -> None:
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers(remove_duplicate=False)))
     real = {name: _local(t).clone() for name, t in tensors.items() if not _local(t).is_meta}
+    shared = _shared_params(model)
     model.to_empty(device=device)
+    for (owner, name), *aliases in shared:
+        # to_empty gives every registration of a meta parameter its own new Parameter (a meta -> cpu
+        # tensor cannot be swapped in place), which unties tied embeddings where nothing else holds
+        # them together (no FSDP2: one process, tp only); point the aliases back at one Parameter.
+        for alias_owner, alias_name in aliases:
+            alias_owner._parameters[alias_name] = owner._parameters[name]
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers(remove_duplicate=False)))
     for name, value in real.items():

@@ -7,8 +7,6 @@ checkpoint reshards them, clipping sees one parameter), and changes only what th
 must see::
 
     HF style                        parameters (tp mesh)             forward
-    replicated_with_grad_allreduce  Replicate                        input -> Shard(heads dim) DTensor, output
-      (Qwen3 q_norm / k_norm)                                        local; dW is Partial -> Replicate (all-reduce)
     sequence_parallel               Replicate                        torch SequenceParallel, local output
     packed_colwise                  _StridedShard(out dim, sf=2)     local params; input grad all-reduced
     packed_rowwise                  _StridedShard(-1, sf=2)          (a parameter style, used under moe_tp_experts)
@@ -20,11 +18,10 @@ must see::
     mla_kv_a_proj                   -                                rope part of the output: grad all-reduced
     moe_identity_expert             -                                input / tp (moe_tp_experts sums it tp times)
 
-``replicated_with_grad_allreduce``: a per-head norm only sees this rank's heads, so each
-rank's weight gradient covers its heads only. transformers all-reduces ``param.grad`` in a
-hook; here the weight is a Replicate DTensor and the input a Shard(heads) DTensor, so DTensor's
-own backward turns the Partial weight gradient into Replicate (one all-reduce), and FSDP2,
-clipping and checkpoints see one ordinary parameter.
+``replicated_with_grad_allreduce`` (``shardbridge_hf._partial``): Replicate parameters whose
+gradient is all-reduced over tp exactly when the data flow makes it partial ([Note: partial
+gradients over tp]); transformers all-reduces it always, which doubles it at tp=2 where the
+input is replicated (DeepSeek-V2's ``kv_a_layernorm`` without q-LoRA).
 
 "Local params" = for the duration of the module's forward its DTensor parameters are swapped
 for ``to_local()`` views (differentiable: the gradient comes back as a DTensor with the same
@@ -39,13 +36,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardbridge_hf._partial import GRAD_SUMMED_ATTR, OUTPUT_SUMMED_ATTR
+
 __all__ = [
     "AllReduceOutput",
-    "HeadNormParallel",
     "LocalParamsForward",
     "MlaKvAProjParallel",
     "MoeExpertsParallel",
@@ -141,6 +139,7 @@ class _AllReduceForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        setattr(ctx, OUTPUT_SUMMED_ATTR, True)  # replicated output: see [Note: partial gradients over tp]
         x = x.contiguous().clone()
         dist.all_reduce(x, group=group)
         return x
@@ -156,6 +155,7 @@ class _AllReduceBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
+        setattr(ctx, GRAD_SUMMED_ATTR, True)  # full input gradient: see [Note: partial gradients over tp]
         return x.view_as(x)
 
     @staticmethod
@@ -169,43 +169,6 @@ def _grad_allreduce(x: Any, group: Any) -> Any:
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.requires_grad and torch.is_grad_enabled():
         return _AllReduceBackward.apply(x, group)
     return x
-
-
-class HeadNormParallel(ParallelStyle):
-    """``replicated_with_grad_allreduce``: a per-head norm between a colwise and a rowwise layer.
-
-    See [Note: HF styles beyond colwise / rowwise]. The input ``(..., heads, head_dim)`` holds
-    this rank's heads: it becomes a ``Shard(ndim - 2)`` DTensor, the weight a Replicate one.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        if not any(p is not None for p in module._parameters.values()):
-            # No weight (Gemma 3n's `v_norm`, with_scale=False): no gradient to all-reduce, and the
-            # forward must stay on the local heads -- a Shard(-1) DTensor input would make its
-            # mean over head_dim a mean across the TP ranks' heads.
-            return module
-        for name in list(module._parameters):
-            distribute_param(module, name, Replicate(), device_mesh, self.src_data_rank)
-
-        sizes = {p.shape[-1] for p in module.parameters(recurse=False) if p.ndim}
-
-        def pre(mod: nn.Module, args: Any) -> Any:
-            x, *rest = args
-            if not isinstance(x, DTensor):
-                # A per-feature weight over the last dim (a head norm): the heads dim -2 is local.
-                # Otherwise (scalar parameters, e.g. a learnable activation between colwise and
-                # rowwise) the features dim -1 is. Local -> Shard(dim): the weight gradient is
-                # then Partial over tp and becomes Replicate (all-reduce).
-                dim = x.ndim - 2 if x.ndim >= 3 and x.shape[-1] in sizes and max(sizes) > 1 else x.ndim - 1
-                x = DTensor.from_local(x, device_mesh, [Shard(dim)], run_check=False)
-            return (x, *rest)
-
-        def post(mod: nn.Module, args: Any, output: Any) -> Any:
-            return output.to_local() if isinstance(output, DTensor) else output
-
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
-        return module
 
 
 class PackedColwiseParallel(ParallelStyle):

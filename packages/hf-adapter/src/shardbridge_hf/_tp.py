@@ -20,9 +20,14 @@ so every sharded parameter is a DTensor (FSDP2, clipping, checkpoints and export
     embedding_rowwise        RowwiseParallel(Replicate in / out)                  Shard(0) vocab rows
     embedding_colwise        ColwiseParallel(Replicate in / out)                  Shard(1) hidden
     sequence_parallel        SequenceParallel(use_local_output=True)              Replicate
-    replicated_with_grad_allreduce, packed_colwise, moe_tp_experts, moe_identity_expert,
-    local_params, all_reduce, mla_kv_a_proj: see [Note: HF styles beyond colwise / rowwise]
+    replicated_with_grad_allreduce  Replicate params; gradient all-reduced iff partial, see
+                             [Note: partial gradients over tp]
+    packed_colwise, moe_tp_experts, moe_identity_expert, local_params, all_reduce,
+    mla_kv_a_proj: see [Note: HF styles beyond colwise / rowwise]
     replicate                nothing: plain replicated parameters (as unplanned modules)
+
+Each style is one entry of a table (``_LOWERINGS`` for module entries, ``_PARAM_PLACEMENTS`` for
+bare-parameter entries); :data:`SUPPORTED_STYLES` is its key list.
 
     HF style (parameter)     placement
     colwise*                 Shard(ndim - 2)        (experts [E, out, in]: the out dim)
@@ -39,9 +44,10 @@ so every sharded parameter is a DTensor (FSDP2, clipping, checkpoints and export
 them with ``view(..., -1, head_dim)`` into the local heads, which is why heads must divide
 evenly (checked by :func:`check_tp_divides`). Modules the plan does not name keep plain
 replicated parameters: every TP rank computes the same values from the same batch -- unless
-the module sits between a local-output colwise layer and its rowwise partner (a per-head
-norm): it then sees only this rank's heads and its replicas would drift apart, so
-:func:`resolve_tp_plan` refuses such a plan (``check_head_norms``).
+the module sits in a block between a local-output colwise layer and its rowwise partner (a
+per-head norm): it may then see only this rank's heads, and left alone its replicas would drift
+apart. :func:`resolve_tp_plan` gives such modules ``replicated_with_grad_allreduce``
+(:func:`unplanned_in_tp_blocks`), whose gradients the data flow decides.
 
 Tied input / output embeddings: ``embedding_rowwise`` and ``colwise_gather_output`` both
 shard the ``[vocab, hidden]`` weight as Shard(0), so the tied weight stays ONE DTensor
@@ -55,7 +61,8 @@ styles, [Note: MXFP8 under tensor parallelism]).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardbridge import check_tp_divides as check_sizes_divide
@@ -70,6 +77,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardbridge_hf import _styles
+from shardbridge_hf._partial import ReplicatedGradParallel, install_decider
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -78,32 +86,14 @@ __all__ = [
     "REFUSED_STYLES",
     "SUPPORTED_STYLES",
     "apply_tp",
-    "check_head_norms",
     "check_tp_divides",
     "installed_hf_styles",
     "resolve_tp_plan",
+    "unplanned_in_tp_blocks",
 ]
 
 _COLWISE = ("colwise", "colwise_gather_output", "colwise_rep")
 _ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep")
-
-#: The transformers plan styles this adapter lowers (see [Note: HF TP plan on the shardbridge mesh]).
-SUPPORTED_STYLES: tuple[str, ...] = (
-    *_COLWISE,
-    *_ROWWISE,
-    "embedding_rowwise",
-    "embedding_colwise",
-    "replicated_with_grad_allreduce",
-    "sequence_parallel",
-    "packed_colwise",
-    "packed_rowwise",
-    "moe_tp_experts",
-    "moe_identity_expert",
-    "local_params",
-    "all_reduce",
-    "mla_kv_a_proj",
-    "replicate",
-)
 
 #: Styles refused by name, with why and what to do instead.
 REFUSED_STYLES: dict[str, str] = {
@@ -138,9 +128,11 @@ def resolve_tp_plan(model: nn.Module, plan: str | Mapping[str, Any] = "auto") ->
             top model, ``*`` matching one FQN component, naming a module or a parameter.
             Styles are HF names or torch ``ParallelStyle`` instances.
 
+    Unplanned modules with parameters inside a block with colwise and rowwise layers get
+    ``replicated_with_grad_allreduce`` (:func:`unplanned_in_tp_blocks`).
+
     Raises:
-        ValueError: no plan on the model, a pattern that matches nothing, or a plan that
-            leaves a per-head norm unplanned (:func:`check_head_norms`).
+        ValueError: no plan on the model, or a pattern that matches nothing.
         NotImplementedError: a style outside :data:`SUPPORTED_STYLES`.
 
     Example:
@@ -174,8 +166,9 @@ def resolve_tp_plan(model: nn.Module, plan: str | Mapping[str, Any] = "auto") ->
             )
         for name in matched:
             out[name] = style
-    for name in check_head_norms(model, out, refuse=not auto):
-        # The model's own plan misses it (e.g. Apertus' learnable XIELU activation): handled.
+    for name in unplanned_in_tp_blocks(model, out):
+        # The plan leaves it out (e.g. Apertus' learnable XIELU activation): the data flow decides
+        # whether its gradient is all-reduced over tp, see [Note: partial gradients over tp].
         out[name] = "replicated_with_grad_allreduce"
     if auto:
         _fix_packed_experts(out)
@@ -226,18 +219,22 @@ def _check_style(style: str, pattern: str) -> None:
         )
 
 
-def check_head_norms(model: nn.Module, plan: Mapping[str, Any], *, refuse: bool = True) -> list[str]:
-    """Modules with parameters left unplanned between a colwise layer and its rowwise partner.
+def unplanned_in_tp_blocks(model: nn.Module, plan: Mapping[str, Any]) -> list[str]:
+    """Unplanned modules with parameters inside a block that has colwise (local-output) and rowwise layers.
 
-    A parent whose children include a local-output ``colwise`` layer hands its other children
-    this rank's heads only (Qwen3's ``q_norm`` / ``k_norm``): left as plain replicated
-    parameters their gradients differ per TP rank and the replicas drift apart.
+    Such a block (an attention or MLP module) computes on this rank's heads between its colwise
+    and rowwise layers; an unplanned module in it (Qwen3's ``q_norm`` when the plan omits it,
+    Apertus' learnable activation, MLA's ``kv_a_layernorm``) may or may not see them. Its
+    parameters get the data-flow rule of ``replicated_with_grad_allreduce`` ([Note: partial
+    gradients over tp]): all-reduced over tp exactly when their gradient is partial.
 
     Args:
         model: the model.
         plan: ``{FQN: style}`` (resolved).
-        refuse: raise ValueError naming the first one (a user-written plan); False = return
-            their FQNs (the model's own plan: they get ``replicated_with_grad_allreduce``).
+
+    Returns:
+        The FQNs of those modules (whole unplanned subtrees: a child none of whose modules or
+        parameters the plan names).
     """
     modules = dict(model.named_modules())
     planned = set(plan)
@@ -248,25 +245,11 @@ def check_head_norms(model: nn.Module, plan: Mapping[str, Any], *, refuse: bool 
             continue
         if not any(isinstance(plan.get(n), str) and plan[n] in _ROWWISE for n in children):
             continue
-        if any(isinstance(c, nn.Linear) and n not in planned for n, c in children.items()):
-            # An unplanned projection beside them (MLA's q_a_proj -> q_a_layernorm -> q_b_proj):
-            # its modules work on replicated activations; a norm there must stay plain.
-            continue
         for name, child in children.items():
             has_params = any(True for _ in child.parameters())
             covered = any(p == name or p.startswith(name + ".") for p in planned)
-            if has_params and not covered and not refuse:
+            if has_params and not covered:
                 found.append(name)
-            elif has_params and not covered:
-                last = name.rsplit(".", 1)[-1]
-                generic = re.sub(r"\.\d+(\.|$)", r".*\1", name)
-                raise ValueError(
-                    f"tp_plan leaves {name} ({type(child).__name__}) unplanned, but it sits between the colwise and "
-                    f"rowwise layers of {parent_name or 'the model'} and sees only this rank's heads: its replicas "
-                    f"would drift apart across TP ranks. Add {generic!r}: 'replicated_with_grad_allreduce' to the "
-                    f"plan (a per-head norm like {last}), or plan the projections around it colwise_gather_output / "
-                    "rowwise_split_input"
-                )
     return found
 
 
@@ -326,7 +309,7 @@ def apply_tp(
             owner, _, name = fqn.rpartition(".")
             by_owner.setdefault(owner, {})[name] = _param_placement(style, fqn)
             continue
-        lowered = _lower(style, model.get_submodule(fqn), float8_styles, model)
+        lowered = _lower(style, fqn, model, float8_styles)
         if lowered is not None:
             torch_plan[fqn] = lowered
     for owner, placements in by_owner.items():
@@ -346,7 +329,18 @@ def apply_tp(
         style._apply(model.get_submodule(target), tp_mesh)
     if tied is not None:
         _retie(model, *tied)
+    _install_deciders(model, torch_plan)
     return torch_plan
+
+
+def _install_deciders(model: nn.Module, torch_plan: Mapping[str, ParallelStyle]) -> None:
+    """Each replicated-gradient module's parent block decides its cells. See [Note: partial gradients over tp]."""
+    by_block: dict[str, list[Any]] = {}
+    for fqn, style in torch_plan.items():
+        if isinstance(style, ReplicatedGradParallel) and style.cells:
+            by_block.setdefault(fqn.rpartition(".")[0], []).extend(style.cells)
+    for block, cells in by_block.items():
+        install_decider(model.get_submodule(block), cells)
 
 
 def _tied_embeddings(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
@@ -374,90 +368,120 @@ def _retie(model: nn.Module, embed: nn.Module, head: nn.Module) -> None:
     head.weight = e  # the same Parameter object: one gradient, one FSDP2 parameter, one checkpoint entry
 
 
+# -- lowering: one table per plan-entry kind ----------------------------------------------------
+
+# A bare-parameter entry's placement (or ``ndim -> placement``); None = keep it plain.
+_PARAM_PLACEMENTS: dict[str, Callable[[str], Any]] = {
+    **dict.fromkeys(_COLWISE, lambda name: lambda ndim: Shard(max(ndim - 2, 0))),
+    **dict.fromkeys(_ROWWISE, lambda name: Replicate() if name == "bias" else (lambda ndim: Shard(ndim - 1))),
+    "packed_colwise": lambda name: lambda ndim: _styles.packed_placement(ndim, -2),
+    "packed_rowwise": lambda name: lambda ndim: Replicate() if ndim == 1 else _styles.packed_placement(ndim, -1),
+    "embedding_rowwise": lambda name: Shard(0),
+    "embedding_colwise": lambda name: Shard(1),
+    "replicate": lambda name: None,
+}
+
+
 def _param_placement(style: str, fqn: str) -> Any:
     """A placement (or ``ndim -> placement``) for a bare-parameter plan entry; None = keep it plain."""
-    name = fqn.rsplit(".", 1)[-1]
-    if style in _COLWISE:
-        return lambda ndim: Shard(max(ndim - 2, 0))
-    if style in _ROWWISE:
-        return Replicate() if name == "bias" else (lambda ndim: Shard(ndim - 1))
-    if style == "packed_colwise":
-        return lambda ndim: _styles.packed_placement(ndim, -2)
-    if style == "packed_rowwise":
-        return lambda ndim: Replicate() if ndim == 1 else _styles.packed_placement(ndim, -1)
-    if style == "embedding_rowwise":
-        return Shard(0)
-    if style == "embedding_colwise":
-        return Shard(1)
-    if style == "replicate":
-        return None
-    raise NotImplementedError(
-        f"TP style {style!r} on the bare parameter {fqn!r}: parameter entries take colwise*, rowwise*, packed_*, "
-        "embedding_* or replicate; plan the owning module instead"
-    )
+    lowering = _PARAM_PLACEMENTS.get(style)
+    if lowering is None:
+        raise NotImplementedError(
+            f"TP style {style!r} on the bare parameter {fqn!r}: parameter entries take colwise*, rowwise*, "
+            "packed_*, embedding_* or replicate; plan the owning module instead"
+        )
+    return lowering(fqn.rsplit(".", 1)[-1])
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What a module-entry lowering sees: the module, its FQN, the model, and the Linear styles to use."""
+
+    fqn: str
+    module: nn.Module
+    model: nn.Module
+    colwise: type
+    rowwise: type
+
+
+def _has_children(t: _Target) -> bool:
+    # An embedding module with parametrised children (Inkling's normed embedding: lookup, then
+    # `embed_norm`): torch's styles would register the child's `embed_norm.weight` on the module
+    # (KeyError) and all-reduce / gather only AFTER the norm, i.e. norm the partial lookups.
+    # Left replicated over tp: same input on every tp rank, so same output and gradient.
+    return any(True for _ in t.module.children())
+
+
+def _embedding_rowwise(t: _Target) -> ParallelStyle | None:
+    # Shard(0) vocab rows; Partial -> Replicate (all-reduce) of the looked-up rows.
+    return None if _has_children(t) else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+
+
+def _embedding_colwise(t: _Target) -> ParallelStyle | None:
+    # Shard(1) hidden; Shard(-1) -> Replicate (all-gather) of the looked-up rows.
+    return None if _has_children(t) else ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+
+
+def _mla_kv_a_proj(t: _Target) -> ParallelStyle:
+    config = getattr(t.model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "qk_rope_head_dim", None)
+    if rope is None:
+        raise ValueError(
+            f"TP style 'mla_kv_a_proj' on {type(t.module).__name__} needs config.qk_rope_head_dim; set it in the "
+            "model config or plan the module otherwise"
+        )
+    return _styles.MlaKvAProjParallel(int(rope))
+
+
+def _packed_rowwise(t: _Target) -> ParallelStyle:
+    return _styles.ParamPlacement({"*": lambda ndim: Replicate() if ndim == 1 else _styles.packed_placement(ndim, -1)})
+
+
+# A module entry's torch ParallelStyle; None = leave the module as it is (replicated).
+# See [Note: HF TP plan on the shardbridge mesh] and [Note: HF styles beyond colwise / rowwise].
+_LOWERINGS: dict[str, Callable[[_Target], ParallelStyle | None]] = {
+    "colwise": lambda t: t.colwise(),
+    "rowwise": lambda t: t.rowwise(),
+    # Shard(-1) output -> Replicate: full features on every TP rank (full logits: the HF loss runs unchanged).
+    **dict.fromkeys(("colwise_gather_output", "colwise_rep"), lambda t: t.colwise(output_layouts=Replicate())),
+    # A full (Replicate) input is split locally to Shard(-1); Partial -> Replicate output.
+    **dict.fromkeys(("rowwise_split_input", "rowwise_rep"), lambda t: t.rowwise(input_layouts=Replicate())),
+    "embedding_rowwise": _embedding_rowwise,
+    "embedding_colwise": _embedding_colwise,
+    # Gradients all-reduced iff the data flow makes them partial: [Note: partial gradients over tp].
+    "replicated_with_grad_allreduce": lambda t: ReplicatedGradParallel(t.fqn),
+    "sequence_parallel": lambda t: SequenceParallel(use_local_output=True),
+    "packed_colwise": lambda t: _styles.PackedColwiseParallel(),
+    "packed_rowwise": _packed_rowwise,
+    "moe_tp_experts": lambda t: _styles.MoeExpertsParallel(),
+    "moe_identity_expert": lambda t: _styles.MoeIdentityParallel(),
+    "local_params": lambda t: _styles.LocalParamsForward(),
+    "all_reduce": lambda t: _styles.AllReduceOutput(),
+    "mla_kv_a_proj": _mla_kv_a_proj,
+    "replicate": lambda t: None,
+}
 
 
 def _lower(
-    style: Any, module: nn.Module, float8_styles: Mapping[str, type] | None, model: nn.Module
+    style: Any, fqn: str, model: nn.Module, float8_styles: Mapping[str, type] | None
 ) -> ParallelStyle | None:
     if isinstance(style, ParallelStyle):
         return style
+    module = model.get_submodule(fqn)
+    _check_style(style, type(module).__name__)
     # Exactly the modules fp8.convert converted take the backend's styles (torchao tensorwise: Float8Linear;
     # mxfp8: nn.Linear with a wrapped weight); the rest, torch's.
     is_float8 = float8_styles is not None and fp8.converted_fqn(module) is not None
-    colwise = float8_styles["colwise"] if is_float8 else ColwiseParallel
-    rowwise = float8_styles["rowwise"] if is_float8 else _styles.RowwiseOwnOutput
-    if style == "colwise":
-        return colwise()
-    if style == "rowwise":
-        return rowwise()
-    if style in ("colwise_gather_output", "colwise_rep"):
-        # Shard(-1) output -> Replicate: full features on every TP rank (full logits: the HF loss runs unchanged).
-        return colwise(output_layouts=Replicate())
-    if style in ("rowwise_split_input", "rowwise_rep"):
-        # A full (Replicate) input is split locally to Shard(-1); Partial -> Replicate output.
-        return rowwise(input_layouts=Replicate())
-    if style in ("embedding_rowwise", "embedding_colwise") and any(True for _ in module.children()):
-        # An embedding module with parametrised children (Inkling's normed embedding: lookup, then
-        # `embed_norm`): torch's styles would register the child's `embed_norm.weight` on the module
-        # (KeyError) and all-reduce / gather only AFTER the norm, i.e. norm the partial lookups.
-        # Left replicated over tp: same input on every tp rank, so same output and gradient.
-        return None
-    if style == "embedding_rowwise":
-        # Shard(0) vocab rows; Partial -> Replicate (all-reduce) of the looked-up rows.
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if style == "embedding_colwise":
-        # Shard(1) hidden; Shard(-1) -> Replicate (all-gather) of the looked-up rows.
-        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if style == "replicated_with_grad_allreduce":
-        return _styles.HeadNormParallel()
-    if style == "sequence_parallel":
-        return SequenceParallel(use_local_output=True)
-    if style == "packed_colwise":
-        return _styles.PackedColwiseParallel()
-    if style == "packed_rowwise":
-        return _styles.ParamPlacement(
-            {"*": lambda ndim: Replicate() if ndim == 1 else _styles.packed_placement(ndim, -1)}
-        )
-    if style == "moe_tp_experts":
-        return _styles.MoeExpertsParallel()
-    if style == "moe_identity_expert":
-        return _styles.MoeIdentityParallel()
-    if style == "local_params":
-        return _styles.LocalParamsForward()
-    if style == "all_reduce":
-        return _styles.AllReduceOutput()
-    if style == "mla_kv_a_proj":
-        config = getattr(model, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        rope = getattr(text, "qk_rope_head_dim", None)
-        if rope is None:
-            raise ValueError(
-                f"TP style 'mla_kv_a_proj' on {type(module).__name__} needs config.qk_rope_head_dim; set it in the "
-                "model config or plan the module otherwise"
-            )
-        return _styles.MlaKvAProjParallel(int(rope))
-    if style == "replicate":
-        return None
-    _check_style(style, type(module).__name__)
-    raise AssertionError(f"unhandled supported style {style!r}")
+    target = _Target(
+        fqn=fqn,
+        module=module,
+        model=model,
+        colwise=float8_styles["colwise"] if is_float8 else ColwiseParallel,
+        rowwise=float8_styles["rowwise"] if is_float8 else _styles.RowwiseOwnOutput,
+    )
+    return _LOWERINGS[style](target)
+
+
+#: The transformers plan styles this adapter lowers (see [Note: HF TP plan on the shardbridge mesh]).
+SUPPORTED_STYLES: tuple[str, ...] = tuple(_LOWERINGS)
