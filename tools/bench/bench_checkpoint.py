@@ -191,7 +191,7 @@ def _round(r, root, add, group, source, same, other):
     import torch
     import torch.distributed as dist
     from shardbridge import checkpoint
-    from shardbridge.checkpoint._trust import read_metadata
+    from shardbridge.checkpoint.storage._trust import read_metadata
 
     rank = dist.get_rank()
     (model, opt), (model_a, opt_a), (model_b, opt_b) = source, same, other

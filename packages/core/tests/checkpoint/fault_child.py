@@ -120,7 +120,7 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
             timeout=timedelta(seconds=ARGS.get("pg_timeout", 15)),
         )
     from shardbridge import checkpoint as ck
-    from shardbridge.checkpoint import _save
+    from shardbridge.checkpoint.storage import _local
 
     root = ARGS["root"]
     model = build(ARGS.get("value", 1.0), world, ARGS.get("width", 16))
@@ -163,7 +163,7 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
                 resource.setrlimit(resource.RLIMIT_FSIZE, (ARGS["fsize"], resource.RLIM_INFINITY))
             if ARGS.get("pause"):
-                real_commit = _save.commit
+                real_commit = _local.commit
 
                 def paused_commit(*a, **k):
                     open(os.path.join(out, "paused"), "w").close()
@@ -171,7 +171,7 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
                         time.sleep(0.01)
                     return real_commit(*a, **k)
 
-                _save.commit = paused_commit
+                _local.commit = paused_commit
             if ARGS.get("crash_at") is not None and rank == ARGS.get("crash_rank", 0):
                 _install_faults(ARGS["crash_at"], ARGS.get("how", "exit"))
             value = ARGS["value"]

@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from shardbridge._compat import group_timeout
 from shardbridge.checkpoint import _dist
-from shardbridge.checkpoint._stage import Stager
+from shardbridge.checkpoint.state._stage import Stager
 
 __all__ = ["AsyncSave", "IfBusy", "bounded", "finish_previous", "settle", "stage_state", "start_async", "wait"]
 

@@ -234,13 +234,13 @@ def _run_ckpt_verify(args: argparse.Namespace) -> int:
     from shardbridge import checkpoint
 
     path = args.path
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "shardbridge.json")):
-        found = sorted(e.path for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
-        paths = [p for p in found if os.path.isfile(os.path.join(p, "shardbridge.json"))]
-        if not paths:
-            raise ValueError(f"{path} is neither a shardbridge checkpoint nor a folder holding committed ones")
+    is_checkpoint, found = _checkpoints_in(path)
+    if found and not is_checkpoint:
+        paths = found
+    elif is_checkpoint or found is None:
+        paths = [path]  # verify names what is wrong with it (missing, a file, no manifest ...)
     else:
-        paths = [path]
+        raise ValueError(f"{path} is neither a shardbridge checkpoint nor a folder holding committed ones")
     bad = []
     for one in paths:
         report = checkpoint.verify(one, checksums=not args.sizes_only)
@@ -261,7 +261,7 @@ def _run_ckpt_export(args: argparse.Namespace) -> int:
     import torch
 
     from shardbridge import checkpoint
-    from shardbridge.checkpoint._manifest import write_file_durably
+    from shardbridge.checkpoint._export import write_beside
 
     dtype = None
     if args.dtype is not None:
@@ -283,7 +283,7 @@ def _run_ckpt_export(args: argparse.Namespace) -> int:
     for name, content in recorded.get("files", {}).items():  # e.g. an adapter's config.json
         # tmp + rename: with --overwrite, a link at that name is replaced, never written through
         text = json.dumps(content, indent=2, sort_keys=True) + "\n"
-        write_file_durably(Path(args.out_dir, name), text.encode("utf-8"))
+        write_beside(args.out_dir, name, text.encode("utf-8"))
     print(result)
     return 0
 
@@ -296,13 +296,11 @@ def _resolve_export_checkpoint(path: str, *, checksums: bool) -> tuple[str, bool
     stderr, then the next older one is tried); every one damaged is an error, never a silent
     export of an older step without saying so.
     """
-    import os
-    from pathlib import Path
-
     from shardbridge import checkpoint
-    from shardbridge.checkpoint._commit import newest
+    from shardbridge.checkpoint.storage._catalog import newest
 
-    if os.path.isfile(os.path.join(path, "shardbridge.json")):
+    is_checkpoint, found = _checkpoints_in(path)
+    if is_checkpoint:
         if not checksums:
             return path, False
         # Before anything reads .metadata (the recorded name map does): a damaged file is named
@@ -315,8 +313,8 @@ def _resolve_export_checkpoint(path: str, *, checksums: bool) -> tuple[str, bool
                 f"`shardbridge ckpt verify {path}` lists every problem"
             )
         return path, True
-    skip: list[Path] = []
-    while os.path.isdir(path):
+    skip: list[str] = []
+    while found is not None:
         candidate = newest(path, skip=frozenset(skip))
         if candidate is None:
             break
@@ -324,7 +322,7 @@ def _resolve_export_checkpoint(path: str, *, checksums: bool) -> tuple[str, bool
         if report.ok:
             return str(candidate), checksums
         print(f"shardbridge ckpt export: skipping {candidate}: {report.problems[0]}", file=sys.stderr)
-        skip.append(candidate)
+        skip.append(str(candidate))
     if skip:
         raise ValueError(
             f"every checkpoint under {path!r} is damaged (the newest: {str(skip[0])!r}); nothing was exported. "
@@ -370,16 +368,30 @@ def _recorded_export(path: str) -> dict:
 
 def _resolve_checkpoint(path: str) -> str:
     """A checkpoint directory as given, or the latest committed one under a root."""
-    import os
-
     from shardbridge import checkpoint
 
-    if os.path.isfile(os.path.join(path, "shardbridge.json")):
+    is_checkpoint, found = _checkpoints_in(path)
+    if is_checkpoint:
         return path
-    latest = checkpoint.latest(path) if os.path.isdir(path) else None
+    latest = checkpoint.latest(path) if found is not None else None
     if latest is None:
         raise ValueError(f"{path} is neither a shardbridge checkpoint nor a folder holding committed ones")
     return str(latest)
+
+
+def _checkpoints_in(path: str) -> tuple[bool, list[str] | None]:
+    """(whether ``path`` is a checkpoint, the checkpoints directly below it; None if it is no
+    directory): a path or a URI, nothing written."""
+    from shardbridge.checkpoint.storage._location import locate
+
+    where = locate(path)
+    backend = where.backend
+    if backend.kind(backend.join(where.path, "shardbridge.json")) == "file":
+        return True, [path]
+    if backend.kind(where.path) != "dir":
+        return False, None
+    below = [backend.join(where.path, name) for name in backend.children(where.path) if not name.startswith(".")]
+    return False, [str(where.named(c)) for c in below if backend.kind(backend.join(c, "shardbridge.json")) == "file"]
 
 
 if __name__ == "__main__":

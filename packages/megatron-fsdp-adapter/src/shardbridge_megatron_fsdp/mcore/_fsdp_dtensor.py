@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from shardbridge.checkpoint._trust import MetadataUnpickler, TrustedReader, _check_metadata, check_no_links
+from shardbridge.checkpoint.storage._trust import MetadataUnpickler, TrustedReader, _check_metadata, check_no_links
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 __all__ = ["FsdpDTensorCheckpoint", "SwiGLUSplitError", "read_fsdp_dtensor"]
@@ -125,7 +125,7 @@ def read_fsdp_dtensor(path: str | os.PathLike[str], *, optimizer: bool = True) -
             its tensor (written by the #4423 split from plain-tensor states).
         ValueError: any other tensor not fully covered, a missing ``_w``/``_v`` partner, or a
             directory that is not a DCP checkpoint.
-        shardbridge.checkpoint._trust.UntrustedCheckpointError: metadata that is not DCP's.
+        shardbridge.checkpoint.storage._trust.UntrustedCheckpointError: metadata that is not DCP's.
 
     Example:
         >>> ckpt = read_fsdp_dtensor("ckpt/iter_0000100", optimizer=False)  # doctest: +SKIP

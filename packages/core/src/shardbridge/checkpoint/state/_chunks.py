@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from shardbridge._compat import flatten_sharded_tensors, flatten_state_dict
-from shardbridge.checkpoint._trust import WeightsOnlyBytes
+from shardbridge.checkpoint.storage._trust import WeightsOnlyBytes
 
 __all__ = ["LoadPlanner", "LocalChunks", "SavePlanner"]
 
