@@ -349,8 +349,11 @@ def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def dcp_fsspec_classes() -> tuple[type, type]:
-    """Plain DCP's fsspec storage: ``(FsspecWriter, FsspecReader)`` of ``checkpoint._fsspec_filesystem``
-    (private module; the plain-DCP baseline of the object-store benchmark). Checked: 2.11, 2.13, 2.14."""
+    """Plain DCP's fsspec storage: ``(FsspecWriter, FsspecReader)``.
+
+    ``checkpoint._fsspec_filesystem`` is a private module; the plain-DCP baseline of the
+    object-store benchmark. Checked: 2.11, 2.13, 2.14.
+    """
     module = importlib.import_module("torch.distributed.checkpoint._fsspec_filesystem")
     return (
         require_attr(module, "FsspecWriter", what="checkpoint"),

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, step
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint.storage import _local
 from shardbridge.checkpoint.state._stage import Stager
+from shardbridge.checkpoint.storage import _local
 from shardbridge.testing import run_distributed
 from test_load import _load, _oracle
 from torch.distributed.tensor import DTensor

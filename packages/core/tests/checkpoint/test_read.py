@@ -14,7 +14,7 @@ from shardbridge import checkpoint as ck
 from shardbridge.checkpoint import _export
 from shardbridge.checkpoint.storage import _read
 from shardbridge.checkpoint.storage._read import read_box_into
-from shardbridge.checkpoint.storage._trust import TrustedReader
+from shardbridge.checkpoint.storage._reader import TrustedReader
 from shardbridge.testing import run_distributed
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

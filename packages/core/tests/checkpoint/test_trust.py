@@ -249,7 +249,7 @@ def test_tensor_record_refused(bad_tensor, marker, tmp_path):
 def test_planner_without_weights_only_bytes_is_refused(good):
     """TrustedReader never hands bytes items to DCP's default planner (weights_only=False)."""
     import torch.distributed.checkpoint as dcp
-    from shardbridge.checkpoint.storage._trust import TrustedReader
+    from shardbridge.checkpoint.storage._reader import TrustedReader
 
     state = {"optim": {"param_groups": []}}
     with pytest.raises(BaseException, match="without weights_only"):

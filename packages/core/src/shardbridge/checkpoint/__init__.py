@@ -42,14 +42,14 @@ Public: the names in ``__all__``.
 """
 
 from shardbridge.checkpoint._async import AsyncSave, wait
-from shardbridge.checkpoint.storage._catalog import latest, step_dir
 from shardbridge.checkpoint._export import NameMap, export_safetensors
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
-from shardbridge.checkpoint.storage._integrity import FileProblem, VerifyReport, verify
 from shardbridge.checkpoint._load import TrainState, load, load_latest
-from shardbridge.checkpoint.state._provider import StateDictProvider
 from shardbridge.checkpoint._save import save
+from shardbridge.checkpoint.state._provider import StateDictProvider
 from shardbridge.checkpoint.state._state import component_fqn
+from shardbridge.checkpoint.storage._catalog import latest, step_dir
+from shardbridge.checkpoint.storage._integrity import FileProblem, VerifyReport, verify
 
 __all__ = [
     "AsyncSave",

@@ -250,14 +250,14 @@ def one_round(
             return value, ([share(value)] if result == "all" else share(value))
         return [value] if result == "all" else value
     # The replayed type: the error's own if listed, else the first listed base it has.
-    summary = None if error is None else summary(error)
+    failure = None if error is None else summary(error)
     shared = value if error is None and (result == "all" or (result == "rank0" and rank() == 0)) else None
     if share is not None and error is None and (rank() == 0 or result == "all"):
         shared = share(value)
     mine = None if same is None else {k: repr(v) for k, v in same[1].items()}
     if small is None:
         small = result == "own" and share is None
-    gathered = all_gather((summary, shared, mine), small=small)
+    gathered = all_gather((failure, shared, mine), small=small)
     if error is not None:
         raise error
     failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]

@@ -55,6 +55,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import StorageReader
 
 from shardbridge.checkpoint._inspect import natural_key
 from shardbridge.checkpoint.state._state import MODEL_KEY
@@ -160,7 +161,7 @@ class _OneTensorPlanner(LoadPlanner):
         pass
 
 
-def read_tensor(reader: TrustedReader, metadata: Metadata, key: str, arena: torch.Tensor | None = None) -> torch.Tensor:
+def read_tensor(reader: StorageReader, metadata: Metadata, key: str, arena: torch.Tensor | None = None) -> torch.Tensor:
     """The full tensor ``key`` of a DCP checkpoint, read alone (no process group).
 
     ``reader`` must have been set up with ``reader.set_up_storage_reader(metadata, True)``.
@@ -189,11 +190,12 @@ def read_tensor(reader: TrustedReader, metadata: Metadata, key: str, arena: torc
     return target
 
 
-def _read_box(reader: TrustedReader, key: str, chunk: ChunkStorageMetadata, view: torch.Tensor) -> bool:
-    info = reader.storage_data.get(MetadataIndex(key, chunk.offsets))
+def _read_box(reader: StorageReader, key: str, chunk: ChunkStorageMetadata, view: torch.Tensor) -> bool:
+    info = reader.storage_data.get(MetadataIndex(key, chunk.offsets))  # type: ignore[attr-defined]
     if info is None or info.length < EXPORT_IN_PLACE_MIN_BYTES or getattr(info, "transform_descriptors", None):
         return False
-    source = (reader.stored.backend, reader.stored.file(info.relative_path))
+    stored = getattr(reader, "stored", None)  # a TrustedReader; DCP's own FileSystemReader reads local files
+    source = (stored.backend, stored.file(info.relative_path)) if stored else os.path.join(reader.path, info.relative_path)  # type: ignore[attr-defined]
     return read_box_into(source, info.offset, info.length, view)
 
 

@@ -19,18 +19,6 @@ from shardbridge._compat import flatten_state_dict
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import settle
 from shardbridge.checkpoint.state._chunks import LoadPlanner
-from shardbridge.checkpoint.storage._backend import Stored
-from shardbridge.checkpoint.storage._catalog import newest
-from shardbridge.checkpoint.storage._errors import dcp_errors
-from shardbridge.checkpoint.storage._integrity import (
-    FileProblem,
-    damage_message,
-    local_problems,
-    merge_problems,
-)
-from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
-from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
-from shardbridge.checkpoint.storage._reader import TrustedReader
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint.state._rng import restore_rng
 from shardbridge.checkpoint.state._state import (
@@ -43,6 +31,18 @@ from shardbridge.checkpoint.state._state import (
     optim_state_owner,
     unpack_param_groups,
 )
+from shardbridge.checkpoint.storage._backend import Stored
+from shardbridge.checkpoint.storage._catalog import newest
+from shardbridge.checkpoint.storage._errors import dcp_errors
+from shardbridge.checkpoint.storage._integrity import (
+    FileProblem,
+    damage_message,
+    local_problems,
+    merge_problems,
+)
+from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
+from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
+from shardbridge.checkpoint.storage._reader import TrustedReader
 from shardbridge.checkpoint.storage._trust import raise_untrusted, read_metadata
 
 __all__ = ["TrainState", "load", "load_latest"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-from pathlib import Path
 
 __all__ = ["describe", "one_line"]
 

@@ -229,8 +229,6 @@ def _run_ckpt_inspect(args: argparse.Namespace) -> int:
 
 def _run_ckpt_verify(args: argparse.Namespace) -> int:
     """Exit 0 when every file matches; else ValueError (exit 2) naming the first bad file."""
-    import os
-
     from shardbridge import checkpoint
 
     path = args.path
@@ -256,7 +254,6 @@ def _run_ckpt_verify(args: argparse.Namespace) -> int:
 def _run_ckpt_export(args: argparse.Namespace) -> int:
     """Weights as safetensors, plus the name map and files the saver recorded (see _recorded_export)."""
     import json
-    from pathlib import Path
 
     import torch
 
@@ -380,8 +377,10 @@ def _resolve_checkpoint(path: str) -> str:
 
 
 def _checkpoints_in(path: str) -> tuple[bool, list[str] | None]:
-    """(whether ``path`` is a checkpoint, the checkpoints directly below it; None if it is no
-    directory): a path or a URI, nothing written."""
+    """Whether ``path`` is a checkpoint, and the checkpoints directly below it (None: no directory).
+
+    ``path`` is a path or a URI; nothing is written (no recovery runs).
+    """
     from shardbridge.checkpoint.storage._location import locate
 
     where = locate(path)

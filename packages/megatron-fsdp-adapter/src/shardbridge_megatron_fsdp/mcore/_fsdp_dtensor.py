@@ -55,7 +55,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from shardbridge.checkpoint.storage._trust import MetadataUnpickler, TrustedReader, _check_metadata, check_no_links
+from shardbridge.checkpoint.storage._reader import TrustedReader
+from shardbridge.checkpoint.storage._trust import MetadataUnpickler, _check_metadata, check_no_links
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 __all__ = ["FsdpDTensorCheckpoint", "SwiGLUSplitError", "read_fsdp_dtensor"]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import io
+import os
 import warnings
 
 import torch
 
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._manifest import rng_file
-from shardbridge.checkpoint.storage._trust import UntrustedCheckpointError, load_bytes_weights_only
+from shardbridge.checkpoint.storage._trust import UntrustedCheckpointError, _stored, load_bytes_weights_only
 
 __all__ = ["restore_rng", "rng_bytes", "rng_states"]
 
@@ -31,8 +32,9 @@ def rng_bytes(states: dict[str, torch.Tensor] | None = None) -> bytes:
     return buffer.getvalue()
 
 
-def restore_rng(checkpoint: Stored, rank: int, world_size: int, saved_world_size: int) -> None:
+def restore_rng(checkpoint: Stored | str | os.PathLike[str], rank: int, world_size: int, saved_world_size: int) -> None:
     """Restore the RNG state saved by the same rank; rank 0's (and warn) if the world changed."""
+    checkpoint = _stored(checkpoint)
     source = rank
     if world_size != saved_world_size:
         source = 0

@@ -30,7 +30,13 @@ from shardbridge._compat import local_tensor
 from shardbridge._fp8 import plain_state_dict
 from shardbridge._fused import FusedSpec, fused_params
 from shardbridge.checkpoint.state._chunks import LocalChunks
-from shardbridge.checkpoint.state._components import ParamInfo, component_fqn, fused_tp_size, param_box, split_fused_value
+from shardbridge.checkpoint.state._components import (
+    ParamInfo,
+    component_fqn,
+    fused_tp_size,
+    param_box,
+    split_fused_value,
+)
 from shardbridge.checkpoint.state._provider import StateDictProvider
 from shardbridge.checkpoint.state._repair import Box, OnBadLayout, boxed_pieces, check_dtensor, describe
 

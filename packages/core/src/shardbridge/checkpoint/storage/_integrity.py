@@ -168,7 +168,7 @@ def merge_records(backend: Backend, data: str, parts: list[dict[str, dict[str, A
     for part in parts:
         files.update(part)
     if not backend.remote:
-        for name, entry in sorted(backend.listing(data).items()):
+        for name in sorted(backend.listing(data)):
             if name not in files and name != MANIFEST_NAME:
                 size, digest = checksum(backend, backend.join(data, name))
                 files[name] = {"size": size, CHECKSUM_KEY: digest}

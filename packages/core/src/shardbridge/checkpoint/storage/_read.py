@@ -33,14 +33,13 @@ ranges are checked to lie inside the record.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import struct
 import sys
 import zipfile
-import contextlib
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 import torch

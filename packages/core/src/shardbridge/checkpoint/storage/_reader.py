@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from shardbridge.checkpoint.storage import _read
 from shardbridge.checkpoint.storage._backend import Stored
-from shardbridge.checkpoint.storage._read import IN_PLACE_MIN_BYTES, read_box_into
 from shardbridge.checkpoint.storage._trust import (
     _REFUSED,
     UntrustedCheckpointError,
@@ -135,7 +135,7 @@ class TrustedReader(StorageReader):
         todo, rest = [], []
         for item in items:
             info = self.storage_data.get(item.storage_index) if item.type != LoadItemType.BYTE_IO else None
-            if info is None or info.length < IN_PLACE_MIN_BYTES or getattr(info, "transform_descriptors", None):
+            if info is None or info.length < _read.IN_PLACE_MIN_BYTES or getattr(info, "transform_descriptors", None):
                 rest.append(item)
             else:
                 todo.append((item, info))
@@ -144,7 +144,7 @@ class TrustedReader(StorageReader):
             item, info = entry
             target = planner.resolve_tensor(item).detach()
             source = (backend, self.stored.file(info.relative_path))
-            if tuple(target.shape) == tuple(item.lengths) and read_box_into(
+            if tuple(target.shape) == tuple(item.lengths) and _read.read_box_into(
                 source, info.offset, info.length, target, tuple(item.storage_offsets)
             ):
                 planner.commit_tensor(item, target)

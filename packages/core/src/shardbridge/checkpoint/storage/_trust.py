@@ -56,7 +56,6 @@ under a megabyte.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import math
 import os
@@ -69,7 +68,6 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -80,7 +78,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 
 from shardbridge._compat import DCP_MEM_FORMAT_ENCODING, DCPStorageInfo, PyUnpickler, dcp_set_element
 from shardbridge.checkpoint.storage._backend import Stored
