@@ -21,6 +21,7 @@ from shardbridge.checkpoint.state._rng import rng_bytes, rng_states
 from shardbridge.checkpoint.state._state import OPTIM_KEY, OnBadLayout, PortableState, build_portable_state
 from shardbridge.checkpoint.storage._backend import Target
 from shardbridge.checkpoint.storage._errors import save_failure
+from shardbridge.checkpoint.storage._fsspec import PART_BYTES
 from shardbridge.checkpoint.storage._integrity import merge_records
 from shardbridge.checkpoint.storage._location import Location, locate
 from shardbridge.checkpoint.storage._manifest import (
@@ -37,7 +38,8 @@ __all__ = ["FILES_PER_RANK", "SaveJob", "save", "write_and_commit"]
 
 FILES_PER_RANK = {False: 1, True: 4}
 """Data files each rank writes concurrently (DCP's ``thread_count``), local disk / object store:
-on an object store, uploads in flight per rank. Measured: docs/benchmarks.md, object store."""
+on an object store, uploads in flight per rank (one per ``PART_BYTES`` of the rank's tensors, up
+to this many). Measured: docs/benchmarks.md, object store."""
 
 
 @overload
@@ -261,6 +263,7 @@ def write_and_commit(job: SaveJob) -> None:
         files={rng_file(rank): job.rng},
         commit=commit,
         threads=FILES_PER_RANK[backend.remote],
+        min_file_bytes=PART_BYTES,
         save_failure=failure,
     )
     try:

@@ -247,7 +247,7 @@ def _run_ckpt_verify(args: argparse.Namespace) -> int:
             bad.append(report)
     if bad:
         more = f" ({len(bad) - 1} more damaged checkpoint(s) listed above)" if len(bad) > 1 else ""
-        raise ValueError(f"checkpoint {str(bad[0].path)!r} is damaged: {bad[0].problems[0]}{more}")
+        raise ValueError(f"checkpoint {str(bad[0].path)!r} is damaged: {bad[0].describe(bad[0].problems[0])}{more}")
     return 0
 
 
@@ -306,7 +306,7 @@ def _resolve_export_checkpoint(path: str, *, checksums: bool) -> tuple[str, bool
         if not report.ok:
             more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
             raise ValueError(
-                f"checkpoint {path!r} is damaged: {report.problems[0]}{more}; not exporting it. "
+                f"checkpoint {path!r} is damaged: {report.describe(report.problems[0])}{more}; not exporting it. "
                 f"`shardbridge ckpt verify {path}` lists every problem"
             )
         return path, True
@@ -318,7 +318,7 @@ def _resolve_export_checkpoint(path: str, *, checksums: bool) -> tuple[str, bool
         report = checkpoint.verify(candidate, checksums=checksums)
         if report.ok:
             return str(candidate), checksums
-        print(f"shardbridge ckpt export: skipping {candidate}: {report.problems[0]}", file=sys.stderr)
+        print(f"shardbridge ckpt export: skipping {candidate}: {report.describe(report.problems[0])}", file=sys.stderr)
         skip.append(str(candidate))
     if skip:
         raise ValueError(

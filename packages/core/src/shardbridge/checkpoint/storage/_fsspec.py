@@ -93,20 +93,23 @@ class FsspecBackend(Backend):
     def kind(self, path: str) -> Kind:
         """An object, a prefix with objects below it, or missing."""
         try:
-            info = self.fs.info(path)
+            with self._naming(path):
+                info = self.fs.info(path)
         except FileNotFoundError:
             return "missing"
         return "dir" if info.get("type") == "directory" else "file"
 
     def read_bytes(self, path: str) -> bytes:
         """One GET."""
-        return self.fs.cat_file(path)
+        with self._naming(path):
+            return self.fs.cat_file(path)
 
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
         """One ranged GET of ``len(out)`` bytes at ``offset``."""
         if not len(out):
             return 0
-        data = self.fs.cat_file(path, start=offset, end=offset + len(out))
+        with self._naming(path):
+            data = self.fs.cat_file(path, start=offset, end=offset + len(out))
         out[: len(data)] = data
         return len(data)
 
@@ -114,7 +117,8 @@ class FsspecBackend(Backend):
         """Every object below ``path`` (LIST, paginated)."""
         self.fs.invalidate_cache(path)
         try:
-            found = self.fs.find(path, detail=True)
+            with self._naming(path):
+                found = self.fs.find(path, detail=True)
         except FileNotFoundError:
             return {}
         entries = {}
@@ -127,7 +131,8 @@ class FsspecBackend(Backend):
     def stat(self, path: str) -> Entry | None:
         """HEAD."""
         try:
-            info = self.fs.info(path)
+            with self._naming(path):
+                info = self.fs.info(path)
         except FileNotFoundError:
             return None
         if info.get("type") == "directory":
@@ -138,7 +143,8 @@ class FsspecBackend(Backend):
         """The prefixes one level below ``path``."""
         self.fs.invalidate_cache(path)
         try:
-            found = self.fs.ls(path, detail=True)
+            with self._naming(path):
+                found = self.fs.ls(path, detail=True)
         except FileNotFoundError:
             return []
         return sorted(posixpath.basename(i["name"].rstrip("/")) for i in found if i.get("type") == "directory")
@@ -151,9 +157,11 @@ class FsspecBackend(Backend):
 
         On an error the upload is aborted: no object, and no parts left billed.
         """
-        f = self.fs.open(path, "wb", block_size=PART_BYTES)
+        with self._naming(path):
+            f = self.fs.open(path, "wb", block_size=PART_BYTES)
         try:
-            yield f
+            with self._naming(path):
+                yield f
         except BaseException:
             discard = getattr(f, "discard", None)
             try:
@@ -165,11 +173,13 @@ class FsspecBackend(Backend):
             except Exception:  # noqa: BLE001 (the write's own error is the one to raise)
                 pass
             raise
-        f.close()
+        with self._naming(path):
+            f.close()
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """One PUT."""
-        self.fs.pipe_file(path, data)
+        with self._naming(path):
+            self.fs.pipe_file(path, data)
 
     def remove(self, path: str) -> None:
         """DELETE (missing is fine)."""
@@ -255,6 +265,27 @@ class FsspecBackend(Backend):
 
     # -- helpers ----------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _naming(self, path: str) -> Iterator[None]:
+        """Errors of the client name the object: an ``OSError`` with the object's URI as its filename.
+
+        s3fs raises e.g. ``PermissionError('Forbidden')`` and lets botocore's connection errors
+        through; a user needs to know which object of which checkpoint failed.
+        """
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename:
+                raise
+            code = exc.errno if isinstance(exc.errno, int) else errno.EIO
+            text = (str(exc.strerror or exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise type(exc)(code, text, self.uri(path)) from exc
+        except (ValueError, TypeError, AssertionError, KeyboardInterrupt, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 (botocore / aiohttp: the server cannot be reached ...)
+            text = (str(exc).strip().splitlines() or [""])[0]
+            raise OSError(errno.EIO, f"{type(exc).__name__}: {text}", self.uri(path)) from exc
+
     def _lock(self, final: str, generation: str) -> str:
         return self.join(final, f"{generation}.lock")
 
@@ -304,26 +335,28 @@ class FsspecBackend(Backend):
             bucket, key, _ = self.fs.split_path(path)
             condition = {"IfNoneMatch": "*"} if target.expect is None else {"IfMatch": target.expect}
             try:
-                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+                with self._naming(path):
+                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
             except OSError as exc:
-                if "precondition" in str(exc).lower() or "412" in str(exc):
-                    raise raced from None
+                text = str(exc).lower()
+                if isinstance(exc, FileExistsError) or "pre-condition" in text or "precondition" in text:
+                    raise raced from None  # s3fs: 412 PreconditionFailed -> FileExistsError
                 raise
             finally:
                 self.fs.invalidate_cache(target.final)
             return
         if self._generation(target.final) != target.replaces:
             raise raced
-        self.fs.pipe_file(path, data)
+        self.write_bytes(path, data)
 
     def _delete_generation(self, final: str, generation: str) -> None:
         path = self.join(final, generation)
         self.fs.invalidate_cache(path)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), self._naming(path):
             self.fs.rm(path, recursive=True)
 
     def _delete(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), self._naming(path):
             self.fs.rm_file(path)
 
     def _recover(self, final: str) -> None:

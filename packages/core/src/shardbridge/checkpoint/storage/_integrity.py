@@ -222,6 +222,12 @@ class VerifyReport:
         """True when the manifest records files (format >= 3), i.e. there was something to check."""
         return self.format_version >= FILES_SINCE_VERSION
 
+    def describe(self, problem: FileProblem) -> str:
+        """``name: problem``; on an object store the name is the object's full URI."""
+        if isinstance(self.path, str) and "://" in self.path and not self.path.startswith("file://"):
+            return f"{self.path.rstrip('/')}/{problem.name}: {problem.problem}"
+        return str(problem)
+
     def __str__(self) -> str:
         if not self.verified:
             return (
@@ -232,7 +238,7 @@ class VerifyReport:
         head = f"{self.path}: {self.num_files} files, {self.num_bytes} bytes, {what}, {self.seconds:.2f} s: "
         if self.ok:
             return head + "ok"
-        return head + f"{len(self.problems)} problem(s)\n" + "\n".join(f"  {p}" for p in self.problems)
+        return head + f"{len(self.problems)} problem(s)\n" + "\n".join(f"  {self.describe(p)}" for p in self.problems)
 
 
 def _size_problem(actual: int, recorded: int) -> str:

@@ -72,8 +72,8 @@ _LOCAL_MAGIC = 0x04034B50
 class _Window(io.RawIOBase):
     """A read-only, seekable view of ``[start, start + length)`` of an open binary file.
 
-    ``cached``: small reads are served from blocks of ``_REMOTE_BLOCK`` bytes (at most two kept:
-    a record's head and tail), each fetched with one read of ``f``.
+    ``cached``: small reads are served from blocks of ``_REMOTE_BLOCK`` bytes (at most three kept:
+    a record's head and tail, and one more), each fetched with one read of ``f``.
     """
 
     def __init__(self, f: Any, start: int, length: int, *, cached: bool = False) -> None:
@@ -116,14 +116,16 @@ class _Window(io.RawIOBase):
         for start, data in self._blocks:
             if start <= pos and pos + n <= start + len(data):
                 return memoryview(data)[pos - start : pos - start + n]
-        start = max(0, min(pos, self._length - _REMOTE_BLOCK))  # a tail read fetches the whole tail
+        # The head (local headers, the pickle) and the tail (central directory) of a record are
+        # each one block; anything else starts a block where it is read.
+        start = 0 if pos + n <= _REMOTE_BLOCK else max(0, min(pos, self._length - _REMOTE_BLOCK))
         size = min(_REMOTE_BLOCK, self._length - start)
         data = bytearray(size)
         self._f.seek(self._start + start)
         got = _read_exact(self._f, data)
         if not got:
             raise OSError(f"short read of {size} bytes at {self._start + start}")
-        self._blocks = [*self._blocks[-1:], (start, bytes(data))]
+        self._blocks = [*self._blocks[-2:], (start, bytes(data))]
         return memoryview(data)[pos - start : pos - start + n]
 
 

@@ -73,7 +73,9 @@ class Writer(StorageWriter):
         checkpoint_id: the checkpoint the save commits (recorded in ``.metadata``).
         files: small files this rank writes beside its data, name -> bytes (its RNG file).
         commit: rank 0, called by ``finish`` with every file's record once ``.metadata`` is written.
-        threads: data files per rank, written concurrently (DCP's ``thread_count``).
+        threads: at most this many data files per rank, written concurrently (DCP's ``thread_count``),
+            one per ``min_file_bytes`` of this rank's tensors (a small rank writes one file).
+        min_file_bytes: the least bytes of tensors that get a data file of their own.
         save_failure: turns an error of this rank's writes into the error to raise (naming the file).
     """
 
@@ -86,6 +88,7 @@ class Writer(StorageWriter):
         files: dict[str, bytes] | None = None,
         commit: Callable[[dict[str, dict[str, Any]]], None] | None = None,
         threads: int = 1,
+        min_file_bytes: int = 0,
         save_failure: Callable[[BaseException, str], BaseException] | None = None,
     ) -> None:
         super().__init__()
@@ -94,6 +97,7 @@ class Writer(StorageWriter):
         self._files = dict(files or {})
         self._commit = commit
         self._threads = max(1, int(threads))
+        self._min_file_bytes = max(1, int(min_file_bytes))
         self._failure = save_failure or (lambda exc, _path: exc)
         self.rank = 0
 
@@ -119,7 +123,8 @@ class Writer(StorageWriter):
         """This rank's data file(s) and small files, each fsynced / uploaded; results + records."""
         self.backend.check_target(self.target)
         prefix = plan.storage_data.prefix
-        buckets = _split(plan.items, self._threads)
+        total = sum(_nbytes(item) for item in plan.items)
+        buckets = _split(plan.items, min(self._threads, -(-total // self._min_file_bytes)))
         results: list[list[WriteResult]] = [[] for _ in buckets]
         records: dict[str, dict[str, Any]] = {}
         errors: list[BaseException] = []
