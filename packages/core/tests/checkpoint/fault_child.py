@@ -122,6 +122,11 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
     from shardbridge import checkpoint as ck
     from shardbridge.checkpoint.storage import _local
 
+    if ARGS.get("s3_env"):  # an S3 server's endpoint, credentials and short timeouts (test_s3_faults.py)
+        from shardbridge.testing._s3 import use_server
+
+        use_server(ARGS["s3_env"])
+
     root = ARGS["root"]
     model = build(ARGS.get("value", 1.0), world, ARGS.get("width", 16))
     set_value(model, ARGS.get("value", 1.0))
@@ -200,6 +205,11 @@ def zygote() -> None:
     import torch._dynamo  # noqa: F401 (torch's get_state_dict pulls it in; ~0.5 s)
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
+
+    try:
+        import s3fs  # noqa: F401 (test_s3_faults.py: the S3 client, imported once here too)
+    except ImportError:
+        pass
 
     exits: dict[int, str] = {}
 

@@ -6,7 +6,7 @@ An object store has no rename and no directories, but a PUT is atomic: a reader 
 old object or the whole new one. So the manifest object is the commit point, and a save never
 writes where a committed checkpoint's files are::
 
-    <ckpt>/g-<16 hex>.lock            0. rank 0 writes it (host, pid, time): this save is alive
+    <root>/.<name>.lock-g-<16 hex>    0. rank 0 writes it (host, pid, time): this save is alive
     <ckpt>/g-<16 hex>/__0_0.distcp    1. every rank uploads its files under a NEW generation
     <ckpt>/g-<16 hex>/rng/...            (one per save: the job/attempt id in every object name);
     <ckpt>/g-<16 hex>/.metadata          an object is durable once its upload completed
@@ -28,11 +28,13 @@ writes where a committed checkpoint's files are::
   refuses objects it did not record, step 3 refuses a manifest that changed since the save
   began, and ``verify`` / ``load`` check the manifest's generation only (its every object's size
   and checksum; an object in it that is not recorded is a problem).
-- Leftovers: rank 0 deletes, at the start of each save of ``<ckpt>``, every generation no
-  manifest names whose lock is gone, whose lock names a dead process on this host, or is older
-  than ``LOCK_STALE_S`` (a lock of another host cannot be probed); a failed save deletes its own
-  generation, unless the manifest names it (a manifest PUT whose answer was lost may have
-  committed it: then it is kept).
+- Leftovers: rank 0, at the start of each save, lists the root (one level: the locks sit there,
+  as local disk's do) and deletes the generation of every lock whose save is gone (a dead
+  process on this host, or a lock of another host older than ``LOCK_STALE_S``: it cannot be
+  probed), unless that checkpoint's manifest names it; then the lock. It also deletes every
+  generation of ``<ckpt>`` itself that no manifest and no live lock names. A failed save deletes
+  its own generation, unless the manifest names it (a manifest PUT whose answer was lost may
+  have committed it: then it is kept).
 - Other fsspec filesystems (GCS, Azure, memory) have no conditional PUT here: step 3 checks the
   manifest's generation just before writing it (a narrow race, last writer wins; still never a mix).
 """
@@ -63,13 +65,23 @@ PART_BYTES = 32 << 20
 LOCK_STALE_S = 24 * 3600.0
 """A lock of another host older than this is taken for a dead save's."""
 _GENERATION = re.compile(r"^g-[0-9a-f]{16}$")
-_LOCK = re.compile(r"^(g-[0-9a-f]{16})\.lock$")
+_BUILTIN_OS_ERRORS = (
+    PermissionError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    TimeoutError,
+    ConnectionError,
+    OSError,
+)
+_LOCK = re.compile(r"^\.(?P<name>.+)\.lock-(?P<generation>g-[0-9a-f]{16})$")
 
 
 def is_leftover(name: str) -> bool:
-    """Whether ``name`` (relative to a checkpoint prefix) is a generation's object or a save's lock."""
+    """Whether ``name`` (relative to a checkpoint prefix) is an object of some generation."""
     first = name.split("/", 1)[0]
-    return bool(_LOCK.match(name)) or ("/" in name and bool(_GENERATION.match(first)))
+    return "/" in name and bool(_GENERATION.match(first))
 
 
 class FsspecBackend(Backend):
@@ -192,7 +204,8 @@ class FsspecBackend(Backend):
         manifest_path = self.join(final, MANIFEST_NAME)
         self._recover(final)
         try:
-            info = self.fs.info(manifest_path)
+            with self._naming(manifest_path):
+                info = self.fs.info(manifest_path)
         except FileNotFoundError:
             info = None
         shown = self.uri(final)
@@ -279,7 +292,10 @@ class FsspecBackend(Backend):
                 raise
             code = exc.errno if isinstance(exc.errno, int) else errno.EIO
             text = (str(exc.strerror or exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise type(exc)(code, text, self.uri(path)) from exc
+            if type(exc).__module__ != "builtins":  # a client's own subclass (botocore's timeouts ...)
+                text = f"{type(exc).__name__}: {text}"
+            kind = next(k for k in _BUILTIN_OS_ERRORS if isinstance(exc, k))
+            raise kind(code, text, self.uri(path)) from exc
         except (ValueError, TypeError, AssertionError, KeyboardInterrupt, MemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 (botocore / aiohttp: the server cannot be reached ...)
@@ -287,7 +303,8 @@ class FsspecBackend(Backend):
             raise OSError(errno.EIO, f"{type(exc).__name__}: {text}", self.uri(path)) from exc
 
     def _lock(self, final: str, generation: str) -> str:
-        return self.join(final, f"{generation}.lock")
+        root, name = posixpath.split(final)
+        return self.join(root, f".{name}.lock-{generation}")
 
     def _generation(self, final: str) -> str | None:
         """The generation the manifest of ``final`` names; None without a manifest (ValueError if damaged)."""
@@ -360,34 +377,54 @@ class FsspecBackend(Backend):
             self.fs.rm_file(path)
 
     def _recover(self, final: str) -> None:
-        """Delete the generations of ``final`` no manifest names whose save is gone ([Note: object-store commit])."""
+        """Delete what dead saves left under ``final``'s root and ``final`` ([Note: object-store commit])."""
+        root = posixpath.dirname(final)
+        self.fs.invalidate_cache(root)
         try:
-            current = self._generation(final)
+            with self._naming(root):
+                found = self.fs.ls(root, detail=True)
+        except FileNotFoundError:
+            found = []
+        locks: dict[tuple[str, str], float] = {}
+        for info in found:
+            lock = _LOCK.match(posixpath.basename(info["name"])) if info.get("type") != "directory" else None
+            if lock is not None:
+                locks[(lock["name"], lock["generation"])] = _mtime(info)
+        for (name, generation), mtime in sorted(locks.items()):
+            if self._alive(self.join(root, name), generation, mtime):
+                continue
+            self._drop(self.join(root, name), generation)
+        current = self._current(final)
+        if current is False:
+            return
+        live = {g for (name, g) in locks if name == posixpath.basename(final)} - {current}
+        gens = {n.split("/", 1)[0] for n in self.listing(final) if is_leftover(n)}
+        for generation in sorted(gens - live - {current}):
+            self._drop(final, generation)
+
+    def _current(self, final: str) -> str | None | bool:
+        """The generation ``final``'s manifest names (None: no manifest; False: damaged, so unknown)."""
+        try:
+            return self._generation(final)
         except ValueError as exc:  # a damaged manifest: which generation is live is unknown
             logger.warning("shardbridge.checkpoint: not cleaning up %s: %s", self.uri(final), exc)
-            return
-        gens: set[str] = set()
-        locks: dict[str, Entry] = {}
-        for name, entry in self.listing(final).items():
-            first = name.split("/", 1)[0]
-            lock = _LOCK.match(name)
-            if lock is not None:
-                locks[lock.group(1)] = entry
-            elif "/" in name and _GENERATION.match(first):
-                gens.add(first)
-        for generation in sorted((gens | set(locks)) - {current}):
-            lock = locks.get(generation)
-            if lock is not None and self._alive(final, generation, lock):
-                continue
-            logger.warning(
-                "shardbridge.checkpoint: deleting %s, left by an interrupted save", self.uri(self.join(final, generation))
-            )
-            self._delete_generation(final, generation)
-            self._delete(self._lock(final, generation))
-        if current is not None and current in locks and not self._alive(final, current, locks[current]):
-            self._delete(self._lock(final, current))  # committed; the save died before deleting its lock
+            return False
 
-    def _alive(self, final: str, generation: str, lock: Entry) -> bool:
+    def _drop(self, final: str, generation: str) -> None:
+        """A dead save's generation (unless the manifest names it: committed), then its lock."""
+        current = self._current(final)
+        if current is False:
+            return
+        if current != generation:
+            if self.listing(self.join(final, generation)):
+                logger.warning(
+                    "shardbridge.checkpoint: deleting %s, left by an interrupted save",
+                    self.uri(self.join(final, generation)),
+                )
+            self._delete_generation(final, generation)
+        self._delete(self._lock(final, generation))
+
+    def _alive(self, final: str, generation: str, mtime: float) -> bool:
         """Whether the save that wrote this lock may still be running."""
         try:
             host, pid, _ = self.read_bytes(self._lock(final, generation)).decode().split()
@@ -396,7 +433,7 @@ class FsspecBackend(Backend):
         except (OSError, ValueError):
             return True
         if host != socket.gethostname():
-            return time.time() - lock.mtime < LOCK_STALE_S
+            return time.time() - mtime < LOCK_STALE_S
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
