@@ -65,6 +65,7 @@ PART_BYTES = 32 << 20
 LOCK_STALE_S = 24 * 3600.0
 """A lock of another host older than this is taken for a dead save's."""
 _GENERATION = re.compile(r"^g-[0-9a-f]{16}$")
+_ERRNO = {PermissionError: errno.EACCES, FileNotFoundError: errno.ENOENT, FileExistsError: errno.EEXIST}
 _BUILTIN_OS_ERRORS = (
     PermissionError,
     FileNotFoundError,
@@ -290,11 +291,11 @@ class FsspecBackend(Backend):
         except OSError as exc:
             if exc.filename:
                 raise
-            code = exc.errno if isinstance(exc.errno, int) else errno.EIO
             text = (str(exc.strerror or exc).strip().splitlines() or [type(exc).__name__])[0]
             if type(exc).__module__ != "builtins":  # a client's own subclass (botocore's timeouts ...)
                 text = f"{type(exc).__name__}: {text}"
             kind = next(k for k in _BUILTIN_OS_ERRORS if isinstance(exc, k))
+            code = exc.errno if isinstance(exc.errno, int) else _ERRNO.get(kind, errno.EIO)
             raise kind(code, text, self.uri(path)) from exc
         except (ValueError, TypeError, AssertionError, KeyboardInterrupt, MemoryError):
             raise
