@@ -191,3 +191,34 @@ def test_data_files_are_laid_out_as_dcps_own_writer_lays_them_out(tmp_path):
         else:  # a bytes item: its bytes
             assert record == dcps, index
     assert ck.verify(tmp_path / "ours").ok  # the records computed while writing match a fresh read
+
+
+def _save_with(protocol: str, root: str):
+    from shardbridge.checkpoint import _protocol
+    from shardbridge.checkpoint.storage._trust import read_metadata
+
+    saved, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.PROTOCOLS[protocol]()
+    try:
+        model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True, seed=3)
+        path = f"{root}/{protocol}"
+        ck.save(path, model=model, optimizer=opt, step=1)
+        step(model, opt, seed=5)  # a second save: DCPSave's cached plan, OwnRounds' skipped plan round
+        ck.save(f"{path}-2", model=model, optimizer=opt, step=2, async_=True).wait()
+        want = full_state(model, opt)
+    finally:
+        _protocol.PROTOCOL = saved
+    fresh, fresh_opt = build(LAYOUTS["fsdp4"], fused=True, seed=9, lr=0.5)
+    ck.load(f"{path}-2", model=fresh, optimizer=fresh_opt)
+    got = full_state(fresh, fresh_opt)
+    return want, got, read_metadata(path).state_dict_metadata
+
+
+def test_both_save_protocols_write_the_same_checkpoint(tmp_path):
+    """[Note: save protocols]: dcp.save (DCP's plan caching) and the own rounds drive the same
+    storage writer: the same metadata, and each of two saves (sync, then async) loads bit-exact."""
+    metadata = {}
+    for protocol in ("dcp", "rounds"):
+        want, got, metadata[protocol] = run_distributed(_save_with, protocol, str(tmp_path), world_size=4)[0]
+        assert_equal_states(got, want)
+        assert ck.verify(tmp_path / protocol).ok and ck.verify(tmp_path / f"{protocol}-2").ok
+    assert metadata["dcp"] == metadata["rounds"]
