@@ -9,9 +9,9 @@ hidden: a full disk during ``torch.save`` of a ``.distcp`` file reads "unexpecte
 598" (the zip writer's short write), a truncated data file "failed finding central
 directory". :func:`dcp_errors` wraps every ``dcp.load`` call of the core (and any
 ``dcp.save``) and re-raises one exception, the same on every rank (each rank translates the
-same gathered failures, so no collective is needed). ``save`` drives DCP's writer itself
-([Note: save rounds] in ``_save.py``): the rank whose write failed translates its own error
-with :func:`save_failure`, and the write round raises it on every rank.
+same gathered failures, so no collective is needed). A save's writer translates the error of
+the file it was writing with :func:`save_failure` (naming the file or object); the save
+protocol raises it on every rank ([Note: save protocols] in ``_protocol.py``).
 
 - save: ``OSError`` (``errno`` kept when known) "saving checkpoint DIR failed on rank R
   writing FILE: No space left on device ..." and the fix;

@@ -10,7 +10,7 @@
                                           its RNG file into it (DCP fsyncs each file)
                                        2. every rank hashes the files it wrote; rank 0 gets the
                                           records with DCP's write results ([Note: checkpoint
-                                          integrity], [Note: one save, DCP's rounds] in _save.py)
+                                          integrity], [Note: the storage writer] in _writer.py)
                                        3. rank 0 writes shardbridge.json (tmp file, fsync,
                                           rename) and fsyncs the directory: the COMMIT POINT,
                                           the directory is a complete checkpoint from here on

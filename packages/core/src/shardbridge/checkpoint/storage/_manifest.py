@@ -4,7 +4,7 @@
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 ::
 
-    <root>/step-00000100/            one committed checkpoint (see _commit.py)
+    <root>/step-00000100/            one committed checkpoint (see _local.py, _fsspec.py)
         .metadata                    DCP metadata (pickled torch DCP dataclasses only)
         __0_0.distcp, __1_0.distcp   DCP data: plain tensors, primitives (torch.save)
         rng/rank-00000.pt ...        per-rank RNG states: {"cpu": uint8 tensor,

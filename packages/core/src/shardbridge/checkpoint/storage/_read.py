@@ -156,7 +156,7 @@ def _ranges(window: _Window) -> tuple[tuple[int, int], tuple[int, int]] | None:
         if len(storages) != 1 or len(pickles) != 1 or len(order) > 1:
             return None
     # Entries are read by their ranges, never with ``archive.read``: zipfile checks the CRC32,
-    # which shardbridge's writer leaves at 0 ([Note: the data file writer] in _save.py).
+    # which shardbridge's writer leaves at 0 ([Note: the data file writer] in _writer.py).
     if order:
         order_at = _entry_range(window, order[0])
         if order_at is None:
