@@ -112,6 +112,16 @@ def faults(session):
 
 
 @nox.session(python="3.11")
+def s3(session):
+    """Checkpoints on S3 against moto's real server: the default slice plus the whole fault matrix
+    (kill -9 mid-upload, the server stopped mid-save, at random points; docs/checkpoints.md, Reliability)."""
+    _install(session, "test,s3")
+    env = {**ENV, "SHARDBRIDGE_S3_FAULTS": "all"}
+    tests = ["packages/core/tests/checkpoint/test_s3.py", "packages/core/tests/checkpoint/test_s3_faults.py"]
+    session.run("python", "-m", "pytest", *tests, "-s", *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
 def fp8_matrix(session):
     """Every FP8 recipe x layout: torchao through the hf adapter and `shardbridge launch`, TE structural (docs/concepts/fp8.md)."""
     _install(session, "all,te-structural,test")

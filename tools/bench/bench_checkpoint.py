@@ -12,6 +12,19 @@ by every contender, side by side in one run, the order shuffled each round; medi
 - load: ``shardbridge load`` into the same layout and into dp_shard=4, per-rank
   ``torch.load`` (``weights_only=True``), plain DCP (``dcp.load`` + ``set_state_dict``).
 
+What shardbridge keeps beyond DCP's defaults is measured against DCP's default in the same run,
+the same bytes, each as a contender of its own ([Note: why this protocol] in
+``checkpoint/_protocol.py``; docs/benchmarks.md, "What is kept"):
+
+- ``save, dcp.save protocol``: ``dcp.save`` with DCP's plan caching instead of shardbridge's own
+  rounds (the plan round skipped while no plan changed, one-collective rounds);
+- ``save, DCP-style file writer``: zip CRC32 computed and each file hashed by reading it back,
+  instead of CRC32 left at 0 and hashing while writing ([Note: the data file writer]);
+- ``save / load same, object collectives``: torch's two-collective object collectives instead of
+  one fixed-size collective per small round ([Note: one-collective rounds]);
+- ``load same, whole records``: every record ``torch.load``-ed whole and copied (DCP's reader)
+  instead of read in place ([Note: reading boxes in place]).
+
 Ratios are throughput ratios (baseline time / our time: 1.00 = as fast as the baseline,
 0.5 = half as fast), as the ratio of the medians and as the median of the per-round ratios
 ("paired"). The page cache is warm for every contender alike, and before each timed
@@ -27,6 +40,7 @@ run twice shuffles alike).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -136,15 +150,29 @@ def _quiesce():
     dist.barrier()
 
 
+class _Seconds(float):
+    """A wall time that also carries the CPU seconds the 4 ranks spent (``cpu``: all threads, summed)."""
+
+    cpu: float
+
+
 def _timed(fn):
-    """Wall time of fn on all ranks (write-back quiesced and barrier before, barrier after)."""
+    """Wall time of fn on all ranks (write-back quiesced and barrier before, barrier after), with
+    the CPU time every rank's process spent meanwhile, summed over ranks (``.cpu``): on a shared,
+    loaded machine wall times follow the other users, CPU seconds the work each contender does."""
+    import torch
     import torch.distributed as dist
 
     _quiesce()
+    cpu = time.process_time()
     start = time.perf_counter()
     fn()
     dist.barrier()
-    return time.perf_counter() - start
+    wall = _Seconds(time.perf_counter() - start)
+    spent = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+    dist.all_reduce(spent)
+    wall.cpu = float(spent.item())
+    return wall
 
 
 def _timed_blocking(start_fn, wait_fn):
@@ -174,7 +202,9 @@ def _worker(root: str, size: str, rounds: int, profile: str | None):
     sizes: dict[str, float] = {}
 
     def add(name, value):
-        times.setdefault(name, []).append(value)
+        times.setdefault(name, []).append(float(value))
+        if isinstance(value, _Seconds):
+            times.setdefault(f"{name} [cpu]", []).append(value.cpu)
 
     if profile:
         return _profile(root, profile, model, opt, model_a, opt_a)
@@ -191,7 +221,7 @@ def _round(r, root, add, group, source, same, other):
     import torch
     import torch.distributed as dist
     from shardbridge import checkpoint
-    from shardbridge.checkpoint._trust import read_metadata
+    from shardbridge.checkpoint.storage._trust import read_metadata
 
     rank = dist.get_rank()
     (model, opt), (model_a, opt_a), (model_b, opt_b) = source, same, other
@@ -201,8 +231,17 @@ def _round(r, root, add, group, source, same, other):
     local = _local_state(model, opt)
     raw_file = os.path.join(raw, f"rank{rank}.pt")
     raw_nofsync = os.path.join(raw, f"nofsync-rank{rank}.pt")
+    alt = {k: os.path.join(root, f"{k}-{r}") for k in ("sb-dcp", "sb-crc", "sb-obj")}
+
+    def save_as(key, path, variant):
+        with variant():
+            add(key, _timed(lambda: checkpoint.save(path, model=model, optimizer=opt, step=r)))
+
     saves = [
         lambda: add("save", _timed(lambda: checkpoint.save(ckpt, model=model, optimizer=opt, step=r))),
+        lambda: save_as("save, dcp.save protocol", alt["sb-dcp"], _dcp_save_protocol),
+        lambda: save_as("save, DCP-style file writer", alt["sb-crc"], _dcp_style_writer),
+        lambda: save_as("save, object collectives", alt["sb-obj"], _object_collectives),
         lambda: add("torch.save+fsync", _timed(lambda: _torch_save(local, raw_file, True))),
         lambda: add("torch.save", _timed(lambda: _torch_save(local, raw_nofsync, False))),
         lambda: add("dcp.save", _timed(lambda: _dcp_save(model, opt, dcp_dir))),
@@ -220,9 +259,13 @@ def _round(r, root, add, group, source, same, other):
         ("dcp.load", lambda: _dcp_load(model_a, opt_a, dcp_dir)),
         ("dcp.load other", lambda: _dcp_load(model_b, opt_b, dcp_dir)),
         ("load same, verify=False", lambda: checkpoint.load(ckpt, model=model_a, optimizer=opt_a, verify=False)),
-    ]
-    for name, fn in _rotated(loads, r):
-        add(name, _timed(fn))
+        ("load same, whole records", lambda: checkpoint.load(ckpt, model=model_a, optimizer=opt_a), _whole_records),
+        ("load same, object collectives", lambda: checkpoint.load(ckpt, model=model_a, optimizer=opt_a),
+         _object_collectives),
+    ]  # fmt: skip
+    for name, fn, *variant in _rotated([(*load, ) for load in loads], r):
+        with (variant[0] if variant else contextlib.nullcontext)():
+            add(name, _timed(fn))
     # Where a load's time goes beyond torch.load's (the parts outside shardbridge): reading
     # DCP's .metadata pickle with the restricted unpickler (rank 0, once per load) and with
     # plain pickle (DCP's own way, which runs code from the file: measured on our own file
@@ -237,10 +280,69 @@ def _round(r, root, add, group, source, same, other):
     sizes = {"checkpoint": _dir_bytes(ckpt), "torch.save": _dir_bytes(raw) / 2} if rank == 0 else {}
     dist.barrier()
     if rank == 0:
-        for path in (ckpt, raw, dcp_dir, sb_async, dcp_async):
+        for path in (ckpt, raw, dcp_dir, sb_async, dcp_async, *alt.values()):
             shutil.rmtree(path)
     dist.barrier()
     return sizes
+
+
+@contextlib.contextmanager
+def _dcp_save_protocol():
+    """Saves run ``dcp.save`` (with DCP's plan caching) instead of shardbridge's own rounds."""
+    from shardbridge.checkpoint import _protocol
+
+    before, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.DCPSave()
+    try:
+        yield
+    finally:
+        _protocol.PROTOCOL = before
+
+
+@contextlib.contextmanager
+def _dcp_style_writer():
+    """Data files written as DCP's FileSystemWriter writes them: torch.save with the zip CRC32, then
+    each file hashed by reading it back (shardbridge: CRC32 left at 0, hashed while written)."""
+    import torch
+    from shardbridge.checkpoint.storage import _integrity, _writer
+
+    real_items = _writer._write_items
+
+    def items_then_hash(backend, path, name, items, planner):
+        results, _ = real_items(backend, path, name, items, planner)
+        size, digest = _integrity.checksum(backend, path)
+        return results, {"size": size, "xxh3_128": digest}
+
+    saved = (_writer.torch_save_without_crc, _writer._write_items)
+    _writer.torch_save_without_crc = lambda t, f: torch.save(t, f)
+    _writer._write_items = items_then_hash
+    try:
+        yield
+    finally:
+        _writer.torch_save_without_crc, _writer._write_items = saved
+
+
+@contextlib.contextmanager
+def _object_collectives():
+    """Every small round as torch's object collectives (two collectives each) instead of one."""
+    from shardbridge.checkpoint import _dist
+
+    real, _dist._cpu_collectives = _dist._cpu_collectives, lambda: False
+    try:
+        yield
+    finally:
+        _dist._cpu_collectives = real
+
+
+@contextlib.contextmanager
+def _whole_records():
+    """Every record torch.load-ed whole, then copied into its target (DCP's reader), not read in place."""
+    from shardbridge.checkpoint.storage import _read
+
+    real, _read.IN_PLACE_MIN_BYTES = _read.IN_PLACE_MIN_BYTES, 1 << 62
+    try:
+        yield
+    finally:
+        _read.IN_PLACE_MIN_BYTES = real
 
 
 def _rotated(items: list, r: int) -> list:
@@ -332,7 +434,7 @@ def _report(size: str, result: dict, rounds: int) -> None:
     print(f"\n== {size}: {_model_config(size)}")
     print(f"checkpoint {mb:.1f} MB on disk; torch.save files {result['sizes']['torch.save'] / 1e6:.1f} MB; "
           f"4 gloo ranks, dp_shard=2 x tp=2, {rounds} rounds, medians\n")  # fmt: skip
-    print(f"{'operation':<44} {'seconds':>8} {'MB/s':>8} {'vs base':>8} {'paired':>7}  base")
+    print(f"{'operation':<44} {'seconds':>8} {'MB/s':>8} {'vs base':>8} {'paired':>7} {'CPU s':>7}  base")
     rows = [
         ("torch.save per rank, fsync", "torch.save+fsync", None),
         ("torch.save per rank, no fsync", "torch.save", None),
@@ -350,8 +452,22 @@ def _report(size: str, result: dict, rounds: int) -> None:
         sec = t[key]
         ratio = "" if base is None else f"{t[base] / sec:.2f}x"
         paired = "" if base is None else f"{_ratio(per_round, base, key):.2f}x"
-        print(f"{label:<44} {sec:>8.3f} {mb / sec:>8.1f} {ratio:>8} {paired:>7}  {base or ''}")
-    print("(vs base: ratio of the medians; paired: median of the per-round ratios, each pair measured back to back)")
+        print(f"{label:<44} {sec:>8.3f} {mb / sec:>8.1f} {ratio:>8} {paired:>7} {t[key + ' [cpu]']:>7.3f}  {base or ''}")
+    print("(vs base: ratio of the medians; paired: median of the per-round ratios, each pair measured in one round; "
+          "CPU s: every rank's process, summed)")  # fmt: skip
+    print(f"\n{'what is kept (ours vs the DCP default it replaces)':<52} {'ours s':>8} {'default s':>9} {'x':>6} "
+          f"{'paired':>7} {'CPU s ours / default (4 ranks)':>31}")  # fmt: skip
+    kept = [
+        ("own save rounds vs dcp.save + plan caching", "save", "save, dcp.save protocol"),
+        ("data file writer vs DCP-style (CRC32, read-back hash)", "save", "save, DCP-style file writer"),
+        ("one-collective rounds vs object collectives (save)", "save", "save, object collectives"),
+        ("one-collective rounds vs object collectives (load)", "load same", "load same, object collectives"),
+        ("in-place reads vs whole records (DCP's reader)", "load same", "load same, whole records"),
+    ]
+    for label, ours, default in kept:
+        cpu = f"{t[ours + ' [cpu]']:.3f} / {t[default + ' [cpu]']:.3f} = {t[default + ' [cpu]'] / t[ours + ' [cpu]']:.2f}x"
+        print(f"{label:<52} {t[ours]:>8.3f} {t[default]:>9.3f} {t[default] / t[ours]:>5.2f}x "
+              f"{_ratio(per_round, default, ours):>6.2f}x {cpu:>31}")  # fmt: skip
     explained = t["torch.load"] + t["metadata, restricted"] + t["state dicts"]
     print(
         f"\nload, where the time goes (s): torch.load {t['torch.load']:.3f} + .metadata restricted unpickling "

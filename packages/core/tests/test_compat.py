@@ -38,11 +38,13 @@ PRIVATE_TORCH = (
     "_unflatten",
     "_compute_local_shape_and_global_offset",
     "_flatten_sharded_tensors",
+    "_StoragePrefix",
 )
 PRIVATE_TORCH_MODULES = (
     "torch.distributed.fsdp._fully_shard",
     "torch.distributed.checkpoint._nested_dict",
     "torch.distributed.checkpoint._sharded_tensor_utils",
+    "torch.distributed.checkpoint._fsspec_filesystem",
     "torch.distributed.tensor._utils",
     "torch.testing._internal",
     "torch.utils._pytree",

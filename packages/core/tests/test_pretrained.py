@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from shardbridge import ParallelDims, fused_params, split_fused
-from shardbridge.checkpoint._components import component_fqn
+from shardbridge.checkpoint.state._components import component_fqn
 from shardbridge.models import Llama, LlamaConfig, hf_llama_name, parallelize_llama, synthetic_batch
 from shardbridge.pretrained import load_pretrained, read_index
 from shardbridge.testing import run_distributed

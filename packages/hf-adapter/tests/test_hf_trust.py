@@ -1,6 +1,6 @@
 """A hostile checkpoint loaded by ``ShardbridgeAccelerator.load_state``: refused, nothing runs.
 
-See [Note: untrusted checkpoints] in ``shardbridge/checkpoint/_trust.py``. The packed
+See [Note: untrusted checkpoints] in ``shardbridge/checkpoint/storage/_trust.py``. The packed
 optimizer hyperparameters (``optim.param_groups``, a DCP bytes item) are replaced by a pickle
 that would create a marker directory if DCP's default ``weights_only=False`` load ran it.
 """

@@ -37,12 +37,14 @@ __all__ = [
     "TORCH_CHECKED",
     "AllGather",
     "DCPStorageInfo",
+    "DCPStoragePrefix",
     "DCP_MEM_FORMAT_ENCODING",
     "PyUnpickler",
     "dcp_set_element",
     "compute_local_shape_and_global_offset",
     "distribution_version",
     "dtensor_boundary",
+    "dcp_fsspec_classes",
     "dtensor_to_local",
     "fake_store",
     "flash_attention_cpu",
@@ -337,6 +339,10 @@ def fsdp_shard_process_group(module: FSDPModule) -> Any:
 DCPStorageInfo = importlib.import_module("torch.distributed.checkpoint.filesystem")._StorageInfo
 """Where one DCP item lives in its file (``filesystem._StorageInfo``); in every ``.metadata``. Checked: 2.11, 2.13, 2.14, 2.15."""
 
+DCPStoragePrefix = importlib.import_module("torch.distributed.checkpoint.filesystem")._StoragePrefix
+"""The file-name prefix of one rank's DCP data files (``filesystem._StoragePrefix``: ``__<rank>_``), the
+``storage_data`` of each rank's part of DCP's global save plan. Checked: 2.11, 2.13, 2.14."""
+
 DCP_MEM_FORMAT_ENCODING = importlib.import_module("torch.distributed.checkpoint.metadata")._MEM_FORMAT_ENCODING
 """How ``TensorProperties`` pickles a memory format (``metadata._MEM_FORMAT_ENCODING``). Checked: 2.11, 2.13, 2.14, 2.15."""
 
@@ -360,6 +366,19 @@ def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint import _sharded_tensor_utils
 
     return require_attr(_sharded_tensor_utils, "_flatten_sharded_tensors", what="checkpoint")(state_dict)
+
+
+def dcp_fsspec_classes() -> tuple[type, type]:
+    """Plain DCP's fsspec storage: ``(FsspecWriter, FsspecReader)``.
+
+    ``checkpoint._fsspec_filesystem`` is a private module; the plain-DCP baseline of the
+    object-store benchmark. Checked: 2.11, 2.13, 2.14.
+    """
+    module = importlib.import_module("torch.distributed.checkpoint._fsspec_filesystem")
+    return (
+        require_attr(module, "FsspecWriter", what="checkpoint"),
+        require_attr(module, "FsspecReader", what="checkpoint"),
+    )
 
 
 def torch_save_without_crc(obj: Any, stream: Any) -> None:

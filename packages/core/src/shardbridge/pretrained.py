@@ -52,8 +52,8 @@ from torch.distributed.tensor import DTensor
 
 from shardbridge._compat import local_tensor
 from shardbridge._fused import FusedSpec, fused_params, split_local
-from shardbridge.checkpoint._components import component_fqn, fused_tp_size
-from shardbridge.checkpoint._repair import _multi_box_pieces, describe
+from shardbridge.checkpoint.state._components import component_fqn, fused_tp_size
+from shardbridge.checkpoint.state._repair import _multi_box_pieces, describe
 
 __all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "PretrainedReport", "load_pretrained", "read_index"]
 

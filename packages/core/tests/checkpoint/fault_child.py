@@ -120,7 +120,12 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
             timeout=timedelta(seconds=ARGS.get("pg_timeout", 15)),
         )
     from shardbridge import checkpoint as ck
-    from shardbridge.checkpoint import _save
+    from shardbridge.checkpoint.storage import _local
+
+    if ARGS.get("s3_env"):  # an S3 server's endpoint, credentials and short timeouts (test_s3_faults.py)
+        from shardbridge.testing._s3 import use_server
+
+        use_server(ARGS["s3_env"])
 
     root = ARGS["root"]
     model = build(ARGS.get("value", 1.0), world, ARGS.get("width", 16))
@@ -163,7 +168,7 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
                 resource.setrlimit(resource.RLIMIT_FSIZE, (ARGS["fsize"], resource.RLIM_INFINITY))
             if ARGS.get("pause"):
-                real_commit = _save.commit
+                real_commit = _local.commit
 
                 def paused_commit(*a, **k):
                     open(os.path.join(out, "paused"), "w").close()
@@ -171,7 +176,7 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
                         time.sleep(0.01)
                     return real_commit(*a, **k)
 
-                _save.commit = paused_commit
+                _local.commit = paused_commit
             if ARGS.get("crash_at") is not None and rank == ARGS.get("crash_rank", 0):
                 _install_faults(ARGS["crash_at"], ARGS.get("how", "exit"))
             value = ARGS["value"]
@@ -200,6 +205,11 @@ def zygote() -> None:
     import torch._dynamo  # noqa: F401 (torch's get_state_dict pulls it in; ~0.5 s)
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
+
+    try:
+        import s3fs  # noqa: F401 (test_s3_faults.py: the S3 client, imported once here too)
+    except ImportError:
+        pass
 
     exits: dict[int, str] = {}
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, step
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint import _save
-from shardbridge.checkpoint._stage import Stager
+from shardbridge.checkpoint.state._stage import Stager
+from shardbridge.checkpoint.storage import _local
 from shardbridge.testing import run_distributed
 from test_load import _load, _oracle
 from torch.distributed.tensor import DTensor
@@ -61,7 +61,7 @@ def test_async_saves_snapshot_the_state_and_reshard_bit_exact(tmp_path, layout):
 def _blocked_commit(monkeypatch, *, fail: bool = False):
     """Make the writer's commit wait for the returned event (then commit, or raise OSError)."""
     go = threading.Event()
-    real = _save.commit
+    real = _local.commit
 
     def commit(*args, **kwargs):
         go.wait(30)
@@ -69,7 +69,7 @@ def _blocked_commit(monkeypatch, *, fail: bool = False):
             raise OSError(28, "No space left on device (injected)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_save, "commit", commit)
+    monkeypatch.setattr(_local, "commit", commit)
     return go
 
 
@@ -206,11 +206,11 @@ def test_a_load_waits_for_this_processs_overwrite_in_flight(tmp_path, monkeypatc
 
 def test_a_directory_replaced_during_a_load_is_refused(tmp_path, monkeypatch):
     """Another job renames a new version into place while this one reads: ValueError, not a mix."""
-    from shardbridge.checkpoint import _trust
+    from shardbridge.checkpoint.storage import _reader
 
     ck.save(tmp_path / "c", model=Mlp())
     ck.save(tmp_path / "other", model=Mlp())
-    real = _trust.TrustedReader.read_data
+    real = _reader.TrustedReader.read_data
 
     def swap_then_read(self, plan, planner):
         if (tmp_path / "other").exists():
@@ -218,7 +218,7 @@ def test_a_directory_replaced_during_a_load_is_refused(tmp_path, monkeypatch):
             (tmp_path / "other").rename(tmp_path / "c")
         return real(self, plan, planner)
 
-    monkeypatch.setattr(_trust.TrustedReader, "read_data", swap_then_read)
+    monkeypatch.setattr(_reader.TrustedReader, "read_data", swap_then_read)
     with pytest.raises(ValueError, match=r"was replaced while it was being loaded .* load it again"):
         ck.load(tmp_path / "c", model=Mlp())
     monkeypatch.undo()

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from shardbridge.checkpoint._chunks import LoadPlanner, LocalChunks, SavePlanner
+from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks, SavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItemType

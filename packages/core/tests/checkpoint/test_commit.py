@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from ckpt_helpers import LAYOUTS, Mlp, build
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint import _commit, _save
-from shardbridge.checkpoint._manifest import MANIFEST_NAME
+from shardbridge.checkpoint.storage import _local as _commit
+from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME
 from shardbridge.testing import run_distributed
 
 
@@ -83,19 +83,19 @@ def _interrupted(root: str):
     """Save step 1, then crash step 2 between writing and renaming (commit raises)."""
     model, opt = build(LAYOUTS["fsdp2_tp2"])
     ck.save(ck.step_dir(root, 1), model=model, optimizer=opt, step=1)
-    real = _save.commit
+    real = _commit.commit
 
     def crash(*args, **kwargs):
         raise OSError("simulated crash before rename")
 
-    _save.commit = crash
+    _commit.commit = crash
     try:
         ck.save(ck.step_dir(root, 2), model=model, optimizer=opt, step=2)
         outcome = "saved"
     except Exception as exc:  # noqa: BLE001
         outcome = f"{type(exc).__name__}: {exc}"
     finally:
-        _save.commit = real
+        _commit.commit = real
     dist.barrier()
     return outcome, str(ck.latest(root)), sorted(os.listdir(root))
 
@@ -111,8 +111,8 @@ def test_interrupted_save_leaves_latest_at_previous_checkpoint(tmp_path):
 _DIE_BEFORE_RENAME = """
 import os, sys, torch
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint import _save
-_save.commit = lambda *args, **kwargs: os._exit(3)  # the process dies before the rename
+from shardbridge.checkpoint.storage import _local
+_local.commit = lambda *args, **kwargs: os._exit(3)  # the process dies before the rename
 ck.save(ck.step_dir(sys.argv[1], 2), model=torch.nn.Linear(3, 3), step=2)
 """
 

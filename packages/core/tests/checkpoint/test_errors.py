@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint import _errors
+from shardbridge.checkpoint.storage import _errors
 from shardbridge.testing import run_distributed
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -157,27 +157,31 @@ def test_a_file_in_the_path_is_named_not_a_bare_file_exists_error(tmp_path, asyn
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-def _save_with_a_failing_commit(root: str) -> str:
-    from shardbridge.checkpoint import _save
+def _save_with_a_failing_commit(root: str, protocol: str) -> str:
+    from shardbridge.checkpoint import _protocol
+    from shardbridge.checkpoint.storage import _local
 
     def commit(*args, **kwargs):
         raise FileExistsError(errno.EEXIST, "injected: another job created it", str(root))
 
-    real, _save.commit = _save.commit, commit  # rank 0 commits, inside DCP's finish
+    real, _local.commit = _local.commit, commit  # rank 0 commits, inside the write round
+    saved, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.PROTOCOLS[protocol]()
     try:
         ck.save(os.path.join(root, "c"), model=nn.Linear(16, 16), step=1)
     except FileExistsError as exc:
         return f"{type(exc).__name__}|{exc.errno}|{'injected: another job created it' in str(exc)}"
     finally:
-        _save.commit = real  # the pool's workers live on
+        _local.commit = real  # the pool's workers live on
+        _protocol.PROTOCOL = saved
     return "saved"
 
 
-def test_a_commit_error_keeps_its_type_and_errno_on_every_rank(tmp_path):
-    # The commit runs on rank 0 in the write round ([Note: save rounds] in _save.py); its error
+@pytest.mark.parametrize("protocol", ["rounds", "dcp"])
+def test_a_commit_error_keeps_its_type_and_errno_on_every_rank(tmp_path, protocol):
+    # The commit runs on rank 0 in the write round ([Note: save protocols] in _protocol.py); its error
     # reaches every rank with the outcome, as itself (type, errno, message), not as "failed
     # writing data files".
-    got = run_distributed(_save_with_a_failing_commit, str(tmp_path), world_size=4)
+    got = run_distributed(_save_with_a_failing_commit, str(tmp_path), protocol, world_size=4)
     assert got == ["FileExistsError|17|True"] * 4, got
     assert not (tmp_path / "c").exists() and [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
 
@@ -218,10 +222,16 @@ def test_a_failed_record_write_does_not_abort_the_process_later():
 
 
 def test_a_failed_metadata_write_names_the_checkpoint_and_commits_nothing(tmp_path, monkeypatch):
-    def full(self, metadata, results):
-        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".c.tmp-x" / ".metadata.tmp"))
+    from shardbridge.checkpoint.storage import _writer
 
-    monkeypatch.setattr(dcp.FileSystemWriter, "finish", full)
+    real = _writer._write_bytes
+
+    def full(backend, path, data):
+        if path.endswith(".metadata"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".c.tmp-x" / ".metadata.tmp"))
+        return real(backend, path, data)
+
+    monkeypatch.setattr(_writer, "_write_bytes", full)
     with pytest.raises(OSError, match=r"save of checkpoint '.*c' failed on rank 0 writing '.*\.metadata\.tmp': No space") as info:
         ck.save(tmp_path / "c", model=nn.Linear(4, 4))
     assert info.value.errno == errno.ENOSPC and "Nothing was committed" in str(info.value)

@@ -88,7 +88,7 @@ def test_parse_size():
 _MEASURE = """
 import sys
 from shardbridge.checkpoint import export_safetensors
-from shardbridge.checkpoint import _integrity  # noqa: F401 (imported before the baseline, as export imports it)
+from shardbridge.checkpoint.storage import _integrity  # noqa: F401 (imported before the baseline, as export imports it)
 
 def status(field):
     for line in open("/proc/self/status"):

@@ -1,7 +1,7 @@
 """Fault injection: crashes, full and read-only disks, damaged files, racing jobs.
 
 Every test checks the same four things after the fault ([Note: atomic commit] in
-``_commit.py``, [Note: checkpoint integrity] in ``_integrity.py``):
+``storage/_local.py``, [Note: checkpoint integrity] in ``storage/_integrity.py``):
 
 1. the last good checkpoint is intact and ``latest()`` returns it (a save that returned is
    never lost);
@@ -34,7 +34,9 @@ from pathlib import Path
 import pytest
 import torch
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint._manifest import MANIFEST_NAME, read_manifest
+from shardbridge.checkpoint.storage._local import LOCAL
+from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME
+from shardbridge.checkpoint.storage._manifest import read_manifest as _read_manifest
 from torch import nn
 
 CHILD = str(Path(__file__).with_name("fault_child.py"))
@@ -503,7 +505,7 @@ def test_damaged_file_is_detected(tmp_path, two_steps, kind, how, caplog):
     if kind == MANIFEST_NAME and how != "extra":
         # The manifest's own checksum (or JSON) fails: not a checkpoint any more.
         if how == "foreign":
-            assert read_manifest(step2).step == 1  # a whole valid manifest of step 1 ...
+            assert _read_manifest(LOCAL, str(step2)).step == 1  # a whole valid manifest of step 1 ...
             with pytest.raises(ValueError, match="checksum mismatch"):  # ... whose records do not fit
                 _loaded_value(step2)
         else:

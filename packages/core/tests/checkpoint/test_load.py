@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint._manifest import MANIFEST_NAME
+from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME
 from shardbridge.testing import run_distributed
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -271,7 +271,7 @@ def _trained_mlp(lr: float):
 def test_param_groups_are_one_item_and_format_1_still_loads(tmp_path, monkeypatch):
     """[Note: packed param groups]: one DCP item for all hyperparameters; old checkpoints load."""
     import torch.distributed.checkpoint as dcp
-    from shardbridge.checkpoint import _state
+    from shardbridge.checkpoint.state import _state
 
     model, opt = _trained_mlp(lr=0.02)
     ck.save(tmp_path / "v2", model=model, optimizer=opt, step=1)

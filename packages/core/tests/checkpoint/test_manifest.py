@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from shardbridge.checkpoint._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, check_json_extra, read_manifest
+from shardbridge.checkpoint.storage._local import LOCAL
+from shardbridge.checkpoint.storage._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, check_json_extra
+from shardbridge.checkpoint.storage._manifest import read_manifest as _read_manifest
+
+
+def read_manifest(path):
+    return _read_manifest(LOCAL, str(path))
 
 
 def _manifest(**overrides):
@@ -132,7 +138,7 @@ def test_manifest_values_and_substructure_are_validated(field, value, match):
 def test_files_record_is_validated_strictly(files, match):
     """Format 3: every name inside the checkpoint, sizes ints >= 0, checksums hex (the
     manifest's own checksum is recomputed so that only the record is wrong)."""
-    from shardbridge.checkpoint._manifest import SELF_CHECKSUM_KEY, _self_checksum
+    from shardbridge.checkpoint.storage._manifest import SELF_CHECKSUM_KEY, _self_checksum
 
     data = json.loads(_manifest().to_json())
     data["files"] = files

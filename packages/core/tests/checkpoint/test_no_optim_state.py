@@ -117,7 +117,7 @@ def test_partially_missing_state_is_refused_naming_the_key(tmp_path):
 
 def test_all_state_missing_without_the_manifest_record_is_refused(tmp_path, monkeypatch):
     """A checkpoint that lost a parameter's whole state after the save (nothing recorded)."""
-    from shardbridge.checkpoint import _state
+    from shardbridge.checkpoint.state import _state
 
     monkeypatch.setattr(_state, "_stateless_params", lambda *a: [])  # save records nothing
     path = _saved(tmp_path)

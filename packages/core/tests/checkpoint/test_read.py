@@ -11,9 +11,10 @@ import pytest
 import torch
 from ckpt_helpers import LAYOUTS, build
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint import _export, _read
-from shardbridge.checkpoint._read import read_box_into
-from shardbridge.checkpoint._trust import TrustedReader
+from shardbridge.checkpoint import _export
+from shardbridge.checkpoint.storage import _read
+from shardbridge.checkpoint.storage._read import read_box_into
+from shardbridge.checkpoint.storage._reader import TrustedReader
 from shardbridge.testing import run_distributed
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -140,7 +141,7 @@ def test_parts_of_boxes_are_read_in_place_exactly():
 
 def _reshard_in_place(path: str):
     from ckpt_helpers import full_state
-    from shardbridge.checkpoint import _read
+    from shardbridge.checkpoint.storage import _read
 
     calls = []
     real = _read.read_box_into
@@ -174,7 +175,7 @@ def test_a_load_into_another_layout_reads_the_parts_of_boxes_in_place(tmp_path):
 def test_load_reads_whole_boxes_in_place(tmp_path, monkeypatch):
     """``load`` into the same layout: every tensor item is read in place (no torch.load copy)."""
     from ckpt_helpers import Mlp, assert_equal_states, full_state
-    from shardbridge.checkpoint import _read
+    from shardbridge.checkpoint.storage import _read
 
     model, opt = build(None)
     ck.save(tmp_path / "c", model=model, optimizer=opt)

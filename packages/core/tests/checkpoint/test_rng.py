@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint._rng import restore_rng
+from shardbridge.checkpoint.state._rng import restore_rng
 from shardbridge.testing import run_distributed
 from torch import nn
 

@@ -13,7 +13,7 @@ import torch
 from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, step
 from shardbridge import checkpoint as ck
 from shardbridge._mesh import ParallelDims
-from shardbridge.checkpoint._manifest import MANIFEST_NAME
+from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME
 from shardbridge.testing import run_distributed
 from torch import nn
 
@@ -112,7 +112,7 @@ def test_saving_does_not_touch_the_model(tmp_path):
 
 
 def _saves_reusing_and_replanning(root: str):
-    from shardbridge.checkpoint import _dist, _save
+    from shardbridge.checkpoint import _dist, _protocol
 
     rounds = []
     real = _dist.gather_scatter
@@ -121,9 +121,9 @@ def _saves_reusing_and_replanning(root: str):
         rounds.append(len(rounds))
         return real(*args, **kwargs)
 
-    _save._dist.gather_scatter = counted  # the pool's workers live on: restored below
+    _protocol._dist.gather_scatter = counted  # the pool's workers live on: restored below
+    protocol, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.OwnRounds()
     try:
-        _save._PLANS.clear()
         a, opt_a = build(LAYOUTS["fsdp2_tp2"], seed=1)
         b, opt_b = build(LAYOUTS["fsdp4"], seed=2)  # another layout: another plan
         plan_rounds, wanted = [], {}
@@ -137,7 +137,8 @@ def _saves_reusing_and_replanning(root: str):
         async_save.wait()
         plan_rounds.append(len(rounds))
     finally:
-        _save._dist.gather_scatter = real
+        _protocol._dist.gather_scatter = real
+        _protocol.PROTOCOL = protocol
     loaded = {}
     for name in wanted:
         model, opt = build(LAYOUTS["fsdp2_tp2" if name != "b" else "fsdp4"], seed=9)
@@ -147,7 +148,7 @@ def _saves_reusing_and_replanning(root: str):
 
 
 def test_the_plan_round_runs_only_when_a_plan_changed(tmp_path):
-    # [Note: save rounds]: DCP's global plan is reused while no rank's plan changes (a2, and the
+    # [Note: save protocols], OwnRounds: DCP's global plan is reused while no rank's plan changes (a2, and the
     # async a4: same boxes from the staged copy), recomputed for another layout (b) and back (a3).
     results = run_distributed(_saves_reusing_and_replanning, str(tmp_path), world_size=4)
     for plan_rounds, wanted, loaded in results:
@@ -163,9 +164,9 @@ def test_data_files_are_laid_out_as_dcps_own_writer_lays_them_out(tmp_path):
     import zipfile
 
     import torch.distributed.checkpoint as dcp
-    from shardbridge.checkpoint._chunks import SavePlanner
-    from shardbridge.checkpoint._state import build_portable_state
-    from shardbridge.checkpoint._trust import read_metadata
+    from shardbridge.checkpoint.state._chunks import SavePlanner
+    from shardbridge.checkpoint.state._state import build_portable_state
+    from shardbridge.checkpoint.storage._trust import read_metadata
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     model, opt = build(None)
@@ -190,3 +191,34 @@ def test_data_files_are_laid_out_as_dcps_own_writer_lays_them_out(tmp_path):
         else:  # a bytes item: its bytes
             assert record == dcps, index
     assert ck.verify(tmp_path / "ours").ok  # the records computed while writing match a fresh read
+
+
+def _save_with(protocol: str, root: str):
+    from shardbridge.checkpoint import _protocol
+    from shardbridge.checkpoint.storage._trust import read_metadata
+
+    saved, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.PROTOCOLS[protocol]()
+    try:
+        model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True, seed=3)
+        path = f"{root}/{protocol}"
+        ck.save(path, model=model, optimizer=opt, step=1)
+        step(model, opt, seed=5)  # a second save: DCPSave's cached plan, OwnRounds' skipped plan round
+        ck.save(f"{path}-2", model=model, optimizer=opt, step=2, async_=True).wait()
+        want = full_state(model, opt)
+    finally:
+        _protocol.PROTOCOL = saved
+    fresh, fresh_opt = build(LAYOUTS["fsdp4"], fused=True, seed=9, lr=0.5)
+    ck.load(f"{path}-2", model=fresh, optimizer=fresh_opt)
+    got = full_state(fresh, fresh_opt)
+    return want, got, read_metadata(path).state_dict_metadata
+
+
+def test_both_save_protocols_write_the_same_checkpoint(tmp_path):
+    """[Note: save protocols]: dcp.save (DCP's plan caching) and the own rounds drive the same
+    storage writer: the same metadata, and each of two saves (sync, then async) loads bit-exact."""
+    metadata = {}
+    for protocol in ("dcp", "rounds"):
+        want, got, metadata[protocol] = run_distributed(_save_with, protocol, str(tmp_path), world_size=4)[0]
+        assert_equal_states(got, want)
+        assert ck.verify(tmp_path / protocol).ok and ck.verify(tmp_path / f"{protocol}-2").ok
+    assert metadata["dcp"] == metadata["rounds"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from shardbridge.checkpoint import component_fqn
-from shardbridge.checkpoint._repair import _verdict
+from shardbridge.checkpoint.state._repair import _verdict
 from shardbridge.layout import find_dcp_mismatches, fsdp_placements
 from shardbridge.testing import run_distributed
 from torch import nn
@@ -308,7 +308,7 @@ def test_tied_alias_is_exported_when_the_name_map_asks(tmp_path):
 def test_checkpoint_holding_both_tied_names_still_loads(tmp_path, monkeypatch):
     """A checkpoint written before ties were detected (both names stored) loads strictly."""
     from shardbridge import checkpoint as ck
-    from shardbridge.checkpoint import _state
+    from shardbridge.checkpoint.state import _state
     from shardbridge.models import Llama, LlamaConfig
 
     cfg = LlamaConfig.tiny(num_layers=1, vocab_size=64, tie_word_embeddings=True)

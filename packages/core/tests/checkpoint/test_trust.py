@@ -21,9 +21,9 @@ import pytest
 import torch
 from ckpt_helpers import LAYOUTS, Mlp, build
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint import _state
-from shardbridge.checkpoint._manifest import rng_file
-from shardbridge.checkpoint._trust import UntrustedCheckpointError, read_metadata
+from shardbridge.checkpoint.state import _state
+from shardbridge.checkpoint.storage._manifest import rng_file
+from shardbridge.checkpoint.storage._trust import UntrustedCheckpointError, read_metadata
 from shardbridge.testing import run_distributed
 from shardbridge.testing._hostile import Payload, plant_item, reseal, torch_save
 from torch import nn
@@ -249,7 +249,7 @@ def test_tensor_record_refused(bad_tensor, marker, tmp_path):
 def test_planner_without_weights_only_bytes_is_refused(good):
     """TrustedReader never hands bytes items to DCP's default planner (weights_only=False)."""
     import torch.distributed.checkpoint as dcp
-    from shardbridge.checkpoint._trust import TrustedReader
+    from shardbridge.checkpoint.storage._reader import TrustedReader
 
     state = {"optim": {"param_groups": []}}
     with pytest.raises(BaseException, match="without weights_only"):

@@ -14,34 +14,47 @@ any other, export to Hugging Face safetensors::
     pending.wait()                                 # or checkpoint.wait(); the next save waits too
     assert checkpoint.verify(checkpoint.latest(root)).ok   # sizes + checksums of every file
 
-What a checkpoint directory holds: [Note: checkpoint format] in ``_manifest.py``. How a half-
-written one is never taken for good, and how a crash at any point leaves the last good one
-restorable: [Note: atomic commit] in ``_commit.py``. How damaged, truncated, missing or foreign
-files are detected: [Note: checkpoint integrity] in ``_integrity.py``. How layouts DCP
-describes wrongly are repaired: [Note: DCP layout repair] in ``_repair.py``. How fused
-parameters are named: [Note: component names] in ``_components.py``. How a framework whose
-DTensors' placements do not describe its data (Megatron-FSDP) plugs in its own state dicts
-and boxes: [Note: state-dict providers] in ``_provider.py`` (:class:`StateDictProvider`).
-How an asynchronous save stages and commits in the background: [Note: async save] in
-``_async.py``. How tied parameters are stored once: [Note: tied tensors] in ``_state.py``.
+Every path may be a URI: ``s3://bucket/ckpt`` (``pip install "shardbridge[s3]"``), ``gs://``,
+``az://``, ``file://``.
 
-Public: the names in ``__all__``. The ``_``-prefixed modules (the chunk objects handed to DCP,
-the planners, the manifest schema, the collective helpers) are not public. Readers of DCP
+Two layers below the verbs (both private):
+
+- ``state/``: what is saved. The portable state dict handed to DCP (``_state.py``; tied
+  parameters stored once: [Note: tied tensors]), layouts DCP describes wrongly repaired
+  ([Note: DCP layout repair] in ``_repair.py``), fused parameters as components ([Note:
+  component names] in ``_components.py``), frameworks' own state dicts ([Note: state-dict
+  providers] in ``_provider.py``, :class:`StateDictProvider`), the chunk objects and planners
+  (``_chunks.py``), host staging for async saves (``_stage.py``), RNG states (``_rng.py``).
+- ``storage/``: how it lands. DCP's ``StorageWriter`` / ``StorageReader`` (``_writer.py``,
+  ``_reader.py``) on a backend: local disk or fsspec ([Note: storage backends] in
+  ``_backend.py``); what a checkpoint holds ([Note: checkpoint format] in ``_manifest.py``); how
+  a half-written one is never taken for good ([Note: atomic commit] in ``_local.py``, [Note:
+  object-store commit] in ``_fsspec.py``); damaged, missing or foreign files ([Note: checkpoint
+  integrity] in ``_integrity.py``); no code runs from a checkpoint ([Note: untrusted
+  checkpoints] in ``_trust.py``); boxes read in place ([Note: reading boxes in place] in
+  ``_read.py``).
+
+Between them, ``_protocol.py`` decides how the ranks of a save coordinate ([Note: save
+protocols]), ``_async.py`` runs a save in the background ([Note: async save]) and ``_dist.py``
+keeps every step symmetric across ranks ([Note: symmetric errors]).
+
+Public: the names in ``__all__``. Readers of DCP
 directories that shardbridge did not write (the megatron adapter's Megatron-LM ``fsdp_dtensor``
 reader) use the same no-code-runs reading: :func:`read_metadata`, :class:`TrustedReader`,
-:func:`check_no_links` (see [Note: untrusted checkpoints] in ``_trust.py``).
+:func:`check_no_links` (see [Note: untrusted checkpoints] in ``storage/_trust.py``).
 """
 
 from shardbridge.checkpoint._async import AsyncSave, wait
-from shardbridge.checkpoint._commit import latest, step_dir
 from shardbridge.checkpoint._export import NameMap, export_safetensors, parse_size
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
-from shardbridge.checkpoint._integrity import FileProblem, VerifyReport, verify
 from shardbridge.checkpoint._load import TrainState, load, load_latest
-from shardbridge.checkpoint._provider import StateDictProvider
 from shardbridge.checkpoint._save import save
-from shardbridge.checkpoint._state import component_fqn
-from shardbridge.checkpoint._trust import TrustedReader, UntrustedCheckpointError, check_no_links, read_metadata
+from shardbridge.checkpoint.state._provider import StateDictProvider
+from shardbridge.checkpoint.state._state import component_fqn
+from shardbridge.checkpoint.storage._catalog import latest, step_dir
+from shardbridge.checkpoint.storage._integrity import FileProblem, VerifyReport, verify
+from shardbridge.checkpoint.storage._reader import TrustedReader
+from shardbridge.checkpoint.storage._trust import UntrustedCheckpointError, check_no_links, read_metadata
 
 __all__ = [
     "AsyncSave",

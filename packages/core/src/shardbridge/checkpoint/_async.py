@@ -18,7 +18,7 @@
        training goes on and may change the    5. RNG files; hash every file
        model and optimizer                    6. rank 0 writes .metadata, the manifest, and
                                                  renames: the commit of [Note: atomic commit]
-                                                 (one round: [Note: save rounds] in _save.py)
+                                                 ([Note: save protocols] in _protocol.py)
 
 The writer's collectives (the write results and file records, the commit's outcome) run on
 a gloo group of its own, created at the first asynchronous save, so they never interleave
@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from shardbridge._compat import group_timeout
 from shardbridge.checkpoint import _dist
-from shardbridge.checkpoint._stage import Stager
+from shardbridge.checkpoint.state._stage import Stager
 
 __all__ = ["AsyncSave", "IfBusy", "bounded", "finish_previous", "settle", "stage_state", "start_async", "wait"]
 

@@ -39,6 +39,8 @@ __all__ = [
     "on_all_ranks",
     "one_round",
     "rank",
+    "replay",
+    "summary",
     "using_group",
     "world_size",
 ]
@@ -248,19 +250,19 @@ def one_round(
             return value, ([share(value)] if result == "all" else share(value))
         return [value] if result == "all" else value
     # The replayed type: the error's own if listed, else the first listed base it has.
-    summary = None if error is None else _summary(error)
+    failure = None if error is None else summary(error)
     shared = value if error is None and (result == "all" or (result == "rank0" and rank() == 0)) else None
     if share is not None and error is None and (rank() == 0 or result == "all"):
         shared = share(value)
     mine = None if same is None else {k: repr(v) for k, v in same[1].items()}
     if small is None:
         small = result == "own" and share is None
-    gathered = all_gather((summary, shared, mine), small=small)
+    gathered = all_gather((failure, shared, mine), small=small)
     if error is not None:
         raise error
     failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
     if failed:
-        raise _replay(failed)
+        raise replay(failed)
     if same is not None:
         _raise_if_different(same[0], [g[2] for g in gathered])
     if result == "all":
@@ -271,13 +273,13 @@ def one_round(
     return gathered[0][1] if result == "rank0" else value
 
 
-def _summary(error: BaseException) -> tuple[str, str, int | None]:
+def summary(error: BaseException) -> tuple[str, str, int | None]:
     """What the other ranks need to replay ``error``: (type name, message, errno)."""
     code = error.errno if isinstance(error, OSError) and isinstance(error.errno, int) else None
     return _replay_name(error), str(error), code
 
 
-def _replay(failed: list[tuple[int, tuple[str, str, int | None]]]) -> Exception:
+def replay(failed: list[tuple[int, tuple[str, str, int | None]]]) -> Exception:
     """The exception a rank that did not fail raises for the failed ranks' summaries (rank order)."""
     first_rank, (type_name, message, code) = failed[0]
     replay = next((t for t in _REPLAYED if t.__name__ == type_name), RuntimeError)
@@ -300,7 +302,7 @@ def gather_reduce(local: Callable[[], Any], reduce: Callable[[list[Any]], Any]) 
         return reduce([local()])
     value, error = _attempt(local)
     parts: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    dist.gather_object((None if error is None else _summary(error), value), parts, dst=_rank0(), group=group())
+    dist.gather_object((None if error is None else summary(error), value), parts, dst=_rank0(), group=group())
     outcome: Any = None
     if rank() == 0:
         assert parts is not None
@@ -308,13 +310,13 @@ def gather_reduce(local: Callable[[], Any], reduce: Callable[[list[Any]], Any]) 
         if not failed:
             result, error = _attempt(lambda: reduce([p[1] for p in parts]))
             if error is not None:
-                failed = [(0, _summary(error))]
+                failed = [(0, summary(error))]
         outcome = ("failed", failed) if failed else ("ok", result)
     kind, payload = _broadcast(outcome)
     if error is not None:
         raise error
     if kind == "failed":
-        raise _replay(payload)
+        raise replay(payload)
     return payload
 
 
@@ -328,7 +330,7 @@ def gather_scatter(local: Callable[[], Any], plan: Callable[[list[Any]], list[An
         return plan([local()])[0]
     value, error = _attempt(local)
     parts: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    dist.gather_object((None if error is None else _summary(error), value), parts, dst=_rank0(), group=group())
+    dist.gather_object((None if error is None else summary(error), value), parts, dst=_rank0(), group=group())
     outgoing: list[Any] | None = None
     if rank() == 0:
         assert parts is not None
@@ -338,7 +340,7 @@ def gather_scatter(local: Callable[[], Any], plan: Callable[[list[Any]], list[An
             if error is None and (not isinstance(planned, list) or len(planned) != world_size()):
                 error = RuntimeError(f"internal: a plan for {world_size()} ranks has {len(planned)} entries")
             if error is not None:
-                failed = [(0, _summary(error))]
+                failed = [(0, summary(error))]
         outgoing = [("failed", failed)] * world_size() if failed else [("ok", v) for v in planned]
     box: list[Any] = [None]
     dist.scatter_object_list(box, outgoing, src=_rank0(), group=group())
@@ -346,7 +348,7 @@ def gather_scatter(local: Callable[[], Any], plan: Callable[[list[Any]], list[An
         raise error
     kind, payload = box[0]
     if kind == "failed":
-        raise _replay(payload)
+        raise replay(payload)
     return payload
 
 

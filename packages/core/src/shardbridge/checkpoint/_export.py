@@ -52,19 +52,22 @@ from pathlib import Path
 from typing import Union
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import StorageReader
 
 from shardbridge.checkpoint._inspect import natural_key
-from shardbridge.checkpoint._integrity import FileProblem, _log_unverified, check_files
-from shardbridge.checkpoint._manifest import FILES_SINCE_VERSION, Manifest, read_manifest, write_file_durably
-from shardbridge.checkpoint._read import EXPORT_IN_PLACE_MIN_BYTES, read_box_into
-from shardbridge.checkpoint._state import MODEL_KEY
-from shardbridge.checkpoint._trust import TrustedReader, check_no_links
+from shardbridge.checkpoint.state._state import MODEL_KEY
+from shardbridge.checkpoint.storage._backend import Stored
+from shardbridge.checkpoint.storage._integrity import _log_unverified, check_files, damage_message
+from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
+from shardbridge.checkpoint.storage._manifest import FILES_SINCE_VERSION, Manifest, write_file_durably
+from shardbridge.checkpoint.storage._read import EXPORT_IN_PLACE_MIN_BYTES, read_box_into
+from shardbridge.checkpoint.storage._reader import TrustedReader
+from shardbridge.checkpoint.storage._trust import check_no_links
 
-__all__ = ["NameMap", "export_safetensors", "parse_size", "read_tensor"]
+__all__ = ["NameMap", "export_safetensors", "parse_size", "read_tensor", "write_beside"]
 
 NameMap = Union[Mapping[str, str | None], Callable[[str], str | None]]
 """Checkpoint FQN -> output name; None drops the tensor. A mapping keeps unlisted names."""
@@ -158,9 +161,7 @@ class _OneTensorPlanner(LoadPlanner):
         pass
 
 
-def read_tensor(
-    reader: dcp.FileSystemReader, metadata: Metadata, key: str, arena: torch.Tensor | None = None
-) -> torch.Tensor:
+def read_tensor(reader: StorageReader, metadata: Metadata, key: str, arena: torch.Tensor | None = None) -> torch.Tensor:
     """The full tensor ``key`` of a DCP checkpoint, read alone (no process group).
 
     ``reader`` must have been set up with ``reader.set_up_storage_reader(metadata, True)``.
@@ -189,11 +190,13 @@ def read_tensor(
     return target
 
 
-def _read_box(reader: dcp.FileSystemReader, key: str, chunk: ChunkStorageMetadata, view: torch.Tensor) -> bool:
-    info = reader.storage_data.get(MetadataIndex(key, chunk.offsets))
+def _read_box(reader: StorageReader, key: str, chunk: ChunkStorageMetadata, view: torch.Tensor) -> bool:
+    info = reader.storage_data.get(MetadataIndex(key, chunk.offsets))  # type: ignore[attr-defined]
     if info is None or info.length < EXPORT_IN_PLACE_MIN_BYTES or getattr(info, "transform_descriptors", None):
         return False
-    return read_box_into(Path(reader.path) / info.relative_path, info.offset, info.length, view)
+    stored = getattr(reader, "stored", None)  # a TrustedReader; DCP's own FileSystemReader reads local files
+    source = (stored.backend, stored.file(info.relative_path)) if stored else os.path.join(reader.path, info.relative_path)  # type: ignore[attr-defined]
+    return read_box_into(source, info.offset, info.length, view)
 
 
 def _resolve_name(name_map: NameMap | None, fqn: str) -> str | None:
@@ -239,7 +242,7 @@ def export_safetensors(
     progress: bool = True,
     verify: bool = True,
     overwrite: bool = False,
-) -> Path:
+) -> Path | str:
     """Write a checkpoint's model tensors as Hugging Face safetensors shards + index.
 
     Streams: about one tensor in memory at a time (see [Note: streaming export]). Fused
@@ -249,8 +252,9 @@ def export_safetensors(
     {name: file}}``). Run in one process; no process group is used.
 
     Args:
-        checkpoint_path: a checkpoint directory written by :func:`save`.
-        out_dir: output directory: new or empty (created), see ``overwrite``.
+        checkpoint_path: a checkpoint directory written by :func:`save`, or its URI.
+        out_dir: output directory: new or empty (created), see ``overwrite``; a URI writes to an
+            object store (each shard appears whole when its upload completes; the index last).
         max_shard_size: bytes per shard file, or "2GB" / "500MB" / "1GiB".
         name_map: checkpoint FQN -> output name (e.g. add ``model.`` for transformers);
             a mapping keeps unlisted names, a function or mapping returning None drops one.
@@ -264,7 +268,7 @@ def export_safetensors(
             (default) refuses a non-empty folder before anything is read or written.
 
     Returns:
-        The path of the index file.
+        The path of the index file (its URI for a URI ``out_dir``).
 
     Raises:
         ValueError: not a shardbridge checkpoint, a damaged one (a file missing, truncated,
@@ -281,14 +285,14 @@ def export_safetensors(
     for name, value in (("verify", verify), ("overwrite", overwrite)):
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be True or False")
-    out_path = _check_out_dir(out_dir, overwrite=overwrite)
-    path = Path(checkpoint_path)
+    target = _check_out_dir(out_dir, overwrite=overwrite)
+    where = locate(checkpoint_path, what="checkpoint_path")
     limit = parse_size(max_shard_size)
     cast = _out_dtype(dtype)
-    check_no_links(path)  # never read through a link: see [Note: export checks]
-    manifest = read_manifest(path)
-    _verify(path, manifest, checksums=verify)
-    reader = TrustedReader(path)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
+    check_no_links(Stored(where.backend, where.path, where.path))  # never read through a link: [Note: export checks]
+    stored, manifest = open_checkpoint(where)
+    _verify(stored, manifest, checksums=verify)
+    reader = TrustedReader(stored)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
 
@@ -338,8 +342,9 @@ def export_safetensors(
     if not shards:
         shards.append([])
 
-    out_path.mkdir(parents=True, exist_ok=True)
-    previous = _remove_previous_index(out_path)
+    if not target.backend.remote:
+        Path(target.path).mkdir(parents=True, exist_ok=True)
+    previous = _remove_previous_index(target)
     total = sum(e[4] for e in entries)
     weight_map: dict[str, str] = {}
     bar = tqdm(
@@ -358,45 +363,56 @@ def export_safetensors(
     try:
         for i, shard in enumerate(shards, start=1):
             file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _write_shard(out_path / file_name, shard, reader, metadata, bar, arena)
+            _write_shard(target.child(file_name), shard, reader, metadata, bar, arena)
             weight_map.update({name: file_name for _, name, *_ in shard})
     finally:
         bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    index_path = out_path / INDEX_NAME
-    write_file_durably(index_path, (json.dumps(index, indent=2) + "\n").encode("ascii"))
+    index_path = write_beside(target, INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode("ascii"))
     for stale in previous - set(weight_map.values()):  # shards of a previous export (overwrite=True)
-        (out_path / stale).unlink(missing_ok=True)
+        _remove(target.child(stale))
     return index_path
 
 
-def _verify(path: Path, manifest: Manifest, *, checksums: bool) -> None:
+def write_beside(out: Location | str | os.PathLike[str], name: str, data: bytes) -> Path | str:
+    """Write ``data`` as ``out/name``: a local file via a temporary name + fsync + rename, an object in one PUT.
+
+    Returns the file's path (its URI for a URI ``out``).
+    """
+    out = locate(out, what="out_dir")
+    if out.backend.remote:
+        out.backend.write_bytes(out.child(name).path, data)
+    else:
+        write_file_durably(Path(out.path, name), data)
+    return out.child(name).user
+
+
+def _remove(where: Location) -> None:
+    if where.backend.remote:
+        where.backend.remove(where.path)
+    else:
+        Path(where.path).unlink(missing_ok=True)
+
+
+def _verify(stored: Stored, manifest: Manifest, *, checksums: bool) -> None:
     """ValueError naming the first damaged file, as ``load`` does. See [Note: export checks]."""
     if manifest.format_version < FILES_SINCE_VERSION:
-        _log_unverified(path, manifest.format_version)
+        _log_unverified(stored, manifest.format_version)
         return
-    problems = check_files(path, manifest, checksums=checksums, listing=True)
+    problems = check_files(stored, manifest, checksums=checksums, listing=True)
     if problems:
-        raise ValueError(_damage_message(path, problems))
+        raise ValueError(damage_message(stored, problems, doing="exporting"))
 
 
-def _damage_message(path: Path, problems: list[FileProblem]) -> str:
-    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-    return (
-        f"checkpoint {str(path)!r} is damaged: {problems[0]}{more}; not exporting it. "
-        f"`shardbridge ckpt verify {path}` lists every problem"
-    )
-
-
-def _check_out_dir(out_dir: str | os.PathLike[str], *, overwrite: bool) -> Path:
+def _check_out_dir(out_dir: str | os.PathLike[str], *, overwrite: bool) -> Location:
     """The output folder, or ValueError before anything is read or written. See [Note: export checks]."""
     if not isinstance(out_dir, (str, os.PathLike)) or not str(os.fspath(out_dir)).strip():
         # Path("") is the current directory: never a silent default for where files go.
         raise ValueError(f"out_dir={out_dir!r} is empty; pass the folder to write the safetensors into")
-    out = Path(out_dir)
-    if not out.is_dir():
+    out = locate(out_dir, what="out_dir")
+    if out.backend.kind(out.path) != "dir":
         return out
-    names = sorted(entry.name for entry in out.iterdir())
+    names = _top_names(out)
     if names and not overwrite:
         shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
         raise ValueError(
@@ -412,24 +428,37 @@ def _check_out_dir(out_dir: str | os.PathLike[str], *, overwrite: bool) -> Path:
     return out
 
 
-def _remove_previous_index(out: Path) -> set[str]:
+def _top_names(out: Location) -> list[str]:
+    """Names directly in the folder ``out`` (files and directories)."""
+    if not out.backend.remote:
+        return sorted(entry.name for entry in Path(out.path).iterdir())
+    return sorted({name.split("/", 1)[0] for name in out.backend.listing(out.path)})
+
+
+def _remove_previous_index(out: Location) -> set[str]:
     """Delete a previous export's index (before any new shard is written); the names of its shard files."""
-    names = {entry.name for entry in out.iterdir() if entry.is_file() and _OWN_FILE.fullmatch(entry.name)}
+    if out.backend.kind(out.path) != "dir":
+        return set()
+    listing = out.backend.listing(out.path)
+    names = {name for name, entry in listing.items() if "/" not in name and entry.regular and _OWN_FILE.fullmatch(name)}
     for name in names & {INDEX_NAME, INDEX_NAME + ".tmp"}:
-        (out / name).unlink()
+        _remove(out.child(name))
     return names - {INDEX_NAME, INDEX_NAME + ".tmp"}
 
 
 def _write_shard(
-    path: Path,
+    where: Location,
     shard: list[tuple[str, str, torch.dtype, tuple[int, ...], int]],
-    reader: dcp.FileSystemReader,
+    reader: TrustedReader,
     metadata: Metadata,
     bar: object,
     arena: torch.Tensor,
 ) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    """One shard file, streamed: locally under a temporary name, fsynced, renamed; an object store's
+    upload makes the object appear whole when it completes."""
+    backend = where.backend
+    path = where.path if backend.remote else where.path + ".tmp"
+    with backend.writing(path) as f:
         f.write(_header([(name, dtype, shape, nbytes) for _, name, dtype, shape, nbytes in shard]))
         for key, name, dtype, _, nbytes in shard:
             tensor = read_tensor(reader, metadata, key, arena).reshape(-1)
@@ -440,6 +469,5 @@ def _write_shard(
                 f.write(tensor[start : start + step].to(dtype).view(torch.uint8).numpy().data)
             del tensor  # no view of it may outlive this line: the next tensor reuses the memory
             bar.update(nbytes)  # type: ignore[attr-defined]
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if not backend.remote:
+        os.replace(path, where.path)

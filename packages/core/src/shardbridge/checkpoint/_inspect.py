@@ -10,8 +10,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardbridge.checkpoint._manifest import read_manifest
-from shardbridge.checkpoint._trust import check_no_links, read_metadata
+from shardbridge.checkpoint.storage._backend import Stored
+from shardbridge.checkpoint.storage._location import locate, open_checkpoint
+from shardbridge.checkpoint.storage._trust import check_no_links, read_metadata
 
 __all__ = ["CheckpointInfo", "TensorInfo", "format_bytes", "inspect"]
 
@@ -51,8 +52,8 @@ class TensorInfo:
 class CheckpointInfo:
     """Summary of a checkpoint; ``str(info)`` is the table the CLI prints."""
 
-    path: Path
-    """The checkpoint directory."""
+    path: Path | str
+    """The checkpoint directory (a ``str`` URI for a checkpoint given as one)."""
     step: int | None
     """Training step."""
     world_size: int
@@ -124,7 +125,7 @@ class CheckpointInfo:
 
 
 def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Describe a checkpoint without reading its tensors.
+    """Describe a checkpoint (a directory or its URI) without reading its tensors.
 
     Raises:
         ValueError: missing path, not a shardbridge checkpoint, a damaged manifest, or a
@@ -137,10 +138,10 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
         checkpoint /shared/ckpt/step-00000100
           step 100, saved by 4 rank(s) (dp_shard_cp=2, tp=2), torch 2.13.0+cpu, ...
     """
-    path = Path(path)
-    check_no_links(path)
-    manifest = read_manifest(path)
-    metadata = read_metadata(path, data_files=False)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
+    where = locate(path)
+    check_no_links(Stored(where.backend, where.path, where.path))  # before anything is read through one
+    stored, manifest = open_checkpoint(where)
+    metadata = read_metadata(stored, data_files=False)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
     tensors = []
     others = 0
     for key, md in metadata.state_dict_metadata.items():
@@ -160,7 +161,7 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
         )
     tensors.sort(key=lambda t: (not t.name.startswith("model."), natural_key(t.name)))
     return CheckpointInfo(
-        path=path,
+        path=where.user,
         step=manifest.step,
         world_size=manifest.world_size,
         has_optimizer=manifest.has_optimizer,

@@ -18,19 +18,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from shardbridge._compat import flatten_state_dict
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import settle
-from shardbridge.checkpoint._chunks import LoadPlanner
-from shardbridge.checkpoint._commit import newest
-from shardbridge.checkpoint._errors import dcp_errors
-from shardbridge.checkpoint._integrity import (
-    FileProblem,
-    damage_message,
-    local_problems,
-    merge_problems,
-)
-from shardbridge.checkpoint._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest, read_manifest
-from shardbridge.checkpoint._provider import StateDictProvider, check_provider
-from shardbridge.checkpoint._rng import restore_rng
-from shardbridge.checkpoint._state import (
+from shardbridge.checkpoint.state._chunks import LoadPlanner
+from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
+from shardbridge.checkpoint.state._rng import restore_rng
+from shardbridge.checkpoint.state._state import (
     MODEL_KEY,
     OPTIM_KEY,
     PortableState,
@@ -40,7 +31,19 @@ from shardbridge.checkpoint._state import (
     optim_state_owner,
     unpack_param_groups,
 )
-from shardbridge.checkpoint._trust import TrustedReader, raise_untrusted, read_metadata
+from shardbridge.checkpoint.storage._backend import Stored
+from shardbridge.checkpoint.storage._catalog import newest
+from shardbridge.checkpoint.storage._errors import dcp_errors
+from shardbridge.checkpoint.storage._integrity import (
+    FileProblem,
+    damage_message,
+    local_problems,
+    merge_problems,
+)
+from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
+from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
+from shardbridge.checkpoint.storage._reader import TrustedReader
+from shardbridge.checkpoint.storage._trust import raise_untrusted, read_metadata
 
 __all__ = ["TrainState", "load", "load_latest"]
 
@@ -61,8 +64,8 @@ class TrainState:
     """The ``step`` given to ``save`` (None if none was)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The ``extra`` dict given to ``save``."""
-    path: Path
-    """The checkpoint directory loaded."""
+    path: Path | str
+    """The checkpoint directory loaded (a ``str`` URI for a checkpoint given as one)."""
     world_size: int
     """Number of ranks that saved the checkpoint."""
 
@@ -87,7 +90,7 @@ def load(
     ``get_state_dict`` does this), then the saved state overwrites it.
 
     Args:
-        path: a checkpoint directory (see :func:`latest`).
+        path: a checkpoint directory (see :func:`latest`), or its URI (``s3://...``, ``file://...``).
         model: the model to fill.
         optimizer: its optimizer, or None to load the model only (the checkpoint's optimizer
             state, if any, is ignored).
@@ -140,14 +143,15 @@ def _load(
     # [Note: symmetric errors] in _dist.py.
     same = {"path": str(path), "strict": strict, "rng": rng, "verify": verify, "optimizer": optimizer is not None}
     settle()  # this process's save in flight may be replacing the directory: let it finish first
-    identity = _identity(path)
+    where = _where(path)
+    identity = where.backend.identity(where.path) if where is not None else None
     # Two rounds in all (each ~10 ms on 4 processes sharing 2 cores; plain DCP's load has two):
     # 1. arguments, the manifest and this rank's share of the checksums, before DCP reads
     # anything; rank 0 also reads .metadata (restricted unpickler) and shares the validated
     # object, instead of every rank unpickling it.
-    (path, manifest, _), shared = _dist.one_round(
+    (stored, manifest, _), shared = _dist.one_round(
         _open,
-        (path,),
+        (where if where is not None else path,),
         {
             "optimizer": optimizer,
             "strict": strict,
@@ -164,11 +168,13 @@ def _load(
     if problems and skip_damaged:
         if _dist.rank() == 0:
             logger.warning(
-                "shardbridge.checkpoint: skipping %s: %s; trying the next older checkpoint", path, problems[0]
+                "shardbridge.checkpoint: skipping %s: %s; trying the next older checkpoint",
+                stored,
+                f"{stored.where(problems[0].name)}: {problems[0].problem}",
             )
         return None
     if problems:
-        raise ValueError(damage_message(path, problems))
+        raise ValueError(damage_message(stored, problems))
     assert manifest is not None
     metadata = shared[0][1]
     # 2. Each rank plans and reads only the boxes it needs, without DCP's planning collectives
@@ -176,20 +182,29 @@ def _load(
     # symmetric by on_all_ranks. A provider's hand-over may hold collectives: it gets a round
     # of its own, so that no rank enters it while another failed reading.
     read = functools.partial(
-        _read_state, path, manifest, metadata, model, optimizer, strict=strict, provider=state_dicts, identity=identity
+        _read_state, stored, manifest, metadata, model, optimizer, strict=strict, provider=state_dicts, identity=identity
     )
     finish = functools.partial(
-        _finish, path, model=model, optimizer=optimizer, manifest=manifest, strict=strict, rng=rng, provider=state_dicts
+        _finish, stored, model=model, optimizer=optimizer, manifest=manifest, strict=strict, rng=rng, provider=state_dicts
     )
     if state_dicts is None:  # torch's set_state_dict of a sharded state dict: local copies only
         _dist.on_all_ranks(lambda: finish(read()))
     else:
         _dist.on_all_ranks(finish, _dist.on_all_ranks(read))
-    return TrainState(step=manifest.step, extra=manifest.extra, path=path, world_size=manifest.world_size)
+    assert where is not None
+    return TrainState(step=manifest.step, extra=manifest.extra, path=where.user, world_size=manifest.world_size)
+
+
+def _where(path: Any) -> Location | None:
+    """``path`` resolved, or None when it is not a path (``_check_args`` raises on every rank)."""
+    try:
+        return locate(path)
+    except (ValueError, ImportError):
+        return None
 
 
 def _open(
-    path: str | os.PathLike[str],
+    path: Location | Any,
     *,
     optimizer: torch.optim.Optimizer | None,
     strict: bool,
@@ -197,7 +212,7 @@ def _open(
     provider: StateDictProvider | None,
     verify: bool,
     skip_damaged: bool,
-) -> tuple[Path, Manifest | None, tuple[list[FileProblem], Metadata | None]]:
+) -> tuple[Stored | None, Manifest | None, tuple[list[FileProblem], Metadata | None]]:
     """Round 1 of :func:`load` on one rank: arguments, manifest, this rank's file checks.
 
     ``skip_damaged``: a manifest that cannot be read is one more problem, not an error.
@@ -208,7 +223,7 @@ def _open(
     except _DamagedManifest as exc:
         if not skip_damaged:
             raise exc.error from None
-        return exc.path, None, ([FileProblem(MANIFEST_NAME, str(exc.error))], None)
+        return exc.stored, None, ([FileProblem(MANIFEST_NAME, str(exc.error))], None)
     local = local_problems(checked, manifest, checksums=verify, rank0=lambda: read_metadata(checked))
     return checked, manifest, local
 
@@ -216,13 +231,13 @@ def _open(
 class _DamagedManifest(Exception):
     """``read_manifest``'s ValueError, told apart from the argument errors of :func:`_check_args`."""
 
-    def __init__(self, path: Path, error: ValueError) -> None:
+    def __init__(self, stored: Stored, error: ValueError) -> None:
         super().__init__(str(error))
-        self.path, self.error = path, error
+        self.stored, self.error = stored, error
 
 
 def _read_state(
-    path: Path,
+    path: Stored,
     manifest: Manifest,
     metadata: Metadata | None,
     model: nn.Module,
@@ -230,7 +245,7 @@ def _read_state(
     *,
     strict: bool,
     provider: StateDictProvider | None,
-    identity: tuple[int, int] | None = None,
+    identity: Any = None,
 ) -> PortableState:
     """This rank's part of :func:`load`: build the portable state, check it fits, read into it."""
     state = build_portable_state(model, optimizer, on_bad_layout="repair", log=False, provider=provider, for_load=True)
@@ -250,26 +265,16 @@ def _read_state(
                 planner=LoadPlanner(allow_partial_load=not strict),
                 no_dist=True,
             )
-    if identity is not None and _identity(path) != identity:
+    if identity is not None and path.backend.identity(path.path) != identity:
         raise ValueError(
             f"checkpoint {str(path)!r} was replaced while it was being loaded (a save with overwrite=True, by "
-            "this job or another, renamed a new version into place); what was read may mix both versions: load "
-            "it again"
+            "this job or another, committed a new version); what was read may mix both versions: load it again"
         )
     return state
 
 
-def _identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """(device, inode) of the directory ``path`` names now (a commit renames a new one into place)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def _finish(
-    path: Path,
+    path: Stored,
     state: PortableState,
     *,
     model: nn.Module,
@@ -310,11 +315,11 @@ def load_latest(
     """
     _check_verify(verify)
     settle()  # see load
-    skip: set[Path] = set()
+    skip: set[str] = set()
     while True:
         path = _dist.broadcast_from_rank0(newest(root, skip=frozenset(skip)) if _dist.rank() == 0 else None)
         if path is None:
-            _dist.on_all_ranks(_refuse_all_damaged, Path(root), only_rank0=True)
+            _dist.on_all_ranks(_refuse_all_damaged, root, only_rank0=True)
             return None
         # One load: a checkpoint that fails verification is skipped by every rank together.
         state = _load(
@@ -329,18 +334,22 @@ def load_latest(
         )
         if state is not None:
             return state
-        skip.add(path)
+        skip.add(str(path))
 
 
-def _refuse_all_damaged(root: Path) -> None:
+def _refuse_all_damaged(root: str | os.PathLike[str]) -> None:
     """No intact checkpoint under ``root``: fine if there is none at all, an error if all are damaged.
 
     Returning None would restart training from scratch (and later saves would bury the damaged
     checkpoints) although the user has checkpoints: that is data loss, so it is refused.
     """
-    if not root.is_dir():
-        return
-    saved = sorted(c.name for c in root.iterdir() if not c.name.startswith(".") and (c / MANIFEST_NAME).is_file())
+    where = locate(root, what="root")
+    backend = where.backend
+    saved = sorted(
+        backend.display_name(c)
+        for c in backend.candidates(where.path)
+        if backend.kind(backend.join(c, MANIFEST_NAME)) == "file"
+    )
     if saved:
         shown = ", ".join(saved[-5:]) + (f" and {len(saved) - 5} more" if len(saved) > 5 else "")
         raise ValueError(
@@ -355,25 +364,25 @@ def _check_verify(verify: bool) -> None:
 
 
 def _check_args(
-    path: str | os.PathLike[str],
+    path: Location | Any,
     *,
     optimizer: torch.optim.Optimizer | None,
     strict: bool,
     rng: bool,
     provider: StateDictProvider | None,
-) -> tuple[Path, Manifest]:
-    """ValueError for a bad argument of :func:`load`; the path and its validated manifest."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path={path!r} must be a checkpoint directory (str or os.PathLike)")
+) -> tuple[Stored, Manifest]:
+    """ValueError for a bad argument of :func:`load`; the checkpoint and its validated manifest."""
+    if not isinstance(path, (str, os.PathLike, Location)):
+        raise ValueError(f"path={path!r} must be a checkpoint directory (str or os.PathLike) or URI")
     for name, value in (("strict", strict), ("rng", rng)):
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be True or False")
     check_provider(provider)
-    path = Path(path)
+    where = locate(path)
     try:
-        manifest = read_manifest(path)
+        path, manifest = open_checkpoint(where)
     except ValueError as exc:
-        raise _DamagedManifest(path, exc) from None
+        raise _DamagedManifest(Stored(where.backend, where.path, where.path), exc) from None
     if optimizer is not None and not manifest.has_optimizer:
         raise ValueError(
             f"checkpoint {str(path)!r} has no optimizer state (it was saved with optimizer=None); "

@@ -33,7 +33,7 @@ _DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # Written first into --out; only a directory holding it is ever cleaned. See [Note: demo output].
 _MARKER = ".shardbridge-demo"
 # What the demo writes into --out: the only entries a rerun removes.
-_OUTPUTS = ("checkpoints", "hf", "reference.pt", "dcp_to_torch_save.pt")
+_OUTPUTS = ("checkpoints", "hf", "reference.pt", "dcp_to_torch_save.pt", "dcp_copy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also draw the layout of one weight in layout A as an image (needs matplotlib: the plot extra)",
     )
     parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where checkpoints go: a path or a URI such as s3://bucket/demo (default OUT/checkpoints); "
+        "it must hold no checkpoint of the demo's step yet",
+    )
+    parser.add_argument(
         "--collective-timeout",
         type=float,
         default=_DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -106,6 +112,8 @@ class DemoConfig:
     seed: int
     out: str
     collective_timeout: float = _DEFAULT_COLLECTIVE_TIMEOUT_S
+    checkpoint_dir: str | None = None
+    """Where checkpoints go (a path or URI); None = ``out/checkpoints``."""
 
     @property
     def world_size(self) -> int:
@@ -117,7 +125,7 @@ class DemoConfig:
 
     @property
     def checkpoint_root(self) -> str:
-        return os.path.join(self.out, "checkpoints")
+        return self.checkpoint_dir or os.path.join(self.out, "checkpoints")
 
     def llama_config(self):
         from shardbridge.models import LlamaConfig
@@ -183,6 +191,7 @@ def _config_from_args(args: argparse.Namespace) -> DemoConfig:
         seed=args.seed,
         out=os.path.abspath(args.out),
         collective_timeout=args.collective_timeout,
+        checkpoint_dir=args.checkpoint_dir,
     )
     _check_model_fits(cfg, args)  # before any process starts
     if _world(layout) > 8 or _world(reload_layout) > 8:
@@ -358,7 +367,7 @@ def _train_phase(cfg: DemoConfig) -> dict[str, Any]:
         dist.all_reduce(global_loss, group=pm["dp"].get_group())
         losses.append(global_loss.item() / dp_size)
 
-    ckpt_path = os.path.join(cfg.checkpoint_root, f"step-{cfg.steps:08d}")
+    ckpt_path = str(checkpoint.step_dir(cfg.checkpoint_root, cfg.steps))
     dist.barrier()
     start = time.perf_counter()
     # Asynchronous: returns once the state is staged in host memory; written and committed
@@ -431,8 +440,20 @@ def _dcp_oracle(cfg: DemoConfig, path: str) -> dict[str, Any]:
 
     target = os.path.join(cfg.out, "dcp_to_torch_save.pt")
     if not os.path.exists(target):
-        dcp_to_torch_save(path, target)
+        dcp_to_torch_save(_local_copy(cfg, path), target)
     return _flatten(torch.load(target, weights_only=True))
+
+
+def _local_copy(cfg: DemoConfig, path: str) -> str:
+    """``path``, or for a checkpoint on an object store a local copy of its DCP files (torch's reader is local)."""
+    from shardbridge.checkpoint.storage._location import is_uri, locate, open_checkpoint
+
+    if not is_uri(path):
+        return path
+    stored, _ = open_checkpoint(locate(path))
+    copy = os.path.join(cfg.out, "dcp_copy")
+    stored.backend.fs.get(stored.data, copy, recursive=True)
+    return copy
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -551,7 +572,10 @@ def _print_training(cfg: DemoConfig, train: dict[str, Any]) -> None:
 
 
 def _dir_bytes(path: str) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    from shardbridge.checkpoint.storage._location import locate
+
+    where = locate(path)
+    return sum(entry.size for entry in where.backend.listing(where.path).values())
 
 
 def _print_summary(cfg, train, reload_b, single, export) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-from pathlib import Path
 
 __all__ = ["describe", "one_line"]
 
@@ -47,10 +46,10 @@ def describe(err: BaseException, args: argparse.Namespace | None = None) -> str:
             message += f"; `shardbridge ckpt verify {checkpoint}` lists every damaged file"
         return message
     if isinstance(err, CheckpointException):
-        from shardbridge.checkpoint._errors import describe_checkpoint_exception
+        from shardbridge.checkpoint.storage._errors import describe_checkpoint_exception
 
         action = "save" if getattr(args, "command", None) == "demo" else "load"
-        return describe(describe_checkpoint_exception(err, action, Path(checkpoint or ".")), args)
+        return describe(describe_checkpoint_exception(err, action, checkpoint or "."), args)
     if isinstance(err, OSError):
         return one_line(_describe_os_error(err))
     if type(err).__name__ == "DistributedTestFailure":  # a demo worker failed (shardbridge.testing)

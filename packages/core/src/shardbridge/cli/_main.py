@@ -282,18 +282,16 @@ def _run_ckpt_inspect(args: argparse.Namespace) -> int:
 
 def _run_ckpt_verify(args: argparse.Namespace) -> int:
     """Exit 0 when every file matches; else ValueError (exit 2) naming the first bad file."""
-    import os
-
     from shardbridge import checkpoint
 
     path = args.path
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "shardbridge.json")):
-        found = sorted(e.path for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
-        paths = [p for p in found if os.path.isfile(os.path.join(p, "shardbridge.json"))]
-        if not paths:
-            raise ValueError(f"{path} is neither a shardbridge checkpoint nor a folder holding committed ones")
+    is_checkpoint, found = _checkpoints_in(path)
+    if found and not is_checkpoint:
+        paths = found
+    elif is_checkpoint or found is None:
+        paths = [path]  # verify names what is wrong with it (missing, a file, no manifest ...)
     else:
-        paths = [path]
+        raise ValueError(f"{path} is neither a shardbridge checkpoint nor a folder holding committed ones")
     bad = []
     for one in paths:
         report = checkpoint.verify(one, checksums=not args.sizes_only)
@@ -302,19 +300,18 @@ def _run_ckpt_verify(args: argparse.Namespace) -> int:
             bad.append(report)
     if bad:
         more = f" ({len(bad) - 1} more damaged checkpoint(s) listed above)" if len(bad) > 1 else ""
-        raise ValueError(f"checkpoint {str(bad[0].path)!r} is damaged: {bad[0].problems[0]}{more}")
+        raise ValueError(f"checkpoint {str(bad[0].path)!r} is damaged: {bad[0].describe(bad[0].problems[0])}{more}")
     return 0
 
 
 def _run_ckpt_export(args: argparse.Namespace) -> int:
     """Weights as safetensors, plus the name map and files the saver recorded (see _recorded_export)."""
     import json
-    from pathlib import Path
 
     import torch
 
     from shardbridge import checkpoint
-    from shardbridge.checkpoint._manifest import write_file_durably
+    from shardbridge.checkpoint._export import write_beside
 
     dtype = None
     if args.dtype is not None:
@@ -336,7 +333,7 @@ def _run_ckpt_export(args: argparse.Namespace) -> int:
     for name, content in recorded.get("files", {}).items():  # e.g. an adapter's config.json
         # tmp + rename: with --overwrite, a link at that name is replaced, never written through
         text = json.dumps(content, indent=2, sort_keys=True) + "\n"
-        write_file_durably(Path(args.out_dir, name), text.encode("utf-8"))
+        write_beside(args.out_dir, name, text.encode("utf-8"))
     print(result)
     return 0
 
@@ -349,13 +346,11 @@ def _resolve_export_checkpoint(path: str, *, checksums: bool) -> tuple[str, bool
     stderr, then the next older one is tried); every one damaged is an error, never a silent
     export of an older step without saying so.
     """
-    import os
-    from pathlib import Path
-
     from shardbridge import checkpoint
-    from shardbridge.checkpoint._commit import newest
+    from shardbridge.checkpoint.storage._catalog import newest
 
-    if os.path.isfile(os.path.join(path, "shardbridge.json")):
+    is_checkpoint, found = _checkpoints_in(path)
+    if is_checkpoint:
         if not checksums:
             return path, False
         # Before anything reads .metadata (the recorded name map does): a damaged file is named
@@ -364,20 +359,20 @@ def _resolve_export_checkpoint(path: str, *, checksums: bool) -> tuple[str, bool
         if not report.ok:
             more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
             raise ValueError(
-                f"checkpoint {path!r} is damaged: {report.problems[0]}{more}; not exporting it. "
+                f"checkpoint {path!r} is damaged: {report.describe(report.problems[0])}{more}; not exporting it. "
                 f"`shardbridge ckpt verify {path}` lists every problem"
             )
         return path, True
-    skip: list[Path] = []
-    while os.path.isdir(path):
+    skip: list[str] = []
+    while found is not None:
         candidate = newest(path, skip=frozenset(skip))
         if candidate is None:
             break
         report = checkpoint.verify(candidate, checksums=checksums)
         if report.ok:
             return str(candidate), checksums
-        print(f"shardbridge ckpt export: skipping {candidate}: {report.problems[0]}", file=sys.stderr)
-        skip.append(candidate)
+        print(f"shardbridge ckpt export: skipping {candidate}: {report.describe(report.problems[0])}", file=sys.stderr)
+        skip.append(str(candidate))
     if skip:
         raise ValueError(
             f"every checkpoint under {path!r} is damaged (the newest: {str(skip[0])!r}); nothing was exported. "
@@ -423,16 +418,32 @@ def _recorded_export(path: str) -> dict:
 
 def _resolve_checkpoint(path: str) -> str:
     """A checkpoint directory as given, or the latest committed one under a root."""
-    import os
-
     from shardbridge import checkpoint
 
-    if os.path.isfile(os.path.join(path, "shardbridge.json")):
+    is_checkpoint, found = _checkpoints_in(path)
+    if is_checkpoint:
         return path
-    latest = checkpoint.latest(path) if os.path.isdir(path) else None
+    latest = checkpoint.latest(path) if found is not None else None
     if latest is None:
         raise ValueError(f"{path} is neither a shardbridge checkpoint nor a folder holding committed ones")
     return str(latest)
+
+
+def _checkpoints_in(path: str) -> tuple[bool, list[str] | None]:
+    """Whether ``path`` is a checkpoint, and the checkpoints directly below it (None: no directory).
+
+    ``path`` is a path or a URI; nothing is written (no recovery runs).
+    """
+    from shardbridge.checkpoint.storage._location import locate
+
+    where = locate(path)
+    backend = where.backend
+    if backend.kind(backend.join(where.path, "shardbridge.json")) == "file":
+        return True, [path]
+    if backend.kind(where.path) != "dir":
+        return False, None
+    below = [backend.join(where.path, name) for name in backend.children(where.path) if not name.startswith(".")]
+    return False, [str(where.named(c)) for c in below if backend.kind(backend.join(c, "shardbridge.json")) == "file"]
 
 
 if __name__ == "__main__":

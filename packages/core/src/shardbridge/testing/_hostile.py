@@ -40,14 +40,14 @@ def reseal(path: str | os.PathLike[str]) -> None:
     The manifest's checksums detect damage, not hostility (anyone can recompute them), so a
     crafted checkpoint passes the integrity checks and reaches the readers.
     """
-    from shardbridge.checkpoint import _manifest
+    from shardbridge.checkpoint.storage import _manifest
 
     path = Path(path)
     manifest = path / _manifest.MANIFEST_NAME
     data = json.loads(manifest.read_text())
     if "files" not in data:
         return
-    from shardbridge.checkpoint._integrity import file_checksum
+    from shardbridge.checkpoint.storage._integrity import file_checksum
 
     for name in data["files"]:
         size, digest = file_checksum(path / name)

@@ -195,8 +195,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Convert Megatron-Core GPT checkpoints (shardbridge or Megatron-LM fsdp_dtensor) to a Hugging Face "
         "from_pretrained folder, or a from_pretrained folder to a shardbridge checkpoint under Megatron-Core names.",
     )
-    p.add_argument("src", help="checkpoint directory (--to hf) or from_pretrained folder (--to megatron)")
-    p.add_argument("dst", help="output folder (new or empty) or checkpoint directory")
+    p.add_argument("src", help="checkpoint directory or URI (--to hf) or from_pretrained folder (--to megatron)")
+    p.add_argument("dst", help="output folder (new or empty) or checkpoint directory or URI (--to megatron)")
     p.add_argument("--to", choices=("hf", "megatron"), required=True, help="target format")
     p.add_argument("--num-attention-heads", type=int, default=None,
                    help="TransformerConfig.num_attention_heads: required unless the source carries its config "
@@ -214,13 +214,19 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     """Run ``shardbridge ckpt convert`` on ``argv`` (the arguments after ``convert``)."""
     args = _parser().parse_args(list(argv))
-    src = Path(args.src)
-    if not src.exists():
+    remote = "://" in args.src  # a shardbridge checkpoint's URI (s3://, file://): read through the core
+    if "://" in args.dst and args.to == "hf":
+        raise ValueError(f"--to hf writes a local from_pretrained folder; pass a local DST (not {args.dst!r})")
+    if remote and args.to == "megatron":
+        raise ValueError(f"--to megatron reads a local from_pretrained folder; pass a local SRC (not {args.src!r})")
+    src = args.src if remote else Path(args.src)
+    if not remote and not src.exists():
         raise ValueError(f"{src} does not exist; pass a checkpoint directory (--to hf) or a from_pretrained folder")
+    is_shardbridge = remote or (src / "shardbridge.json").is_file()
     stored = None
     if args.to == "megatron":
         stored = _read_config(src)
-    elif (src / "shardbridge.json").is_file():
+    elif is_shardbridge:
         from shardbridge import checkpoint as core
 
         stored = core.inspect(src).extra.get("hf_config")
@@ -234,7 +240,7 @@ def main(argv: Sequence[str]) -> int:
             raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype; e.g. bfloat16, float32")
     if args.to == "megatron":
         out = hf_to_checkpoint(src, args.dst, arch, hf_config=stored)
-    elif (src / "shardbridge.json").is_file():
+    elif is_shardbridge:
         out = export_hf(src, args.dst, arch, dtype=dtype, overwrite=args.overwrite)
         if stored is not None:  # the source folder's own config.json, dtype updated
             config = dict(stored)

@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardbridge._compat import local_tensor
 from shardbridge._fused import FusedSpec, split_local
-from shardbridge.checkpoint._chunks import LocalChunks
-from shardbridge.checkpoint._repair import Box, local_box
+from shardbridge.checkpoint.state._chunks import LocalChunks
+from shardbridge.checkpoint.state._repair import Box, local_box
 
 __all__ = ["ParamInfo", "component_fqn", "fused_tp_size", "param_box", "split_fused_value"]
 

@@ -4,7 +4,7 @@
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 ::
 
-    <root>/step-00000100/            one committed checkpoint (see _commit.py)
+    <root>/step-00000100/            one committed checkpoint (see _local.py, _fsspec.py)
         .metadata                    DCP metadata (pickled torch DCP dataclasses only)
         __0_0.distcp, __1_0.distcp   DCP data: plain tensors, primitives (torch.save)
         rng/rank-00000.pt ...        per-rank RNG states: {"cpu": uint8 tensor,
@@ -59,9 +59,12 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
+
+if TYPE_CHECKING:
+    from shardbridge.checkpoint.storage._backend import Backend
 
 __all__ = [
     "FORMAT_NAME",
@@ -74,6 +77,7 @@ __all__ = [
     "check_json_extra",
     "read_manifest",
     "rng_file",
+    "write_file_durably",
     "write_manifest",
 ]
 
@@ -86,6 +90,8 @@ CHECKSUM_KEY = "xxh3_128"
 """The checksum recorded per file (xxhash's XXH3, 128 bits, lowercase hex)."""
 SELF_CHECKSUM_KEY = "manifest_xxh3_128"
 _HEX_128 = re.compile(r"^[0-9a-f]{32}$")
+_GENERATION = re.compile(r"^g-[0-9a-f]{16}$")
+"""An object store's per-save prefix (see ``Manifest.generation``)."""
 _FILE_NAME = re.compile(r"^(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+$")
 DCP_METADATA_NAME = ".metadata"
 OPTIM_STATE_ABSENT = "optim_state_absent"
@@ -127,10 +133,16 @@ class Manifest:
     """Every file but the manifest: relative name -> {"size", "xxh3_128"} (format 3; {} before)."""
     format_version: int = FORMAT_VERSION
     """Format version (3; 1 and 2 are still read, without file verification)."""
+    generation: str | None = None
+    """Object stores: the prefix below the checkpoint that holds its files (``g-<16 hex>``, one per
+    save; see [Note: object-store commit] in ``_fsspec.py``). None (absent from the JSON): the files
+    sit beside the manifest, as on local disk."""
 
     def to_json(self) -> str:
         """The manifest as JSON text (ASCII, sorted keys, indented), with its own checksum (format 3)."""
         data = {"format": FORMAT_NAME, **asdict(self)}
+        if self.generation is None:
+            del data["generation"]
         if self.format_version >= FILES_SINCE_VERSION:
             data[SELF_CHECKSUM_KEY] = _self_checksum(data)
         else:
@@ -177,7 +189,10 @@ class Manifest:
             _check_self_checksum(data, where)
             files = check_files_record(data.get("files"), where)
         _check_values(data, where)
-        return cls(**{k: data[k] for k in (*kinds, "format_version")}, files=files)
+        generation = data.get("generation")
+        if generation is not None and (not isinstance(generation, str) or not _GENERATION.match(generation)):
+            raise ValueError(f"{where}: generation={generation!r} must be 'g-' and 16 hex digits; the manifest is damaged")
+        return cls(**{k: data[k] for k in (*kinds, "format_version")}, files=files, generation=generation)
 
 
 def _self_checksum(data: dict[str, Any]) -> str:
@@ -341,32 +356,40 @@ def check_json_extra(extra: Any, where: str = "extra") -> None:
         raise ValueError(f"{where} is a {type(extra).__name__}, which JSON cannot store; {fix}")
 
 
-def read_manifest(checkpoint_dir: str | os.PathLike[str]) -> Manifest:
-    """Read and validate ``<checkpoint_dir>/shardbridge.json``.
+def read_manifest(backend: Backend, path: str, *, need_metadata: bool = True) -> Manifest:
+    """Read and validate the manifest of the checkpoint at ``path`` (a backend path).
+
+    Args:
+        need_metadata: also require DCP's ``.metadata`` (every reader needs it; ``verify``
+            reports its absence as one more problem instead).
 
     Raises:
-        ValueError: the directory does not exist, is not a shardbridge checkpoint, or its
+        ValueError: the checkpoint does not exist, is not a shardbridge checkpoint, or its
             manifest is truncated / invalid / from a newer format. The message says what to do.
     """
-    path = Path(checkpoint_dir)
-    if not path.exists():
-        raise ValueError(
-            f"checkpoint path {str(path)!r} does not exist; pass a directory written by "
-            "shardbridge.checkpoint.save (latest(root) returns the newest one)"
-        )
-    if not path.is_dir():
-        raise ValueError(f"checkpoint path {str(path)!r} is a file; pass the checkpoint directory")
-    manifest_path = path / MANIFEST_NAME
-    if not manifest_path.is_file():
+    shown = backend.uri(path)
+    manifest_path = backend.join(path, MANIFEST_NAME)
+    try:
+        text = backend.read_bytes(manifest_path).decode("utf-8", errors="replace")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        kind = backend.kind(path)
+        if kind == "missing":
+            raise ValueError(
+                f"checkpoint path {shown!r} does not exist; pass a directory written by "
+                "shardbridge.checkpoint.save (latest(root) returns the newest one)"
+            ) from None
+        if kind == "file":
+            raise ValueError(f"checkpoint path {shown!r} is a file; pass the checkpoint directory") from None
         hint = (
             "it looks like a plain DCP checkpoint: read it with torch.distributed.checkpoint.load"
-            if (path / DCP_METADATA_NAME).is_file()
+            if backend.kind(backend.join(path, DCP_METADATA_NAME)) == "file"
             else "pass a directory written by shardbridge.checkpoint.save"
         )
-        raise ValueError(f"{str(path)!r} is not a shardbridge checkpoint (no {MANIFEST_NAME}); {hint}")
-    manifest = Manifest.from_json(manifest_path.read_text(encoding="utf-8", errors="replace"), str(manifest_path))
-    if not (path / DCP_METADATA_NAME).is_file():
-        raise ValueError(f"{str(path)!r} has {MANIFEST_NAME} but no DCP {DCP_METADATA_NAME}; the checkpoint is damaged")
+        raise ValueError(f"{shown!r} is not a shardbridge checkpoint (no {MANIFEST_NAME}); {hint}") from None
+    manifest = Manifest.from_json(text, backend.uri(manifest_path))
+    data = backend.data_path(path, manifest.generation)
+    if need_metadata and backend.kind(backend.join(data, DCP_METADATA_NAME)) != "file":
+        raise ValueError(f"{shown!r} has {MANIFEST_NAME} but no DCP {DCP_METADATA_NAME}; the checkpoint is damaged")
     return manifest
 
 

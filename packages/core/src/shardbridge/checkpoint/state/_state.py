@@ -28,10 +28,16 @@ from torch.distributed.tensor import DTensor
 
 from shardbridge._compat import local_tensor
 from shardbridge._fused import FusedSpec, fused_params
-from shardbridge.checkpoint._chunks import LocalChunks
-from shardbridge.checkpoint._components import ParamInfo, component_fqn, fused_tp_size, param_box, split_fused_value
-from shardbridge.checkpoint._provider import StateDictProvider
-from shardbridge.checkpoint._repair import Box, OnBadLayout, boxed_pieces, check_dtensor, describe
+from shardbridge.checkpoint.state._chunks import LocalChunks
+from shardbridge.checkpoint.state._components import (
+    ParamInfo,
+    component_fqn,
+    fused_tp_size,
+    param_box,
+    split_fused_value,
+)
+from shardbridge.checkpoint.state._provider import StateDictProvider
+from shardbridge.checkpoint.state._repair import Box, OnBadLayout, boxed_pieces, check_dtensor, describe
 from shardbridge.fp8._tensors import plain_state_dict
 
 __all__ = [

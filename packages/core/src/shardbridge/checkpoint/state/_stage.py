@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardbridge.checkpoint._chunks import LocalChunks
+from shardbridge.checkpoint.state._chunks import LocalChunks
 
 __all__ = ["Stager"]
 

@@ -13,12 +13,14 @@ every file of the directory except itself::
 
 and carries its own checksum (``manifest_xxh3_128``, see ``_manifest.py``).
 
-Save: after DCP and the RNG files are written (and fsynced), each rank hashes the files it
-wrote (``__{rank}_*.distcp``, DCP's FileSystemWriter naming; its RNG file), the records are
-all-gathered, and rank 0 adds whatever else it finds in the directory (``.metadata``; any
-file DCP names differently in a later torch). Rank 0 never re-reads other ranks' data, and a
-shared filesystem whose directory listing lags (NFS attribute caching) cannot drop a file
-from the record. The manifest is written after that, so it is the commit point.
+Save: every file is hashed while it is written (``ChecksumWriter``: each rank's ``.distcp``
+file(s) and RNG file, rank 0's ``.metadata``); the records travel to rank 0 with DCP's write
+results ([Note: the storage writer] in ``_writer.py``). On local disk rank 0 adds whatever else
+it finds in the directory (read and hashed; nothing shardbridge writes), so a shared filesystem
+whose directory listing lags (NFS attribute caching) cannot drop a file from the record. On an
+object store rank 0 lists the save's generation instead and refuses to commit unless every
+recorded object is there with its size and nothing else is ([Note: object-store commit] in
+``_fsspec.py``). The manifest is written after that, so it is the commit point.
 
 Checks, cheapest first:
 
@@ -40,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -50,28 +51,26 @@ from typing import Any
 import xxhash
 
 from shardbridge.checkpoint import _dist
-from shardbridge.checkpoint._manifest import (
+from shardbridge.checkpoint.storage._backend import Backend, Entry, Stored
+from shardbridge.checkpoint.storage._manifest import (
     CHECKSUM_KEY,
     DCP_METADATA_NAME,
     FILES_SINCE_VERSION,
     MANIFEST_NAME,
     Manifest,
-    read_manifest,
-    rng_file,
 )
 
 __all__ = [
+    "ChecksumWriter",
     "FileProblem",
     "VerifyReport",
     "check_files",
+    "checksum",
     "damage_message",
     "file_checksum",
-    "merge_records",
-    "ChecksumWriter",
     "local_problems",
     "merge_problems",
-    "own_files",
-    "record_files",
+    "merge_records",
     "verify",
     "verify_on_all_ranks",
 ]
@@ -79,11 +78,12 @@ __all__ = [
 logger = logging.getLogger("shardbridge.checkpoint")
 
 _CHUNK = 1 << 20  # 1 MiB: 17 GB/s with a warm cache here (8 MiB: 19.6), and export's peak stays near one tensor
+_REMOTE_CHUNK = 16 << 20  # one ranged GET per 16 MiB of an object
 _warned_unverified = False
 
 
 def file_checksum(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """``(size, xxh3_128 hex digest)`` of the file at ``path``, read in 1 MiB chunks."""
+    """``(size, xxh3_128 hex digest)`` of the local file at ``path``, read in 1 MiB chunks."""
     digest = xxhash.xxh3_128()
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
@@ -98,37 +98,28 @@ def file_checksum(path: str | os.PathLike[str]) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _record(path: Path) -> dict[str, Any]:
-    size, checksum = file_checksum(path)
-    return {"size": size, CHECKSUM_KEY: checksum}
+def checksum(backend: Backend, path: str, size: int | None = None) -> tuple[int, str]:
+    """``(size, xxh3_128 hex digest)`` of the file or object at ``path`` (ranged reads on object stores).
 
-
-def _walk(checkpoint_dir: Path) -> dict[str, Path]:
-    """Every entry below ``checkpoint_dir`` that is not a directory (files, links, ...), by relative
-    POSIX name, except the manifest. Symbolic links to directories are listed, not followed."""
-    found: dict[str, Path] = {}
-    for dirpath, dirnames, filenames in os.walk(checkpoint_dir, followlinks=False):
-        here = Path(dirpath)
-        links = [d for d in dirnames if (here / d).is_symlink()]
-        for name in (*filenames, *links):
-            path = here / name
-            rel = path.relative_to(checkpoint_dir).as_posix()
-            if rel != MANIFEST_NAME:
-                found[rel] = path
-    return found
-
-
-def own_files(
-    checkpoint_dir: Path, rank: int, known: dict[str, dict[str, Any]] | None = None
-) -> dict[str, dict[str, Any]]:
-    """Records of the files this rank wrote: its DCP data files and its RNG file.
-
-    ``known``: records already computed while writing (:class:`ChecksumWriter`), by name.
+    ``size``: the object's size if known (a listing), else one HEAD finds it.
     """
-    known = known or {}
-    names = [p.name for p in checkpoint_dir.glob(f"__{rank}_*.distcp")]
-    names.append(rng_file(rank))
-    return {name: known[name] if name in known else _record(checkpoint_dir / name) for name in sorted(names)}
+    if not backend.remote:
+        return file_checksum(path)
+    if size is None:
+        entry = backend.stat(path)
+        if entry is None:
+            raise FileNotFoundError(path)
+        size = entry.size
+    total, size = size, 0
+    digest = xxhash.xxh3_128()
+    view = memoryview(bytearray(min(_REMOTE_CHUNK, total)))
+    while size < total:
+        n = backend.read_into(path, size, view[: min(len(view), total - size)])
+        if not n:
+            break
+        digest.update(view[:n])
+        size += n
+    return size, digest.hexdigest()
 
 
 class ChecksumWriter:
@@ -162,36 +153,26 @@ class ChecksumWriter:
         self._f.flush()
 
     def record(self) -> dict[str, Any]:
-        """The file's record, as :func:`own_files` would compute it by reading it."""
+        """The file's record, as :func:`checksum` would compute it by reading it."""
         return {"size": self._size, CHECKSUM_KEY: self._digest.hexdigest()}
 
 
-def _all_gather(obj: Any) -> list[Any]:
-    return _dist.all_gather(obj)
+def merge_records(backend: Backend, data: str, parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Rank 0 at the commit: every rank's records of the files it wrote, merged.
 
-
-def _add_unrecorded(checkpoint_dir: Path, files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    for name, path in sorted(_walk(checkpoint_dir).items()):
-        if name not in files:
-            files[name] = _record(path)
-    return dict(sorted(files.items()))
-
-
-def record_files(checkpoint_dir: Path) -> dict[str, dict[str, Any]] | None:
-    """Call on every rank after every file is written: the ``files`` record, on rank 0 (None elsewhere).
-
-    See [Note: checkpoint integrity]. An unreadable file raises on every rank.
+    On local disk, plus records of any file in ``data`` none claimed (read and hashed). On an
+    object store the listing must match the records exactly: the commit checks it
+    ([Note: object-store commit] in ``_fsspec.py``).
     """
-    parts = _dist.one_round(own_files, (checkpoint_dir, _dist.rank()), result="all")
-    return _dist.on_all_ranks(merge_records, checkpoint_dir, parts, only_rank0=True)
-
-
-def merge_records(checkpoint_dir: Path, parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Rank 0: every rank's :func:`own_files` records, plus records of any file none claimed."""
     files: dict[str, dict[str, Any]] = {}
     for part in parts:
         files.update(part)
-    return _add_unrecorded(checkpoint_dir, files)
+    if not backend.remote:
+        for name in sorted(backend.listing(data)):
+            if name not in files and name != MANIFEST_NAME:
+                size, digest = checksum(backend, backend.join(data, name))
+                files[name] = {"size": size, CHECKSUM_KEY: digest}
+    return dict(sorted(files.items()))
 
 
 @dataclass(frozen=True)
@@ -199,7 +180,8 @@ class FileProblem:
     """One file of a checkpoint that does not match its manifest."""
 
     name: str
-    """Relative name inside the checkpoint, e.g. ``__1_0.distcp``."""
+    """Name relative to the checkpoint, e.g. ``__1_0.distcp`` (on an object store with the save's
+    generation first: ``g-0123456789abcdef/__1_0.distcp``)."""
     problem: str
     """What is wrong, e.g. ``size 1234 != 5678 recorded (truncated?)``."""
 
@@ -214,8 +196,8 @@ class VerifyReport:
     ``str(report)`` is what ``shardbridge ckpt verify`` prints.
     """
 
-    path: Path
-    """The checkpoint directory."""
+    path: Path | str
+    """The checkpoint directory (a ``str`` URI for a checkpoint given as one)."""
     format_version: int
     """Its manifest's format version (< 3: no files recorded, nothing verified)."""
     checksums: bool
@@ -240,6 +222,12 @@ class VerifyReport:
         """True when the manifest records files (format >= 3), i.e. there was something to check."""
         return self.format_version >= FILES_SINCE_VERSION
 
+    def describe(self, problem: FileProblem) -> str:
+        """``name: problem``; on an object store the name is the object's full URI."""
+        if isinstance(self.path, str) and "://" in self.path and not self.path.startswith("file://"):
+            return f"{self.path.rstrip('/')}/{problem.name}: {problem.problem}"
+        return str(problem)
+
     def __str__(self) -> str:
         if not self.verified:
             return (
@@ -250,7 +238,7 @@ class VerifyReport:
         head = f"{self.path}: {self.num_files} files, {self.num_bytes} bytes, {what}, {self.seconds:.2f} s: "
         if self.ok:
             return head + "ok"
-        return head + f"{len(self.problems)} problem(s)\n" + "\n".join(f"  {p}" for p in self.problems)
+        return head + f"{len(self.problems)} problem(s)\n" + "\n".join(f"  {self.describe(p)}" for p in self.problems)
 
 
 def _size_problem(actual: int, recorded: int) -> str:
@@ -258,56 +246,80 @@ def _size_problem(actual: int, recorded: int) -> str:
     return f"size {actual} != {recorded} recorded ({hint})"
 
 
+def files_below(stored: Stored) -> dict[str, Entry]:
+    """Every file of a checkpoint but its manifest, by name relative to the checkpoint.
+
+    On an object store the whole checkpoint prefix is listed (one LIST): objects of other
+    generations and their lock objects are the leftovers of other saves ([Note: object-store
+    commit]), not part of this checkpoint; anything else is.
+    """
+    backend = stored.backend
+    found = backend.listing(stored.path)
+    found.pop(MANIFEST_NAME, None)
+    if stored.prefix:
+        from shardbridge.checkpoint.storage._fsspec import is_leftover
+
+        found = {n: e for n, e in found.items() if n.startswith(stored.prefix) or not is_leftover(n)}
+    return found
+
+
 def check_files(
-    checkpoint_dir: Path,
+    stored: Stored,
     manifest: Manifest,
     *,
     checksums: bool | Iterable[str] = True,
     listing: bool = True,
 ) -> list[FileProblem]:
-    """Compare the directory with ``manifest.files``; the problems found (empty: all good).
+    """Compare the checkpoint with ``manifest.files``; the problems found (empty: all good).
 
     Args:
-        checksums: True hashes every recorded file, False none, or the names to hash.
-        listing: also report files that are not recorded (one directory walk).
+        checksums: True hashes every recorded file, False none, or the (recorded) names to hash.
+        listing: also report files that are not recorded (one directory walk / LIST); False
+            looks at the recorded files one by one.
     """
+    backend, prefix = stored.backend, stored.prefix
     recorded = manifest.files
     to_hash = set(recorded) if checksums is True else set() if checksums is False else set(checksums)
     problems: list[FileProblem] = []
+    try:
+        entries = files_below(stored) if listing else None
+    except OSError as exc:
+        return [FileProblem(prefix or ".", f"cannot be listed ({type(exc).__name__}: {exc})")]
     for name in sorted(recorded):
         want = recorded[name]
-        path = checkpoint_dir / name
+        shown = prefix + name
         try:
-            st = path.lstat()
-        except FileNotFoundError:
-            problems.append(FileProblem(name, f"missing (recorded in the manifest with {want['size']} bytes)"))
-            continue
+            entry = entries.get(shown) if entries is not None else backend.stat(stored.file(name))
         except OSError as exc:
-            problems.append(FileProblem(name, f"cannot be read ({type(exc).__name__}: {exc})"))
+            problems.append(FileProblem(shown, f"cannot be read ({type(exc).__name__}: {exc})"))
             continue
-        if not stat.S_ISREG(st.st_mode):
-            problems.append(FileProblem(name, "not a regular file (a link or directory where a file was saved)"))
-        elif st.st_size != want["size"]:
-            problems.append(FileProblem(name, _size_problem(st.st_size, want["size"])))
+        if entry is None and entries is not None:
+            entry = backend.stat(stored.file(name))  # a directory where a file was saved is not listed as a file
+        if entry is None:
+            problems.append(FileProblem(shown, f"missing (recorded in the manifest with {want['size']} bytes)"))
+        elif not entry.regular:
+            problems.append(FileProblem(shown, "not a regular file (a link or directory where a file was saved)"))
+        elif entry.size != want["size"]:
+            problems.append(FileProblem(shown, _size_problem(entry.size, want["size"])))
         elif name in to_hash:
             try:
-                size, checksum = file_checksum(path)
+                size, digest = checksum(backend, stored.file(name), entry.size)
             except OSError as exc:
-                problems.append(FileProblem(name, f"cannot be read ({type(exc).__name__}: {exc})"))
+                problems.append(FileProblem(shown, f"cannot be read ({type(exc).__name__}: {exc})"))
                 continue
             if size != want["size"]:
-                problems.append(FileProblem(name, _size_problem(size, want["size"])))
-            elif checksum != want[CHECKSUM_KEY]:
-                problems.append(FileProblem(name, "checksum mismatch (corrupted or from another checkpoint)"))
-    if listing:
-        for name in sorted(set(_walk(checkpoint_dir)) - set(recorded)):
+                problems.append(FileProblem(shown, _size_problem(size, want["size"])))
+            elif digest != want[CHECKSUM_KEY]:
+                problems.append(FileProblem(shown, "checksum mismatch (corrupted or from another checkpoint)"))
+    if entries is not None:
+        for name in sorted(set(entries) - {prefix + n for n in recorded}):
             problems.append(
                 FileProblem(name, "not recorded in the manifest (an extra file: copied in from elsewhere?)")
             )
     return problems
 
 
-def _log_unverified(path: Path, version: int) -> None:
+def _log_unverified(path: Any, version: int) -> None:
     global _warned_unverified
     if not _warned_unverified:
         _warned_unverified = True
@@ -327,7 +339,7 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> VerifyRep
     recorded. A checkpoint of format 1 or 2 records no files: the report says so and is ``ok``.
 
     Args:
-        path: a checkpoint directory.
+        path: a checkpoint directory, or its URI (``s3://bucket/ckpt/step-00000100``).
         checksums: compare checksums too (False: existence, sizes and extra files only).
 
     Returns:
@@ -341,20 +353,19 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> VerifyRep
         >>> report.ok, [str(p) for p in report.problems]  # doctest: +SKIP
         (False, ['__1_0.distcp: checksum mismatch (corrupted or from another checkpoint)'])
     """
-    path = Path(path)
+    from shardbridge.checkpoint.storage._location import locate, open_checkpoint
+
+    where = locate(path)
     start = time.perf_counter()
-    manifest_path = path / MANIFEST_NAME
-    if path.is_dir() and manifest_path.is_file() and not (path / DCP_METADATA_NAME).exists():
-        # read_manifest refuses it; here a missing .metadata is one more problem to report
-        text = manifest_path.read_text(encoding="utf-8", errors="replace")
-        manifest = Manifest.from_json(text, str(manifest_path))
-    else:
-        manifest = read_manifest(path)
+    # A missing .metadata is one more problem to report here (readers refuse it outright).
+    stored, manifest = open_checkpoint(where, need_metadata=False)
     problems: list[FileProblem] = []
     if manifest.format_version >= FILES_SINCE_VERSION:
-        problems = check_files(path, manifest, checksums=checksums)
+        problems = check_files(stored, manifest, checksums=checksums)
+    elif stored.backend.kind(stored.file(DCP_METADATA_NAME)) != "file":
+        problems = [FileProblem(DCP_METADATA_NAME, "missing (DCP's metadata; the checkpoint is damaged)")]
     return VerifyReport(
-        path=path,
+        path=where.user,
         format_version=manifest.format_version,
         checksums=checksums,
         num_files=len(manifest.files),
@@ -377,9 +388,9 @@ def _share(files: dict[str, dict[str, Any]], rank: int, world_size: int) -> list
 
 
 def verify_on_all_ranks(
-    path: Path, manifest: Manifest, *, checksums: bool, rank0: Callable[[], Any] | None = None
+    stored: Stored, manifest: Manifest, *, checksums: bool, rank0: Callable[[], Any] | None = None
 ) -> list[FileProblem] | tuple[list[FileProblem], Any]:
-    """Call on every rank: the problems of ``path`` (the same list on every rank).
+    """Call on every rank: the problems of ``stored`` (the same list on every rank).
 
     Rank 0 checks existence, sizes and extra files; checksums are split across the ranks.
     Formats 1 and 2 (no record) return [] after a one-time log line. ``rank0``: also run
@@ -387,27 +398,28 @@ def verify_on_all_ranks(
     raised)``, the result shared in the same round (picklable). One round; a caller with a
     round of its own puts :func:`local_problems` into it and merges with :func:`merge_problems`.
     """
-    gathered = _all_gather(local_problems(path, manifest, checksums=checksums, rank0=rank0))
+    gathered = _dist.all_gather(local_problems(stored, manifest, checksums=checksums, rank0=rank0))
     result = merge_problems([part for part, _ in gathered])
     return result if rank0 is None else (result, gathered[0][1])
 
 
 def local_problems(
-    path: Path, manifest: Manifest, *, checksums: bool, rank0: Callable[[], Any] | None = None
+    stored: Stored, manifest: Manifest, *, checksums: bool, rank0: Callable[[], Any] | None = None
 ) -> tuple[list[FileProblem], Any]:
     """This rank's share of :func:`verify_on_all_ranks`: (its problems, ``rank0()`` on rank 0 or None)."""
     rank, world_size = _dist.rank(), _dist.world_size()
     if manifest.format_version < FILES_SINCE_VERSION:
         if rank == 0:
-            _log_unverified(path, manifest.format_version)
+            _log_unverified(stored, manifest.format_version)
         problems: list[FileProblem] = []
     else:
         mine = _share(manifest.files, rank, world_size) if checksums else []
         if rank == 0:
-            problems = check_files(path, manifest, checksums=mine, listing=True)
+            problems = check_files(stored, manifest, checksums=mine, listing=True)
         else:
             # The other ranks stat and hash their share only: one rank walks the directory.
-            problems = check_files(path, dataclasses.replace(manifest, files=_subset(manifest, mine)), listing=False)
+            subset = {n: manifest.files[n] for n in mine}
+            problems = check_files(stored, dataclasses.replace(manifest, files=subset), listing=False)
     extra = None
     if rank0 is not None and rank == 0 and not problems:
         try:
@@ -426,15 +438,16 @@ def merge_problems(parts: list[list[FileProblem]]) -> list[FileProblem]:
     return sorted(merged.values(), key=lambda p: p.name)
 
 
-def _subset(manifest: Manifest, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {n: manifest.files[n] for n in names}
+def describe_problem(stored: Stored, problem: FileProblem) -> str:
+    """``name: problem``, the name as :meth:`Stored.where` shows it (the object's URI on an object store)."""
+    return f"{stored.where(problem.name)}: {problem.problem}"
 
 
-def damage_message(path: Path, problems: list[FileProblem]) -> str:
+def damage_message(stored: Stored, problems: list[FileProblem], *, doing: str = "loading") -> str:
     """One line for an error: the first problem, how many more, and what to do."""
     more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    hint = "load_latest(root) falls back to the newest intact checkpoint; " if doing == "loading" else ""
     return (
-        f"checkpoint {str(path)!r} is damaged: {problems[0]}{more}; not loading it. "
-        "load_latest(root) falls back to the newest intact checkpoint; "
-        f"`shardbridge ckpt verify {path}` lists every problem"
+        f"checkpoint {str(stored)!r} is damaged: {describe_problem(stored, problems[0])}{more}; not {doing} it. "
+        f"{hint}`shardbridge ckpt verify {stored}` lists every problem"
     )

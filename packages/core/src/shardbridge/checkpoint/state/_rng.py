@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
-from pathlib import Path
 
 import torch
 
-from shardbridge.checkpoint._manifest import rng_file
-from shardbridge.checkpoint._trust import UntrustedCheckpointError, load_file_weights_only
+from shardbridge.checkpoint.storage._backend import Stored
+from shardbridge.checkpoint.storage._manifest import rng_file
+from shardbridge.checkpoint.storage._trust import UntrustedCheckpointError, _stored, load_bytes_weights_only
 
-__all__ = ["restore_rng", "rng_states", "save_rng"]
+__all__ = ["restore_rng", "rng_bytes", "rng_states"]
 
 _RNG_KEYS = ("cpu", "cuda")
 
@@ -24,38 +25,37 @@ def rng_states() -> dict[str, torch.Tensor]:
     return states
 
 
-def save_rng(checkpoint_dir: Path, rank: int, states: dict[str, torch.Tensor] | None = None) -> None:
-    """Write this rank's generator states (``states``, or :func:`rng_states` now), fsynced."""
-    states = rng_states() if states is None else states
-    path = checkpoint_dir / rng_file(rank)
-    path.parent.mkdir(exist_ok=True)  # never the checkpoint directory itself: see _save._TmpDirWriter
-    with open(path, "wb") as f:
-        torch.save(states, f)
-        f.flush()
-        os.fsync(f.fileno())
+def rng_bytes(states: dict[str, torch.Tensor] | None = None) -> bytes:
+    """This rank's RNG file: ``torch.save`` of its generator states (``states``, or :func:`rng_states` now)."""
+    buffer = io.BytesIO()
+    torch.save(rng_states() if states is None else states, buffer)
+    return buffer.getvalue()
 
 
-def restore_rng(checkpoint_dir: Path, rank: int, world_size: int, saved_world_size: int) -> None:
+def restore_rng(checkpoint: Stored | str | os.PathLike[str], rank: int, world_size: int, saved_world_size: int) -> None:
     """Restore the RNG state saved by the same rank; rank 0's (and warn) if the world changed."""
+    checkpoint = _stored(checkpoint)
     source = rank
     if world_size != saved_world_size:
         source = 0
         if rank == 0:
             warnings.warn(
-                f"checkpoint {str(checkpoint_dir)!r} was saved by {saved_world_size} ranks, this run has "
+                f"checkpoint {str(checkpoint)!r} was saved by {saved_world_size} ranks, this run has "
                 f"{world_size}: every rank restores rank 0's RNG state, so random streams differ from the "
                 "saving run",
                 stacklevel=3,
             )
-    path = checkpoint_dir / rng_file(source)
-    if not path.is_file():
-        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} has no RNG file {rng_file(source)!r}; it is damaged")
-    states = _read_rng_file(path)
+    path = checkpoint.show(rng_file(source))
+    try:
+        data = checkpoint.backend.read_bytes(checkpoint.file(rng_file(source)))
+    except (FileNotFoundError, IsADirectoryError):
+        raise ValueError(f"checkpoint {str(checkpoint)!r} has no RNG file {rng_file(source)!r}; it is damaged") from None
+    states = _read_rng_file(path, data)
     try:
         torch.set_rng_state(states["cpu"])
     except RuntimeError as exc:
         raise ValueError(
-            f"RNG file {str(path)!r} holds an invalid CPU generator state ({exc}); the checkpoint is damaged; "
+            f"RNG file {path!r} holds an invalid CPU generator state ({exc}); the checkpoint is damaged; "
             "load it with rng=False to skip the RNG states"
         ) from None
     if "cuda" in states:
@@ -63,18 +63,18 @@ def restore_rng(checkpoint_dir: Path, rank: int, world_size: int, saved_world_si
             torch.cuda.set_rng_state(states["cuda"])
         elif rank == 0:
             warnings.warn(
-                f"checkpoint {str(checkpoint_dir)!r} holds CUDA RNG states but CUDA is not available: only the "
+                f"checkpoint {str(checkpoint)!r} holds CUDA RNG states but CUDA is not available: only the "
                 "CPU generator is restored",
                 stacklevel=3,
             )
 
 
-def _read_rng_file(path: Path) -> dict[str, torch.Tensor]:
-    """``{"cpu": uint8 tensor[, "cuda": uint8 tensor]}`` from ``path``; ValueError naming the file otherwise."""
-    damaged = f"RNG file {str(path)!r}"
+def _read_rng_file(path: str, data: bytes) -> dict[str, torch.Tensor]:
+    """``{"cpu": uint8 tensor[, "cuda": uint8 tensor]}`` from ``data`` (the file ``path``); ValueError naming it otherwise."""
+    damaged = f"RNG file {path!r}"
     fix = "the checkpoint is damaged; load it with rng=False to skip the RNG states"
     try:
-        states = load_file_weights_only(path)  # See [Note: untrusted checkpoints] in _trust.py
+        states = load_bytes_weights_only(data, where=repr(path))  # See [Note: untrusted checkpoints] in _trust.py
     except UntrustedCheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 (garbage bytes fail in many ways: unpickling, zip, EOF)

@@ -9,9 +9,9 @@ hidden: a full disk during ``torch.save`` of a ``.distcp`` file reads "unexpecte
 598" (the zip writer's short write), a truncated data file "failed finding central
 directory". :func:`dcp_errors` wraps every ``dcp.load`` call of the core (and any
 ``dcp.save``) and re-raises one exception, the same on every rank (each rank translates the
-same gathered failures, so no collective is needed). ``save`` drives DCP's writer itself
-([Note: save rounds] in ``_save.py``): the rank whose write failed translates its own error
-with :func:`save_failure`, and the write round raises it on every rank.
+same gathered failures, so no collective is needed). A save's writer translates the error of
+the file it was writing with :func:`save_failure` (naming the file or object); the save
+protocol raises it on every rank ([Note: save protocols] in ``_protocol.py``).
 
 - save: ``OSError`` (``errno`` kept when known) "saving checkpoint DIR failed on rank R
   writing FILE: No space left on device ..." and the fix;
@@ -32,6 +32,8 @@ from typing import Literal
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardbridge.checkpoint.storage._backend import Stored
+
 __all__ = ["dcp_errors", "describe_checkpoint_exception", "save_failure"]
 
 # The zip writer's message when a write came up short (the OSError itself is lost in C++).
@@ -44,7 +46,7 @@ _ZIP_MAGIC = b"PK\x03\x04"
 @contextmanager
 def dcp_errors(
     action: Literal["save", "load"],
-    checkpoint_dir: str | os.PathLike[str],
+    checkpoint: Stored | str | os.PathLike[str],
     *,
     data_dir: str | os.PathLike[str] | None = None,
 ) -> Iterator[None]:
@@ -52,36 +54,49 @@ def dcp_errors(
 
     Args:
         action: "save" or "load".
-        checkpoint_dir: the checkpoint the user named.
-        data_dir: where DCP writes or reads the files (save's temporary directory); None =
-            ``checkpoint_dir``.
+        checkpoint: the checkpoint the user named (a :class:`Stored` for a load).
+        data_dir: where DCP writes the files (a local save's temporary directory); None =
+            the checkpoint's.
     """
     try:
         yield
     except CheckpointException as exc:
-        data = Path(checkpoint_dir if data_dir is None else data_dir)
-        raise describe_checkpoint_exception(exc, action, Path(checkpoint_dir), data_dir=data) from None
+        raise describe_checkpoint_exception(exc, action, checkpoint, data_dir=data_dir) from None
 
 
 def describe_checkpoint_exception(
-    exc: CheckpointException, action: Literal["save", "load"], checkpoint_dir: Path, *, data_dir: Path | None = None
+    exc: CheckpointException,
+    action: Literal["save", "load"],
+    checkpoint: Stored | str | os.PathLike[str],
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
 ) -> Exception:
     """The one exception that stands for ``exc`` (see [Note: DCP errors])."""
-    data_dir = checkpoint_dir if data_dir is None else data_dir
+    stored = checkpoint if isinstance(checkpoint, Stored) else None
+    shown = str(checkpoint) if stored is not None else str(os.fspath(checkpoint))
     failures = sorted(exc.failures.items())
     if not failures:
-        return RuntimeError(f"{action} of checkpoint {str(checkpoint_dir)!r} failed: {exc}")
+        return RuntimeError(f"{action} of checkpoint {shown!r} failed: {exc}")
     rank, (cause, _) = failures[0]
     others = f" (and on {len(failures) - 1} other rank(s))" if len(failures) > 1 else ""
-    where = f"{action} of checkpoint {str(checkpoint_dir)!r} failed on rank {rank}{others}"
+    where = f"{action} of checkpoint {shown!r} failed on rank {rank}{others}"
     if action == "save":
-        return _save_error(where, rank, cause, data_dir)
-    return _load_error(where, cause, data_dir)
+        local = None if stored is not None and stored.backend.remote else Path(data_dir or shown)
+        return _save_error(where, rank, cause, local, None)
+    if stored is None:
+        from shardbridge.checkpoint.storage._trust import _stored
+
+        stored = _stored(checkpoint)
+    return _load_error(where, cause, stored)
 
 
-def save_failure(cause: BaseException, rank: int, checkpoint_dir: Path, data_dir: Path) -> Exception:
-    """The one clear exception for ``cause``, raised on ``rank`` while it wrote its files of a save."""
-    return _save_error(f"save of checkpoint {str(checkpoint_dir)!r} failed on rank {rank}", rank, cause, data_dir)
+def save_failure(cause: BaseException, rank: int, checkpoint: str, path: str, *, local: bool = True) -> Exception:
+    """The one clear exception for ``cause``, raised on ``rank`` while it wrote ``path`` (a file of a save).
+
+    ``local``: ``path`` is on a local filesystem (a short write is then checked for a full disk).
+    """
+    where = f"save of checkpoint {checkpoint!r} failed on rank {rank}"
+    return _save_error(where, rank, cause, Path(path).parent if local else None, path)
 
 
 def _first_line(cause: BaseException) -> str:
@@ -89,19 +104,21 @@ def _first_line(cause: BaseException) -> str:
     return f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _save_error(where: str, rank: int, cause: BaseException, data_dir: Path) -> Exception:
-    files = f"its data files {str(data_dir / f'__{rank}_*.distcp')!r}"
+def _save_error(where: str, rank: int, cause: BaseException, data_dir: Path | None, file: str | None) -> Exception:
+    """``data_dir``: the local directory written into (None on an object store); ``file``: the file written."""
+    files = repr(file) if file is not None else f"its data files {str((data_dir or Path('.')) / f'__{rank}_*.distcp')!r}"
     code = getattr(cause, "errno", None) if isinstance(cause, OSError) else None
     if code is None and _SHORT_WRITE in str(cause):
         # torch.save's zip writer lost the OSError: ask the filesystem why the write came up short.
-        code = errno.ENOSPC if _free_bytes(data_dir) < _NEARLY_FULL_BYTES else errno.EIO
+        full = data_dir is not None and _free_bytes(data_dir) < _NEARLY_FULL_BYTES
+        code = errno.ENOSPC if full else errno.EIO
         reason = os.strerror(code) if code == errno.ENOSPC else "a write came up short (disk quota or file size limit?)"
     elif code is not None:
         reason = os.strerror(code)
     else:
         return RuntimeError(f"{where} writing {files}: {_first_line(cause)}")
     filename = getattr(cause, "filename", None)
-    target = repr(str(filename)) if filename else files
+    target = repr(str(filename)) if filename and data_dir is not None else files
     fix = (
         "free space on that filesystem or save elsewhere"
         if code in (errno.ENOSPC, errno.EDQUOT)
@@ -112,14 +129,14 @@ def _save_error(where: str, rank: int, cause: BaseException, data_dir: Path) -> 
     return error
 
 
-def _load_error(where: str, cause: BaseException, checkpoint_dir: Path) -> Exception:
-    verify = f"run `shardbridge ckpt verify {checkpoint_dir}` to find every damaged file"
+def _load_error(where: str, cause: BaseException, stored: Stored) -> Exception:
+    verify = f"run `shardbridge ckpt verify {stored}` to find every damaged file"
     if isinstance(cause, PermissionError):
-        name = cause.filename or checkpoint_dir
+        name = cause.filename or str(stored)
         error = PermissionError(f"{where}: permission denied reading {str(name)!r}; make it readable by this user")
         error.errno = errno.EACCES
         return error
-    damaged = _damaged_files(checkpoint_dir)
+    damaged = _damaged_files(stored)
     if damaged:
         return ValueError(f"{where}: {'; '.join(damaged)}; the checkpoint is damaged: {verify}")
     if isinstance(cause, FileNotFoundError):
@@ -136,43 +153,44 @@ def _free_bytes(path: Path) -> int:
     return 1 << 62
 
 
-def _damaged_files(checkpoint_dir: Path) -> list[str]:
+def _damaged_files(stored: Stored) -> list[str]:
     """Data files that are missing, shorter than ``.metadata`` says, or garbage (best effort)."""
     try:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from shardbridge.checkpoint._trust import read_metadata
+        from shardbridge.checkpoint.storage._trust import read_metadata
 
         # Never plain pickle: see [Note: untrusted checkpoints] in _trust.py.
-        metadata = read_metadata(checkpoint_dir, data_files=False)
+        metadata = read_metadata(stored, data_files=False)
         needed: dict[str, int] = {}
         tensor_offsets: dict[str, list[int]] = {}
         for index, info in (metadata.storage_data or {}).items():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
             if isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
                 tensor_offsets.setdefault(info.relative_path, []).append(info.offset)
+        sizes = {n: e.size for n, e in stored.backend.listing(stored.data).items() if e.regular}
     except Exception:  # noqa: BLE001 (a diagnostic only; the caller reports the original cause)
         return []
     found = []
     for name, size in sorted(needed.items()):
-        file = checkpoint_dir / name
-        if not file.is_file():
-            found.append(f"data file {str(file)!r} is missing")
-        elif file.stat().st_size < size:
-            found.append(f"data file {str(file)!r} is truncated ({file.stat().st_size} of {size} bytes)")
-        elif not _items_start_as_zip(file, tensor_offsets.get(name, [])):
-            found.append(f"data file {str(file)!r} holds garbage where .metadata places a tensor")
+        shown = stored.show(name)
+        if name not in sizes:
+            found.append(f"data file {shown!r} is missing")
+        elif sizes[name] < size:
+            found.append(f"data file {shown!r} is truncated ({sizes[name]} of {size} bytes)")
+        elif not _items_start_as_zip(stored, name, tensor_offsets.get(name, [])):
+            found.append(f"data file {shown!r} holds garbage where .metadata places a tensor")
     return found
 
 
-def _items_start_as_zip(file: Path, offsets: list[int]) -> bool:
+def _items_start_as_zip(stored: Stored, name: str, offsets: list[int]) -> bool:
     """Each tensor item of a ``.distcp`` file is one ``torch.save`` zip archive."""
+    magic = bytearray(4)
     try:
-        with open(file, "rb") as f:
-            for offset in offsets:
-                f.seek(offset)
-                if f.read(4) != _ZIP_MAGIC:
-                    return False
+        for offset in offsets:
+            got = stored.backend.read_into(stored.file(name), offset, memoryview(magic))
+            if got != 4 or bytes(magic) != _ZIP_MAGIC:
+                return False
     except OSError:
         return True  # unreadable: the caller reports the original cause
     return True

@@ -18,9 +18,14 @@ target, so the box exists twice in memory. :func:`read_box_into` instead:
 3. reads the storage bytes into the target: directly when the target region is contiguous,
    else through a buffer of at most ``_BUFFER_BYTES`` (a few rows at a time).
 
+On an object store every read is a ranged GET: the zip headers of a record (its first and
+last few KB) are fetched in two blocks of ``_REMOTE_BLOCK`` bytes (``_Window``'s cache), the
+storage bytes in reads of at most ``_REMOTE_READ`` bytes straight into the target (so memory
+stays bounded, and a load into another layout fetches only the rows it needs).
+
 Anything unusual (a target not in host memory, e.g. a CUDA parameter; a transform such as
-compression, a non-contiguous or offset storage, a big-endian record, several storages) returns False and the caller falls back to DCP's
-reader for that box. Export and ``load`` read every whole box so (export: its peak memory is
+compression, a non-contiguous or offset storage, a big-endian record, several storages) returns
+False and the caller falls back to the reader's whole-record path for that box. Export and ``load`` read every whole box so (export: its peak memory is
 the point; load: one pass over the bytes, and no per-record ``torch.load``). Only
 ``weights_only`` unpickling runs (see [Note: untrusted checkpoints] in ``_trust.py``); byte
 ranges are checked to lie inside the record.
@@ -28,18 +33,29 @@ ranges are checked to lie inside the record.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import struct
 import sys
 import zipfile
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
-__all__ = ["EXPORT_IN_PLACE_MIN_BYTES", "IN_PLACE_MIN_BYTES", "read_box_into"]
+if TYPE_CHECKING:
+    from shardbridge.checkpoint.storage._backend import Backend
 
+__all__ = ["EXPORT_IN_PLACE_MIN_BYTES", "IN_PLACE_MIN_BYTES", "BoxSource", "read_box_into"]
+
+BoxSource = Union[str, "os.PathLike[str]", "tuple[Backend, str]"]
+"""Where a record lives: a local file, or ``(backend, path)`` (an object on an object store)."""
 _BUFFER_BYTES = 8 << 20
+_REMOTE_BLOCK = 64 << 10
+"""Bytes fetched for a small read of a record on an object store (its zip headers)."""
+_REMOTE_READ = 16 << 20
+"""Most bytes of one ranged GET into a target."""
 IN_PLACE_MIN_BYTES = 0
 """Smallest record ``load`` reads in place (every one: with the metadata kept per distinct
 pickle, parsing a record costs less than DCP's ``torch.load`` of it)."""
@@ -54,11 +70,16 @@ _LOCAL_MAGIC = 0x04034B50
 
 
 class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``[start, start + length)`` of an open binary file."""
+    """A read-only, seekable view of ``[start, start + length)`` of an open binary file.
 
-    def __init__(self, f: Any, start: int, length: int) -> None:
+    ``cached``: small reads are served from blocks of ``_REMOTE_BLOCK`` bytes (at most three kept:
+    a record's head and tail, and one more), each fetched with one read of ``f``.
+    """
+
+    def __init__(self, f: Any, start: int, length: int, *, cached: bool = False) -> None:
         super().__init__()
         self._f, self._start, self._length, self._pos = f, start, length, 0
+        self._blocks: list[tuple[int, bytes]] | None = [] if cached else None
 
     def readable(self) -> bool:
         return True
@@ -79,10 +100,33 @@ class _Window(io.RawIOBase):
         n = min(len(view), self._length - self._pos)
         if n <= 0:
             return 0
+        if self._blocks is not None and n < _REMOTE_BLOCK:
+            block = self._block(self._pos, n)
+            view[:n] = block
+            self._pos += n
+            return n
         self._f.seek(self._start + self._pos)
         got = self._f.readinto(view[:n])
         self._pos += got or 0
         return got or 0
+
+    def _block(self, pos: int, n: int) -> memoryview:
+        """``n`` bytes at ``pos`` from a cached block (fetching one when none holds them)."""
+        assert self._blocks is not None
+        for start, data in self._blocks:
+            if start <= pos and pos + n <= start + len(data):
+                return memoryview(data)[pos - start : pos - start + n]
+        # The head (local headers, the pickle) and the tail (central directory) of a record are
+        # each one block; anything else starts a block where it is read.
+        start = 0 if pos + n <= _REMOTE_BLOCK else max(0, min(pos, self._length - _REMOTE_BLOCK))
+        size = min(_REMOTE_BLOCK, self._length - start)
+        data = bytearray(size)
+        self._f.seek(self._start + start)
+        got = _read_exact(self._f, data)
+        if not got:
+            raise OSError(f"short read of {size} bytes at {self._start + start}")
+        self._blocks = [*self._blocks[-2:], (start, bytes(data))]
+        return memoryview(data)[pos - start : pos - start + n]
 
 
 def _entry_range(window: _Window, info: zipfile.ZipInfo) -> tuple[int, int] | None:
@@ -112,7 +156,7 @@ def _ranges(window: _Window) -> tuple[tuple[int, int], tuple[int, int]] | None:
         if len(storages) != 1 or len(pickles) != 1 or len(order) > 1:
             return None
     # Entries are read by their ranges, never with ``archive.read``: zipfile checks the CRC32,
-    # which shardbridge's writer leaves at 0 ([Note: the data file writer] in _save.py).
+    # which shardbridge's writer leaves at 0 ([Note: the data file writer] in _writer.py).
     if order:
         order_at = _entry_range(window, order[0])
         if order_at is None:
@@ -140,10 +184,51 @@ def _record_meta(window: _Window, pickle_bytes: bytes) -> tuple[Any, ...] | None
     return found
 
 
+class _RemoteFile(io.RawIOBase):
+    """An object read with ranged GETs: ``seek`` + ``readinto`` (at most ``_REMOTE_READ`` bytes a GET)."""
+
+    def __init__(self, backend: Backend, path: str) -> None:
+        super().__init__()
+        self._backend, self._path, self._pos = backend, path, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        assert whence == io.SEEK_SET, whence
+        self._pos = offset
+        return offset
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[:_REMOTE_READ]
+        got = self._backend.read_into(self._path, self._pos, view)
+        self._pos += got
+        return got
+
+
+@contextlib.contextmanager
+def _opened(source: BoxSource) -> Iterator[tuple[Any, bool]]:
+    """``(raw binary file, remote)`` for a record source."""
+    if isinstance(source, tuple):
+        backend, path = source
+        if backend.remote:
+            yield _RemoteFile(backend, path), True
+            return
+        source = path
+    with open(source, "rb", buffering=0) as f:
+        yield f, False
+
+
 def read_box_into(
-    file: Path, offset: int, length: int, target: torch.Tensor, box_offsets: tuple[int, ...] | None = None
+    source: BoxSource, offset: int, length: int, target: torch.Tensor, box_offsets: tuple[int, ...] | None = None
 ) -> bool:
-    """Fill ``target`` from the record at ``file[offset:offset+length]``.
+    """Fill ``target`` from the record at ``source[offset:offset+length]``.
 
     ``target`` is a view into the destination tensor; it receives the part of the stored box
     that starts at ``box_offsets`` (None: the whole box, which must then have ``target``'s
@@ -153,8 +238,8 @@ def read_box_into(
     """
     if target.device.type != "cpu":  # file bytes go straight into host memory only; DCP's reader copies
         return False
-    with open(file, "rb", buffering=0) as f:
-        window = _Window(f, offset, length)
+    with _opened(source) as (f, remote):
+        window = _Window(f, offset, length, cached=remote)
         try:
             ranges = _ranges(window)
             if ranges is None:

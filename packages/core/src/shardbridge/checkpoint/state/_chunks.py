@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from shardbridge._compat import flatten_sharded_tensors, flatten_state_dict
-from shardbridge.checkpoint._trust import WeightsOnlyBytes
+from shardbridge.checkpoint.storage._trust import WeightsOnlyBytes
 
 __all__ = ["LoadPlanner", "LocalChunks", "SavePlanner"]
 
@@ -127,10 +127,9 @@ class LocalChunks:
 class SavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that resolves :class:`LocalChunks` values.
 
-    Without DCP's plan caching: a save keeps its own last plans, and skips the plan round
-    when no rank's plan changed (see [Note: save rounds] in ``_save.py``). DCP's caching
-    would answer an unchanged local plan with an empty one, and keeps its plans per planner
-    class for the whole process.
+    Plan caching is the save protocol's business ([Note: save protocols] in ``_protocol.py``):
+    ``dcp.save`` runs it with ``enable_plan_caching=True`` under a key per job (DCP keeps its
+    plans per key for the whole process); the own rounds keep their last plans themselves.
     """
 
     def lookup_object(self, index: MetadataIndex) -> Any:

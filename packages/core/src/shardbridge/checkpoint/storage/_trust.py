@@ -56,7 +56,6 @@ under a megabyte.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import math
 import os
@@ -69,7 +68,6 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -80,9 +78,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 
 from shardbridge._compat import DCP_MEM_FORMAT_ENCODING, DCPStorageInfo, PyUnpickler, dcp_set_element
+from shardbridge.checkpoint.storage._backend import Stored
 
 # -- private upstream names: reached through shardbridge._compat ([Note: upstream internals]) --
 _set_element = dcp_set_element
@@ -95,7 +94,6 @@ _DCP_METADATA_NAME = ".metadata"  # filesystem._metadata_fn
 
 __all__ = [
     "MetadataUnpickler",
-    "TrustedReader",
     "UntrustedCheckpointError",
     "check_no_links",
     "load_bytes_weights_only",
@@ -203,19 +201,19 @@ class MetadataUnpickler(_PyUnpickler):
 
 
 def read_metadata(
-    checkpoint_dir: str | os.PathLike[str],
+    checkpoint: Stored | str | os.PathLike[str],
     *,
     data_files: bool = True,
     select: Callable[[Metadata], Iterable[str]] | None = None,
 ) -> Metadata:
-    """The DCP metadata of ``checkpoint_dir``, read without running code from it.
+    """The DCP metadata of a checkpoint, read without running code from it.
 
     Chunk offsets and sizes pickled as tuples of ints (Megatron-FSDP's own DCP writer, e.g.
     Megatron-LM's ``fsdp_dtensor`` checkpoints, writes them so; torch's writes ``torch.Size``)
     are read as ``torch.Size``, so such checkpoints pass the structure check DCP's own pass.
 
     Args:
-        checkpoint_dir: the checkpoint directory.
+        checkpoint: the stored checkpoint (or a local checkpoint directory).
         data_files: also check that every item lies inside its data file (what bounds the
             memory a reader allocates by the bytes on disk); False for readers of the
             metadata alone (inspect), which then describe a checkpoint with damaged data files.
@@ -234,12 +232,12 @@ def read_metadata(
         >>> sorted(md.state_dict_metadata)[:1]  # doctest: +SKIP
         ['model.layers.0.attention.o_proj.weight']
     """
-    path = Path(checkpoint_dir) / _DCP_METADATA_NAME
+    stored = _stored(checkpoint)
+    where = repr(stored.show(_DCP_METADATA_NAME))
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"{str(path)!r} does not exist; the checkpoint is damaged") from None
-    where = repr(str(path))
+        data = stored.backend.read_bytes(stored.file(_DCP_METADATA_NAME))
+    except (FileNotFoundError, IsADirectoryError):
+        raise ValueError(f"{where} does not exist; the checkpoint is damaged") from None
     try:
         metadata = MetadataUnpickler(io.BytesIO(data), where=where).load()
     except UntrustedCheckpointError:
@@ -253,7 +251,7 @@ def read_metadata(
         _sizes_as_torch_size(metadata)
         if select is not None:
             _keep_only(metadata, set(select(metadata)))
-    _check_metadata(metadata, Path(checkpoint_dir) if data_files else None, where)
+    _check_metadata(metadata, stored if data_files else None, where)
     return metadata
 
 
@@ -278,6 +276,24 @@ def _keep_only(md: Metadata, keep: set[str]) -> None:
         md.storage_data = {i: r for i, r in md.storage_data.items() if getattr(i, "fqn", None) in keep}
 
 
+def _stored(checkpoint: Stored | str | os.PathLike[str]) -> Stored:
+    """A checkpoint given as a local directory (files beside the manifest) or a URI, as a :class:`Stored`."""
+    if isinstance(checkpoint, Stored):
+        return checkpoint
+    from shardbridge.checkpoint.storage._location import is_uri, locate, open_checkpoint
+
+    if is_uri(checkpoint):
+        where = locate(checkpoint)
+        try:
+            return open_checkpoint(where, need_metadata=False)[0]
+        except ValueError:
+            return Stored(where.backend, where.path, where.path)
+    from shardbridge.checkpoint.storage._local import LOCAL
+
+    path = os.fspath(checkpoint)
+    return Stored(LOCAL, path, path)
+
+
 def _refuse(where: str, what: str) -> UntrustedCheckpointError:
     return UntrustedCheckpointError(f"{where} {what}, which DCP never writes: {_REFUSED}")
 
@@ -289,8 +305,11 @@ def _is_size(value: Any) -> bool:
 _DATA_FILE = re.compile(r"[A-Za-z0-9_.-]+\.distcp")
 
 
-def _check_metadata(md: Any, checkpoint_dir: Path | None, where: str) -> None:
-    """The structure DCP writes; see [Note: untrusted checkpoints]."""
+def _check_metadata(md: Any, files: Stored | str | os.PathLike[str] | None, where: str) -> None:
+    """The structure DCP writes; see [Note: untrusted checkpoints].
+
+    ``files``: the checkpoint whose data files must hold every item (None: not checked).
+    """
     if type(md) is not Metadata:
         raise _refuse(where, f"holds a {type(md).__name__} instead of DCP Metadata")
     if not isinstance(md.state_dict_metadata, dict):
@@ -313,7 +332,7 @@ def _check_metadata(md: Any, checkpoint_dir: Path | None, where: str) -> None:
         raise _refuse(where, f"holds storage_meta of type {type(md.storage_meta).__name__}")
     if md.version is not None and not isinstance(md.version, str):
         raise _refuse(where, f"holds version {md.version!r}")
-    _check_storage(md, checkpoint_dir, where)
+    _check_storage(md, None if files is None else _stored(files), where)
 
 
 def _check_tensor_entry(key: str, entry: TensorStorageMetadata, where: str) -> None:
@@ -342,7 +361,7 @@ def _check_tensor_entry(key: str, entry: TensorStorageMetadata, where: str) -> N
         )
 
 
-def _check_storage(md: Metadata, checkpoint_dir: Path | None, where: str) -> None:
+def _check_storage(md: Metadata, stored: Stored | None, where: str) -> None:
     storage = md.storage_data
     if not isinstance(storage, dict):
         raise _refuse(where, "has no storage_data dict (where each item lives)")
@@ -377,6 +396,7 @@ def _check_storage(md: Metadata, checkpoint_dir: Path | None, where: str) -> Non
             raise _refuse(where, f"stores the bytes item {index.fqn!r} at {index.offset!r}, as a tensor chunk")
         spans.setdefault(name, []).append((info.offset, info.length))
     _check_every_chunk_stored(md, where)
+    sizes: dict[str, int] | None = None
     for name, items in spans.items():
         items.sort()
         end = 0
@@ -384,14 +404,17 @@ def _check_storage(md: Metadata, checkpoint_dir: Path | None, where: str) -> Non
             if offset < end:
                 raise _refuse(where, f"places overlapping items in {name!r} (at byte {offset})")
             end = offset + length
-        if checkpoint_dir is None:
+        if stored is None:
             continue
-        file = checkpoint_dir / name
-        if not file.is_file():
-            raise ValueError(f"data file {str(file)!r} is missing; the checkpoint is damaged")
-        size = file.stat().st_size
-        if end > size:
-            raise ValueError(f"data file {str(file)!r} is truncated ({size} of {end} bytes); the checkpoint is damaged")
+        if sizes is None:
+            sizes = {n: e.size for n, e in stored.backend.listing(stored.data).items() if e.regular}
+        shown = stored.show(name)
+        if name not in sizes:
+            raise ValueError(f"data file {shown!r} is missing; the checkpoint is damaged")
+        if end > sizes[name]:
+            raise ValueError(
+                f"data file {shown!r} is truncated ({sizes[name]} of {end} bytes); the checkpoint is damaged"
+            )
 
 
 def _check_every_chunk_stored(md: Metadata, where: str) -> None:
@@ -417,18 +440,19 @@ def _check_every_chunk_stored(md: Metadata, where: str) -> None:
                 raise _refuse(where, f"describes a chunk of {key!r} at {at} but stores no record of it")
 
 
-def check_no_links(checkpoint_dir: str | os.PathLike[str]) -> None:
-    """ValueError naming the first entry of ``checkpoint_dir`` that is a symbolic link or special file.
+def check_no_links(checkpoint: Stored | str | os.PathLike[str]) -> None:
+    """ValueError naming the first entry of a checkpoint that is a symbolic link or special file.
 
     shardbridge and DCP write regular files and directories only; a link (to a file outside
     the directory, or to another checkpoint's file) is never read through, as ``load``'s
     integrity check refuses it ("not a regular file"). A FIFO would block a reader. One
-    directory walk, no data read; nothing is checked when ``checkpoint_dir`` is not a directory
-    (the manifest reader reports that).
+    directory walk, no data read; nothing is checked when the checkpoint is not a directory
+    (the manifest reader reports that), nor on object stores (objects are never links).
     """
-    top = Path(checkpoint_dir)
-    if not top.is_dir():
+    stored = _stored(checkpoint)
+    if stored.backend.remote or not os.path.isdir(stored.data):
         return
+    top = Path(stored.data)
     for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
         for name in sorted((*dirnames, *filenames)):
             entry = Path(dirpath) / name
@@ -444,8 +468,8 @@ def check_no_links(checkpoint_dir: str | os.PathLike[str]) -> None:
                 continue
             rel = entry.relative_to(top).as_posix()
             raise ValueError(
-                f"checkpoint {str(top)!r} is damaged: {rel}: {what}, which shardbridge never writes; not reading "
-                f"through it. Copy the real file in; `shardbridge ckpt verify {top}` lists every problem"
+                f"checkpoint {str(stored)!r} is damaged: {rel}: {what}, which shardbridge never writes; not reading "
+                f"through it. Copy the real file in; `shardbridge ckpt verify {stored}` lists every problem"
             )
 
 
@@ -486,96 +510,20 @@ class WeightsOnlyBytes:
     """
 
     weights_only_bytes = True
-    checkpoint_dir: Path | None = None  # set by TrustedReader.read_data, for messages
+    checkpoint_dir: Stored | None = None  # set by TrustedReader.read_data, for messages
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         storage = getattr(self.metadata, "storage_data", None) or {}  # type: ignore[attr-defined]
         info = storage.get(read_item.storage_index)
         file = info.relative_path if info is not None else "a data file"
-        if self.checkpoint_dir is not None:
-            file = str(self.checkpoint_dir / file)
+        if self.checkpoint_dir is not None and info is not None:
+            file = self.checkpoint_dir.show(file)
         obj = load_bytes_weights_only(value, where=f"{file!r} (item {fqn!r})")
         if self.flatten_state_dict:  # type: ignore[attr-defined]
             _set_element(self.original_state_dict, self.mappings[fqn], obj)  # type: ignore[attr-defined]
         else:
             self.state_dict[fqn] = obj  # type: ignore[attr-defined]
-
-
-class TrustedReader(dcp.FileSystemReader):
-    """``dcp.FileSystemReader`` that runs no code from the checkpoint. See [Note: untrusted checkpoints].
-
-    ``read_metadata`` uses :func:`read_metadata` (restricted unpickler + structure check);
-    tensors load with ``weights_only=True`` (DCP's own reader already does); bytes items
-    only through a planner that loads them with ``weights_only=True`` (:class:`WeightsOnlyBytes`).
-
-    Args:
-        path: the checkpoint directory.
-        metadata: already read metadata (from :func:`read_metadata`), to skip a second read.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], metadata: Metadata | None = None) -> None:
-        super().__init__(path)
-        self._checkpoint_dir = Path(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            # DCP falls back to rank-local metadata when the global one fails to read.
-            raise UntrustedCheckpointError(
-                f"{str(self._checkpoint_dir)!r}: shardbridge reads only the global {_DCP_METADATA_NAME}, never "
-                "rank-local metadata"
-            )
-        if self._metadata is None:
-            self._metadata = read_metadata(self._checkpoint_dir)
-        if self._metadata.storage_meta is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id  # as DCP's reader does
-        return self._metadata
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
-        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
-            if not getattr(planner, "weights_only_bytes", False):
-                raise TypeError(
-                    f"{type(planner).__name__} would unpickle checkpoint bytes items without weights_only; "
-                    "use shardbridge.checkpoint._chunks.LoadPlanner (see [Note: untrusted checkpoints])"
-                )
-            if isinstance(planner, WeightsOnlyBytes):
-                planner.checkpoint_dir = self._checkpoint_dir
-        plan = self._read_in_place(plan, planner)
-        try:
-            return super().read_data(plan, planner)
-        except pickle.UnpicklingError as err:  # a tensor record torch.load(weights_only=True) refused
-            raise UntrustedCheckpointError(
-                f"a tensor record in a data file of {str(self._checkpoint_dir)!r} holds a pickle that "
-                f"torch.load(weights_only=True) refuses ({_weights_only_reason(str(err))}): {_REFUSED}"
-            ) from None
-
-    def _read_in_place(self, plan: LoadPlan, planner: LoadPlanner) -> LoadPlan:
-        """Read every tensor item (a stored box or part of one) straight into its target; the rest.
-
-        See [Note: reading boxes in place] in ``_read.py``: one pass over the bytes instead
-        of DCP's ``torch.load`` of the box then a copy; a load into another layout reads only
-        the rows of a box it needs. A box below ``IN_PLACE_MIN_BYTES`` or an unusual record is
-        left to DCP's reader.
-        """
-        from shardbridge.checkpoint._read import IN_PLACE_MIN_BYTES, read_box_into
-
-        rest = []
-        for item in plan.items:
-            info = self.storage_data.get(item.storage_index) if item.type != LoadItemType.BYTE_IO else None
-            if info is None or info.length < IN_PLACE_MIN_BYTES or getattr(info, "transform_descriptors", None):
-                rest.append(item)
-                continue
-            target = planner.resolve_tensor(item).detach()
-            file = Path(self.path) / info.relative_path
-            if tuple(target.shape) == tuple(item.lengths) and read_box_into(
-                file, info.offset, info.length, target, tuple(item.storage_offsets)
-            ):
-                planner.commit_tensor(item, target)
-            else:
-                rest.append(item)
-        return dataclasses.replace(plan, items=rest)
 
 
 @contextmanager

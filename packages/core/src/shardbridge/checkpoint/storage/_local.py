@@ -10,7 +10,7 @@
                                           its RNG file into it (DCP fsyncs each file)
                                        2. every rank hashes the files it wrote; rank 0 gets the
                                           records with DCP's write results ([Note: checkpoint
-                                          integrity], [Note: one save, DCP's rounds] in _save.py)
+                                          integrity], [Note: the storage writer] in _writer.py)
                                        3. rank 0 writes shardbridge.json (tmp file, fsync,
                                           rename) and fsyncs the directory: the COMMIT POINT,
                                           the directory is a complete checkpoint from here on
@@ -68,46 +68,38 @@ must be on a filesystem all nodes share (NFS, Lustre, GPFS ...), with POSIX rena
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from shardbridge.checkpoint._integrity import check_files
-from shardbridge.checkpoint._manifest import MANIFEST_NAME, Manifest, fsync_dir, read_manifest
+from shardbridge.checkpoint.storage._backend import Backend, Entry, Kind, Stored, Target
+from shardbridge.checkpoint.storage._integrity import check_files
+from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, Manifest, fsync_dir, read_manifest
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover (Windows): liveness by pid only
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["abandon", "commit", "latest", "new_tmp_dir", "recover", "step_dir"]
+__all__ = ["LOCAL", "LocalBackend", "abandon", "commit", "new_tmp_dir", "recover"]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
 _RUN_START = time.time()
 """Hidden directories without a lock file modified after this may be live (see the note)."""
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|lock)-(?P<id>[0-9a-f]{12})$")
-_STEP_DIR = "step-{step:08d}"
 _HELD: dict[str, tuple[int, Path]] = {}
 """Locks this process holds: id -> (fd, lock file)."""
-
-
-def step_dir(root: str | os.PathLike[str], step: int) -> Path:
-    """The conventional checkpoint directory for ``step``: ``<root>/step-00000100``.
-
-    Example:
-        >>> str(step_dir("/ckpt", 100))
-        '/ckpt/step-00000100'
-    """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step={step!r} must be an int >= 0")
-    return Path(root) / _STEP_DIR.format(step=step)
 
 
 def _is_empty_dir(path: Path) -> bool:
@@ -238,17 +230,17 @@ def _hidden(parent: Path) -> dict[str, list[_Hidden]]:
 def _complete(path: Path) -> Manifest | None:
     """The manifest of ``path`` if it is a complete checkpoint (sizes checked, not checksums)."""
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(LOCAL, str(path))
     except (ValueError, OSError):
         return None
-    if check_files(path, manifest, checksums=False):
+    if check_files(_stored(path), manifest, checksums=False):
         return None
     return manifest
 
 
 def _has_manifest(path: Path) -> bool:
     try:
-        read_manifest(path)
+        read_manifest(LOCAL, str(path))
     except (ValueError, OSError):
         return False
     return True
@@ -257,7 +249,11 @@ def _has_manifest(path: Path) -> bool:
 def _verified(path: Path) -> bool:
     """``path`` is a complete checkpoint whose checksums verify."""
     manifest = _complete(path)
-    return manifest is not None and not check_files(path, manifest, checksums=True, listing=False)
+    return manifest is not None and not check_files(_stored(path), manifest, checksums=True, listing=False)
+
+
+def _stored(path: Path) -> Stored:
+    return Stored(LOCAL, str(path), str(path))
 
 
 def _mtime(path: Path) -> float:
@@ -413,7 +409,7 @@ def commit(tmp: Path, final: Path, manifest: Manifest, *, overwrite: bool) -> No
 
     See [Note: atomic commit]. Every rank must have finished writing into ``tmp``.
     """
-    from shardbridge.checkpoint._manifest import write_manifest
+    from shardbridge.checkpoint.storage._manifest import write_manifest
 
     write_manifest(tmp, manifest)
     fsync_dir(tmp)
@@ -457,63 +453,142 @@ def abandon(tmp: Path, final: Path) -> None:
         _release(_ident(tmp))
 
 
-# --- the load side -----------------------------------------------------------------------
 
 
-def _candidates(root: Path, extra: list[Path]) -> list[tuple[tuple[int, str], Path, Manifest]]:
-    found = []
-    for child in [*root.iterdir(), *extra]:
-        hidden = _HIDDEN.match(child.name)
-        if child not in extra and (child.name.startswith(".") or not child.is_dir()):
-            continue
-        if not (child / MANIFEST_NAME).exists():
-            continue
-        try:
-            manifest = read_manifest(child)
-        except ValueError as exc:
-            logger.warning("shardbridge.checkpoint: skipping %s: %s", child, exc)
-            continue
-        name = hidden["name"] if hidden is not None else child.name
-        found.append(((manifest.step if manifest.step is not None else -1, name), child, manifest))
-    return sorted(found, key=lambda item: item[0], reverse=True)
+# --- the backend -------------------------------------------------------------------------
 
 
-def newest(root: str | os.PathLike[str], *, skip: frozenset[Path] = frozenset()) -> Path | None:
-    """:func:`latest`, passing over the directories in ``skip``."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    stuck = recover(root, delete=False)
-    for _, path, manifest in _candidates(root, stuck):
-        if path in skip:
-            continue
-        problems = check_files(path, manifest, checksums=False)
-        if problems:
-            logger.warning(
-                "shardbridge.checkpoint: skipping %s: %s%s",
-                path,
-                problems[0],
-                f" (and {len(problems) - 1} more)" if len(problems) > 1 else "",
-            )
-            continue
-        return path
-    return None
+class LocalBackend(Backend):
+    """Checkpoints on a local or shared POSIX filesystem: [Note: atomic commit].
 
-
-def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint directory under ``root``, or None.
-
-    Considers the immediate subdirectories of ``root`` whose name does not start with "."
-    and whose ``shardbridge.json`` is complete and valid; picks the highest recorded step
-    (directories saved with ``step=None`` count as -1), then the greatest name. Skipped with
-    a warning: a damaged manifest, a recorded file that is missing or has another size, a
-    file the manifest does not record. Checksums are not read here (that would read every
-    byte of every candidate); :func:`load` verifies them and :func:`load_latest` falls back
-    to the next older checkpoint. A checkpoint left hidden by a crash is restored first
-    (see [Note: atomic commit]).
-
-    Example:
-        >>> latest("/no/such/root") is None
-        True
+    Paths are plain paths (``file://`` URIs are turned into them by ``_location.py``).
     """
-    return newest(root)
+
+    def uri(self, path: str) -> str:
+        """The path itself."""
+        return path
+
+    def kind(self, path: str) -> Kind:
+        """"dir", "file" or "missing" (a link to a directory counts as one, as ``Path.is_dir``)."""
+        if os.path.isdir(path):
+            return "dir"
+        return "file" if os.path.lexists(path) else "missing"
+
+    def read_bytes(self, path: str) -> bytes:
+        """The file's bytes."""
+        with open(path, "rb") as f:
+            return f.read()
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int:
+        """``pread`` into ``out``."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if not n:
+                    break
+                done += n
+            return done
+        finally:
+            os.close(fd)
+
+    def listing(self, path: str) -> dict[str, Entry]:
+        """One directory walk; symbolic links (also to directories) are listed, never followed."""
+        found: dict[str, Entry] = {}
+        top = Path(path)
+        for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+            here = Path(dirpath)
+            links = [d for d in dirnames if (here / d).is_symlink()]
+            for name in (*filenames, *links):
+                entry = self.stat(str(here / name))
+                if entry is not None:
+                    found[(here / name).relative_to(top).as_posix()] = entry
+        return found
+
+    def stat(self, path: str) -> Entry | None:
+        """``lstat``: a link is an entry that is not regular."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        return Entry(st.st_size, stat.S_ISREG(st.st_mode), st.st_mtime)
+
+    def children(self, path: str) -> list[str]:
+        """Subdirectories (hidden ones too)."""
+        try:
+            return sorted(e.name for e in os.scandir(path) if e.is_dir())
+        except OSError:
+            return []
+
+    @contextlib.contextmanager
+    def writing(self, path: str) -> Iterator[BinaryIO]:
+        """``open(path, "wb")``; flushed and fsynced when the block ends."""
+        with open(path, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove(self, path: str) -> None:
+        """``unlink`` (missing is fine)."""
+        Path(path).unlink(missing_ok=True)
+
+    def mkdirs(self, path: str) -> None:
+        """One directory level (never the temporary directory itself: see :meth:`check_target`)."""
+        Path(path).mkdir(exist_ok=True)
+
+    def check_target(self, target: Target) -> None:
+        """FileNotFoundError if the temporary directory is gone.
+
+        A rank never creates it: if rank 0 has already given the save up and deleted it (a dead
+        peer, a destroyed process group), another rank would re-create it without a lock file,
+        and recovery could not tell it from another job's save in progress: it would stay forever.
+        """
+        if not os.path.isdir(target.data):
+            raise FileNotFoundError(
+                f"the save's temporary directory {target.data!r} is gone: rank 0 gave the save up (see its error)"
+            )
+
+    def begin(self, final: str, *, overwrite: bool) -> Target:
+        """:func:`new_tmp_dir`."""
+        tmp = new_tmp_dir(Path(final), overwrite=overwrite)
+        return Target(final=final, data=str(tmp), ident=_ident(tmp), overwrite=overwrite)
+
+    def commit(self, target: Target, manifest: Manifest) -> None:
+        """:func:`commit`: the manifest, then the rename."""
+        commit(Path(target.data), Path(target.final), manifest, overwrite=target.overwrite)
+
+    def abandon(self, target: Target) -> None:
+        """:func:`abandon`."""
+        abandon(Path(target.data), Path(target.final))
+
+    def candidates(self, root: str) -> list[str]:
+        """Visible subdirectories with a manifest, and complete hidden copies R1 could not rename back."""
+        top = Path(root)
+        if not top.is_dir():
+            return []
+        stuck = recover(top, delete=False)
+        found = [
+            str(child)
+            for child in top.iterdir()
+            if not child.name.startswith(".") and child.is_dir() and (child / MANIFEST_NAME).exists()
+        ]
+        return found + [str(p) for p in stuck if (p / MANIFEST_NAME).exists()]
+
+    def display_name(self, path: str) -> str:
+        """The checkpoint name ``latest`` orders by: a stuck hidden copy's final name."""
+        name = os.path.basename(path)
+        hidden = _HIDDEN.match(name)
+        return hidden["name"] if hidden is not None else name
+
+    def identity(self, path: str) -> tuple[int, int] | None:
+        """(device, inode) of the directory ``path`` names now (a commit renames a new one into place)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+
+LOCAL = LocalBackend()
+"""The one local backend (stateless)."""

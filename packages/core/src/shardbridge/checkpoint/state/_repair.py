@@ -14,7 +14,7 @@ sharding order] in ``shardbridge/layout/_algebra.py``)::
 ``dcp.save`` succeeds; the checkpoint does not load. Before saving, every DTensor is checked
 with the layout algebra for EVERY mesh coordinate (pure, so all ranks agree without
 communicating). Where the rank's true box differs from DCP's, the entry is replaced by a
-:class:`~shardbridge.checkpoint._chunks.LocalChunks` holding the true box and a view of the
+:class:`~shardbridge.checkpoint.state._chunks.LocalChunks` holding the true box and a view of the
 local tensor ("repair"), or ``on_bad_layout="error"`` raises. Entries DCP describes right stay
 DTensors. Data that is not one box (several ranges along a dim, e.g. a packed ``[gate; up]``
 weight under ``_StridedShard`` TP) is written as one box per range when the algebra explains
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from shardbridge._compat import local_tensor
-from shardbridge.checkpoint._chunks import LocalChunks
+from shardbridge.checkpoint.state._chunks import LocalChunks
 from shardbridge.layout import Chunk, chunk_box, dcp_chunk, find_dcp_mismatches, fsdp_chunk, local_chunk
 
 __all__ = ["Box", "OnBadLayout", "boxed_pieces", "check_dtensor", "describe", "local_box", "same_box"]

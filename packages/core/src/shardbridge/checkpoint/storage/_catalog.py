@@ -1,0 +1,83 @@
+"""Which checkpoints a root holds: ``step_dir``, ``latest``, and the candidates ``load_latest`` walks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from shardbridge.checkpoint.storage._integrity import check_files, describe_problem
+from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
+
+__all__ = ["latest", "newest", "step_dir"]
+
+logger = logging.getLogger("shardbridge.checkpoint")
+
+_STEP_DIR = "step-{step:08d}"
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path | str:
+    """The conventional checkpoint directory for ``step``: ``<root>/step-00000100``.
+
+    A URI root gives a URI (``s3://bucket/ckpt/step-00000100``), a path a ``Path``.
+
+    Example:
+        >>> str(step_dir("/ckpt", 100)), step_dir("s3://bucket/ckpt", 7)
+        ('/ckpt/step-00000100', 's3://bucket/ckpt/step-00000007')
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an int >= 0")
+    name = _STEP_DIR.format(step=step)
+    if isinstance(root, str) and "://" in root:
+        return root.rstrip("/") + "/" + name
+    return Path(root) / name
+
+
+def newest(root: str | os.PathLike[str] | Location, *, skip: frozenset[str] = frozenset()) -> Path | str | None:
+    """:func:`latest`, passing over the checkpoints in ``skip`` (as :func:`latest` names them)."""
+    where = locate(root, what="root")
+    found = []
+    for path in where.backend.candidates(where.path):
+        try:
+            stored, manifest = open_checkpoint(where.at(path))
+        except ValueError as exc:
+            if "no shardbridge.json" not in str(exc) and "does not exist" not in str(exc):
+                logger.warning("shardbridge.checkpoint: skipping %s: %s", where.named(path), exc)
+            continue
+        step = manifest.step if manifest.step is not None else -1
+        found.append(((step, where.backend.display_name(path)), stored, manifest))
+    for _, stored, manifest in sorted(found, key=lambda item: item[0], reverse=True):
+        name = where.named(stored.path)
+        if str(name) in skip:
+            continue
+        problems = check_files(stored, manifest, checksums=False)
+        if problems:
+            logger.warning(
+                "shardbridge.checkpoint: skipping %s: %s%s",
+                name,
+                describe_problem(stored, problems[0]),
+                f" (and {len(problems) - 1} more)" if len(problems) > 1 else "",
+            )
+            continue
+        return name
+    return None
+
+
+def latest(root: str | os.PathLike[str]) -> Path | str | None:
+    """The newest complete checkpoint under ``root`` (a directory or a URI), or None.
+
+    Considers the immediate subdirectories (prefixes) of ``root`` whose name does not start
+    with "." and whose ``shardbridge.json`` is complete and valid; picks the highest recorded
+    step (checkpoints saved with ``step=None`` count as -1), then the greatest name. Skipped with
+    a warning: a damaged manifest, a recorded file that is missing or has another size, a
+    file the manifest does not record. Checksums are not read here (that would read every
+    byte of every candidate); ``load`` verifies them and ``load_latest`` falls back to the next
+    older checkpoint. On local disk a checkpoint left hidden by a crash is restored first
+    ([Note: atomic commit] in ``_local.py``); on an object store only a committed manifest makes a
+    checkpoint ([Note: object-store commit] in ``_fsspec.py``).
+
+    Example:
+        >>> latest("/no/such/root") is None
+        True
+    """
+    return newest(root)

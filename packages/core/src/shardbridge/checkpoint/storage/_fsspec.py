@@ -1,0 +1,465 @@
+"""Checkpoints on object stores (S3, GCS, Azure; any fsspec filesystem): the backend and its commit.
+
+[Note: object-store commit]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An object store has no rename and no directories, but a PUT is atomic: a reader sees the whole
+old object or the whole new one. So the manifest object is the commit point, and a save never
+writes where a committed checkpoint's files are::
+
+    <root>/.<name>.lock-g-<16 hex>    0. rank 0 writes it (host, pid, time): this save is alive
+    <ckpt>/g-<16 hex>/__0_0.distcp    1. every rank uploads its files under a NEW generation
+    <ckpt>/g-<16 hex>/rng/...            (one per save: the job/attempt id in every object name);
+    <ckpt>/g-<16 hex>/.metadata          an object is durable once its upload completed
+                                      2. rank 0 lists the generation: every recorded object is
+                                         there with its recorded size, and nothing else (another
+                                         writer's object, a failed upload) -- else no commit
+    <ckpt>/shardbridge.json           3. rank 0 PUTs the manifest naming the generation, last:
+                                         THE COMMIT POINT. On S3 a conditional PUT: If-None-Match
+                                         for a new checkpoint, If-Match (the old manifest's entity
+                                         tag) for an overwrite, so a job that committed meanwhile
+                                         is never silently replaced
+                                      4. the previous generation (overwrite) and the lock are deleted
+
+- Nothing without a valid manifest is visible: ``latest`` reads manifests only, and a manifest
+  names exactly one generation. A killed upload leaves a generation no manifest names.
+- Overwrite keeps the old checkpoint loadable until step 3 (its manifest and generation are
+  untouched); readers that opened it before are refused if its generation changes under them.
+- Two jobs under one prefix cannot commit a mix: each writes its own generation, step 2
+  refuses objects it did not record, step 3 refuses a manifest that changed since the save
+  began, and ``verify`` / ``load`` check the manifest's generation only (its every object's size
+  and checksum; an object in it that is not recorded is a problem).
+- Leftovers: rank 0, at the start of each save, lists the root (one level: the locks sit there,
+  as local disk's do) and deletes the generation of every lock whose save is gone (a dead
+  process on this host, or a lock of another host older than ``LOCK_STALE_S``: it cannot be
+  probed), unless that checkpoint's manifest names it; then the lock. It also deletes every
+  generation of ``<ckpt>`` itself that no manifest and no live lock names. A failed save deletes
+  its own generation, unless the manifest names it (a manifest PUT whose answer was lost may
+  have committed it: then it is kept).
+- Other fsspec filesystems (GCS, Azure, memory) have no conditional PUT here: step 3 checks the
+  manifest's generation just before writing it (a narrow race, last writer wins; still never a mix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import posixpath
+import re
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+from shardbridge.checkpoint.storage._backend import Backend, Entry, Kind, Target
+from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, Manifest
+
+__all__ = ["FsspecBackend", "LOCK_STALE_S", "PART_BYTES", "is_leftover"]
+
+logger = logging.getLogger("shardbridge.checkpoint")
+
+PART_BYTES = 32 << 20
+"""Multipart upload part size (S3's minimum is 5 MiB; see docs/benchmarks.md, object store)."""
+LOCK_STALE_S = 24 * 3600.0
+"""A lock of another host older than this is taken for a dead save's."""
+_GENERATION = re.compile(r"^g-[0-9a-f]{16}$")
+_ERRNO = {PermissionError: errno.EACCES, FileNotFoundError: errno.ENOENT, FileExistsError: errno.EEXIST}
+_BUILTIN_OS_ERRORS = (
+    PermissionError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    TimeoutError,
+    ConnectionError,
+    OSError,
+)
+_LOCK = re.compile(r"^\.(?P<name>.+)\.lock-(?P<generation>g-[0-9a-f]{16})$")
+
+
+def is_leftover(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint prefix) is an object of some generation."""
+    first = name.split("/", 1)[0]
+    return "/" in name and bool(_GENERATION.match(first))
+
+
+class FsspecBackend(Backend):
+    """An fsspec filesystem (``s3://``, ``gs://``, ``az://`` ...) as checkpoint storage.
+
+    See [Note: object-store commit].
+    """
+
+    remote = True
+
+    def __init__(self, fs: Any, scheme: str) -> None:
+        self.fs = fs
+        self.scheme = scheme
+
+    def uri(self, path: str) -> str:
+        """``scheme://path``."""
+        return f"{self.scheme}://{path}"
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def kind(self, path: str) -> Kind:
+        """An object, a prefix with objects below it, or missing."""
+        try:
+            with self._naming(path):
+                info = self.fs.info(path)
+        except FileNotFoundError:
+            return "missing"
+        return "dir" if info.get("type") == "directory" else "file"
+
+    def read_bytes(self, path: str) -> bytes:
+        """One GET."""
+        with self._naming(path):
+            return self.fs.cat_file(path)
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> int:
+        """One ranged GET of ``len(out)`` bytes at ``offset``."""
+        if not len(out):
+            return 0
+        with self._naming(path):
+            data = self.fs.cat_file(path, start=offset, end=offset + len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    def listing(self, path: str) -> dict[str, Entry]:
+        """Every object below ``path`` (LIST, paginated)."""
+        self.fs.invalidate_cache(path)
+        try:
+            with self._naming(path):
+                found = self.fs.find(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        entries = {}
+        for name, info in found.items():
+            if info.get("type") == "directory" or name.rstrip("/") == path:
+                continue
+            entries[posixpath.relpath(name, path)] = Entry(int(info.get("size") or 0), True, _mtime(info))
+        return entries
+
+    def stat(self, path: str) -> Entry | None:
+        """HEAD."""
+        try:
+            with self._naming(path):
+                info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        if info.get("type") == "directory":
+            return Entry(0, False)
+        return Entry(int(info.get("size") or 0), True, _mtime(info))
+
+    def children(self, path: str) -> list[str]:
+        """The prefixes one level below ``path``."""
+        self.fs.invalidate_cache(path)
+        try:
+            with self._naming(path):
+                found = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(i["name"].rstrip("/")) for i in found if i.get("type") == "directory")
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def writing(self, path: str) -> Iterator[BinaryIO]:
+        """An upload: parts of ``PART_BYTES`` (multipart on S3), the object appears whole at the end.
+
+        On an error the upload is aborted: no object, and no parts left billed.
+        """
+        with self._naming(path):
+            f = self.fs.open(path, "wb", block_size=PART_BYTES)
+        try:
+            with self._naming(path):
+                yield f
+        except BaseException:
+            discard = getattr(f, "discard", None)
+            try:
+                if discard is not None:
+                    discard()
+                else:
+                    f.close()
+                    self.fs.rm_file(path)
+            except Exception:  # noqa: BLE001 (the write's own error is the one to raise)
+                pass
+            raise
+        with self._naming(path):
+            f.close()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """One PUT."""
+        with self._naming(path):
+            self.fs.pipe_file(path, data)
+
+    def remove(self, path: str) -> None:
+        """DELETE (missing is fine)."""
+        self._delete(path)
+
+    # -- the commit (rank 0) ----------------------------------------------------------------------
+
+    def begin(self, final: str, *, overwrite: bool) -> Target:
+        """Steps 0 of [Note: object-store commit]: leftovers deleted, ``final`` checked, the lock written."""
+        manifest_path = self.join(final, MANIFEST_NAME)
+        self._recover(final)
+        try:
+            with self._naming(manifest_path):
+                info = self.fs.info(manifest_path)
+        except FileNotFoundError:
+            info = None
+        shown = self.uri(final)
+        if info is not None and not overwrite:
+            raise ValueError(
+                f"checkpoint {shown!r} already exists; pass overwrite=True to replace it, or save to a new path "
+                "(e.g. step_dir(root, step))"
+            )
+        others = sorted(n for n in self.listing(final) if n != MANIFEST_NAME and not is_leftover(n))
+        if info is None and others:
+            what = "already holds objects" if not overwrite else f"is not a shardbridge checkpoint (no {MANIFEST_NAME})"
+            raise ValueError(
+                f"refusing to save to {shown!r}: it {what} ({', '.join(others[:3])}"
+                f"{', ...' if len(others) > 3 else ''}); delete them or choose another path"
+            )
+        replaces = None
+        if info is not None:
+            replaces = self._generation(final)
+        generation = f"g-{uuid.uuid4().hex[:16]}"
+        self.write_bytes(self._lock(final, generation), f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n".encode())
+        return Target(
+            final=final,
+            data=self.join(final, generation),
+            ident=generation,
+            overwrite=overwrite,
+            expect=_etag(info) if info is not None else None,
+            replaces=replaces,
+        )
+
+    def commit(self, target: Target, manifest: Manifest) -> None:
+        """Steps 2-4 of [Note: object-store commit]."""
+        self._check_landed(target, manifest)
+        data = _with_generation(manifest, target.ident).to_json().encode("ascii")
+        self._put_manifest(target, data)
+        if target.replaces is not None and target.replaces != target.ident:
+            self._delete_generation(target.final, target.replaces)
+        self._delete(self._lock(target.final, target.ident))
+
+    def abandon(self, target: Target) -> None:
+        """Delete the failed save's generation, unless the manifest names it (or cannot be read). Never raises."""
+        try:
+            current = self._generation(target.final)
+        except Exception as exc:  # noqa: BLE001 (unreachable or damaged: delete nothing now; recovery later)
+            logger.warning(
+                "shardbridge.checkpoint: not cleaning up %s after a failed save: its manifest cannot be read (%s); "
+                "the next save of it deletes what is left",
+                self.uri(target.data),
+                exc,
+            )
+            return
+        try:
+            if current != target.ident:
+                self._delete_generation(target.final, target.ident)
+            self._delete(self._lock(target.final, target.ident))
+        except Exception as exc:  # noqa: BLE001 (the save's own error is the one to raise)
+            logger.warning("shardbridge.checkpoint: cleaning up %s failed too: %s", self.uri(target.data), exc)
+
+    # -- readers ----------------------------------------------------------------------------------
+
+    def candidates(self, root: str) -> list[str]:
+        """Every prefix one level below ``root`` not starting with "." (its manifest is read by the caller)."""
+        return [self.join(root, name) for name in self.children(root) if not name.startswith(".")]
+
+    def identity(self, path: str) -> str | None:
+        """The generation the manifest names now (a commit of an overwrite changes it)."""
+        try:
+            return self._generation(path)
+        except Exception:  # noqa: BLE001 (unknown: the caller's own reads report the error)
+            return None
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _naming(self, path: str) -> Iterator[None]:
+        """Errors of the client name the object: an ``OSError`` with the object's URI as its filename.
+
+        s3fs raises e.g. ``PermissionError('Forbidden')`` and lets botocore's connection errors
+        through; a user needs to know which object of which checkpoint failed.
+        """
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename:
+                raise
+            text = (str(exc.strerror or exc).strip().splitlines() or [type(exc).__name__])[0]
+            if type(exc).__module__ != "builtins":  # a client's own subclass (botocore's timeouts ...)
+                text = f"{type(exc).__name__}: {text}"
+            kind = next(k for k in _BUILTIN_OS_ERRORS if isinstance(exc, k))
+            code = exc.errno if isinstance(exc.errno, int) else _ERRNO.get(kind, errno.EIO)
+            raise kind(code, text, self.uri(path)) from exc
+        except (ValueError, TypeError, AssertionError, KeyboardInterrupt, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 (botocore / aiohttp: the server cannot be reached ...)
+            text = (str(exc).strip().splitlines() or [""])[0]
+            raise OSError(errno.EIO, f"{type(exc).__name__}: {text}", self.uri(path)) from exc
+
+    def _lock(self, final: str, generation: str) -> str:
+        root, name = posixpath.split(final)
+        return self.join(root, f".{name}.lock-{generation}")
+
+    def _generation(self, final: str) -> str | None:
+        """The generation the manifest of ``final`` names; None without a manifest (ValueError if damaged)."""
+        path = self.join(final, MANIFEST_NAME)
+        try:
+            text = self.read_bytes(path).decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return None
+        return Manifest.from_json(text, self.uri(path)).generation
+
+    def _check_landed(self, target: Target, manifest: Manifest) -> None:
+        """Every recorded object of the generation is there with its size; nothing else is."""
+        found = self.listing(target.data)
+        for name, record in sorted(manifest.files.items()):
+            entry = found.pop(name, None)
+            problem = (
+                "is missing (its upload did not complete)"
+                if entry is None
+                else f"has {entry.size} bytes, {record['size']} recorded"
+                if entry.size != record["size"]
+                else None
+            )
+            if problem is not None:
+                raise OSError(
+                    errno.EIO,
+                    f"{self.uri(self.join(target.data, name))} {problem}; nothing was committed and the previous "
+                    "checkpoint is intact",
+                )
+        if found:
+            name = sorted(found)[0]
+            raise ValueError(
+                f"{self.uri(self.join(target.data, name))} was not written by this save (another writer under "
+                f"{self.uri(target.final)!r}?); nothing was committed and the previous checkpoint is intact"
+            )
+
+    def _put_manifest(self, target: Target, data: bytes) -> None:
+        """Step 3: the manifest, unless another save committed ``final`` since this one began."""
+        path = self.join(target.final, MANIFEST_NAME)
+        raced = FileExistsError(
+            errno.EEXIST,
+            f"checkpoint {self.uri(target.final)!r} was committed by another process while this save was running; "
+            "not replacing it (two jobs are saving to the same path: give each its own root)",
+        )
+        if self.scheme in ("s3", "s3a") and hasattr(self.fs, "call_s3"):
+            bucket, key, _ = self.fs.split_path(path)
+            condition = {"IfNoneMatch": "*"} if target.expect is None else {"IfMatch": target.expect}
+            try:
+                with self._naming(path):
+                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+            except OSError as exc:
+                text = str(exc).lower()
+                if isinstance(exc, FileExistsError) or "pre-condition" in text or "precondition" in text:
+                    raise raced from None  # s3fs: 412 PreconditionFailed -> FileExistsError
+                raise
+            finally:
+                self.fs.invalidate_cache(target.final)
+            return
+        if self._generation(target.final) != target.replaces:
+            raise raced
+        self.write_bytes(path, data)
+
+    def _delete_generation(self, final: str, generation: str) -> None:
+        path = self.join(final, generation)
+        self.fs.invalidate_cache(path)
+        with contextlib.suppress(FileNotFoundError), self._naming(path):
+            self.fs.rm(path, recursive=True)
+
+    def _delete(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError), self._naming(path):
+            self.fs.rm_file(path)
+
+    def _recover(self, final: str) -> None:
+        """Delete what dead saves left under ``final``'s root and ``final`` ([Note: object-store commit])."""
+        root = posixpath.dirname(final)
+        self.fs.invalidate_cache(root)
+        try:
+            with self._naming(root):
+                found = self.fs.ls(root, detail=True)
+        except FileNotFoundError:
+            found = []
+        locks: dict[tuple[str, str], float] = {}
+        for info in found:
+            lock = _LOCK.match(posixpath.basename(info["name"])) if info.get("type") != "directory" else None
+            if lock is not None:
+                locks[(lock["name"], lock["generation"])] = _mtime(info)
+        for (name, generation), mtime in sorted(locks.items()):
+            if self._alive(self.join(root, name), generation, mtime):
+                continue
+            self._drop(self.join(root, name), generation)
+        current = self._current(final)
+        if current is False:
+            return
+        live = {g for (name, g) in locks if name == posixpath.basename(final)} - {current}
+        gens = {n.split("/", 1)[0] for n in self.listing(final) if is_leftover(n)}
+        for generation in sorted(gens - live - {current}):
+            self._drop(final, generation)
+
+    def _current(self, final: str) -> str | None | bool:
+        """The generation ``final``'s manifest names (None: no manifest; False: damaged, so unknown)."""
+        try:
+            return self._generation(final)
+        except ValueError as exc:  # a damaged manifest: which generation is live is unknown
+            logger.warning("shardbridge.checkpoint: not cleaning up %s: %s", self.uri(final), exc)
+            return False
+
+    def _drop(self, final: str, generation: str) -> None:
+        """A dead save's generation (unless the manifest names it: committed), then its lock."""
+        current = self._current(final)
+        if current is False:
+            return
+        if current != generation:
+            if self.listing(self.join(final, generation)):
+                logger.warning(
+                    "shardbridge.checkpoint: deleting %s, left by an interrupted save",
+                    self.uri(self.join(final, generation)),
+                )
+            self._delete_generation(final, generation)
+        self._delete(self._lock(final, generation))
+
+    def _alive(self, final: str, generation: str, mtime: float) -> bool:
+        """Whether the save that wrote this lock may still be running."""
+        try:
+            host, pid, _ = self.read_bytes(self._lock(final, generation)).decode().split()
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError):
+            return True
+        if host != socket.gethostname():
+            return time.time() - mtime < LOCK_STALE_S
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except (OSError, ValueError):
+            return True
+        return True
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    value = info.get("LastModified", info.get("mtime", info.get("last_modified", 0)))
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _etag(info: dict[str, Any]) -> str | None:
+    value = info.get("ETag", info.get("etag"))
+    return None if value is None else str(value)
+
+
+def _with_generation(manifest: Manifest, generation: str) -> Manifest:
+    import dataclasses
+
+    return dataclasses.replace(manifest, generation=generation)

@@ -1,0 +1,248 @@
+"""DCP's ``StorageWriter`` on a backend: data files, the RNG file, ``.metadata``, records, the commit.
+
+[Note: the storage writer]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+:class:`Writer` is what DCP's save protocol drives (``dcp.save``, or shardbridge's own rounds:
+[Note: save protocols] in ``checkpoint/_protocol.py``): ``prepare_global_plan`` names each rank's
+files as DCP's ``FileSystemWriter`` does (``__<rank>_<n>.distcp``), ``write_data`` writes this
+rank's files into the save's target (the temporary directory, or the generation on an object
+store) and ``finish`` (rank 0, after every rank wrote) writes ``.metadata`` and commits. What it
+adds to DCP's writer:
+
+- every file's record (size, xxh3-128) is computed while it is written (no read-back), and
+  travels to rank 0 inside DCP's own write results (one extra ``WriteResult`` per rank under
+  ``RECORDS_KEY``, which ``finish`` takes out before ``.metadata`` is built): no round of its own;
+- each rank also writes its RNG file (the bytes it is given) into the target;
+- ``finish`` commits through the backend ([Note: atomic commit], [Note: object-store commit])
+  right after ``.metadata``: the manifest is written last, after every rank's files are durable;
+- the data file writer ([Note: the data file writer]).
+
+[Note: the data file writer]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each rank's ``__<rank>_<n>.distcp`` is what DCP's ``FileSystemWriter`` writes: the plan's items
+(bytes items first, then tensors, each in plan order), each tensor one ``torch.save`` record (a
+zip archive: the tensor's pickle and its raw bytes), each bytes item its bytes; every offset and
+length goes into ``.metadata``. With ``threads`` > 1 the items are split into that many files by
+size, written concurrently (DCP's ``thread_count``): on an object store, that many uploads in
+flight per rank. Two things differ from DCP's writer, both measured (docs/benchmarks.md):
+
+- the records' zip CRC32 fields are left at 0 (``torch_save_without_crc``): the manifest's
+  xxh3-128 of every file covers every byte already, and torch.load (DCP's reader,
+  ``dcp_to_torch_save``) does not check the CRC32;
+- every byte written also feeds the file's checksum (``ChecksumWriter``), instead of a second
+  pass reading the file back.
+
+DCP's writer copies a CUDA tensor to the host ahead of writing it on a side stream; this writer
+copies it when it writes it. An asynchronous save stages to host memory first, so it is
+unaffected; a synchronous save from GPU memory waits for each copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from shardbridge._compat import DCPStorageInfo, DCPStoragePrefix, torch_save_without_crc
+from shardbridge.checkpoint.storage._backend import Backend, Target
+from shardbridge.checkpoint.storage._integrity import ChecksumWriter
+from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME
+
+__all__ = ["RECORDS_KEY", "DCP_VERSION", "Writer"]
+
+RECORDS_KEY = "__shardbridge_file_records__"
+"""``fqn`` of the one extra ``WriteResult`` per rank that carries its files' records to ``finish``."""
+DCP_VERSION = "1.0.0"
+"""``Metadata.version`` as DCP's ``FileSystemWriter`` writes it (``filesystem.CURRENT_DCP_VERSION``, 2.11-2.14)."""
+_SUFFIX = ".distcp"
+
+
+class Writer(StorageWriter):
+    """DCP's storage writer for one save into ``target``. See [Note: the storage writer].
+
+    Args:
+        backend: where the files land.
+        target: the save's target (from ``backend.begin`` on rank 0).
+        checkpoint_id: the checkpoint the save commits (recorded in ``.metadata``).
+        files: small files this rank writes beside its data, name -> bytes (its RNG file).
+        commit: rank 0, called by ``finish`` with every file's record once ``.metadata`` is written.
+        threads: at most this many data files per rank, written concurrently (DCP's ``thread_count``),
+            one per ``min_file_bytes`` of this rank's tensors (a small rank writes one file).
+        min_file_bytes: the least bytes of tensors that get a data file of their own.
+        save_failure: turns an error of this rank's writes into the error to raise (naming the file).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        target: Target,
+        *,
+        checkpoint_id: str,
+        files: dict[str, bytes] | None = None,
+        commit: Callable[[dict[str, dict[str, Any]]], None] | None = None,
+        threads: int = 1,
+        min_file_bytes: int = 0,
+        save_failure: Callable[[BaseException, str], BaseException] | None = None,
+    ) -> None:
+        super().__init__()
+        self.backend, self.target = backend, target
+        self.checkpoint_id = checkpoint_id
+        self._files = dict(files or {})
+        self._commit = commit
+        self._threads = max(1, int(threads))
+        self._min_file_bytes = max(1, int(min_file_bytes))
+        self._failure = save_failure or (lambda exc, _path: exc)
+        self.rank = 0
+
+    # -- DCP's StorageWriter protocol --------------------------------------------------------
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """Nothing to reset: one writer per save."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Remember this rank (DCP passes ``rank=``)."""
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", self.rank) or 0
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Unchanged (the target exists already: rank 0 created it, no rank creates directories)."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Each rank's file-name prefix, ``__<rank>_``, as DCP's ``FileSystemWriter`` names them."""
+        return [dataclasses.replace(plan, storage_data=DCPStoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """This rank's data file(s) and small files, each fsynced / uploaded; results + records."""
+        self.backend.check_target(self.target)
+        prefix = plan.storage_data.prefix
+        total = sum(_nbytes(item) for item in plan.items)
+        buckets = _split(plan.items, min(self._threads, -(-total // self._min_file_bytes)))
+        results: list[list[WriteResult]] = [[] for _ in buckets]
+        records: dict[str, dict[str, Any]] = {}
+        errors: list[BaseException] = []
+
+        def write(n: int) -> None:
+            name = f"{prefix}{n}{_SUFFIX}"
+            path = self.backend.join(self.target.data, name)
+            try:
+                results[n], records[name] = _write_items(self.backend, path, name, buckets[n], planner)
+            except BaseException as exc:  # noqa: BLE001 (raised below, on this thread)
+                errors.append(self._failure(exc, path))
+
+        threads = [threading.Thread(target=write, args=(n,), name=f"shardbridge-write-{n}") for n in range(1, len(buckets))]
+        for thread in threads:
+            thread.start()
+        write(0)
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        for name, data in sorted(self._files.items()):
+            path = self.backend.join(self.target.data, name)
+            try:
+                if "/" in name:
+                    self.backend.mkdirs(self.backend.join(self.target.data, name.rsplit("/", 1)[0]))
+                records[name] = _write_bytes(self.backend, path, data)
+            except BaseException as exc:  # noqa: BLE001 (one clear error naming the file)
+                raise self._failure(exc, path) from exc
+        out = [r for part in results for r in part]
+        out.append(WriteResult(index=MetadataIndex(RECORDS_KEY), size_in_bytes=0, storage_data=records))
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(out)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Rank 0: ``.metadata`` from every rank's results, then the commit with every file's record."""
+        records: dict[str, dict[str, Any]] = {}
+        storage: dict[MetadataIndex, Any] = {}
+        for part in results:
+            for result in part:
+                if result.index.fqn == RECORDS_KEY:
+                    records.update(result.storage_data)
+                else:
+                    storage[result.index] = result.storage_data
+        metadata.version = DCP_VERSION
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        path = self.backend.join(self.target.data, DCP_METADATA_NAME)
+        try:
+            records[DCP_METADATA_NAME] = _write_bytes(self.backend, path, pickle.dumps(metadata))
+        except BaseException as exc:  # noqa: BLE001 (one clear error naming the file)
+            raise self._failure(exc, path) from exc
+        if self._commit is not None:
+            self._commit(records)
+
+    def storage_meta(self) -> StorageMeta | None:
+        """The checkpoint's path or URI (``.metadata``'s ``storage_meta.checkpoint_id``)."""
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        """Never chosen by DCP from a ``checkpoint_id``: shardbridge passes the writer itself."""
+        return False
+
+
+def _split(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
+    """``n`` buckets (fewer if there are fewer tensors): bytes items in the first, tensors by size,
+    each to the bucket with the fewest bytes so far (DCP's ``_split_by_size_and_type``)."""
+    tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    n = max(1, min(n, len(tensors)))
+    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    buckets[0].extend(i for i in items if i.type == WriteItemType.BYTE_IO)
+    for item in sorted(tensors, key=_nbytes, reverse=True) if n > 1 else tensors:
+        k = min(range(n), key=lambda b: sizes[b])
+        buckets[k].append(item)
+        sizes[k] += _nbytes(item)
+    if n > 1:  # plan order inside each file, as DCP writes them
+        order = {id(item): i for i, item in enumerate(items)}
+        for bucket in buckets:
+            bucket.sort(key=lambda item: order[id(item)])
+    return buckets
+
+
+def _nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
+
+
+def _write_items(
+    backend: Backend, path: str, name: str, items: list[WriteItem], planner: SavePlanner
+) -> tuple[list[WriteResult], dict[str, Any]]:
+    """One data file: its items, as DCP lays them out; (write results, the file's record)."""
+    results = []
+    with backend.writing(path) as raw:
+        f = ChecksumWriter(raw)
+        for item in items:
+            data = planner.resolve_data(item)
+            offset = f.tell()
+            if item.type == WriteItemType.BYTE_IO:
+                f.write(data.getbuffer())
+            else:
+                t = data.detach().cpu()
+                if t.untyped_storage().size() != t.nbytes:
+                    t = t.clone()  # a view of a larger storage: its own bytes only, as DCP does
+                torch_save_without_crc(t, f)
+            length = f.tell() - offset
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=length, storage_data=DCPStorageInfo(name, offset, length))
+            )
+        f.flush()
+    return results, f.record()
+
+
+def _write_bytes(backend: Backend, path: str, data: bytes) -> dict[str, Any]:
+    with backend.writing(path) as raw:
+        f = ChecksumWriter(raw)
+        f.write(data)
+        f.flush()
+    return f.record()

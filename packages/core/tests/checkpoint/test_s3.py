@@ -1,0 +1,367 @@
+"""Checkpoints on an object store: a real S3-compatible server (moto's, over HTTP), s3fs as the client.
+
+The representative slice of the default suite; ``nox -s s3`` adds the fault matrix
+(``test_s3_faults.py``). Oracles: the source model's ``full_tensor()`` (``full_state``) and plain
+DCP's own ``FsspecReader`` reading the stored generation. See [Note: object-store commit] in
+``storage/_fsspec.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state
+from safetensors.torch import load as safetensors_load
+from shardbridge import checkpoint as ck
+from shardbridge.checkpoint import _async, _load
+from shardbridge.checkpoint.storage import _fsspec
+from shardbridge.checkpoint.storage._location import locate, open_checkpoint
+from shardbridge.testing import run_distributed
+from shardbridge.testing._s3 import use_server
+from torch import nn
+
+
+def _fs(uri: str):
+    return locate(uri).backend.fs
+
+
+def _objects(uri: str) -> list[str]:
+    where = locate(uri)
+    return sorted(where.backend.listing(where.path))
+
+
+def _generation(uri: str) -> str:
+    stored, _ = open_checkpoint(locate(uri))
+    return stored.backend.uri(stored.data)
+
+
+def _plain_dcp(uri: str) -> dict[str, torch.Tensor]:
+    """Plain DCP's FsspecReader reading the checkpoint's generation: every stored tensor, full."""
+    import torch.distributed.checkpoint as dcp
+    from shardbridge._compat import dcp_fsspec_classes
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    info = ck.inspect(uri)
+    state = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in info.tensors}
+    dcp.load(
+        state,
+        storage_reader=dcp_fsspec_classes()[1](_generation(uri)),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+        no_dist=True,
+    )
+    return state
+
+
+# -- round trips -----------------------------------------------------------------------------
+
+
+def _save_4(env: dict[str, str], uri: str):
+    use_server(env)
+    model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True)
+    path = ck.save(uri, model=model, optimizer=opt, step=3, extra={"on": "s3"})
+    assert path == uri
+    state = full_state(model, opt)  # a collective: every rank
+    return state if dist.get_rank() == 0 else None
+
+
+def _load_4(env: dict[str, str], uri: str, layout: str):
+    use_server(env)
+    model, opt = build(LAYOUTS[layout], fused=True, seed=7, lr=0.5)
+    state = ck.load(uri, model=model, optimizer=opt, rng=False)
+    got = full_state(model, opt)
+    return (got, state) if dist.get_rank() == 0 else None
+
+
+def test_four_ranks_save_to_s3_and_reshard_bit_exact(s3_server, s3_root):
+    """FSDP 2 x TP 2 (fused SwiGLU, AdamW) saved by 4 ranks to S3, loaded into FSDP 4 and into one
+    process: bit-exact against the trained model, and what plain DCP's FsspecReader reads."""
+    uri = ck.step_dir(s3_root, 3)
+    env = s3_server.client_env()
+    want = run_distributed(_save_4, env, uri, world_size=4)[0]
+    got, state = run_distributed(_load_4, env, uri, "fsdp4", world_size=4)[0]
+    assert_equal_states(got, want)
+    assert (state.step, state.extra, state.path, state.world_size) == (3, {"on": "s3"}, uri, 4)
+    model, opt = build(None, fused=True, seed=9, lr=0.5)
+    ck.load(uri, model=model, optimizer=opt)
+    assert_equal_states(full_state(model, opt), want)
+    plain = _plain_dcp(uri)
+    assert all(torch.equal(plain[k], want[k]) for k in want), [k for k in want if not torch.equal(plain[k], want[k])]
+    gen = _generation(uri).removeprefix(uri + "/")
+    names = _objects(uri)
+    assert "shardbridge.json" in names and all(n == "shardbridge.json" or n.startswith(gen + "/") for n in names)
+    assert ck.latest(s3_root) == uri and ck.verify(uri).ok
+
+
+def _count_reads(env: dict[str, str], uri: str):
+    """Load a 2048 x 512 weight saved by one process into 4 FSDP ranks, counting the bytes fetched."""
+    use_server(env)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fetched, largest = [0], [0]
+    real = _fsspec.FsspecBackend.read_into
+
+    def counted(self, path, offset, out):
+        n = real(self, path, offset, out)
+        if path.endswith(".distcp"):
+            fetched[0] += n
+            largest[0] = max(largest[0], len(out))
+        return n
+
+    _fsspec.FsspecBackend.read_into = counted
+    try:
+        model = nn.Linear(512, 2048, bias=False)
+        fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
+        ck.load(uri, model=model, rng=False, verify=False)
+    finally:
+        _fsspec.FsspecBackend.read_into = real
+    return fetched[0], largest[0], model.weight.full_tensor()
+
+
+def test_a_reshard_fetches_only_the_rows_each_rank_needs(s3_server, s3_root):
+    """Ranged GETs, bounded memory: each of 4 ranks fetches its quarter of the 4 MiB record plus the
+    record's zip headers (two 64 KiB blocks), never the whole object, in GETs of at most 16 MiB."""
+    torch.manual_seed(0)
+    source = nn.Linear(512, 2048, bias=False)
+    uri = ck.save(ck.step_dir(s3_root, 1), model=source)
+    record = 2048 * 512 * 4
+    results = run_distributed(_count_reads, s3_server.client_env(), uri, world_size=4)
+    for fetched, largest, weight in results:
+        assert record // 4 <= fetched <= record // 4 + 2 * (64 << 10), (fetched, record)
+        assert largest <= 16 << 20
+        assert torch.equal(weight, source.weight.detach())
+
+
+def test_latest_verify_inspect_export_and_the_cli_take_uris(s3_server, s3_root, tmp_path, capsys):
+    model = Mlp()
+    first = ck.save(ck.step_dir(s3_root, 1), model=model, step=1)
+    with torch.no_grad():
+        model.up.weight.add_(1)
+    second = ck.save(ck.step_dir(s3_root, 2), model=model, step=2)
+    assert (first, second) == (f"{s3_root}/step-00000001", f"{s3_root}/step-00000002")
+    assert ck.latest(s3_root) == second
+    report = ck.verify(second)
+    assert report.ok and report.path == second and report.num_files == 3
+    info = ck.inspect(second)
+    assert info.path == second and info.step == 2 and {t.name for t in info.tensors} >= {"model.up.weight"}
+    index = ck.export_safetensors(second, s3_root + "-hf", progress=False)
+    assert index == s3_root + "-hf/model.safetensors.index.json"
+    shard = json.loads(_fs(index).cat_file(index))["weight_map"]["up.weight"]
+    exported = safetensors_load(_fs(index).cat_file(f"{s3_root}-hf/{shard}"))
+    assert torch.equal(exported["up.weight"], model.up.weight.detach())
+    state = ck.load_latest(s3_root, model=Mlp())
+    assert state.path == second
+    # `shardbridge ckpt verify` in a fresh process without a process group, as a user runs it.
+    command = [sys.executable, "-m", "shardbridge.cli._main", "ckpt", "verify", s3_root]
+    env = {**os.environ, **s3_server.client_env()}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{first}: 3 files" in done.stdout and f"{second}: 3 files" in done.stdout
+    from shardbridge.cli._main import main
+
+    assert main(["ckpt", "inspect", s3_root]) == 0
+    assert capsys.readouterr().out.startswith(f"checkpoint {second}\n")
+    assert main(["ckpt", "export", second, str(tmp_path / "hf"), "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "hf" / "model.safetensors.index.json")
+
+
+# -- commit -----------------------------------------------------------------------------------
+
+
+def test_overwrite_keeps_the_old_checkpoint_loadable_until_the_new_one_commits(s3_root, monkeypatch):
+    """An overwrite whose manifest PUT is held back: the old checkpoint loads, whole, meanwhile; after
+    the commit the new one loads and the old generation is gone."""
+    uri = ck.step_dir(s3_root, 0)
+    old = Mlp()
+    ck.save(uri, model=old, step=1)
+    old_generation = _generation(uri)
+    go, waiting = threading.Event(), threading.Event()
+    real = _fsspec.FsspecBackend._put_manifest
+
+    def held(self, target, data):
+        waiting.set()
+        assert go.wait(60)
+        return real(self, target, data)
+
+    monkeypatch.setattr(_fsspec.FsspecBackend, "_put_manifest", held)
+    new = Mlp()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.fill_(3.0)
+    pending = ck.save(uri, model=new, step=2, overwrite=True, async_=True)
+    assert waiting.wait(60)  # every new object is uploaded; the manifest is not written yet
+    reader = Mlp()
+    with monkeypatch.context() as other_job:  # a load of this process waits for its own save: read as another job
+        other_job.setattr(_async, "settle", lambda: None)
+        other_job.setattr(_load, "settle", lambda: None)
+        assert ck.load(uri, model=reader, rng=False).step == 1
+        assert all(torch.equal(a, b) for a, b in zip(reader.parameters(), old.parameters()))
+        assert ck.latest(s3_root) == uri and ck.verify(uri).ok
+    go.set()
+    assert pending.wait() == uri
+    assert ck.load(uri, model=reader, rng=False).step == 2
+    assert all(torch.equal(p, torch.full_like(p, 3.0)) for p in reader.parameters())
+    assert not any(n.startswith(old_generation.rsplit("/", 1)[1]) for n in _objects(uri))
+
+
+def test_a_load_during_an_overwrite_by_another_job_reads_the_old_version(s3_root):
+    """Another job's overwrite in progress (its generation uploaded, no manifest yet): loads and
+    latest see the old checkpoint only; the new generation never mixes in."""
+    uri = ck.step_dir(s3_root, 0)
+    model = Mlp()
+    ck.save(uri, model=model, step=1)
+    where = locate(uri)
+    target = where.backend.begin(where.path, overwrite=True)  # "job B", stopped before its commit
+    where.backend.write_bytes(where.backend.join(target.data, "__0_0.distcp"), b"partial upload")
+    got = Mlp()
+    assert ck.load(uri, model=got).step == 1
+    assert all(torch.equal(a, b) for a, b in zip(got.parameters(), model.parameters()))
+    assert ck.verify(uri).ok and ck.latest(s3_root) == uri
+
+
+def test_two_jobs_under_one_prefix_cannot_commit_a_mix(s3_root):
+    """Job A begins a save of a new checkpoint; job B saves the same name and commits first: A's
+    commit is refused (conditional PUT), A's generation is deleted, B's checkpoint is whole."""
+    import dataclasses
+
+    from shardbridge.checkpoint.storage._manifest import Manifest
+
+    uri = ck.step_dir(s3_root, 5)
+    where = locate(uri)
+    backend = where.backend
+    job_a = backend.begin(where.path, overwrite=False)
+    backend.write_bytes(backend.join(job_a.data, ".metadata"), b"A")
+    b_model = Mlp()
+    ck.save(uri, model=b_model, step=5)
+    manifest = Manifest(step=5, world_size=1, has_optimizer=False, files={".metadata": {"size": 1, "xxh3_128": "0" * 32}})
+    with pytest.raises(FileExistsError, match="was committed by another process while this save was running"):
+        backend.commit(job_a, dataclasses.replace(manifest))
+    backend.abandon(job_a)
+    assert not any(n.startswith(job_a.ident) for n in _objects(uri))
+    got = Mlp()
+    ck.load(uri, model=got)
+    assert all(torch.equal(a, b) for a, b in zip(got.parameters(), b_model.parameters()))
+    # An object another writer put into this save's generation is refused at the commit, by name.
+    job_c = backend.begin(where.path, overwrite=True)
+    backend.write_bytes(backend.join(job_c.data, "__9_0.distcp"), b"foreign")
+    with pytest.raises(ValueError, match=rf"{job_c.ident}/__9_0.distcp was not written by this save"):
+        backend.commit(job_c, dataclasses.replace(manifest, files={}))
+    backend.abandon(job_c)
+    assert ck.verify(uri).ok
+
+
+# -- damage and permissions --------------------------------------------------------------------
+
+
+def _damage(uri: str, how: str) -> str:
+    """Damage the checkpoint's first data object; the name a problem carries."""
+    stored, manifest = open_checkpoint(locate(uri))
+    fs = stored.backend.fs
+    gen = stored.prefix
+    obj = stored.file("__0_0.distcp")
+    data = fs.cat_file(obj)
+    if how == "flip":
+        fs.pipe_file(obj, data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif how == "truncate":
+        fs.pipe_file(obj, data[:-7])
+    elif how == "missing":
+        fs.rm_file(obj)
+    elif how == "foreign":
+        fs.pipe_file(stored.file("__7_0.distcp"), data)
+        return gen + "__7_0.distcp"
+    elif how == "stray":
+        fs.pipe_file(stored.backend.join(stored.path, "notes.txt"), b"x")
+        return "notes.txt"
+    return gen + "__0_0.distcp"
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "missing", "foreign", "stray"])
+def test_a_damaged_object_is_named_and_the_last_good_checkpoint_loads(s3_root, how, capsys):
+    good, bad = ck.step_dir(s3_root, 1), ck.step_dir(s3_root, 2)
+    ck.save(good, model=Mlp(), step=1)
+    ck.save(bad, model=Mlp(), step=2)
+    name = _damage(bad, how)
+    obj = f"{bad}/{name}"
+    report = ck.verify(bad)
+    assert not report.ok and [p.name for p in report.problems] == [name], report
+    with pytest.raises(ValueError, match="is damaged") as info:
+        ck.load(bad, model=Mlp())
+    assert obj in str(info.value) and "\n" not in str(info.value)
+    assert ck.load_latest(s3_root, model=Mlp()).path == good  # skipped (sizes) or failed its checksum
+    assert ck.latest(s3_root) == (bad if how == "flip" else good)  # latest reads sizes, not checksums
+    from shardbridge.cli._main import main
+
+    assert main(["ckpt", "verify", bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and obj in err[0], err
+
+
+def test_a_bucket_without_write_permission_names_the_object(s3_server, s3_root):
+    """A bucket policy denies every PUT (moto enforces bucket policies: 403): the save raises one
+    line naming the object; the previous checkpoint still loads; nothing new is visible."""
+    bucket = s3_root.split("/")[2]
+    good = ck.save(ck.step_dir(s3_root, 1), model=Mlp(), step=1)
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Deny", "Principal": "*", "Action": "s3:PutObject", "Resource": f"arn:aws:s3:::{bucket}/*"}],
+    }
+    _set_policy(s3_server, bucket, policy)
+    with pytest.raises(PermissionError) as info:
+        ck.save(ck.step_dir(s3_root, 2), model=Mlp(), step=2)
+    message = str(info.value)  # the first object the save writes: its lock, beside the checkpoint
+    assert re.fullmatch(rf"\[Errno 13\] Forbidden: '{s3_root}/\.step-00000002\.lock-g-[0-9a-f]{{16}}'", message), message
+    assert ck.latest(s3_root) == good
+    assert ck.load(good, model=Mlp()).step == 1
+
+
+def _set_policy(server, bucket: str, policy: dict) -> None:
+    import boto3
+
+    client = boto3.client("s3", **{k: v for k, v in _boto_kwargs(server).items()})
+    client.put_bucket_policy(Bucket=bucket, Policy=json.dumps(policy))
+
+
+def _boto_kwargs(server) -> dict:
+    return {
+        "endpoint_url": server.endpoint,
+        "aws_access_key_id": "testing",
+        "aws_secret_access_key": "testing",
+        "region_name": "us-east-1",
+    }
+
+
+def test_async_save_uploads_in_the_background_and_its_error_names_the_object(s3_server, s3_root, monkeypatch):
+    """``save(async_=True)`` returns while the upload is held back (training is blocked only for
+    staging); a denied upload surfaces at ``wait()`` naming the object; the previous one stays."""
+    bucket = s3_root.split("/")[2]
+    good = ck.save(ck.step_dir(s3_root, 1), model=Mlp(), step=1)
+    go = threading.Event()
+    real = _fsspec.FsspecBackend.writing
+
+    def held(self, path):
+        assert go.wait(60)
+        return real(self, path)
+
+    monkeypatch.setattr(_fsspec.FsspecBackend, "writing", held)
+    pending = ck.save(ck.step_dir(s3_root, 2), model=Mlp(), step=2, async_=True)
+    assert not pending.done()  # returned with the upload still to run
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Effect": "Deny", "Principal": "*", "Action": "s3:PutObject", "Resource": f"arn:aws:s3:::{bucket}/*.distcp"}
+        ],
+    }
+    _set_policy(s3_server, bucket, policy)
+    go.set()
+    with pytest.raises(OSError, match=r"writing 's3://.*/step-00000002/g-[0-9a-f]{16}/__0_0\.distcp'") as info:
+        pending.wait()
+    assert "Nothing was committed" in str(info.value)
+    assert ck.latest(s3_root) == good and ck.wait() is None

@@ -1,0 +1,174 @@
+"""Faults against a real S3-compatible server (moto's, over HTTP): kill -9 mid-upload, the server
+stopped mid-save, at random points of save loops.
+
+Every trial ends with the checks of ``test_faults.py``, for an object store ([Note: object-store
+commit] in ``storage/_fsspec.py``): ``latest()`` returns the last good checkpoint (a save that
+returned is never lost), it verifies and loads the values its manifest says, the failing
+operation ended in an error naming what failed (or the death we caused) and never hung, and the
+next saves succeed and leave nothing behind: every object under the root belongs to a committed
+checkpoint (its manifest and the generation it names). Damaged, truncated, missing and foreign
+objects and a bucket without write permission are in ``test_s3.py``.
+
+The default suite runs a few trials; ``SHARDBRIDGE_S3_FAULTS=all`` (``nox -s s3``) the matrix.
+Each test prints its outcome counts (``pytest -s``); docs/checkpoints.md (Reliability) quotes them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+from shardbridge import checkpoint as ck
+from shardbridge.checkpoint.storage._location import locate, open_checkpoint
+from test_faults import NEXT_STEP, _label_error, _loaded_value, _record, _report, _run, _save, _stop_zygote, _wait_for
+
+FULL = os.environ.get("SHARDBRIDGE_S3_FAULTS") == "all"
+__all__ = ["_stop_zygote"]  # the zygote of test_faults.py, stopped after this module too
+
+
+def _leftovers(root: str) -> list[str]:
+    """Objects under ``root`` that no committed checkpoint's manifest accounts for."""
+    where = locate(root)
+    backend = where.backend
+    stray = []
+    for name in sorted(backend.listing(where.path)):
+        parts = name.split("/")
+        if len(parts) >= 2 and parts[1] == "shardbridge.json":
+            continue
+        if len(parts) >= 3:
+            try:
+                stored, _ = open_checkpoint(where.child(parts[0]))
+            except ValueError:
+                stray.append(name)
+                continue
+            if stored.prefix == parts[1] + "/":
+                continue
+        stray.append(name)
+    return stray
+
+
+def _check_root(root: str, allowed: dict[str, set[float]], *, at_least: float | None, overwrite_name: str | None) -> str:
+    path = ck.latest(root)
+    if path is None:
+        assert at_least is None, f"a save that returned (value {at_least}) was lost"
+        label = "no checkpoint yet"
+    else:
+        name = path.rsplit("/", 1)[1]
+        assert name in allowed, path
+        assert ck.verify(path).ok, ck.verify(path)
+        value = _loaded_value(path)
+        assert value in allowed[name], (path, value, allowed)
+        if at_least is not None:
+            assert value >= at_least, f"a save that returned (value {at_least}) was lost: latest has {value}"
+        label = "latest is the last save" if at_least is None or value == max(allowed[name]) else "latest is an older save"
+    left = _leftovers(root)
+    # The next saves succeed and clean every leftover (the next save of an overwritten checkpoint
+    # deletes its own dead generations; any save deletes those of dead saves' locks).
+    if overwrite_name is not None:
+        _save_uri(f"{root}/{overwrite_name}", 98.0, overwrite=True)
+    _save_uri(ck.step_dir(root, NEXT_STEP), 99.0)
+    assert _leftovers(root) == [], _leftovers(root)
+    assert ck.latest(root) == ck.step_dir(root, NEXT_STEP)
+    for child in locate(root).backend.children(locate(root).path):
+        assert ck.verify(f"{root}/{child}").ok, child
+    return label + ("; leftovers cleaned by the next save" if left else "; nothing left over")
+
+
+def _save_uri(uri: str, value: float, **kwargs) -> None:
+    from test_faults import _model
+
+    ck.save(uri, model=_model(value), step=int(value), extra={"value": value}, **kwargs)
+
+
+def _killer(delay: float, victims):
+    def kill(procs, out):
+        _wait_for(out / "ready")
+        time.sleep(delay)
+        for rank in victims(len(procs)):
+            procs[rank].kill()
+
+    return kill
+
+
+_LOOPS = [(1, "sync"), (2, "sync"), (1, "async"), (2, "async")] if FULL else [(1, "sync")]
+
+
+@pytest.mark.parametrize(("world", "mode"), _LOOPS, ids=[f"{w}-{m}" for w, m in _LOOPS])
+def test_kill_9_at_random_points_of_an_s3_save_loop(s3_server, s3_root, world, mode):
+    """SIGKILL one rank or every rank at a random time while saving to S3 again and again (new
+    checkpoints, or overwriting one): uploads cut off mid-object, the manifest PUT never sent."""
+    rng = random.Random(4321 + world + (10 if mode == "async" else 0))
+    trials = 8 if FULL else 2
+    test = f"S3: kill -9 at random points ({world} rank(s), {mode} saves)"
+    for trial in range(trials):
+        overwrite = trial % 2 == 1
+        root = f"{s3_root}/t{trial}"
+        which = rng.choice(["all", "rank 0", "rank 1"]) if world > 1 else "all"
+        victims = {"all": lambda n: range(n), "rank 0": lambda n: [0], "rank 1": lambda n: [1]}[which]
+        results = _run(
+            {
+                "mode": "loop",
+                "root": root,
+                "overwrite": overwrite,
+                "pg_timeout": 15,
+                "async": mode == "async",
+                "s3_env": s3_server.client_env(),
+            },
+            world=world,
+            kill=_killer(rng.uniform(0.5, 3.0), victims),
+        )
+        done = results[0].get("done")
+        survivors = [_label_error(r) for r in results if r["exitcode"] not in (-9, None)]
+        names = {"step-00000000"} if overwrite else {f"step-{v:08d}" for v in range(1, (done or 0) + 2)}
+        values = {float(done), float(done + 1)} if overwrite and done else {1.0} if overwrite else set()
+        allowed = {n: values or {float(n.split("-")[1])} for n in names}
+        label = _check_root(root, allowed, at_least=None if done is None else float(done),
+                            overwrite_name="step-00000000" if overwrite else None)  # fmt: skip
+        if done is None:
+            label = "killed before the first save returned; " + label
+        if survivors:
+            label += f"; survivors {sorted(set(survivors))}"
+        _record(test, f"killed {which} ({'overwrite' if overwrite else 'new steps'}) -> {label}")
+    _report(test)
+
+
+def test_the_server_stopped_mid_save(s3_server, s3_root):
+    """The S3 server stops answering (SIGSTOP) at a random point of a save: the save fails within the
+    client's timeout with an error naming the object it was writing (or, stopped after the commit,
+    returned); once the server answers again the last good checkpoint is latest and loads."""
+    rng = random.Random(99)
+    trials = 8 if FULL else 1
+    test = "S3: the server stopped mid-save (SIGSTOP, resumed after the save ended)"
+    for trial in range(trials):
+        root = f"{s3_root}/p{trial}"
+        _save(root, 1, 1.0)
+        overwrite = trial % 2 == 1
+        path = ck.step_dir(root, 1 if overwrite else 2)
+        delay = rng.uniform(0.0, 1.5)
+
+        def stop(procs, out, delay=delay):
+            _wait_for(out / "ready")
+            time.sleep(delay)
+            s3_server.pause()
+
+        try:
+            results = _run(
+                {"mode": "once", "root": root, "path": path, "step": 2, "value": 2.0, "overwrite": overwrite,
+                 "s3_env": s3_server.client_env()},
+                kill=stop,
+                timeout=120,
+            )  # fmt: skip
+        finally:
+            s3_server.resume()
+        result = results[0]
+        outcome = _label_error(result)
+        if not result.get("ok"):
+            assert "s3://" in result["error"], result  # the object (or checkpoint) it failed on is named
+        name = path.rsplit("/", 1)[1]
+        allowed = {name: {1.0, 2.0} if overwrite else {2.0}, "step-00000001": {1.0}}
+        label = _check_root(root, allowed, at_least=2.0 if result.get("ok") else 1.0,
+                            overwrite_name=name if overwrite else None)  # fmt: skip
+        _record(test, f"{'overwrite' if overwrite else 'new step'}: {outcome} -> {label}")
+    _report(test)
