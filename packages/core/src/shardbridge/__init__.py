@@ -23,6 +23,7 @@ from shardbridge._cp import (
     cp_split,
     cp_unsplit,
 )
+from shardbridge._ep import EPDispatch, choose_dispatch, load_balancing_loss, router_statistics, run_experts
 from shardbridge._fp8 import (
     FP8_DTYPES,
     Uint8AllGather,
@@ -45,7 +46,7 @@ from shardbridge._fused import (
     split_local,
     tp_local_fused,
 )
-from shardbridge._mesh import FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
+from shardbridge._mesh import EXPERT_AXES, FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
 from shardbridge._optim import param_group_fqns, rebind_param_groups
 from shardbridge._precision import FP8Recipe, MixedPrecisionPolicy
 from shardbridge._tp import (
@@ -87,6 +88,11 @@ __all__ = [
     "cp_positions",
     "cp_split",
     "cp_unsplit",
+    # expert parallelism
+    "choose_dispatch",
+    "load_balancing_loss",
+    "router_statistics",
+    "run_experts",
     # fused parameters
     "fused_params",
     "merge_fused",
@@ -103,6 +109,8 @@ __all__ = [
     "use_uint8_all_gather",
     # -- types and constants ---------------------------------------------------------------
     "ComponentPiece",
+    "EPDispatch",
+    "EXPERT_AXES",
     "FLATTENED_AXES",
     "FP8_DTYPES",
     "FSDPUnit",

@@ -29,6 +29,17 @@ over a size-1 mesh still copies every parameter in and out each step (measured 6
 tp=4 by ``tools/bench/bench_step.py``), and torchtitan likewise applies FSDP only when
 dp_shard or cp > 1. With casting requested it shards over the size-1 mesh, which is how the
 policy takes effect. Checkpoints do not care: they load across both representations.
+
+[Note: custom gradient divide factor]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``FSDPModule.set_gradient_divide_factor(f)`` alone makes FSDP2 reduce-scatter with
+``ReduceOp.PREMUL_SUM(1/f)``, which gloo does not have; ``set_force_sum_reduction_for_comms(True)``
+turns it into SUM + a division afterwards. But with a shard group of ONE rank, FSDP2 (torch
+2.13, ``foreach_reduce``) skips the reduce-scatter, copies ``grad / f`` and then still applies
+the forced-sum post-division: the gradient is divided by ``f`` twice (found by ``test_moe.py``:
+experts at ep = dp_shard = 4 have efsdp = 1 and trained with 1/4 of their gradient). So the
+forced SUM is set only for shard groups of more than one rank; a one-rank group never issues a
+reduce-scatter, so no PREMUL_SUM reaches gloo, and an HSDP all-reduce after it is a SUM.
 """
 
 from __future__ import annotations
@@ -155,10 +166,22 @@ def apply_fsdp(
     if gradient_divide_factor is not None:
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                # gloo has no PREMUL_SUM: a custom divide factor must run as SUM + scaling.
-                module.set_force_sum_reduction_for_comms(True)
-                module.set_gradient_divide_factor(gradient_divide_factor)
+                set_gradient_divide_factor(module, gradient_divide_factor)
     return model
+
+
+def set_gradient_divide_factor(module: FSDPModule, factor: float) -> None:
+    """Divide ``module``'s summed gradients by ``factor``, on gloo and NCCL alike.
+
+    See [Note: custom gradient divide factor]. Not public: ``apply_fsdp(gradient_divide_factor=)``
+    and the expert units of ``parallelize_moe`` call it.
+    """
+    from shardbridge._compat import fsdp_shard_process_group
+
+    group = fsdp_shard_process_group(module)
+    if group is not None and group.size() > 1:
+        module.set_force_sum_reduction_for_comms(True)
+    module.set_gradient_divide_factor(factor)
 
 
 def _fp8_after_fsdp(model: nn.Module, mesh: ParallelMesh, policy: MixedPrecisionPolicy | None) -> None:
