@@ -164,6 +164,21 @@ def hf_sweep(session):
 
 
 @nox.session(python="3.11")
+def moe(session):
+    """Mixture of experts (docs/concepts/moe.md): the whole layout matrix (8-rank layouts included),
+    the long checkpoint chains and the HF export. CI runs a slice of each."""
+    _install(session, "hf,test")
+    env = {**ENV, "SHARDBRIDGE_MOE_MATRIX": "all"}
+    tests = [
+        "packages/core/tests/test_moe.py",
+        "packages/core/tests/checkpoint/test_experts.py",
+        "packages/core/tests/test_layout.py::test_expert_tensors_keep_item_coordinates_and_dcp_describes_them",
+        "integration_tests/test_reference_moe_hf.py",
+    ]
+    session.run("python", "-m", "pytest", *tests, *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
 def bench_hf_pretrained(session):
     """Shard-on-read pretrained loading vs from_pretrained on every rank (docs/hf.md, Pretrained weights)."""
     _install(session, "hf,test")

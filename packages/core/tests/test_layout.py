@@ -224,6 +224,94 @@ def test_fsdp_chunk_tiles_and_agrees_with_dtensor_when_tp_pieces_are_equal(case)
         assert (c in reported) == (wrong or empty_tp), (c, sizes, described)
 
 
+@st.composite
+def expert_cases(draw):
+    """An expert tensor [E, a, b] under FSDP2 x EP, as parallelize_moe builds it: (shape, ep, efsdp,
+    dp_replicate or 0); FSDP2 shards dim expert_shard_dim(...) of each rank's ep piece."""
+    ep, local, efsdp = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    shape = (ep * local, draw(st.integers(1, 12)), draw(st.integers(1, 12)))
+    return shape, ep, efsdp, draw(st.sampled_from([0, 1, 2]))
+
+
+def _expert_layout(case):
+    """(mesh_shape, placements as fully_shard builds them, shard dim) of an expert case."""
+    from shardbridge.models import expert_shard_dim
+
+    shape, ep, efsdp, replicate = case
+    dim = expert_shard_dim(shape, ep=ep, efsdp=efsdp)
+    # FSDP2's _init_sharding_spec_tp: the dp placement strides over the ep shards of the same dim
+    dp = _StridedShard(0, split_factor=ep) if dim == 0 and ep > 1 else Shard(dim)
+    prefix = ((replicate,), (Replicate(),)) if replicate else ((), ())
+    return prefix[0] + (efsdp, ep), [*prefix[1], dp, Shard(0)], dim
+
+
+def _torch_fsdp_ep_indices(shape, ep, ep_rank, efsdp, efsdp_rank, dim):
+    """Per tensor dim, the global indices EP then fully_shard hold: torch.chunk over ep on dim 0,
+    then torch.chunk (FSDP2's, empty-filled) over efsdp on ``dim`` of the ep piece."""
+    index = [torch.arange(n) for n in shape]
+    index[0] = _chunk_or_empty(index[0], ep, ep_rank, 0)
+    index[dim] = _chunk_or_empty(index[dim], efsdp, efsdp_rank, 0)
+    return index
+
+
+@SETTINGS
+@given(expert_cases())
+@example(((8, 4, 4), 2, 8, 0))  # 4 local experts over efsdp 8: dim 1 (the 16-rank case of the note)
+@example(((6, 5, 7), 2, 2, 2))  # 3 over 2, nothing else divides: dim 0, uneven
+def test_expert_tensors_keep_item_coordinates_and_dcp_describes_them(case):
+    """The reshard property for expert tensors ([Note: expert checkpoints]).
+
+    Every rank's data (the oracle: torch.chunk over ep on dim 0, then over efsdp on the dim
+    ``expert_shard_dim`` picks) lies in its ep rank's block of GLOBAL expert indices; the
+    algebra the checkpoint reads FSDP2 layouts with agrees with it; DCP's box describes it at
+    every coordinate (the ep pieces are equal, E being divisible by ep, so even an uneven dim-0
+    split is read right); and where some dim splits evenly over efsdp every rank holds the same
+    share (``expert_shard_dim`` found it).
+    """
+    from shardbridge.checkpoint._repair import _true_chunk
+
+    shape, ep, efsdp, _ = case
+    mesh_shape, placements, dim = _expert_layout(case)
+
+    def indices(c):
+        return _torch_fsdp_ep_indices(shape, ep, c[-1], efsdp, c[-2], dim)
+
+    def held(c):  # the local tensor of global flat indices
+        return _arange(shape)[torch.meshgrid(*indices(c), indexing="ij")]
+
+    def held_chunk(c):  # the same as intervals per dim (the algebra's convention)
+        return tuple(_intervals(i.tolist()) for i in indices(c))
+
+    splittable = (shape[0] // ep) % efsdp == 0 or any(n % efsdp == 0 for n in shape[1:])
+    share = math.prod(shape) // (ep * efsdp)
+    reported = {m.coordinate for m in find_dcp_mismatches(shape, mesh_shape, placements, actual=held_chunk)}
+    for c in _coords(mesh_shape):
+        local = held(c)
+        experts = indices(c)[0].tolist()
+        block = shape[0] // ep  # item coordinates: ep rank j holds global experts [j*block, (j+1)*block)
+        assert all(c[-1] * block <= e < (c[-1] + 1) * block for e in experts), (c, experts)
+        assert torch.equal(_gather(shape, _true_chunk(shape, tuple(mesh_shape), tuple(placements), c)), local), c
+        described = _torch_box(shape, mesh_shape, placements, c)
+        sizes = tuple(local.shape)
+        box = _arange(shape)[tuple(slice(o, o + n) for o, n in zip(described[1], sizes))]
+        wrong = sizes != described[0] or (local.numel() > 0 and not torch.equal(local, box))
+        assert not wrong and c not in reported, (c, sizes, described)
+        if splittable:
+            assert local.numel() == share, (c, sizes)
+    _assert_tiles(shape, mesh_shape, placements, held_chunk)
+
+
+def _intervals(values):
+    """Sorted distinct ints as merged ``(start, stop)`` intervals."""
+    out: list[tuple[int, int]] = []
+    for v in values:
+        if out and out[-1][1] == v:
+            out[-1] = (out[-1][0], v + 1)
+        else:
+            out.append((v, v + 1))
+    return tuple(out)
+
+
 # -- tier 1: the known cases -------------------------------------------------------------------
 
 

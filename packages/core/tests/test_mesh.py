@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from shardbridge import FLATTENED_AXES, MESH_AXES, ParallelDims
+from shardbridge import EXPERT_AXES, FLATTENED_AXES, MESH_AXES, ParallelDims
 from shardbridge._compat import fake_store
 from shardbridge.testing import run_distributed
 
@@ -23,6 +23,8 @@ from shardbridge.testing import run_distributed
         ({"dp_shard": 0}, r"dp_shard\(0\) must be >= 1"),
         ({"tp": 2.0}, r"tp must be an int, got 2.0"),
         ({"tp": True}, r"tp must be an int"),
+        ({"ep": 0}, r"ep\(0\) must be >= 1; set ep=1 to turn it off"),
+        ({"ep": True}, r"ep must be an int"),
     ],
 )
 def test_bad_degrees_name_the_field(kwargs, message):
@@ -37,6 +39,21 @@ def test_product_must_match_world_size():
         ParallelDims(dp_shard=3, cp=2, tp=2).resolve(8)
     with pytest.raises(ValueError, match=r"= 3 does not divide world_size\(8\)"):
         ParallelDims(tp=3).resolve(8)
+
+
+def test_ep_must_divide_the_ranks_of_weight():
+    with pytest.raises(
+        ValueError,
+        match=r"ep\(3\) does not divide dp_shard\(2\) \* cp\(1\) \* tp\(2\) = 4, the ranks experts are spread over "
+        r"\(ep adds no ranks\); set ep to one of \[1, 2, 4\]",
+    ):
+        ParallelDims(dp_shard=2, tp=2, ep=3).resolve(4)
+    with pytest.raises(ValueError, match=r"ep\(4\) does not divide dp_shard\(2\)"):  # dp_replicate does not count
+        ParallelDims(dp_replicate=2, ep=4).resolve(4)
+    dims = ParallelDims(dp_replicate=2, cp=2, tp=2, ep=4).resolve(16)  # dp_shard inferred first
+    assert (dims.dp_shard, dims.degree("ep"), dims.degree("efsdp")) == (2, 4, 2)
+    assert ParallelDims().resolve(8).degree("efsdp") == 8  # ep=1: every rank of weight
+    assert str(dims) == "dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4"
 
 
 def test_resolve_fills_the_rest():
@@ -82,6 +99,13 @@ def _expected_groups(dims, rank):
             if all(c[a] == coords[a] for a in MESH_AXES if a not in parts):
                 members.append(r)
         groups[name] = members
+    # Expert axes: the weight index w (dp_shard, cp, tp row-major) of a replica, ep = w % ep
+    # (innermost), efsdp = w // ep.
+    per_replica = dims.degree("weight")
+    replica, w = divmod(rank, per_replica)
+    block = range(replica * per_replica, (replica + 1) * per_replica)
+    groups["ep"] = [r for r in block if (r - block[0]) // dims.ep == w // dims.ep]
+    groups["efsdp"] = [r for r in block if (r - block[0]) % dims.ep == w % dims.ep]
     return groups
 
 
@@ -96,11 +120,18 @@ def _unravel(rank, shape):
 _LAYOUTS = [
     dict(zip(MESH_AXES, d)) for d in itertools.product([1, 2], [1, 2, 4], [1, 2], [1, 2, 4]) if math.prod(d) <= 64
 ] + [dict(dp_replicate=2, dp_shard=4, cp=2, tp=4), dict(dp_replicate=1, dp_shard=8, cp=1, tp=8)]
+_LAYOUTS += [  # expert axes: ep over tp only, over tp x cp, over all of weight, and inside dp_shard
+    dict(dp_replicate=1, dp_shard=4, cp=1, tp=2, ep=2),
+    dict(dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=4),
+    dict(dp_replicate=2, dp_shard=4, cp=2, tp=4, ep=32),
+    dict(dp_replicate=1, dp_shard=8, cp=1, tp=1, ep=4),
+    dict(dp_replicate=1, dp_shard=8, cp=1, tp=8, ep=16),
+]
 
 
 @pytest.mark.parametrize("layout", _LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_every_axis_on_fake_world(fake_world, layout):
-    dims = ParallelDims(**layout).resolve(math.prod(layout.values()))
+    dims = ParallelDims(**layout).resolve(math.prod(v for k, v in layout.items() if k != "ep"))
     world = dims.world_size
     for rank in sorted({0, world - 1, world // 2}):
         fake_world(world, rank)
@@ -118,6 +149,16 @@ def test_every_axis_on_fake_world(fake_world, layout):
             assert fsdp["dp_shard_cp"].mesh.tolist() == expected["dp_shard_cp"]
         else:
             assert fsdp.mesh.tolist() == expected["dp_shard_cp"]
+        expert_fsdp = pm.expert_fsdp_mesh
+        efsdp_replicas = sorted(
+            r for r in range(world) if (r % dims.degree("weight")) % dims.ep == (rank % dims.degree("weight")) % dims.ep
+        )
+        if dims.hsdp_enabled:
+            assert expert_fsdp.mesh_dim_names == ("dp_replicate", "efsdp")
+            assert sorted(expert_fsdp.mesh.flatten().tolist()) == efsdp_replicas
+        else:
+            assert expert_fsdp.mesh.tolist() == expected["efsdp"]
+        assert pm.expert_mesh.mesh_dim_names == ("dp_replicate", *EXPERT_AXES)
 
 
 def test_dp_shard_inferred_at_64(fake_world):
@@ -134,6 +175,8 @@ def test_dp_shard_inferred_at_64(fake_world):
         "dp_shard_cp": 15,
         "dp_cp": 31,
         "weight": 31,
+        "efsdp": 31,
+        "ep": 0,
     }
 
 
@@ -164,7 +207,7 @@ def _sum_over_axes(layout):
     pm = dims.build_mesh("cpu")
     rank = dist.get_rank()
     out = {}
-    for axis in MESH_AXES + tuple(FLATTENED_AXES):
+    for axis in MESH_AXES + tuple(FLATTENED_AXES) + EXPERT_AXES:
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=pm[axis].get_group())
         out[axis] = t.item()
@@ -173,7 +216,16 @@ def _sum_over_axes(layout):
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(dp_shard=-1), dict(dp_shard=2, tp=2), dict(dp_replicate=2, tp=2), dict(tp=4), dict(dp_shard=2, cp=2)],
+    [
+        dict(dp_shard=-1),
+        dict(dp_shard=2, tp=2),
+        dict(dp_replicate=2, tp=2),
+        dict(tp=4),
+        dict(dp_shard=2, cp=2),
+        dict(dp_shard=2, tp=2, ep=2),
+        dict(dp_shard=4, ep=4),
+        dict(dp_replicate=2, dp_shard=2, ep=2),
+    ],
     ids=str,
 )
 def test_groups_reduce_over_the_right_ranks_on_gloo(layout):

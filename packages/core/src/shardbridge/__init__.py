@@ -26,6 +26,7 @@ from shardbridge._cp import (
     cp_split,
     cp_unsplit,
 )
+from shardbridge._ep import EPDispatch, choose_dispatch, load_balancing_loss, router_statistics, run_experts
 from shardbridge._fused import (
     FUSED_SPECS_ATTR,
     ComponentPiece,
@@ -39,7 +40,7 @@ from shardbridge._fused import (
     split_local,
     tp_local_fused,
 )
-from shardbridge._mesh import FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
+from shardbridge._mesh import EXPERT_AXES, FLATTENED_AXES, MESH_AXES, ParallelDims, ParallelMesh
 from shardbridge._optim import param_group_fqns, rebind_param_groups
 from shardbridge._precision import PrecisionPolicy
 from shardbridge._tp import (
@@ -91,6 +92,11 @@ __all__ = [
     "cp_positions",
     "cp_split",
     "cp_unsplit",
+    # expert parallelism
+    "choose_dispatch",
+    "load_balancing_loss",
+    "router_statistics",
+    "run_experts",
     # fused parameters
     "fused_params",
     "merge_fused",
@@ -107,6 +113,8 @@ __all__ = [
     "use_uint8_all_gather",
     # -- types and constants ---------------------------------------------------------------
     "ComponentPiece",
+    "EPDispatch",
+    "EXPERT_AXES",
     "FLATTENED_AXES",
     "FP8_DTYPES",
     "FSDPUnit",

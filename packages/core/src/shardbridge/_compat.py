@@ -246,6 +246,17 @@ def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tu
     return require_attr(mesh, "_unflatten", what="ParallelMesh.fsdp_mesh (HSDP)")(dim, sizes, names)
 
 
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """``DeviceMesh._concatenate(meshes)``: one mesh of orthogonal sub-meshes of one root.
+
+    Reuses their process groups (none is created); FSDP2's own TP/EP path joins its DP and TP/EP
+    meshes with it (pytorch#165492, torch >= 2.10). Checked: 2.13.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return require_attr(DeviceMesh, "_concatenate", what="ParallelDims.build_mesh (expert axes)")(meshes)
+
+
 # -- attention ----------------------------------------------------------------------------
 
 

@@ -23,6 +23,40 @@ Example, world 8 = dp_replicate 2 x dp_shard 2 x tp 2 (cp 1)::
     dp_shard:      0  0  1  1  0  0  1  1
     tp:            0  1  0  1  0  1  0  1
     weight group of rank 0: {0, 1, 2, 3}     dp group of rank 0: {0, 2, 4, 6}
+
+[Note: expert axes]
+~~~~~~~~~~~~~~~~~~~
+Experts are an axis, but not a fifth factor of the world: ``ep`` re-partitions the ranks of
+``weight`` (dp_shard x cp x tp, the ranks that already hold different pieces of a weight
+within one replica), as torchtitan's ``ParallelDims`` does (its "sparse" mesh, 2026). The same
+ranks, unflattened the other way, innermost last::
+
+    dense region (attention, norms, embeddings, shared experts, the router):
+        (dp_replicate, dp_shard, cp, tp)      FSDP over dp_shard_cp, TP over tp
+    expert region (the routed experts):
+        (dp_replicate, efsdp, ep)             experts Shard(0) over ep, FSDP over efsdp
+        efsdp = dp_shard * cp * tp / ep       the ranks holding the SAME experts
+
+``ep`` must divide ``dp_shard * cp * tp``. World 8 = dp_shard 4 x tp 2, ep 4 (cp 1)::
+
+    rank:       0  1  2  3  4  5  6  7
+    dp_shard:   0  0  1  1  2  2  3  3
+    tp:         0  1  0  1  0  1  0  1
+    weight:     0  1  2  3  4  5  6  7
+    ep:         0  1  2  3  0  1  2  3        = weight % ep    (ep groups {0..3}, {4..7})
+    efsdp:      0  0  0  0  1  1  1  1        = weight // ep   (efsdp groups {0,4}, {1,5}, ...)
+
+    16 experts: rank 0 and rank 4 hold experts 0-3 (each half of their rows, efsdp),
+                rank 1 and rank 5 experts 4-7, ...
+
+``ep`` is innermost, so an ep group takes the tp ranks first, then cp, then dp_shard. Inside
+the expert region every rank of a replica holds DIFFERENT tokens: the tp ranks, which see the
+same tokens in the dense region, each take 1/tp of them for the experts (``shardbridge._ep``);
+dp_shard and cp ranks hold different tokens already. So the token dispatch over ``ep`` never
+sends a token twice, and a gradient of an expert summed over ``dp_replicate x efsdp x ep``
+counts every token once: FSDP divides it by ``dp_cp`` (the data-parallel size, not efsdp).
+``ep=1`` is the same picture with ``efsdp = weight``: every rank holds every expert's 1/weight,
+tokens still split over tp. Nothing branches on "is ep enabled".
 """
 
 from __future__ import annotations
@@ -48,6 +82,10 @@ FLATTENED_AXES: dict[str, tuple[str, ...]] = {
     "weight": ("dp_shard", "cp", "tp"),
 }
 
+#: The expert region's axes, outermost first: ``weight`` unflattened as ``(efsdp, ep)``
+#: (see [Note: expert axes]). ``ep`` = ParallelDims.ep, ``efsdp`` = dp_shard * cp * tp / ep.
+EXPERT_AXES: tuple[str, ...] = ("efsdp", "ep")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
@@ -71,8 +109,15 @@ class ParallelDims:
     tp: int = 1
     """Tensor-parallel degree. 1 = off."""
 
+    ep: int = 1
+    """Expert-parallel degree: routed experts are split ``ep`` ways over the ranks of
+    ``dp_shard x cp x tp`` (it must divide their product; it adds no ranks), and each expert's
+    weights are FSDP-sharded over the other ``efsdp = dp_shard * cp * tp / ep`` of them. 1 =
+    every rank holds a 1/efsdp piece of every expert. Dense weights do not depend on it. See
+    [Note: expert axes]."""
+
     def __post_init__(self) -> None:
-        for name in MESH_AXES:
+        for name in (*MESH_AXES, "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {value!r}")
@@ -112,15 +157,25 @@ class ParallelDims:
                     f"dp_replicate({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) = {others} "
                     f"does not divide world_size({world_size}); choose degrees whose product divides it"
                 )
-            return dataclasses.replace(self, dp_shard=world_size // others)
-        product = others * self.dp_shard
-        if product != world_size:
+            resolved = dataclasses.replace(self, dp_shard=world_size // others)
+        else:
+            product = others * self.dp_shard
+            if product != world_size:
+                raise ValueError(
+                    f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) "
+                    f"* tp({self.tp}) = {product} != world_size({world_size}); "
+                    "set dp_shard=-1 to infer it"
+                )
+            resolved = self
+        expert_ranks = resolved.dp_shard * resolved.cp * resolved.tp
+        if expert_ranks % resolved.ep:
+            divisors = [d for d in range(1, expert_ranks + 1) if expert_ranks % d == 0]
             raise ValueError(
-                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) "
-                f"* tp({self.tp}) = {product} != world_size({world_size}); "
-                "set dp_shard=-1 to infer it"
+                f"ep({resolved.ep}) does not divide dp_shard({resolved.dp_shard}) * cp({resolved.cp}) * "
+                f"tp({resolved.tp}) = {expert_ranks}, the ranks experts are spread over (ep adds no ranks); "
+                f"set ep to one of {divisors}"
             )
-        return self
+        return resolved
 
     def degree(self, axis: str) -> int:
         """Degree of a mesh axis or of a flattened axis (product of its parts)."""
@@ -129,7 +184,11 @@ class ParallelDims:
             return getattr(self, axis)
         if axis in FLATTENED_AXES:
             return math.prod(getattr(self, a) for a in FLATTENED_AXES[axis])
-        raise ValueError(f"unknown axis {axis!r}; known axes: {', '.join(MESH_AXES + tuple(FLATTENED_AXES))}")
+        if axis == "ep":
+            return self.ep
+        if axis == "efsdp":
+            return self.degree("weight") // self.ep
+        raise ValueError(f"unknown axis {axis!r}; known axes: {', '.join(_ALL_AXES)}")
 
     @property
     def world_size(self) -> int:
@@ -174,7 +233,7 @@ class ParallelDims:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from shardbridge._compat import flatten_mesh
+        from shardbridge._compat import concatenate_meshes, flatten_mesh, unflatten_mesh
 
         if not dist.is_initialized():
             raise RuntimeError(
@@ -188,28 +247,41 @@ class ParallelDims:
         # is deprecated in torch >= 2.11.
         for name, parts in FLATTENED_AXES.items():
             axes[name] = flatten_mesh(mesh[parts], name)
-        return ParallelMesh(dims=dims, mesh=mesh, axes=axes)
+        # The expert region: weight unflattened as (efsdp, ep), joined with dp_replicate without
+        # new process groups (all are sub-meshes of one root, as FSDP2's own concatenation needs).
+        # See [Note: expert axes].
+        expert = unflatten_mesh(axes["weight"], 0, (dims.degree("efsdp"), dims.ep), EXPERT_AXES)
+        for name in EXPERT_AXES:
+            axes[name] = expert[name]
+        expert_mesh = concatenate_meshes([mesh["dp_replicate"], axes["efsdp"], axes["ep"]])
+        return ParallelMesh(dims=dims, mesh=mesh, axes=axes, expert_mesh=expert_mesh)
 
     def _require_resolved(self) -> None:
         if not self.is_resolved:
             raise ValueError("dp_shard is -1; call resolve(world_size) first")
 
     def __str__(self) -> str:
-        return ", ".join(f"{a}={getattr(self, a)}" for a in MESH_AXES)
+        return ", ".join(f"{a}={getattr(self, a)}" for a in (*MESH_AXES, "ep"))
+
+
+_ALL_AXES: tuple[str, ...] = MESH_AXES + tuple(FLATTENED_AXES) + EXPERT_AXES
 
 
 @dataclass(frozen=True)
 class ParallelMesh:
     """The full 4-D DeviceMesh plus named access to every axis.
 
-    ``pm["tp"]``, ``pm.tp``, ``pm["dp_shard_cp"]``, ``pm["weight"]`` ... return 1-D meshes
-    (size 1 for degree-1 axes). ``pm.fsdp_mesh`` is the mesh ``fully_shard`` takes.
-    Built by :meth:`ParallelDims.build_mesh`.
+    ``pm["tp"]``, ``pm.tp``, ``pm["dp_shard_cp"]``, ``pm["weight"]``, ``pm["ep"]`` ... return
+    1-D meshes (size 1 for degree-1 axes). ``pm.fsdp_mesh`` is the mesh ``fully_shard`` takes,
+    ``pm.expert_fsdp_mesh`` the one it takes for routed experts. Built by
+    :meth:`ParallelDims.build_mesh`.
     """
 
     dims: ParallelDims
     mesh: DeviceMesh
     axes: dict[str, DeviceMesh]
+    expert_mesh: DeviceMesh
+    """The expert region ``(dp_replicate, efsdp, ep)`` over the same ranks ([Note: expert axes])."""
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         try:
@@ -218,9 +290,21 @@ class ParallelMesh:
             raise KeyError(f"unknown axis {axis!r}; known axes: {', '.join(self.axes)}") from None
 
     def __getattr__(self, axis: str) -> DeviceMesh:
-        if axis in MESH_AXES or axis in FLATTENED_AXES:
+        if axis in _ALL_AXES:
             return self[axis]
         raise AttributeError(axis)
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """``efsdp`` for FSDP of routed experts, or the 2-D ``(dp_replicate, efsdp)`` mesh for HSDP.
+
+        Expert weights are DTensors on ``pm["ep"]`` (``Shard(0)``, the expert dim);
+        ``fully_shard(experts, mesh=pm.expert_fsdp_mesh)`` shards them further over the ranks
+        holding the same experts. See [Note: expert axes].
+        """
+        if not self.dims.hsdp_enabled:
+            return self["efsdp"]
+        return self.expert_mesh["dp_replicate", "efsdp"]
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:

@@ -45,6 +45,16 @@ copy) and all-gathers those; any other buffer goes through exactly the call FSDP
 makes (``all_gather_single``, torch 2.11-2.14). :func:`apply_fsdp` gives it to every unit it
 makes on gloo, whatever the model holds: a gloo fact about dtypes, not a choice of recipe.
 Mixed groups already use a uint8 buffer and are unaffected.
+[Note: custom gradient divide factor]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``FSDPModule.set_gradient_divide_factor(f)`` alone makes FSDP2 reduce-scatter with
+``ReduceOp.PREMUL_SUM(1/f)``, which gloo does not have; ``set_force_sum_reduction_for_comms(True)``
+turns it into SUM + a division afterwards. But with a shard group of ONE rank, FSDP2 (torch
+2.13, ``foreach_reduce``) skips the reduce-scatter, copies ``grad / f`` and then still applies
+the forced-sum post-division: the gradient is divided by ``f`` twice (found by ``test_moe.py``:
+experts at ep = dp_shard = 4 have efsdp = 1 and trained with 1/4 of their gradient). So the
+forced SUM is set only for shard groups of more than one rank; a one-rank group never issues a
+reduce-scatter, so no PREMUL_SUM reaches gloo, and an HSDP all-reduce after it is a SUM.
 """
 
 from __future__ import annotations
@@ -177,10 +187,22 @@ def apply_fsdp(
     if gradient_divide_factor is not None:
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                # gloo has no PREMUL_SUM: a custom divide factor must run as SUM + scaling.
-                module.set_force_sum_reduction_for_comms(True)
-                module.set_gradient_divide_factor(gradient_divide_factor)
+                set_gradient_divide_factor(module, gradient_divide_factor)
     return model
+
+
+def set_gradient_divide_factor(module: FSDPModule, factor: float) -> None:
+    """Divide ``module``'s summed gradients by ``factor``, on gloo and NCCL alike.
+
+    See [Note: custom gradient divide factor]. Not public: ``apply_fsdp(gradient_divide_factor=)``
+    and the expert units of ``parallelize_moe`` call it.
+    """
+    from shardbridge._compat import fsdp_shard_process_group
+
+    group = fsdp_shard_process_group(module)
+    if group is not None and group.size() > 1:
+        module.set_force_sum_reduction_for_comms(True)
+    module.set_gradient_divide_factor(factor)
 
 
 def fsdp_unit_params(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -1,24 +1,38 @@
-"""shardbridge.models: the reference Llama every layout and adapter is checked against.
+"""shardbridge.models: the reference Llama and mixture-of-experts models every layout is checked against.
 
 Public: :class:`LlamaConfig`, :class:`Llama`, :class:`ParamTP`, :func:`parallelize_llama` (and
-its TP step alone, :func:`apply_llama_tp`), :func:`synthetic_batch`, and the Hugging Face view of
-it: :func:`hf_llama_name`, :func:`hf_llama_config`, :func:`export_hf_llama`. The block classes
-(``Attention``, ``FeedForward``, ``TransformerBlock``) are not public.
+its TP step alone, :func:`apply_llama_tp`), :func:`synthetic_batch`; the mixture of experts
+:class:`MoEConfig`, :class:`MoELlama`, :func:`parallelize_moe`, :func:`expert_shard_dim`; and the
+Hugging Face view of both: :func:`hf_llama_name`, :func:`hf_llama_config`, :func:`export_hf_llama`,
+:func:`hf_llama_export_record` (what a checkpoint records so that ``shardbridge ckpt export``
+writes a ``from_pretrained`` folder), :func:`hf_moe_name`, :func:`hf_moe_config`,
+:func:`export_hf_moe`. The block classes (``Attention``, ``FeedForward``, ``TransformerBlock``,
+``MoEFeedForward``, ``GroupedExperts``) are not public.
 """
 
 from shardbridge.models._hf import export_hf_llama, hf_llama_config, hf_llama_export_record, hf_llama_name
+from shardbridge.models._hf_moe import export_hf_moe, hf_moe_config, hf_moe_name
 from shardbridge.models._llama import Llama, LlamaConfig, ParamTP, synthetic_batch
+from shardbridge.models._moe import MoEConfig, MoELlama
 from shardbridge.models._parallelize import apply_llama_tp, parallelize_llama
+from shardbridge.models._parallelize_moe import expert_shard_dim, parallelize_moe
 
 __all__ = [
     "Llama",
     "LlamaConfig",
+    "MoEConfig",
+    "MoELlama",
     "ParamTP",
     "apply_llama_tp",
+    "expert_shard_dim",
     "export_hf_llama",
+    "export_hf_moe",
     "hf_llama_config",
     "hf_llama_export_record",
     "hf_llama_name",
+    "hf_moe_config",
+    "hf_moe_name",
     "parallelize_llama",
+    "parallelize_moe",
     "synthetic_batch",
 ]

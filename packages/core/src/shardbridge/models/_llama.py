@@ -209,12 +209,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, feed_forward: nn.Module | None = None) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config) if feed_forward is None else feed_forward
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None
@@ -240,11 +240,14 @@ class Llama(nn.Module):
         torch.Size([2, 8, 256])
     """
 
+    _RESIDUAL_OUTPUTS: tuple[str, ...] = ("o_proj.weight", "down.weight")
+    """Parameter names ending so are residual output projections: init std / sqrt(2 * layers)."""
+
     def __init__(self, config: LlamaConfig, *, seed: int = 0) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, self._feed_forward(config)) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -253,6 +256,10 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
         if self.rope_cos.device.type != "meta":
             self.init_weights(seed)
+
+    def _feed_forward(self, config: LlamaConfig) -> nn.Module:
+        """The MLP of one block (the MoE model returns its routed MLP here)."""
+        return FeedForward(config)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` of ``tokens`` ``[batch, seq]``.
@@ -317,7 +324,7 @@ class Llama(nn.Module):
                 param.fill_(1.0)
                 continue
             std = 0.02
-            if name.endswith(("o_proj.weight", "down.weight")):
+            if name.endswith(self._RESIDUAL_OUTPUTS):
                 std /= math.sqrt(2 * self.config.num_layers)
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.copy_(torch.normal(0.0, std, size=param.shape, generator=gen))

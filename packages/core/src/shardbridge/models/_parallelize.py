@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from shardbridge import fp8
 from shardbridge._fused import FUSED_SPECS_ATTR, shard_fused
-from shardbridge._tp import check_tp_divides
+from shardbridge._tp import TPMode, check_tp_divides
 from shardbridge._wrap import apply_fsdp
 from shardbridge.models._llama import Llama
 
@@ -126,14 +126,18 @@ def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
             return fp8_styles[kind]()
         return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
 
-    for index, block in enumerate(model.layers):
-        for linear in (block.attention.qkv, block.feed_forward.gate_up):
+    # Every other module by the model's own plan: fused column weights first become Shard(0)
+    # DTensors in item coordinates (shard_fused), then torch's styles take them as they are.
+    modules = dict(model.named_modules())
+    for fqn, param_tp in model.tp_plan().items():
+        module_name, _, param_name = fqn.rpartition(".")
+        if module_name in plan or param_tp.mode is TPMode.NONE:
+            continue
+        linear = modules[module_name]
+        if param_tp.fused is not None and param_name == "weight":
             _shard_fused_weight(linear, tp_mesh)
-        prefix = f"layers.{index}"
-        plan[f"{prefix}.attention.qkv"] = style("colwise", block.attention.qkv)  # weight already Shard(0), fused
-        plan[f"{prefix}.attention.o_proj"] = style("rowwise", block.attention.o_proj)  # Partial -> Replicate
-        plan[f"{prefix}.feed_forward.gate_up"] = style("colwise", block.feed_forward.gate_up)
-        plan[f"{prefix}.feed_forward.down"] = style("rowwise", block.feed_forward.down)
+        # column: Replicate in -> TP-local out; row: local Shard(-1) in -> Partial -> Replicate out
+        plan[module_name] = style("colwise" if param_tp.mode is TPMode.COLUMN else "rowwise", linear)
     parallelize_module(model, tp_mesh, plan)
     if model.config.tie_word_embeddings:
         # Both are Shard(0) over vocab rows; ColwiseParallel re-wrapped output's parameter.
