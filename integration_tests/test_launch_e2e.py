@@ -92,7 +92,7 @@ def test_llama_trains_saves_and_exports(llama_run):
     out, _, report = llama_run
     losses = report["losses"]
     assert losses[6] < losses[1] - 0.3, losses
-    assert report["dims"] == "dp_replicate=1, dp_shard=2, cp=1, tp=2"
+    assert report["dims"] == "dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1"
     assert (out / "ckpt" / "step-00000003").is_dir() and (out / "ckpt" / "step-00000006").is_dir()
     logits = _from_pretrained_logits(out / "hf", report["probe"])
     torch.testing.assert_close(logits, report["logits"], rtol=1e-5, atol=1e-5)
@@ -116,7 +116,7 @@ def test_llama_reshards_to_hsdp_x_tp(llama_run, tmp_path):
     out, _, first = llama_run
     cfg = _yaml(tmp_path / "hsdp.yaml", dp_replicate=2, dp_shard=1, tp=2)
     again = _launch(cfg, tmp_path, "--steps", "6", "--resume", str(out / "ckpt" / "step-00000006"))
-    assert again["dims"] == "dp_replicate=2, dp_shard=1, cp=1, tp=2"
+    assert again["dims"] == "dp_replicate=2, dp_shard=1, cp=1, tp=2, ep=1"
     assert again["losses"] == {}
     torch.testing.assert_close(again["logits"], first["logits"], rtol=1e-5, atol=1e-5)
 

@@ -268,7 +268,7 @@ def test_expert_tensors_keep_item_coordinates_and_dcp_describes_them(case):
     split is read right); and where some dim splits evenly over efsdp every rank holds the same
     share (``expert_shard_dim`` found it).
     """
-    from shardbridge.checkpoint._repair import _true_chunk
+    from shardbridge.checkpoint.state._repair import _true_chunk
 
     shape, ep, efsdp, _ = case
     mesh_shape, placements, dim = _expert_layout(case)

@@ -34,7 +34,7 @@ def test_version_parse_and_gate():
     assert _compat.parse_version("0.6.1rc2") == (0, 6, 1)  # the core's parser, shared by every adapter
     assert (0, 6, 1) <= _compat.megatron_fsdp_version() < (0, 7)
     # The hazard is absent in this environment, and megatron_core_version has megatron_fsdp_version's contract.
-    with pytest.raises(ImportError, match=r'needs megatron-core; install it with pip install "shardbridge\[megatron-core\]"'):
+    with pytest.raises(ImportError, match=r'needs megatron-core; install it with pip install "megatron-core==0\.16\.1".*the megatron-core extra'):
         _compat.megatron_core_version()
 
 

@@ -47,7 +47,7 @@ def test_manifest_records_the_run(fused_ckpt):
     path, _ = fused_ckpt
     m = json.loads((path / MANIFEST_NAME).read_text())
     assert m["step"] == 9 and m["world_size"] == 4 and m["has_optimizer"] and m["torch_version"] == torch.__version__
-    assert m["layout"]["parallel_dims"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert m["layout"]["parallel_dims"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "ep": 1}
     assert m["layout"]["mesh_axes"] == {"dp_shard_cp": 2, "tp": 2}
     assert m["layout"]["tensors"]["up.weight"] == {
         "mesh": {"dp_shard_cp": 2, "tp": 2},

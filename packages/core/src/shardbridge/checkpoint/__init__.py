@@ -14,7 +14,7 @@ any other, export to Hugging Face safetensors::
     pending.wait()                                 # or checkpoint.wait(); the next save waits too
     assert checkpoint.verify(checkpoint.latest(root)).ok   # sizes + checksums of every file
 
-Every path may be a URI: ``s3://bucket/ckpt`` (``pip install "shardbridge[s3]"``), ``gs://``,
+Every path may be a URI: ``s3://bucket/ckpt`` (the ``s3`` extra: s3fs), ``gs://``,
 ``az://``, ``file://``.
 
 Two layers below the verbs (both private):

@@ -110,7 +110,7 @@ def save(
     Args:
         path: the checkpoint directory to create, e.g. ``step_dir(root, step)``; its parent
             is created if needed. A URI saves to an object store (``s3://bucket/ckpt/step-00000100``,
-            ``gs://``, ``az://``; ``pip install "shardbridge[s3]"``) or local disk (``file://``).
+            ``gs://``, ``az://``; the ``s3`` extra) or local disk (``file://``).
         model: the model (plain, TP, FSDP2, HSDP ...).
         optimizer: its optimizer; None saves the model only.
         step: the training step, recorded in the manifest; None = no step.

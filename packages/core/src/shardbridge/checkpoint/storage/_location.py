@@ -4,8 +4,8 @@ Every public verb takes a checkpoint location as a path (``str`` or ``os.PathLik
 
     /ckpt/step-00000100, Path(...)        local disk (the local backend)
     file:///ckpt/step-00000100            the same, as a URI (local backend; results stay URIs)
-    s3://bucket/ckpt/step-00000100        an object store through fsspec (``pip install
-    gs://..., az://..., abfs://...        "shardbridge[s3]"``, or gcsfs / adlfs)
+    s3://bucket/ckpt/step-00000100        an object store through fsspec (the ``s3``
+    gs://..., az://..., abfs://...        extra: s3fs; or gcsfs / adlfs)
 
 A result names what it found in the form it was given: a ``Path`` for a plain path, a ``str``
 URI for a URI. The object store is configured as any fsspec client is (credentials and endpoint
@@ -26,13 +26,14 @@ from typing import Any
 from shardbridge.checkpoint.storage._backend import Backend, Stored
 from shardbridge.checkpoint.storage._local import LOCAL
 from shardbridge.checkpoint.storage._manifest import Manifest, read_manifest
+from shardbridge.extras import install_hint
 
 __all__ = ["Location", "is_uri", "locate", "open_checkpoint"]
 
 _URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$")
 _INSTALL = {
-    "s3": 'pip install "shardbridge[s3]"',
-    "s3a": 'pip install "shardbridge[s3]"',
+    "s3": install_hint("s3"),
+    "s3a": install_hint("s3"),
     "gs": "pip install gcsfs",
     "gcs": "pip install gcsfs",
     "az": "pip install adlfs",
