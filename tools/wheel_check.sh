@@ -43,20 +43,29 @@ quiet_pip "$PY" -m pip --disable-pip-version-check -q install "$TORCH_SPEC" "$WH
 
 cd "$WORK"  # outside the source tree from here on: nothing can import packages/*/src
 step "core tests against the installed wheel (from $WORK)"
-OMP_NUM_THREADS=1 "$PY" - "$ROOT" <<'EOF'
+cat > "$WORK/run_core_tests.py" <<'EOF'
 import os, sys
-import shardbridge
-here = os.path.dirname(shardbridge.__file__)
-assert here.startswith(sys.prefix) and "site-packages" in here, f"shardbridge imported from {here}, not the wheel"
-print(f"  shardbridge {shardbridge.__version__} from {here}")
-import pytest
-root = sys.argv[1]
-tests = [f"{root}/packages/core/tests/{t}" for t in (
-    "test_import_isolation.py", "test_precision.py", "test_mesh.py", "test_fused.py", "test_tp.py",
-    "test_extras.py", "test_versions.py", "test_layout_picture.py", "cli/test_cli_plugins.py",
-)]
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", root, *tests]))
+
+
+def main():
+    import shardbridge
+    here = os.path.dirname(shardbridge.__file__)
+    assert here.startswith(sys.prefix) and "site-packages" in here, f"shardbridge imported from {here}, not the wheel"
+    print(f"  shardbridge {shardbridge.__version__} from {here}")
+    import pytest
+    root = sys.argv[1]
+    tests = [f"{root}/packages/core/tests/{t}" for t in (
+        "test_import_isolation.py", "test_precision.py", "test_mesh.py", "test_fused.py", "test_tp.py",
+        "test_extras.py", "test_versions.py", "test_layout_picture.py", "cli/test_cli_plugins.py",
+    )]
+    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", root, *tests]))
+
+
+# A file, not stdin: the gloo worker pool's processes re-import the main module by its path.
+if __name__ == "__main__":
+    main()
 EOF
+OMP_NUM_THREADS=1 "$PY" "$WORK/run_core_tests.py" "$ROOT"
 
 step "CLI smoke: --version, layout, a 1-step demo"
 "$WORK/venv/bin/shardbridge" --version | tee "$WORK/version.txt"
