@@ -29,6 +29,10 @@ floor keeps near-zero gradients from being judged on their own rounding). The sa
 error of the one-process fp32 gradient against float64 (the same weights, ``model.double()``) is
 the noise floor, reported beside the largest error; a parameter with a gradient in one run only
 is compared with zeros.
+
+Losses are compared with two oracles, the one-process fp32 run and the same run in float64: a
+distributed run passes when it is within (RTOL, ATOL) of either (:func:`losses_match`; a few
+AdamW steps can carry the fp32 reference itself away from the exact loss).
 """
 
 from __future__ import annotations
@@ -117,6 +121,11 @@ OVERRIDES: dict[str, dict] = {
     # no padding row: token 0 (in the batches) would embed to zeros, and the model's AltUp magnitude
     # mean(h ** 2) ** 0.5 has an infinite gradient there (NaN weights at step 3, in one process too)
     "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=H.VOCAB, pad_token_id=None),
+    # nGPT: hidden states are L2-normalised (x / ||x||), so the zero padding row of token 0 gives an
+    # infinite gradient (NaN at step 3, in one process too); the default input / output layer counts
+    # (8 + 8 of 2 layers) leave a negative recurrent count
+    "dory": dict(pad_token_id=None, num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1),
+    "zaya": dict(num_experts_per_tok=1),  # its config refuses top-k above 1
     # per-layer-type rope: the default {} has no entry per layer type (KeyError 'full_attention')
     "cohere_compass_text": dict(
         layer_types=["sliding_attention", "full_attention"],
@@ -333,12 +342,24 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def reference(model_type: str, steps: int = STEPS, dp: int = 2, **extra) -> dict:
     """One process on the global batch: losses of ``steps`` AdamW steps; step 1's gradients and total norm.
 
-    ``grads64``: step 1's gradients of the same weights in float64 (the noise floor); None when
-    the model does not run in float64.
+    ``grads64`` / ``losses64``: the same run in float64 (the noise floor, and the second loss
+    oracle); None when the model does not run in float64.
     """
-    model = build(model_type, seed=0, **extra)
+    losses, grads = _train_one_process(build(model_type, seed=0, **extra), steps, dp)
+    model64 = build(model_type, seed=0, **extra).double()  # the same weights, in float64
+    if model64.config._experts_implementation not in (None, "eager"):
+        # torch's grouped_mm (transformers' default experts kernel) has no float64 path; "eager" is the same math.
+        model64.set_experts_implementation("eager")
+    try:
+        losses64, grads64 = _train_one_process(model64, steps, dp)
+    except (RuntimeError, TypeError, ValueError):  # a kernel or a cast that has no float64 path
+        losses64, grads64 = None, None
+    return {"losses": losses, "grads": grads, "losses64": losses64, "grads64": grads64}
+
+
+def _train_one_process(model, steps: int, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], None
+    losses, grads = [], {}
     for step in range(1, steps + 1):
         ids = H.global_batch(step, dp)
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -348,20 +369,7 @@ def reference(model_type: str, steps: int = STEPS, dp: int = 2, **extra) -> dict
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "grads64": _float64_grads(model_type, dp, **extra)}
-
-
-def _float64_grads(model_type: str, dp: int, **extra) -> dict[str, torch.Tensor] | None:
-    model = build(model_type, seed=0, **extra).double()  # the same weights as reference()'s, in float64
-    if model.config._experts_implementation not in (None, "eager"):
-        # torch's grouped_mm (transformers' default experts kernel) has no float64 path; "eager" is the same math.
-        model.set_experts_implementation("eager")
-    ids = H.global_batch(1, dp)
-    try:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    except (RuntimeError, TypeError, ValueError):  # a kernel or a cast that has no float64 path
-        return None
-    return _grads(model)
+    return losses, grads
 
 
 # -- gloo workers ------------------------------------------------------------------------------
@@ -471,6 +479,21 @@ def load_full(model_type: str, root: str, dims: dict, **extra) -> dict | None:
 # -- the checks --------------------------------------------------------------------------------
 
 
+def losses_match(losses: list[float], ref: dict) -> bool:
+    """``losses`` match the one-process fp32 losses, or the float64 ones.
+
+    Two oracles: after a few AdamW steps (whose update ``g / sqrt(v)`` turns a near-zero
+    gradient's rounding into a full-size step) a model's fp32 loss can drift from the exact one by
+    more than the tolerance. Gemma-4: step 3 of the one-process fp32 run is 1.8e-4 relative from
+    float64, while dp2 x tp2 (other summation orders) lands within 2e-6 of float64. A distributed
+    run must be close to one of them, so a wrong gradient still fails both.
+    """
+    got = torch.tensor(losses)
+    n = len(losses)
+    oracles = [ref["losses"]] + ([ref["losses64"]] if ref.get("losses64") else [])
+    return any(_close(got, torch.tensor(o[:n])) for o in oracles)
+
+
 def _close(a, b) -> bool:
     return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
@@ -511,10 +534,9 @@ def compare_step1(got: dict, ref: dict) -> GradMatch:
     total = math.sqrt(sum(_norm(g) ** 2 for g in ref_grads.values()))
     floor = GRAD_FLOOR * total
     failures: list[str] = []
-    n = len(got["losses"])
-    losses, ref_losses = torch.tensor(got["losses"]), torch.tensor(ref["losses"][:n])
-    if not _close(losses, ref_losses):
-        failures.append(f"losses {got['losses']} vs {ref['losses'][:n]}")
+    if not losses_match(got["losses"], ref):
+        n = len(got["losses"])
+        failures.append(f"losses {got['losses']} vs {ref['losses'][:n]} (float64: {(ref.get('losses64') or [])[:n]})")
     max_rel, noise = 0.0, None
     ref64 = ref.get("grads64")
     for name in sorted(set(ref_grads) | set(got_grads)):
@@ -604,11 +626,18 @@ def run_variant(model_type: str, variant: str) -> ArchResult:
     extra = variants(model_type)[variant]
     try:
         ref = reference(model_type, steps=1, **extra)
+    except RuntimeError as exc:  # the model itself cannot run the variant (helium: o_proj sized hidden x hidden)
+        return ArchResult({"match_dp2_tp2": UNSUPPORTED + _reason(exc)})
+    try:
         got = _run4(first_step, model_type, **extra)[0]
     except Exception as exc:  # noqa: BLE001 - reported in the table
         return ArchResult({"match_dp2_tp2": _reason(exc)})
     match = compare_step1(got, ref)
     return ArchResult({"match_dp2_tp2": match.verdict()}, {"dp2_tp2": match})
+
+
+UNSUPPORTED = "one process fails too: "
+"""A variant the model does not run even in one process: not a variant of it (listed apart, not a failure)."""
 
 
 def _reason(exc: BaseException) -> str:
@@ -642,6 +671,8 @@ def row(model_type: str) -> str:
     except Exception:  # noqa: BLE001
         base, extra = ArchResult({c: _reason(RuntimeError(traceback.format_exc())) for c in CHECKS}), {}
     cells = [base.checks.get(c, "-").replace("|", "/") for c in CHECKS]
+    unsupported = [v for v, r in extra.items() if r.checks["match_dp2_tp2"].startswith(UNSUPPORTED)]
+    extra = {v: r for v, r in extra.items() if v not in unsupported}
     failed = {v: r.checks["match_dp2_tp2"] for v, r in extra.items() if not r.passed()}
     if not extra:
         variant_cell = "-"
@@ -649,6 +680,8 @@ def row(model_type: str) -> str:
         variant_cell = "pass: " + ", ".join(extra)
     else:
         variant_cell = "; ".join(f"{v}: {reason}" for v, reason in failed.items()).replace("|", "/")
+    if unsupported:  # named, so a reader sees the variant was tried
+        variant_cell += " (n/a, one process fails too: " + ", ".join(unsupported) + ")"
     grad = _gradient_cell([base, *extra.values()])
     seconds = math.ceil(time.perf_counter() - start)
     return f"| {model_type} | " + " | ".join(cells) + f" | {variant_cell} | {grad} | {seconds} |"

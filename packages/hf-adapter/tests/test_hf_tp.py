@@ -54,3 +54,36 @@ def test_fsdp_units_embed_layers_then_norm_and_head():
     assert units[0] is model.model.embed_tokens
     assert units[1:3] == list(model.model.layers)
     assert units[3] == [model.model.norm, model.lm_head]
+
+
+def _mla_without_q_lora() -> list[str]:
+    import hf_sweep as S
+
+    return [a for a in sorted(S.sweep_archs()) if "mla_without_q_lora" in S.variants(a)]
+
+
+def test_mla_query_without_q_lora_is_sharded_like_q_b_proj():
+    """Every MLA architecture that can drop q-LoRA: ``q_proj`` is sharded exactly like the keys and values.
+
+    Where the plan shards the attention (``kv_b_proj`` colwise) the single ``q_proj`` is colwise;
+    where it does not (Bailing-hybrid plans only the MLP) it stays unsharded.
+
+    GLM-4-MoE-Lite's plan (transformers 5.24) names only ``q_b_proj``; left replicated, ``q_proj``
+    made every head while keys and values held this rank's (a shape error at dp2 x tp2).
+    """
+    import hf_sweep as S
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    archs = _mla_without_q_lora()
+    assert {"deepseek_v2", "glm4_moe_lite"} <= set(archs), archs
+    for arch in archs:
+        config = S.tiny_config(arch, q_lora_rank=None)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        plan = resolve_tp_plan(model)
+        queries = [n for n, _ in model.named_modules() if n.endswith("self_attn.q_proj")]
+        assert queries, arch
+        for q in queries:
+            kv = plan.get(q.replace("q_proj", "kv_b_proj"))
+            assert plan.get(q) == kv or (kv is None and plan.get(q) == "replicated_with_grad_allreduce"), (arch, q)

@@ -149,6 +149,7 @@ def resolve_tp_plan(model: nn.Module, plan: str | Mapping[str, Any] = "auto") ->
                 f"{type(model).__name__} declares no TP plan (model.tp_plan is empty); pass an explicit "
                 "tp_plan={'pattern': 'colwise'|'rowwise'|...} or set tp=1"
             )
+        plan = _with_mla_query(plan)
     names = [name for name, _ in model.named_modules() if name]
     names += [name for name, _ in model.named_parameters(remove_duplicate=False)]
     out: dict[str, Any] = {}
@@ -173,6 +174,24 @@ def resolve_tp_plan(model: nn.Module, plan: str | Mapping[str, Any] = "auto") ->
     if auto:
         _fix_packed_experts(out)
         _fix_dynamic_mask_attention(model, out)
+    return out
+
+
+def _with_mla_query(plan: dict[str, Any]) -> dict[str, Any]:
+    """MLA without q-LoRA: ``q_proj`` is planned like the ``q_b_proj`` it replaces.
+
+    MLA attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, Dots, MiniCPM3) computes the query as
+    ``q_b_proj(q_a_layernorm(q_a_proj(x)))``, or, when the config sets ``q_lora_rank: null``
+    (DeepSeek-V2-Lite publishes it so), as one ``q_proj(x)`` with the same output heads. Some
+    models' plans (GLM-4-MoE-Lite, Dots in transformers 5.24) name only ``q_b_proj``: an
+    unplanned ``q_proj`` would stay replicated and produce every head while the keys and values
+    hold this rank's heads (``a and b must have same reduction dim``). It gets ``q_b_proj``'s style.
+    """
+    out = dict(plan)
+    for pattern, style in plan.items():
+        head, dot, name = pattern.rpartition(".")
+        if name == "q_b_proj" and style == "colwise":
+            out.setdefault(f"{head}{dot}q_proj", style)
     return out
 
 
