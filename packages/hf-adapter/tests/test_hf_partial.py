@@ -1,4 +1,4 @@
-"""``_partial``: which replicated parameters' gradients are all-reduced over tp, read from the data flow.
+"""The partial-gradient rule (``shardbridge_hf._styles``): which replicated parameters' gradients are all-reduced over tp, read from the data flow.
 
 One block holds the three cases of [Note: partial gradients over tp] side by side (a per-head
 norm on a colwise layer's local heads; a norm between a replicated projection and a colwise

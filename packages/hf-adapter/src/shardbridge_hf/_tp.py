@@ -77,7 +77,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardbridge_hf import _styles
-from shardbridge_hf._partial import ReplicatedGradParallel, install_decider
+from shardbridge_hf._styles import ReplicatedGradParallel, install_decider
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
