@@ -37,7 +37,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 FULL = os.environ.get("SHARDBRIDGE_TRUST") == "all"
 SETTINGS = settings(
-    max_examples=2000 if FULL else 100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=1000 if FULL else 15, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 KEY = "model.layers.0.mlp.up_proj.weight"
 
@@ -85,8 +85,13 @@ def _boxes(size, mesh, placements, chunk_of) -> list[tuple[tuple[int, ...], tupl
 
 
 def _mutants(size, boxes):
-    """One-chunk edits: shift by +-1 (same volume: the old volume sum passes), shrink, grow, duplicate, drop."""
-    for i, (offsets, sizes) in enumerate(boxes):
+    """One-chunk edits: shift by +-1 (same volume: the old volume sum passes), shrink, grow, duplicate, drop.
+
+    Every chunk with ``SHARDBRIDGE_TRUST=all``; else the first, a middle and the last one.
+    """
+    picked = range(len(boxes)) if FULL else sorted({0, len(boxes) // 2, len(boxes) - 1} & set(range(len(boxes))))
+    for i in picked:
+        offsets, sizes = boxes[i]
         rest = boxes[:i] + boxes[i + 1 :]
         for d in range(len(size)):
             for step in (-1, 1):
@@ -171,7 +176,7 @@ def test_overlap_with_equal_volume_is_refused(tmp_path):
         read_metadata(_write(tmp_path, size, boxes), data_files=False)
 
 
-@settings(max_examples=3000 if FULL else 300, deadline=None)
+@settings(max_examples=3000 if FULL else 60, deadline=None)
 @given(
     st.lists(st.integers(1, 4), min_size=1, max_size=3).flatmap(
         lambda size: st.tuples(
