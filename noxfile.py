@@ -113,8 +113,8 @@ def faults(session):
 
 @nox.session(python="3.11")
 def trust(session):
-    """Every generated hostile input (docs/checkpoints.md, Threat model): chunk coverage for 20x the
-    layouts, every writer x file x link/overwrite case, config-vs-tensor mutants of convert, the HF
+    """Every generated hostile input (docs/checkpoints.md, Threat model): chunk coverage with every chunk mutated and
+    ~60x the layouts, every writer x file x link/overwrite case, convert config-vs-tensor mutants, the HF
     file-selection oracle; CI runs a slice."""
     _install(session, "all,test")
     env = {**ENV, "SHARDBRIDGE_TRUST": "all"}
