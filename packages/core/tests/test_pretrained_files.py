@@ -35,7 +35,7 @@ def saved(tmp_path_factory):
     """A's one file, B's shards + index (several shards), saved by transformers."""
     root = tmp_path_factory.mktemp("saved")
     _model(1).save_pretrained(root / "a")
-    _model(2).save_pretrained(root / "b", max_shard_size="20KB")
+    _model(2).save_pretrained(root / "b", max_shard_size="4KB")
     assert (root / "a" / SINGLE_FILE_NAME).is_file() and (root / "b" / INDEX_NAME).is_file()
     return root
 

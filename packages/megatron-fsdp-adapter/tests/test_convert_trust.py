@@ -10,7 +10,6 @@ fsdp_dtensor source comes out as its one line, not DCP's ``CheckpointException``
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest

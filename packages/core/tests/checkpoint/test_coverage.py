@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from shardbridge.checkpoint.storage._coverage import coverage_fault
 from shardbridge.checkpoint.storage._trust import UntrustedCheckpointError, read_metadata
 from shardbridge.layout import fsdp_chunk, fsdp_placements, local_chunk
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -31,7 +32,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 

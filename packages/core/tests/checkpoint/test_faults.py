@@ -299,7 +299,8 @@ def test_kill_at_random_points_of_a_save_loop(tmp_path, world, mode):
         root.mkdir(parents=True)
         choices = ["all", "rank 0", "rank 1"] if world == 2 else [f"rank {r}" for r in range(world)]
         which = rng.choice(choices) if world > 1 else "all"
-        victims = (lambda n: range(n)) if which == "all" else (lambda n, r=int(which.split()[1]): [r])
+        victim = None if which == "all" else int(which.split()[1])
+        victims = (lambda n: range(n)) if victim is None else (lambda n, r=victim: [r])
         results = _run(
             {"mode": "loop", "root": str(root), "overwrite": overwrite, "pg_timeout": 15, "async": mode == "async"},
             world=world,
