@@ -60,9 +60,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from shardbridge.checkpoint._inspect import natural_key
 from shardbridge.checkpoint.state._state import MODEL_KEY
 from shardbridge.checkpoint.storage._backend import Stored
+from shardbridge.checkpoint.storage._destination import check_destination
 from shardbridge.checkpoint.storage._integrity import _log_unverified, check_files, damage_message
 from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
-from shardbridge.checkpoint.storage._destination import check_destination
 from shardbridge.checkpoint.storage._manifest import FILES_SINCE_VERSION, Manifest, write_file_durably
 from shardbridge.checkpoint.storage._read import EXPORT_IN_PLACE_MIN_BYTES, read_box_into
 from shardbridge.checkpoint.storage._reader import TrustedReader
