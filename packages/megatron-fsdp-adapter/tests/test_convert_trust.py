@@ -54,7 +54,7 @@ def _mutants(keys):
         yield f"int32 {key}", key, lambda t, k=key: t.__setitem__(k, t[k].to(torch.int32))
         yield f"one more row {key}", key, lambda t, k=key: t.__setitem__(k, torch.cat([t[k], t[k][:1]]))
     yield "a layer beyond num_hidden_layers", "model.layers.2.", lambda t: t.__setitem__(
-        "model.layers.2.input_layernorm.weight", t["model.layers.0.input_layernorm.weight"]
+        "model.layers.2.input_layernorm.weight", t["model.layers.0.input_layernorm.weight"].clone()
     )
 
 

@@ -258,7 +258,10 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
     _merge_accelerate_fp8(cluster.fp8_config or {}, block, where)
     _merge_accelerate_fsdp(_fsdp(cluster), block, where)
     dims = _dims(cluster, where)
-    config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
+    try:
+        config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
+    except ValueError as e:  # the block's own checks name the key; say which file it is in
+        raise ValueError(f"{where}: {e}") from None
     return LaunchPlan(config=config, dims=dims, num_processes=cluster.num_processes)
 
 
