@@ -112,6 +112,21 @@ def faults(session):
 
 
 @nox.session(python="3.11")
+def trust(session):
+    """Every generated hostile input (docs/checkpoints.md, Threat model): chunk coverage with every chunk mutated and
+    ~60x the layouts, every writer x file x link/overwrite case, convert config-vs-tensor mutants, the HF
+    file-selection oracle; CI runs a slice."""
+    _install(session, "all,test")
+    env = {**ENV, "SHARDBRIDGE_TRUST": "all"}
+    session.run(
+        "python", "-m", "pytest", "packages/core/tests/checkpoint/test_coverage.py",
+        "packages/core/tests/checkpoint/test_trust.py", "packages/core/tests/test_pretrained_files.py",
+        "packages/megatron-fsdp-adapter/tests/test_convert_trust.py", "integration_tests/test_trust_writers.py",
+        *session.posargs, env=env,
+    )
+
+
+@nox.session(python="3.11")
 def s3(session):
     """Checkpoints on S3 against moto's real server: the default slice plus the whole fault matrix
     (kill -9 mid-upload, the server stopped mid-save, at random points; docs/checkpoints.md, Reliability)."""

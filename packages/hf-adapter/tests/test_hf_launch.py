@@ -99,6 +99,11 @@ _FP8_LINE = "    fp8: {backend: torchao, recipe: tensorwise}"
         ("num_processes: 4", "num_processes: 0", r"num_processes=0 must be an int >= 1"),
         ("num_processes: 4", "num_processes: four", r"num_processes='four' must be an int >= 1"),
         ("use_cpu: true", "use_cpu: maybe", r"use_cpu='maybe' must be true or false"),
+        ("num_processes: 4", "num_processes: 4\nnum_machines: 0", r"num_machines=0 must be an int >= 1"),
+        ("num_processes: 4", "num_processes: 4\nnum_machines: two", r"num_machines='two' must be an int >= 1"),
+        ("num_processes: 4", "num_processes: 4\nmain_process_port: -1", r"main_process_port=-1 must be a TCP port in 1\.\.65535"),
+        ("num_processes: 4", "num_processes: 4\nmain_process_port: 70000", r"main_process_port=70000 must be a TCP port"),
+        ("num_processes: 4", "num_processes: 4\nmain_process_port: http", r"main_process_port='http' must be a TCP port"),
         # blocks of the wrong type
         (None, H.ACCELERATE_YAML.split("fsdp_config:")[0] + "fsdp_config: 3\n", r"fsdp_config must be a mapping, got 3"),
         (None, H.ACCELERATE_YAML.split("parallelism_config:")[0] + "parallelism_config: hi\n",
@@ -367,3 +372,59 @@ def test_fp8_backend_that_cannot_import_here_is_refused_before_any_process_start
         assert len(err.splitlines()) == 1, err
         assert "fsdp_config.shardbridge.fp8.backend='te' cannot run here:" in err, err
         assert '"transformer_engine[pytorch]' in err and 'pip install -e ".[te]"' in err, err
+
+
+# -- generated hostile values: every key of the file x every kind of wrong value (issue 28) -------
+
+_HOSTILE_VALUES = {
+    "null": "null",
+    "list": "[1, 2]",
+    "mapping": "{a: 1}",
+    "negative": "-1",
+    "huge": "1" + "0" * 30,
+    "text": "'%s'" % ("x" * 40),
+    "recursive": "&loop [*loop]",
+    "float": "2.5",
+}
+_KEYS = [line.split(":")[0] for line in H.ACCELERATE_YAML.splitlines() if line and not line.startswith(" ")]
+_NESTED = [
+    ("  fsdp_version: 2", "  fsdp_version"),
+    ("    precision: bf16", "    precision"),
+    ("  parallelism_config_tp_size: 2", "  parallelism_config_tp_size"),
+]
+
+
+def _hostile_files():
+    lines = H.ACCELERATE_YAML.splitlines()
+    for key in _KEYS:
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{key}:"))
+        end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+        for kind, value in _HOSTILE_VALUES.items():
+            yield f"{key}={kind}", "\n".join(lines[:start] + [f"{key}: {value}"] + lines[end:]) + "\n"
+    for line, key in _NESTED:
+        for kind, value in _HOSTILE_VALUES.items():
+            yield f"{key.strip()}={kind}", H.ACCELERATE_YAML.replace(line, f"{key}: {value}")
+    for extra in ("num_machines", "main_process_port", "machine_rank"):
+        for kind, value in _HOSTILE_VALUES.items():
+            yield f"{extra}={kind}", H.ACCELERATE_YAML + f"{extra}: {value}\n"
+
+
+def test_every_hostile_yaml_value_is_one_line_naming_the_file(tmp_path, capsys):
+    """The launcher on each generated file: it starts nothing it was not told, or exits 2 with one
+    line naming the file; never a traceback, and never '(unexpected ...)'."""
+    tried, refused, accepted = 0, 0, []
+    for n, (what, text) in enumerate(_hostile_files()):
+        path = tmp_path / f"cfg{n}.yaml"
+        path.write_text(text)
+        try:
+            read_config_file(path)
+        except (ValueError, NotImplementedError) as err:
+            message = str(err)
+            assert str(path) in message and "unexpected" not in message, f"{what}: {message}"
+            refused += 1
+        else:
+            accepted.append(what)
+        tried += 1
+    # accepted: values Accelerate reads as valid of their kind (e.g. a float-typed key given 2.5)
+    assert refused >= tried - len(accepted) and tried == refused + len(accepted)
+    print(f"\n[launch yaml] {tried} hostile files: {refused} refused by name, accepted: {accepted}")

@@ -35,6 +35,22 @@ missing and unexpected keys, shapes and dtypes; each error names the key and the
 read executes code: the index is JSON, safetensors headers are JSON, data is raw bytes.
 
 Why not DCP's ``HuggingFaceStorageReader``: see docs/hf.md "Pretrained weights".
+
+[Note: file selection]
+~~~~~~~~~~~~~~~~~~~~~~
+One folder, one model: shardbridge reads the files ``from_pretrained`` reads, in transformers'
+order (5.24, ``modeling_utils._get_resolved_checkpoint_files``, local folder)::
+
+    config.json "transformers_weights": NAME     -> NAME (a .safetensors or an index)
+    model.safetensors                            -> that one file; an index beside it is ignored
+    model.safetensors.index.json                 -> the shards it names (all must exist)
+
+So a folder holding both files loads ``model.safetensors`` everywhere, and an index left over
+beside it, naming deleted shards, is not read (``from_pretrained`` loads that folder too).
+Before, shardbridge read the index first: two different models from one folder, no warning.
+``*.bin`` pickles are never read (they would run code). :func:`weights_file` is the one
+place that decides; :func:`read_index`, :func:`load_pretrained`, the hf adapter and
+``shardbridge ckpt convert`` all go through it.
 """
 
 from __future__ import annotations
@@ -55,7 +71,7 @@ from shardbridge._fused import FusedSpec, fused_params, split_local
 from shardbridge.checkpoint.state._components import component_fqn, fused_tp_size
 from shardbridge.checkpoint.state._repair import _multi_box_pieces, describe
 
-__all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "PretrainedReport", "load_pretrained", "read_index"]
+__all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "PretrainedReport", "load_pretrained", "read_index", "weights_file"]
 
 INDEX_NAME = "model.safetensors.index.json"
 """The index ``save_pretrained`` writes beside sharded safetensors files."""
@@ -158,12 +174,65 @@ def _read_headers(files: Iterable[Path]) -> dict[Path, dict[str, _Entry]]:
     return out
 
 
+def weights_file(path: str | os.PathLike[str]) -> Path | None:
+    """The weights file ``from_pretrained`` reads in a local folder: a ``.safetensors`` file or an index.
+
+    transformers' order (5.24, ``modeling_utils._get_resolved_checkpoint_files``; see [Note:
+    file selection]): the file config.json's ``transformers_weights`` names, else
+    ``model.safetensors``, else ``model.safetensors.index.json``. None when there is none.
+
+    Raises:
+        ValueError: config.json names a weights file that is not a plain ``*.safetensors`` /
+            ``*.safetensors.index.json`` name inside the folder, or that file is missing.
+
+    Example:
+        >>> weights_file("/no/such/folder") is None
+        True
+    """
+    folder = Path(path)
+    explicit = _explicit_weights_name(folder)
+    if explicit is not None:
+        chosen = folder / explicit
+        if not chosen.is_file():
+            raise ValueError(
+                f"{folder / 'config.json'} names transformers_weights {explicit!r}, which is not a file in {folder}; "
+                "the folder is incomplete (from_pretrained cannot load it either)"
+            )
+        return chosen
+    for name in (SINGLE_FILE_NAME, INDEX_NAME):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def _explicit_weights_name(folder: Path) -> str | None:
+    """config.json's ``transformers_weights`` (what from_pretrained loads instead of the default names)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # no readable config: the default names (the model's config comes from elsewhere)
+    name = config.get("transformers_weights") if isinstance(config, dict) else None
+    if name is None:
+        return None
+    if (
+        not isinstance(name, str)
+        or name != os.path.basename(name)
+        or not (name.endswith(".safetensors") or name.endswith(".safetensors.index.json"))
+    ):
+        raise ValueError(
+            f"{folder / 'config.json'}: transformers_weights={name!r} must be a plain '*.safetensors' or "
+            "'*.safetensors.index.json' file name inside the folder; fix config.json"
+        )
+    return name
+
+
 def read_index(path: str | os.PathLike[str]) -> dict[str, tuple[Path, tuple[int, ...], torch.dtype]]:
     """Every tensor of a ``from_pretrained`` folder: ``{key: (file, shape, dtype)}``, headers only.
 
-    Reads ``model.safetensors.index.json`` (sharded) or ``model.safetensors`` (one file). The
-    index must name plain file names inside the folder, and every key it lists must be in the
-    file it names.
+    Reads the files ``from_pretrained`` reads, in its order (see [Note: file selection]):
+    ``model.safetensors`` (one file) if present, else ``model.safetensors.index.json`` (sharded).
+    The index must name plain file names inside the folder, and every key it lists must be in
+    the file it names.
 
     Raises:
         ValueError: no index or single file, a malformed index, a file outside the folder, or a
@@ -174,8 +243,11 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, tuple[Path, tuple[int,
         (PosixPath('Llama-3.2-1B/model.safetensors'), (2048,), torch.bfloat16)
     """
     folder = Path(path)
-    index_path, single = folder / INDEX_NAME, folder / SINGLE_FILE_NAME
-    if index_path.is_file():
+    chosen = weights_file(folder)
+    if chosen is not None and not chosen.name.endswith(".index.json"):
+        return {k: (e.file, e.shape, e.dtype) for k, e in _read_headers([chosen])[chosen].items()}
+    if chosen is not None:
+        index_path = chosen
         try:
             index = json.loads(index_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -197,8 +269,6 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, tuple[Path, tuple[int,
                 )
             out[key] = (entry.file, entry.shape, entry.dtype)
         return out
-    if single.is_file():
-        return {k: (e.file, e.shape, e.dtype) for k, e in _read_headers([single])[single].items()}
     if not Path(folder).exists():
         raise FileNotFoundError(f"{folder} does not exist; pass the folder written by save_pretrained")
     if not Path(folder).is_dir():

@@ -281,6 +281,7 @@ def _killer(delay: float, victims):
         pytest.param(2, "sync", id="2-sync"),
         pytest.param(1, "async", id="1-async"),
         pytest.param(2, "async", id="2-async"),
+        pytest.param(3, "async", id="3-async"),
     ],
 )
 def test_kill_at_random_points_of_a_save_loop(tmp_path, world, mode):
@@ -290,13 +291,16 @@ def test_kill_at_random_points_of_a_save_loop(tmp_path, world, mode):
     kill mostly lands in the writer thread ([Note: async save] in ``_async.py``)."""
     rng = random.Random(1234 + world + (10 if mode == "async" else 0))
     trials = ((8 if world == 1 else 6) if mode == "sync" else (6 if world == 1 else 3)) * SCALE
+    # 3 ranks: kill -9 of ONE rank (any of them) with async saves in flight on every rank.
     test = f"kill -9 at random points ({world} rank(s), {mode} saves)"
     for trial in range(trials):
         overwrite = trial % 2 == 1
         root = tmp_path / f"t{trial}" / "ckpt"
         root.mkdir(parents=True)
-        which = rng.choice(["all", "rank 0", "rank 1"]) if world > 1 else "all"
-        victims = {"all": lambda n: range(n), "rank 0": lambda n: [0], "rank 1": lambda n: [1]}[which]
+        choices = ["all", "rank 0", "rank 1"] if world == 2 else [f"rank {r}" for r in range(world)]
+        which = rng.choice(choices) if world > 1 else "all"
+        victim = None if which == "all" else int(which.split()[1])
+        victims = (lambda n: range(n)) if victim is None else (lambda n, r=victim: [r])
         results = _run(
             {"mode": "loop", "root": str(root), "overwrite": overwrite, "pg_timeout": 15, "async": mode == "async"},
             world=world,
@@ -562,12 +566,13 @@ def test_old_code_loaded_a_flipped_byte_silently(tmp_path):
 # --- 6. two jobs racing into one root --------------------------------------------------------
 
 
-@pytest.mark.parametrize("same_name", [False, True])
-def test_two_jobs_racing_into_one_root(tmp_path, same_name):
-    """Job A pauses between writing its files and committing; job B (a new process, started
+@pytest.mark.parametrize("world", [1, 2], ids=["1-rank-jobs", "2-rank-jobs"])
+@pytest.mark.parametrize("same_name", [False, True], ids=["other-step", "same-step"])
+def test_two_jobs_racing_into_one_root(tmp_path, same_name, world):
+    """Job A pauses between writing its files and committing; job B (a new process group, started
     after A's temporary directory was last modified) saves into the same root, which runs
     recovery. A's directory is left alone; A then commits (different names), or fails with a
-    clear error because B created its name first (same name)."""
+    clear error because B created its name first (same name). ``world=2``: each job is 2 ranks."""
     root = tmp_path / "ckpt"
     root.mkdir()
     _save(root, 1, 1.0)
@@ -577,23 +582,24 @@ def test_two_jobs_racing_into_one_root(tmp_path, same_name):
         _wait_for(out / "paused")
         time.sleep(0.05)
         step_b = 2 if same_name else 3
-        result_b = _run({"mode": "once", "root": str(root), "step": step_b, "value": 3.0})[0]
-        assert result_b["ok"], result_b
+        results_b = _run({"mode": "once", "root": str(root), "step": step_b, "value": 3.0}, world=world)
+        assert all(r["ok"] for r in results_b), results_b
         (out / "go").touch()
-        result_a["b"] = result_b
+        result_a["b"] = results_b
 
-    results = _run({"mode": "once", "root": str(root), "step": 2, "value": 2.0, "pause": True}, kill=run_b)
+    args = {"mode": "once", "root": str(root), "step": 2, "value": 2.0, "pause": True}
+    results = _run(args, kill=run_b, world=world)
     if same_name:
         assert not results[0]["ok"] and "created by another process" in results[0]["error"], results
+        assert all(not r["ok"] and r.get("error") for r in results), results  # every rank of A: a clear error
         allowed = {"step-00000002": {3.0}}
         label = "A raised FileExistsError, B's checkpoint kept"
     else:
-        assert results[0]["ok"], results
+        assert all(r["ok"] for r in results), results
         assert ck.verify(ck.step_dir(root, 2)).ok and _loaded_value(ck.step_dir(root, 2)) == 2.0
         allowed = {"step-00000003": {3.0}}
         label = "both committed"
     assert _hidden(root) == []
     assert _check_root(root, allowed) == "nothing left over"
-    _record("two jobs in one root", label)
-    if same_name:
-        _report("two jobs in one root")
+    _record(f"two jobs in one root ({world} rank(s) each)", label)
+    _report(f"two jobs in one root ({world} rank(s) each)")

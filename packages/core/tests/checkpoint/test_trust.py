@@ -388,6 +388,23 @@ def test_inspect_and_export_refuse_a_linked_file(good, tmp_path, name):
     assert not (tmp_path / "hf").exists()
 
 
+def test_load_latest_and_verify_refuse_a_linked_manifest(good, tmp_path, caplog):
+    """``shardbridge.json`` as a link (to a copy of itself outside) is refused by every reader.
+
+    Before: load, latest and verify read through it (the same data: they succeeded).
+    """
+    _link_out(good, "shardbridge.json", tmp_path)
+    refused = r"shardbridge\.json is a symbolic link \(to '.*elsewhere.*'\).*not reading through it"
+    with pytest.raises(ValueError, match=refused):
+        _load_with_optimizer(good)
+    for checksums in (True, False):
+        with pytest.raises(ValueError, match=refused):
+            ck.verify(good, checksums=checksums)
+    with caplog.at_level("WARNING"):
+        assert ck.latest(good.parent) is None
+    assert re.search(rf"skipping {re.escape(str(good))}: .*{refused}", caplog.text)
+
+
 @pytest.mark.parametrize(
     ("payload", "match"),
     [

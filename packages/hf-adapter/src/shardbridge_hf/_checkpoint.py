@@ -188,6 +188,7 @@ def export_pretrained(
         >>> AutoModelForCausalLM.from_pretrained("hf_out")  # doctest: +SKIP
     """
     out = Path(out_dir)
+    checkpoint.check_destination(out, ["config.json"], overwrite=overwrite)  # [Note: writer destinations]
     if config is None:
         info = checkpoint.inspect(checkpoint_dir)
         recorded = (info.extra or {}).get(_EXTRA_KEY, {}).get("model_config")
@@ -209,7 +210,8 @@ def export_pretrained(
     )
     if dtype is not None:
         config.dtype = str(dtype).replace("torch.", "")
-    config.save_pretrained(out)
+    # What config.save_pretrained writes (to_json_file(use_diff=True)), never through a link.
+    checkpoint.write_file(out / "config.json", config.to_json_string(use_diff=True).encode("utf-8"))
     return out
 
 

@@ -209,6 +209,10 @@ _CHECKS: tuple[_Check, ...] = (
     _Check(lambda c: c.num_processes, _is_int_at_least_1,
            lambda v: f"num_processes={v!r} must be an int >= 1, the total process count"
                      + (" (it is not set: add num_processes: N)" if v == -1 else "")),
+    _Check(lambda c: getattr(c, "num_machines", 1), _is_int_at_least_1,
+           lambda v: f"num_machines={v!r} must be an int >= 1, the number of machines (1: this one)"),
+    _Check(lambda c: getattr(c, "main_process_port", None), lambda v: v is None or (type(v) is int and 1 <= v <= 65535),
+           lambda v: f"main_process_port={v!r} must be a TCP port in 1..65535 (or unset: Accelerate's default 29500)"),
     _Check(_unknown_axes, lambda v: not v,
            lambda v: f"{v[0][0]}={v[0][1]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key",
            NotImplementedError),
@@ -254,7 +258,10 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
     _merge_accelerate_fp8(cluster.fp8_config or {}, block, where)
     _merge_accelerate_fsdp(_fsdp(cluster), block, where)
     dims = _dims(cluster, where)
-    config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
+    try:
+        config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
+    except ValueError as e:  # the block's own checks name the key; say which file it is in
+        raise ValueError(f"{where}: {e}") from None
     return LaunchPlan(config=config, dims=dims, num_processes=cluster.num_processes)
 
 

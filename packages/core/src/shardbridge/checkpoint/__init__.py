@@ -41,7 +41,13 @@ keeps every step symmetric across ranks ([Note: symmetric errors]).
 Public: the names in ``__all__``. Readers of DCP
 directories that shardbridge did not write (the megatron adapter's Megatron-LM ``fsdp_dtensor``
 reader) use the same no-code-runs reading: :func:`read_metadata`, :class:`TrustedReader`,
-:func:`check_no_links` (see [Note: untrusted checkpoints] in ``storage/_trust.py``).
+:func:`check_no_links`, and :func:`raise_untrusted` around ``dcp.load`` (a refusal comes out as
+itself, not wrapped in DCP's ``CheckpointException``; see [Note: untrusted checkpoints] in
+``storage/_trust.py``). Writers of
+other formats (``ckpt convert``, the hf adapter's ``export_pretrained``) hold the same line as
+``export_safetensors``: :func:`check_destination` before anything is written, :func:`write_file`
+for each file (never through a link, never over a file without ``overwrite``: [Note: writer
+destinations] in ``storage/_destination.py``).
 """
 
 from shardbridge.checkpoint._async import AsyncSave, wait
@@ -52,9 +58,15 @@ from shardbridge.checkpoint._save import save
 from shardbridge.checkpoint.state._provider import StateDictProvider
 from shardbridge.checkpoint.state._state import component_fqn
 from shardbridge.checkpoint.storage._catalog import latest, step_dir
+from shardbridge.checkpoint.storage._destination import check_destination, write_file
 from shardbridge.checkpoint.storage._integrity import FileProblem, VerifyReport, verify
 from shardbridge.checkpoint.storage._reader import TrustedReader
-from shardbridge.checkpoint.storage._trust import UntrustedCheckpointError, check_no_links, read_metadata
+from shardbridge.checkpoint.storage._trust import (
+    UntrustedCheckpointError,
+    check_no_links,
+    raise_untrusted,
+    read_metadata,
+)
 
 __all__ = [
     "AsyncSave",
@@ -67,6 +79,7 @@ __all__ = [
     "TrustedReader",
     "UntrustedCheckpointError",
     "VerifyReport",
+    "check_destination",
     "check_no_links",
     "component_fqn",
     "export_safetensors",
@@ -75,9 +88,11 @@ __all__ = [
     "load",
     "load_latest",
     "parse_size",
+    "raise_untrusted",
     "read_metadata",
     "save",
     "step_dir",
     "verify",
     "wait",
+    "write_file",
 ]

@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from shardbridge.checkpoint._inspect import natural_key
 from shardbridge.checkpoint.state._state import MODEL_KEY
 from shardbridge.checkpoint.storage._backend import Stored
+from shardbridge.checkpoint.storage._destination import check_destination
 from shardbridge.checkpoint.storage._integrity import _log_unverified, check_files, damage_message
 from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
 from shardbridge.checkpoint.storage._manifest import FILES_SINCE_VERSION, Manifest, write_file_durably
@@ -410,9 +411,13 @@ def _check_out_dir(out_dir: str | os.PathLike[str], *, overwrite: bool) -> Locat
         # Path("") is the current directory: never a silent default for where files go.
         raise ValueError(f"out_dir={out_dir!r} is empty; pass the folder to write the safetensors into")
     out = locate(out_dir, what="out_dir")
+    if not out.backend.remote:
+        check_destination(out.path, [], overwrite=overwrite)  # out_dir itself a link: [Note: writer destinations]
     if out.backend.kind(out.path) != "dir":
         return out
     names = _top_names(out)
+    if not out.backend.remote:  # a link among the files an export replaces: refused, even with overwrite
+        check_destination(out.path, [n for n in names if _OWN_FILE.fullmatch(n)], overwrite=True)
     if names and not overwrite:
         shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
         raise ValueError(

@@ -275,6 +275,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def prepare_out(out: Path, *, keep: bool) -> None:
     """Make ``out`` ready for a demo run, or ValueError (see [Note: demo output])."""
+    from shardbridge.checkpoint import check_destination, write_file
+
+    # --out or its marker a link: refused, never written through ([Note: writer destinations]).
+    check_destination(out, [_MARKER], overwrite=True, flag=None)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; pass a new or empty directory")
     if out.is_dir() and any(out.iterdir()) and not (out / _MARKER).is_file():
@@ -284,7 +288,7 @@ def prepare_out(out: Path, *, keep: bool) -> None:
         )
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / _MARKER).write_text("written by shardbridge demo; a rerun replaces the demo's outputs here\n")
+        write_file(out / _MARKER, b"written by shardbridge demo; a rerun replaces the demo's outputs here\n")
     except OSError as exc:
         raise ValueError(
             f"--out {str(out)!r} is not writable ({exc.strerror or exc}); choose another directory"

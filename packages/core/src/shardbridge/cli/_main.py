@@ -198,7 +198,7 @@ def _run_verb(name: str, argv: list[str], *, debug: bool = False) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    except Exception as err:  # noqa: BLE001 (one line, see [Note: CLI errors])
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 (one line, see [Note: CLI errors]; a BaseException)
         return _report(prog, err, None, debug=debug)
 
 
@@ -320,6 +320,8 @@ def _run_ckpt_export(args: argparse.Namespace) -> int:
             raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype; use e.g. bfloat16 or float32")
     path, verified = _resolve_export_checkpoint(args.path, checksums=not args.no_verify)
     recorded = _recorded_export(path)
+    # the recorded files too: a link refused, an existing file only with --overwrite ([Note: writer destinations])
+    checkpoint.check_destination(args.out_dir, list(recorded.get("files", {})), overwrite=args.overwrite)
     result = checkpoint.export_safetensors(
         path,
         args.out_dir,
@@ -331,7 +333,7 @@ def _run_ckpt_export(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     for name, content in recorded.get("files", {}).items():  # e.g. an adapter's config.json
-        # tmp + rename: with --overwrite, a link at that name is replaced, never written through
+        # tmp + rename: never written through a link (and a link there was refused above)
         text = json.dumps(content, indent=2, sort_keys=True) + "\n"
         write_beside(args.out_dir, name, text.encode("utf-8"))
     print(result)

@@ -33,6 +33,8 @@ from shardbridge_megatron_fsdp.mcore._hf import LlamaArch, hf_name, megatron_nam
 
 __all__ = ["cli_verb", "export_hf", "fsdp_dtensor_to_hf", "hf_to_checkpoint", "main"]
 
+_SINGLE_FILE = "model.safetensors"
+
 
 def export_hf(
     checkpoint: str | os.PathLike[str],
@@ -52,6 +54,7 @@ def export_hf(
     """
     from shardbridge import checkpoint as core
 
+    core.check_destination(out_dir, ["config.json"], overwrite=overwrite)  # [Note: writer destinations]
     info = core.inspect(checkpoint)
     shapes, unmapped = {}, []
     for t in info.tensors:
@@ -80,17 +83,22 @@ def fsdp_dtensor_to_hf(
     *,
     head_dim: int | None = None,
     dtype: torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Convert a Megatron-LM ``fsdp_dtensor`` checkpoint's model weights to a ``from_pretrained`` folder.
 
     ``head_dim`` defaults to hidden_size // num_attention_heads (Megatron's ``kv_channels``).
+    ``overwrite``: replace ``model.safetensors`` / ``config.json`` in ``out_dir`` (never through
+    a link); False refuses them by name.
     """
     from safetensors.torch import save_file
+    from shardbridge import checkpoint as core
     from shardbridge import split_fused
 
     from shardbridge_megatron_fsdp.mcore._fsdp_dtensor import read_fsdp_dtensor
     from shardbridge_megatron_fsdp.mcore._layout import MegatronQKVSpec
 
+    core.check_destination(out_dir, [_SINGLE_FILE, "config.json"], overwrite=overwrite)
     ckpt = read_fsdp_dtensor(checkpoint, optimizer=False)
     hidden = ckpt.model["embedding.word_embeddings.weight"].shape[1]
     head_dim = head_dim or hidden // arch.num_attention_heads
@@ -122,7 +130,11 @@ def fsdp_dtensor_to_hf(
             tensors[key] = (piece.to(dtype) if dtype is not None else piece).contiguous()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    core.check_destination(out, [_SINGLE_FILE, "config.json"], overwrite=overwrite)  # again: after the long read
+    tmp = out / f"{_SINGLE_FILE}.tmp"
+    tmp.unlink(missing_ok=True)  # never written through: [Note: writer destinations]
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / _SINGLE_FILE)
     write_hf_config(out, {k: tuple(v.shape) for k, v in tensors.items()}, arch, next(iter(tensors.values())).dtype)
     return out
 
@@ -133,6 +145,7 @@ def hf_to_checkpoint(
     arch: LlamaArch,
     *,
     hf_config: dict | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write a ``from_pretrained`` folder as a shardbridge checkpoint under Megatron-Core names.
 
@@ -148,7 +161,10 @@ def hf_to_checkpoint(
 
     from shardbridge_megatron_fsdp.mcore._layout import QKV_NAMES, SWIGLU_NAMES, MegatronQKVSpec
 
+    core.check_destination(out, [], overwrite=overwrite)  # DST a link: refused ([Note: writer destinations])
     index = read_index(folder)
+    if hf_config is not None:
+        _check_against_config(Path(folder), index, hf_config)
     flat: dict[str, torch.Tensor] = {}
     for key, (file, _, _) in index.items():
         name = megatron_name(key)
@@ -174,7 +190,86 @@ def hf_to_checkpoint(
         _set(root, f"{base}.linear_fc1.weight", torch.cat([gate, up]), spec, register_fused)
     for name, value in flat.items():
         _set(root, name, value, None, register_fused)
-    return core.save(out, model=root, extra={"hf_config": hf_config} if hf_config is not None else None)
+    extra = {"hf_config": hf_config} if hf_config is not None else None
+    return core.save(out, model=root, extra=extra, overwrite=overwrite)
+
+
+# [Note: config against tensors]
+# ``--to megatron`` refuses what ``load_pretrained`` / ``from_pretrained`` would not load as the
+# same model, before anything is written: a key the config's architecture needs and the folder
+# lacks (``lm_head.weight`` unless ``tie_word_embeddings``, a layer of ``num_hidden_layers``), a
+# key it does not know (a layer beyond it), a shape other than the config's, a non-floating
+# tensor (an int32 embedding would be cast to fp32 without a word), or a dtype other than the
+# config's ``dtype`` (``torch_dtype`` in transformers 4.x files).
+_LAYER_SHAPES = {  # per-layer key suffix -> shape from (hidden, heads * head_dim, kv_heads * head_dim, ffn)
+    "input_layernorm.weight": lambda h, q, kv, f: (h,),
+    "self_attn.q_proj.weight": lambda h, q, kv, f: (q, h),
+    "self_attn.k_proj.weight": lambda h, q, kv, f: (kv, h),
+    "self_attn.v_proj.weight": lambda h, q, kv, f: (kv, h),
+    "self_attn.o_proj.weight": lambda h, q, kv, f: (h, q),
+    "post_attention_layernorm.weight": lambda h, q, kv, f: (h,),
+    "mlp.gate_proj.weight": lambda h, q, kv, f: (f, h),
+    "mlp.up_proj.weight": lambda h, q, kv, f: (f, h),
+    "mlp.down_proj.weight": lambda h, q, kv, f: (h, f),
+}
+
+
+def _expected_shapes(config: dict, where: Path) -> dict[str, tuple[int, ...]]:
+    try:
+        hidden, vocab, ffn = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    except KeyError as e:
+        raise ValueError(f"{where / 'config.json'} has no {e.args[0]!r}; pass a LlamaForCausalLM config") from None
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(layers):
+        for suffix, shape in _LAYER_SHAPES.items():
+            shapes[f"model.layers.{i}.{suffix}"] = shape(hidden, heads * head_dim, kv * head_dim, ffn)
+        if config.get("attention_bias", False):
+            for proj, rows in (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim)):
+                shapes[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = (rows,)
+    return shapes
+
+
+def _check_against_config(folder: Path, index: dict, config: dict) -> None:
+    """See [Note: config against tensors]: ValueError naming the key, the file and the fix."""
+    expected = _expected_shapes(config, folder)
+    tied = config.get("tie_word_embeddings", False)
+    missing = sorted(set(expected) - set(index))
+    if missing:
+        why = " (config.json tie_word_embeddings is false: the output layer is its own tensor)" if (
+            missing[0] == "lm_head.weight") else ""  # fmt: skip
+        raise ValueError(
+            f"{folder}: config.json's architecture needs {missing[0]!r}{why}, which the folder lacks"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the folder is incomplete or its "
+            "config.json is not its own; nothing was written"
+        )
+    unknown = sorted(k for k in set(index) - set(expected) if not (tied and k == "lm_head.weight"))
+    if unknown:
+        raise ValueError(
+            f"{folder}: {unknown[0]!r} in {index[unknown[0]][0].name} is not part of config.json's architecture "
+            f"(num_hidden_layers={config['num_hidden_layers']}); fix config.json; nothing was written"
+        )
+    declared = config.get("dtype", config.get("torch_dtype"))
+    for key, (file, shape, dtype) in sorted(index.items()):
+        if key in expected and tuple(shape) != expected[key]:
+            raise ValueError(
+                f"{folder}: {key!r} in {file.name} has shape {tuple(shape)}, config.json says {expected[key]}; "
+                "fix config.json or the weights; nothing was written"
+            )
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"{folder}: {key!r} in {file.name} is {str(dtype).removeprefix('torch.')}, not a floating dtype; "
+                "Llama weights are floating point (convert the file); nothing was written"
+            )
+        if isinstance(getattr(torch, str(declared), None), torch.dtype) and declared != str(dtype).removeprefix("torch."):
+            raise ValueError(
+                f"{folder}: {key!r} in {file.name} is {str(dtype).removeprefix('torch.')}, config.json says "
+                f"dtype {declared!r}; fix config.json or cast the weights; nothing was written"
+            )
 
 
 def _set(root: nn.Module, fqn: str, value: torch.Tensor, spec, register_fused) -> None:
@@ -207,7 +302,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-position-embeddings", type=int, default=None,
                    help="max_sequence_length (default 4096, or the source's config)")  # fmt: skip
     p.add_argument("--dtype", default=None, help="cast floating tensors (--to hf), e.g. bfloat16")
-    p.add_argument("--overwrite", action="store_true", help="allow a non-empty DST (shardbridge source)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the files convert writes in an existing DST (never through a link)")  # fmt: skip
     return p
 
 
@@ -239,7 +335,7 @@ def main(argv: Sequence[str]) -> int:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype; e.g. bfloat16, float32")
     if args.to == "megatron":
-        out = hf_to_checkpoint(src, args.dst, arch, hf_config=stored)
+        out = hf_to_checkpoint(src, args.dst, arch, hf_config=stored, overwrite=args.overwrite)
     elif is_shardbridge:
         out = export_hf(src, args.dst, arch, dtype=dtype, overwrite=args.overwrite)
         if stored is not None:  # the source folder's own config.json, dtype updated
@@ -247,9 +343,9 @@ def main(argv: Sequence[str]) -> int:
             if dtype is not None:  # transformers 5 writes "dtype", 4.x "torch_dtype"
                 key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
                 config[key] = str(dtype).removeprefix("torch.")
-            (Path(out) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            core.write_file(Path(out) / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
     elif (src / ".metadata").is_file():
-        out = fsdp_dtensor_to_hf(src, args.dst, arch, head_dim=args.head_dim, dtype=dtype)
+        out = fsdp_dtensor_to_hf(src, args.dst, arch, head_dim=args.head_dim, dtype=dtype, overwrite=args.overwrite)
     else:
         raise ValueError(
             f"{src} is neither a shardbridge checkpoint (shardbridge.json) nor a DCP / fsdp_dtensor checkpoint "

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from shardbridge.checkpoint import TrustedReader, check_no_links, read_metadata
+from shardbridge.checkpoint import TrustedReader, check_no_links, raise_untrusted, read_metadata
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 __all__ = ["FsdpDTensorCheckpoint", "SwiGLUSplitError", "read_fsdp_dtensor"]
@@ -127,7 +127,8 @@ def read_fsdp_dtensor(path: str | os.PathLike[str], *, optimizer: bool = True) -
     # entries are kept and checked (the others may be the damaged states of the Note).
     md = read_metadata(path, select=lambda md: _wanted(path, md, optimizer=optimizer))
     buffers = {k: torch.empty(e.size, dtype=e.properties.dtype) for k, e in md.state_dict_metadata.items()}
-    dcp.load(buffers, storage_reader=TrustedReader(path, metadata=md), no_dist=True)
+    with raise_untrusted():  # a refused record: its one-line error, not DCP's CheckpointException
+        dcp.load(buffers, storage_reader=TrustedReader(path, metadata=md), no_dist=True)
     out = FsdpDTensorCheckpoint()
     for key, value in buffers.items():
         if (m := _MODEL.match(key)) and key.startswith("model."):

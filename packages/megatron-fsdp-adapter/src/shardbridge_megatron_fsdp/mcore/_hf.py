@@ -174,8 +174,10 @@ def write_hf_config(out_dir: str | os.PathLike[str], shapes: dict[str, tuple[int
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    from shardbridge.checkpoint import write_file
+
     path = Path(out_dir) / "config.json"
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    write_file(path, (json.dumps(config, indent=2) + "\n").encode())  # never through a link
     return path
 
 

@@ -523,8 +523,10 @@ class LocalBackend(Backend):
 
     @contextlib.contextmanager
     def writing(self, path: str) -> Iterator[BinaryIO]:
-        """``open(path, "wb")``; flushed and fsynced when the block ends."""
-        with open(path, "wb") as f:
+        """A new file ``path`` (an old one, or a link, is removed, never written through); fsynced at the end."""
+        Path(path).unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -57,11 +57,14 @@ import datetime
 import json
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import xxhash
+
+from shardbridge.checkpoint.storage._destination import write_file
 
 if TYPE_CHECKING:
     from shardbridge.checkpoint.storage._backend import Backend
@@ -369,6 +372,8 @@ def read_manifest(backend: Backend, path: str, *, need_metadata: bool = True) ->
     """
     shown = backend.uri(path)
     manifest_path = backend.join(path, MANIFEST_NAME)
+    if not backend.remote:
+        _refuse_linked_manifest(manifest_path, shown)
     try:
         text = backend.read_bytes(manifest_path).decode("utf-8", errors="replace")
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -393,6 +398,29 @@ def read_manifest(backend: Backend, path: str, *, need_metadata: bool = True) ->
     return manifest
 
 
+def _refuse_linked_manifest(manifest_path: str, shown: str) -> None:
+    """Never read the manifest through a symbolic link, nor open a FIFO (it would block).
+
+    The same line as ``check_no_links`` (inspect, export) draws for every file: shardbridge
+    writes a regular ``shardbridge.json``; a link may point at another checkpoint's manifest
+    (whose records then vouch for these files) or anywhere else.
+    """
+    try:
+        mode = os.lstat(manifest_path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return  # reported below, with what the path is instead
+    if stat.S_ISLNK(mode):
+        what = f"a symbolic link (to {os.readlink(manifest_path)!r})"
+    elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        what = "not a regular file"
+    else:
+        return
+    raise ValueError(
+        f"checkpoint {shown!r} is damaged: {MANIFEST_NAME} is {what}, which shardbridge never writes; not reading "
+        "through it: replace it with the real file"
+    )
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so that renames inside it are durable (POSIX; no-op elsewhere)."""
     try:
@@ -408,13 +436,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file, fsync, rename (atomic on POSIX)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` via a new temporary file (never through a link), fsync, rename (atomic on POSIX)."""
+    write_file(path, data)
 
 
 def write_manifest(checkpoint_dir: Path, manifest: Manifest) -> None:

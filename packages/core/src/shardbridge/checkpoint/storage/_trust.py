@@ -34,7 +34,8 @@ state) only applies to instances of the admitted dataclasses, never to a class, 
 cannot rewrite an admitted class for the rest of the process.
 
 After unpickling, the structure is checked as DCP itself would write it: every tensor's
-chunks lie inside it and their volumes add up to it (DCP's save-time rule), every chunk of
+chunks lie inside it and cover it exactly, each element once ([Note: exact chunk coverage];
+DCP's own save-time rule only adds up volumes), every chunk of
 every tensor and every bytes item has exactly one storage record (and every record a chunk or
 item), every item lives in a ``.distcp`` file of this directory (no ``/``, no ``..``) inside
 the file's size, items of one file do not overlap, no stream transforms (shardbridge writes
@@ -82,6 +83,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from shardbridge._compat import DCP_MEM_FORMAT_ENCODING, DCPStorageInfo, PyUnpickler, dcp_set_element
 from shardbridge.checkpoint.storage._backend import Stored
+from shardbridge.checkpoint.storage._coverage import coverage_fault
 
 # -- private upstream names: reached through shardbridge._compat ([Note: upstream internals]) --
 _set_element = dcp_set_element
@@ -359,6 +361,10 @@ def _check_tensor_entry(key: str, entry: TensorStorageMetadata, where: str) -> N
             where,
             f"gives {key!r} chunks of {volume} elements for a size {tuple(entry.size)} of {math.prod(entry.size)}",
         )
+    # Equal volumes do not rule out an overlap with a matching gap; see [Note: exact chunk coverage].
+    fault = coverage_fault(entry.size, [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks])
+    if fault is not None:
+        raise _refuse(where, f"gives {key!r} (size {tuple(entry.size)}) chunks that {fault}")
 
 
 def _check_storage(md: Metadata, stored: Stored | None, where: str) -> None:

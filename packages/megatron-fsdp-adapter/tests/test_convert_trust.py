@@ -1,0 +1,94 @@
+"""``shardbridge ckpt convert``: hostile sources refused in one line, exit 2 ([Note: config against tensors]).
+
+Generated over every tensor of a real ``save_pretrained`` folder: each key dropped, each key
+cast to int32, each key given one more row, and config.json's dtype contradicting the files:
+``--to megatron`` refuses each by name before writing anything (``load_pretrained`` and
+``from_pretrained`` do not load them as the same model). A refused tensor record in an
+fsdp_dtensor source comes out as its one line, not DCP's ``CheckpointException`` traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+from shardbridge.cli._main import main  # noqa: E402
+
+TIED = {"untied": False, "tied": True}
+
+
+@pytest.fixture(scope="module", params=list(TIED))
+def folder(request, tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=16, tie_word_embeddings=TIED[request.param],
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("hf") / request.param
+    transformers.LlamaForCausalLM(config).float().save_pretrained(path)
+    return path
+
+
+def _convert(src, dst, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["ckpt", "convert", str(src), str(dst), "--to", "megatron"])
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+def _mutant(folder, dst, change) -> None:
+    shutil.copytree(folder, dst)
+    tensors = load_file(dst / "model.safetensors")
+    change(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+def _mutants(keys):
+    for key in keys:
+        yield f"drop {key}", key, lambda t, k=key: t.pop(k)
+        yield f"int32 {key}", key, lambda t, k=key: t.__setitem__(k, t[k].to(torch.int32))
+        yield f"one more row {key}", key, lambda t, k=key: t.__setitem__(k, torch.cat([t[k], t[k][:1]]))
+    yield "a layer beyond num_hidden_layers", "model.layers.2.", lambda t: t.__setitem__(
+        "model.layers.2.input_layernorm.weight", t["model.layers.0.input_layernorm.weight"].clone()
+    )
+
+
+def test_the_source_folder_converts(folder, tmp_path, capsys):
+    assert _convert(folder, tmp_path / "mc", capsys) == (0, "")
+
+
+def test_every_tensor_contradicting_config_is_refused(folder, tmp_path, capsys):
+    keys = sorted(load_file(folder / "model.safetensors"))
+    tried = 0
+    for n, (what, key, change) in enumerate(_mutants(keys)):
+        src, dst = tmp_path / f"src{n}", tmp_path / f"dst{n}"
+        _mutant(folder, src, change)
+        rc, err = _convert(src, dst, capsys)
+        assert rc == 2 and len(err.splitlines()) == 1, f"{what}: exit {rc}: {err}"
+        assert key in err and str(src) in err, f"{what}: {err}"
+        assert not dst.exists(), f"{what}: something was written"
+        tried += 1
+    assert tried == 3 * len(keys) + 1
+
+
+def test_lm_head_missing_when_untied_names_the_setting(folder, tmp_path, capsys):
+    if json.loads((folder / "config.json").read_text())["tie_word_embeddings"]:
+        pytest.skip("tied: lm_head is the embedding")  # the untied param covers it
+    _mutant(folder, tmp_path / "src", lambda t: t.pop("lm_head.weight"))
+    rc, err = _convert(tmp_path / "src", tmp_path / "dst", capsys)
+    assert rc == 2 and "'lm_head.weight' (config.json tie_word_embeddings is false" in err, err
+
+
+def test_config_dtype_contradicting_the_files_is_refused(folder, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    rc, err = _convert(src, tmp_path / "dst", capsys)
+    assert rc == 2 and "is float32, config.json says dtype 'bfloat16'" in err, err
+    assert not (tmp_path / "dst").exists()
