@@ -211,6 +211,12 @@ _CHECKS: tuple[_Check, ...] = (
                      + (" (it is not set: add num_processes: N)" if v == -1 else "")),
     _Check(lambda c: getattr(c, "num_machines", 1), _is_int_at_least_1,
            lambda v: f"num_machines={v!r} must be an int >= 1, the number of machines (1: this one)"),
+    _Check(lambda c: (getattr(c, "machine_rank", 0), getattr(c, "num_machines", 1)),
+           lambda v: type(v[0]) is int and 0 <= v[0] < v[1],
+           lambda v: f"machine_rank={v[0]!r} must be an int in 0..num_machines-1 = 0..{v[1] - 1} (this machine's index)"),
+    _Check(lambda c: (c.num_processes, getattr(c, "num_machines", 1)), lambda v: v[0] % v[1] == 0,
+           lambda v: f"num_processes={v[0]} is not divisible by num_machines={v[1]}: num_processes is the total over "
+                     "all machines, the same number on each"),
     _Check(lambda c: getattr(c, "main_process_port", None), lambda v: v is None or (type(v) is int and 1 <= v <= 65535),
            lambda v: f"main_process_port={v!r} must be a TCP port in 1..65535 (or unset: Accelerate's default 29500)"),
     _Check(_unknown_axes, lambda v: not v,
