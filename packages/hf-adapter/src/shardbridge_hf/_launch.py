@@ -209,6 +209,9 @@ _CHECKS: tuple[_Check, ...] = (
     _Check(lambda c: c.num_processes, _is_int_at_least_1,
            lambda v: f"num_processes={v!r} must be an int >= 1, the total process count"
                      + (" (it is not set: add num_processes: N)" if v == -1 else "")),
+    _Check(lambda c: _parallelism(c).get("parallelism_config_ep_size", 1), lambda v: v == 1,
+           lambda v: f"parallelism_config_ep_size={v!r}: Accelerate's parallelism_config has no ep; write "
+                     f"{BLOCK_KEY}.ep_size: {v!r} instead"),
     _Check(_unknown_axes, lambda v: not v,
            lambda v: f"{v[0][0]}={v[0][1]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key",
            NotImplementedError),
@@ -255,7 +258,7 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
     _merge_accelerate_fsdp(_fsdp(cluster), block, where)
     dims = _dims(cluster, where)
     config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
-    return LaunchPlan(config=config, dims=dims, num_processes=cluster.num_processes)
+    return LaunchPlan(config=config, dims=config.parallel_dims(dims), num_processes=cluster.num_processes)
 
 
 def _dims(cluster: Any, where: str) -> ParallelDims:

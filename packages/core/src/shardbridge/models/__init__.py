@@ -15,7 +15,8 @@ from shardbridge.models._hf_moe import export_hf_moe, hf_moe_config, hf_moe_name
 from shardbridge.models._llama import Llama, LlamaConfig, ParamTP, synthetic_batch
 from shardbridge.models._moe import MoEConfig, MoELlama
 from shardbridge.models._parallelize import apply_llama_tp, parallelize_llama
-from shardbridge.models._parallelize_moe import expert_shard_dim, parallelize_moe
+from shardbridge._ep import expert_shard_dim
+from shardbridge.models._parallelize_moe import parallelize_moe
 
 __all__ = [
     "Llama",
