@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
-    from shardbridge import PrecisionPolicy, ParallelMesh
+    from shardbridge import ParallelMesh, PrecisionPolicy
 
 __all__ = ["EP_STYLES", "apply_ep", "resolve_ep_plan", "without_experts"]
 
