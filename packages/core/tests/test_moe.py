@@ -23,13 +23,14 @@ from shardbridge import (
     choose_dispatch,
     cp_cross_entropy,
     cp_split,
+    expert_shard_dim,
     load_balancing_loss,
     router_statistics,
     run_experts,
     split_fused,
 )
 from shardbridge._fused import fused_params
-from shardbridge.models import MoEConfig, MoELlama, expert_shard_dim, parallelize_moe, synthetic_batch
+from shardbridge.models import MoEConfig, MoELlama, parallelize_moe, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor, Shard
 

@@ -26,7 +26,15 @@ from shardbridge._cp import (
     cp_split,
     cp_unsplit,
 )
-from shardbridge._ep import EPDispatch, choose_dispatch, load_balancing_loss, router_statistics, run_experts
+from shardbridge._ep import (
+    EPDispatch,
+    choose_dispatch,
+    expert_shard_dim,
+    load_balancing_loss,
+    router_statistics,
+    run_experts,
+    shard_experts,
+)
 from shardbridge._fused import (
     FUSED_SPECS_ATTR,
     ComponentPiece,
@@ -94,9 +102,11 @@ __all__ = [
     "cp_unsplit",
     # expert parallelism
     "choose_dispatch",
+    "expert_shard_dim",
     "load_balancing_loss",
     "router_statistics",
     "run_experts",
+    "shard_experts",
     # fused parameters
     "fused_params",
     "merge_fused",

@@ -1,7 +1,8 @@
 """Expert parallelism: each token to the ranks holding its experts and back, and router statistics.
 
-Public: :func:`run_experts`, :func:`choose_dispatch`, :func:`router_statistics`,
-:func:`load_balancing_loss`, :data:`EPDispatch`. The autograd functions below are private.
+Public: :func:`run_experts`, :func:`choose_dispatch`, :func:`shard_experts`,
+:func:`expert_shard_dim`, :func:`router_statistics`, :func:`load_balancing_loss`,
+:data:`EPDispatch`. The autograd functions below are private.
 
 A mixture-of-experts layer routes each token to ``top_k`` of ``num_experts`` experts and sums
 their outputs weighted by the router. Under expert parallelism the experts are split over the
@@ -59,6 +60,29 @@ the same global term, FSDP averages the router's gradient over ``dp_cp``, and th
 average gives exactly the gradient of the global term (as for ``cp_cross_entropy``).
 transformers computes the loss per process on its own tokens instead (a different number,
 docs/concepts/moe.md).
+
+[Note: expert checkpoints]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+An expert tensor is ONE 3-D DTensor whose dim 0 is the global expert index in every layout:
+ep splits dim 0 (``Shard(0)``), FSDP2 splits dim 0 again or dim 1, and DCP stores each rank's
+box in global coordinates. A checkpoint therefore holds ``experts.gate_up_proj`` ``[E, 2I, D]``
+whatever ep was, and loads into any ep, plain FSDP (ep=1), TP-only and one process
+(``tests/checkpoint/test_experts.py``). FSDP2 stores the pieces as::
+
+    FSDP on dim 0   (_StridedShard(0, sf=ep), Shard(0)) on (efsdp, ep)
+                    rank (i, j): torch.chunk(ep piece j, efsdp)[i] -- experts j*E/ep + ...
+    FSDP on dim 1   (Shard(1), Shard(0)): rank (i, j) holds experts j*E/ep .. (j+1)*E/ep - 1,
+                    rows torch.chunk(2I rows, efsdp)[i]
+
+``_StridedShard`` is where DCP goes wrong for FSDP2 x TP ([Note: strided sharding order]): it
+reads FSDP2's layout right only when the pieces it strides over are equal. The ep pieces always
+are (E is divisible by ep), so DCP describes both layouts right at every size, an uneven dim-0
+split included (the property test ``test_expert_tensors_keep_item_coordinates_and_dcp_describes_them``
+checks every coordinate against torch's own box; no layout repair is needed). What dim 0 does
+badly is balance: 4 local experts over efsdp=8 leave half the ranks holding nothing. So FSDP2's
+``shard_placement_fn`` takes dim 0 when ``E/ep`` splits evenly over efsdp, else the first later
+dim that does (torchtitan switches to dim 1 when ``efsdp * ep > E``), else dim 0
+(:func:`expert_shard_dim`).
 """
 
 from __future__ import annotations
@@ -68,13 +92,28 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from shardbridge._cp import _SumOverGroup
+from shardbridge._wrap import set_gradient_divide_factor
 
 if TYPE_CHECKING:
-    from shardbridge._mesh import ParallelMesh
+    from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["EPDispatch", "choose_dispatch", "load_balancing_loss", "router_statistics", "run_experts"]
+    from shardbridge._mesh import ParallelMesh
+    from shardbridge._precision import PrecisionPolicy
+
+__all__ = [
+    "EPDispatch",
+    "choose_dispatch",
+    "expert_shard_dim",
+    "load_balancing_loss",
+    "router_statistics",
+    "run_experts",
+    "shard_experts",
+]
 
 EPDispatch = Literal["auto", "all_to_all", "all_gather"]
 """How :func:`run_experts` moves tokens over ``ep``; see [Note: expert dispatch]."""
@@ -351,6 +390,102 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: D102
         sizes, rank = ctx.sizes, ctx.rank
         return grad.narrow(0, sum(sizes[:rank]), sizes[rank]).contiguous(), None, None, None
+
+
+# --------------------------------------------------------------------------- expert parameters
+
+
+def expert_shard_dim(shape: tuple[int, ...], *, ep: int, efsdp: int) -> int:
+    """The dim FSDP2 shards an expert tensor ``[E, ...]`` on (its ``shard_placement_fn``).
+
+    0 when ``E/ep`` splits evenly over ``efsdp``, else the first later dim that does (every rank
+    then holds an equal share), else 0. See [Note: expert checkpoints].
+
+    Example:
+        >>> expert_shard_dim((8, 64, 32), ep=2, efsdp=2), expert_shard_dim((8, 64, 32), ep=2, efsdp=8)
+        (0, 1)
+    """
+    if (shape[0] // ep) % efsdp == 0:
+        return 0
+    for dim in range(1, len(shape)):
+        if shape[dim] % efsdp == 0:
+            return dim
+    return 0
+
+
+def shard_experts(
+    experts: nn.Module,
+    mesh: ParallelMesh,
+    policy: PrecisionPolicy | None = None,
+    *,
+    params: Sequence[str] | None = None,
+) -> nn.Module:
+    """Split an experts module over ``ep`` and make it an FSDP2 unit over ``efsdp``; in place.
+
+    Every parameter named (``params``; None = all of the module's own) must be ``[E, ...]`` with
+    dim 0 the expert index, identical on every rank: it becomes a ``Shard(0)`` DTensor on
+    ``mesh["ep"]`` (ep rank j keeps experts ``[j*E/ep, (j+1)*E/ep)``), then ``fully_shard`` over
+    ``mesh.expert_fsdp_mesh`` (dim :func:`expert_shard_dim`) with the gradient divided by
+    ``dp_cp`` (every token reaches an expert's gradient once over the world). Call it after TP
+    and before the dense FSDP units (``apply_fsdp``), which then leave these parameters alone.
+    A world with nothing to shard, reduce or cast leaves the module unwrapped. See
+    [Note: expert axes] and [Note: expert checkpoints].
+
+    Returns:
+        ``experts``.
+
+    Raises:
+        ValueError: a named parameter that is missing, already a DTensor, or whose dim 0 ep
+            does not divide.
+
+    Example:
+        >>> for layer in model.layers:  # doctest: +SKIP
+        ...     shard_experts(layer.feed_forward.experts, pm)
+    """
+    ep_mesh = mesh["ep"]
+    own = dict(experts.named_parameters(recurse=False))
+    names = list(own) if params is None else list(params)
+    for name in names:
+        param = own.get(name)
+        if param is None or isinstance(param, DTensor) or param.dim() == 0 or param.shape[0] % ep_mesh.size():
+            raise ValueError(
+                f"{type(experts).__name__}.{name}: expert parameters must be plain [num_experts, ...] tensors with "
+                f"num_experts divisible by ep({ep_mesh.size()}); got "
+                f"{None if param is None else (type(param).__name__, tuple(param.shape))}"
+            )
+    for name, param in [(n, own[n]) for n in names]:
+        # plain [E, ...] on every rank -> Shard(0) on ep: rank j keeps experts [j*E/ep, (j+1)*E/ep)
+        setattr(experts, name, nn.Parameter(_shard_rows(param.detach(), ep_mesh), requires_grad=param.requires_grad))
+    dims = mesh.dims
+    needs_cast = policy is not None and (policy.param_dtype is not None or policy.output_dtype is not None)
+    if dims.degree("efsdp") * dims.dp_replicate == 1 and dims.degree("dp_cp") == 1 and not needs_cast:
+        return experts  # nothing to shard, reduce or cast (as apply_fsdp on a degree-1 axis)
+    if policy is not None:
+        policy.check_model_dtype(experts)
+        mp_policy = policy.to_fsdp2()
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+        mp_policy = TorchMixedPrecisionPolicy()
+    efsdp = dims.degree("efsdp")
+    fully_shard(
+        experts,
+        mesh=mesh.expert_fsdp_mesh,
+        mp_policy=mp_policy,
+        shard_placement_fn=lambda p: Shard(expert_shard_dim(tuple(p.shape), ep=dims.ep, efsdp=efsdp)),
+    )
+    # Every token reaches each expert's gradient once over the world: average over the
+    # data-parallel ranks (dp_cp), not over efsdp. See [Note: custom gradient divide factor].
+    set_gradient_divide_factor(experts, float(dims.degree("dp_cp")))
+    return experts
+
+
+def _shard_rows(full: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    rows = full.shape[0] // ep
+    local = full.narrow(0, rank * rows, rows).clone()
+    stride = torch.empty(full.shape, device="meta").stride()
+    return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=stride)
 
 
 # --------------------------------------------------------------------------- router statistics

@@ -1,7 +1,8 @@
 """Load a Hugging Face ``from_pretrained`` folder into an already-parallelized model, shard-on-read.
 
-Public: :func:`load_pretrained`, :func:`read_index`, :class:`PretrainedReport`. Torch and
-``safetensors`` only; no process group is used (every rank reads its own slices).
+Public: :func:`load_pretrained`, :func:`read_index`, :class:`PretrainedReport`,
+:class:`StackedSource`. Torch and ``safetensors`` only; no process group is used (every rank
+reads its own slices).
 
 [Note: shard-on-read]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -25,6 +26,19 @@ algebra cannot explain is refused. Fused parameters registered with
 coordinates (:func:`shardbridge.split_local`) and each component piece read from the
 component's checkpoint tensor. Tied parameters (one tensor under several names) are filled
 once, from whichever of their names the checkpoint has.
+
+[Note: experts stored one by one]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+MoE models hold their experts as one 3-D tensor per projection, dim 0 the expert index
+(transformers' ``experts.gate_up_proj`` ``[E, 2I, D]``), while hub folders store one tensor per
+expert and projection (``experts.{e}.gate_proj.weight`` ``[I, D]``, ``experts.{e}.up_proj.weight``)
+and transformers stacks and concatenates them while loading. A :class:`StackedSource` describes
+that: ``keys[e]`` are expert e's tensors in the order they are concatenated along ``dim`` of the
+model tensor. A rank reads, for each expert its local tensor holds (dim 0 of its boxes: under
+expert parallelism only its own experts), the rows of each component its box covers::
+
+    model gate_up_proj [E=4, 2I, D], ep=2 x efsdp=2 (FSDP on dim 1), rank (efsdp 1, ep 0):
+        experts 0-1, rows [I, 2I) = up_proj of experts 0 and 1 -> reads experts.{0,1}.up_proj.weight only
 
 Peak host memory per rank: the model's local shards plus one slice being copied. Each key is
 read under its own ``safe_open`` (a memory map of the file, closed after the key), so the pages
@@ -71,7 +85,15 @@ from shardbridge._fused import FusedSpec, fused_params, split_local
 from shardbridge.checkpoint.state._components import component_fqn, fused_tp_size
 from shardbridge.checkpoint.state._repair import _multi_box_pieces, describe
 
-__all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "PretrainedReport", "load_pretrained", "read_index", "weights_file"]
+__all__ = [
+    "INDEX_NAME",
+    "SINGLE_FILE_NAME",
+    "PretrainedReport",
+    "StackedSource",
+    "load_pretrained",
+    "read_index",
+    "weights_file",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 """The index ``save_pretrained`` writes beside sharded safetensors files."""
@@ -107,6 +129,38 @@ class _Entry:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class StackedSource:
+    """A model tensor ``[E, ...]`` stored in the checkpoint as one tensor per expert (and component).
+
+    See [Note: experts stored one by one].
+
+    Example:
+        >>> gate_up = StackedSource(
+        ...     keys=tuple((f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.{e}.up_proj.weight") for e in range(4)),
+        ...     dim=1,
+        ... )
+        >>> gate_up.keys[2]
+        ('mlp.experts.2.gate_proj.weight', 'mlp.experts.2.up_proj.weight')
+    """
+
+    keys: tuple[tuple[str, ...], ...]
+    """``keys[e]``: expert e's checkpoint keys, in the order their tensors are concatenated along
+    :attr:`dim` (one key when nothing is concatenated). Each has the model tensor's shape without
+    dim 0, with its own size along ``dim``."""
+    dim: int = 1
+    """The model tensor's dim the components are concatenated along (>= 1)."""
+
+    def __post_init__(self) -> None:
+        """Validate the key lists and the dim."""
+        if not self.keys or any(not k for k in self.keys) or len({len(k) for k in self.keys}) != 1:
+            raise ValueError(
+                f"StackedSource.keys must list the same number (>= 1) of keys for every expert; got {self.keys!r:.200}"
+            )
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"StackedSource.dim={self.dim!r} must be an int >= 1 (dim 0 indexes the experts)")
 
 
 @dataclass
@@ -289,8 +343,11 @@ class _Target:
     names: list[str]
     tensor: torch.Tensor
     spec: FusedSpec | None = None
+    stacked: StackedSource | None = None
     sources: dict[str, str] = field(default_factory=dict)
-    """Non-fused: {"": key}. Fused: {component: key}."""
+    """Non-fused: {"": key}. Fused: {component: key}. Stacked: {"expert/component": key}."""
+    component_sizes: tuple[int, ...] = ()
+    """Stacked: each component's size along ``stacked.dim``."""
 
 
 def _clean(fqn: str) -> str:
@@ -358,6 +415,13 @@ def _plan(
     planned: list[_Target] = []
     for target in targets:
         shape = tuple(target.tensor.shape)
+        if target.stacked is not None:
+            stacked_problem = _plan_stacked(target, index, missing, used, cast_dtype)
+            if stacked_problem:
+                problems.append(stacked_problem)
+            elif target.sources:
+                planned.append(target)
+            continue
         if target.spec is None:
             keys = [mapper(n) for n in target.names]
             key = next((k for k in keys if k in index), None)
@@ -420,6 +484,47 @@ def _plan(
     return planned
 
 
+def _plan_stacked(
+    target: _Target,
+    index: Mapping[str, tuple[Path, tuple[int, ...], torch.dtype]],
+    missing: list[str],
+    used: set[str],
+    cast_dtype: bool,
+) -> str | None:
+    """Check a stacked target's keys, shapes and dtypes; fill its sources. A problem message or None."""
+    stacked, name, shape = target.stacked, target.names[0], tuple(target.tensor.shape)
+    assert stacked is not None
+    if len(stacked.keys) != shape[0] or stacked.dim >= len(shape):
+        return (
+            f"{name!r}: a StackedSource of {len(stacked.keys)} experts along dim {stacked.dim} for a model tensor of "
+            f"shape {shape} (dim 0 = experts); describe one key list per expert and a dim in [1, {len(shape)})"
+        )
+    absent = [k for keys in stacked.keys for k in keys if k not in index]
+    if absent:
+        missing.extend(f"{k} (expert of {name!r})" for k in absent)
+        return None
+    rest = list(shape[1:])
+    sizes = tuple(index[k][1][stacked.dim - 1] if len(index[k][1]) == len(rest) else -1 for k in stacked.keys[0])
+    for e, keys in enumerate(stacked.keys):
+        for c, key in enumerate(keys):
+            want = rest.copy()
+            want[stacked.dim - 1] = sizes[c]
+            have = tuple(index[key][1])
+            if have != tuple(want) or sum(sizes) != shape[stacked.dim]:
+                return (
+                    f"{key!r} (expert {e} of {name!r}): checkpoint shape {have}; the model tensor {shape} needs "
+                    f"{tuple(rest)} per expert with the components' sizes along dim {stacked.dim - 1} summing to "
+                    f"{shape[stacked.dim]} (a different config than the checkpoint's?)"
+                )
+            dtype, have_dtype = target.tensor.dtype, index[key][2]
+            if have_dtype != dtype and not (cast_dtype and have_dtype.is_floating_point and dtype.is_floating_point):
+                return f"{key!r}: checkpoint dtype {have_dtype}, model {name!r} is {dtype}; pass cast_dtype=True"
+            used.add(key)
+            target.sources[f"{e}/{c}"] = key
+    target.component_sizes = sizes
+    return None
+
+
 # --------------------------------------------------------------------------- reading
 
 
@@ -458,6 +563,9 @@ def _fill(
     # (key, component offsets, view) for every piece this rank holds.
     reads: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
     for offsets, view in _pieces(name, t):
+        if target.stacked is not None:
+            reads.extend(_stacked_reads(target, offsets, view))
+            continue
         if spec is None:
             reads.append((target.sources[""], offsets, view))
             continue
@@ -482,6 +590,30 @@ def _fill(
                 view.copy_(data)
                 del data
     report.num_tensors += 1
+
+
+def _stacked_reads(
+    target: _Target, offsets: tuple[int, ...], view: torch.Tensor
+) -> list[tuple[str, tuple[int, ...], torch.Tensor]]:
+    """(key, source offsets, view) for each expert and component one local box covers.
+
+    See [Note: experts stored one by one].
+    """
+    stacked = target.stacked
+    assert stacked is not None
+    dim, lo, hi = stacked.dim, offsets[stacked.dim], offsets[stacked.dim] + view.shape[stacked.dim]
+    out = []
+    for local_e in range(view.shape[0]):
+        e = offsets[0] + local_e
+        start = 0
+        for c, size in enumerate(target.component_sizes):
+            a, b = max(lo, start), min(hi, start + size)
+            if a < b:
+                src = list(offsets[1:])
+                src[dim - 1] = a - start
+                out.append((target.sources[f"{e}/{c}"], tuple(src), view[local_e].narrow(dim - 1, a - lo, b - a)))
+            start += size
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -519,6 +651,7 @@ def load_pretrained(
     *,
     name_map: Callable[[str], str] | Mapping[str, str] | None = None,
     fused: Mapping[str, FusedSpec] | None = None,
+    stacked: Mapping[str, StackedSource] | None = None,
     cast_dtype: bool = False,
     ignore_missing: Iterable[str] = (),
     ignore_unexpected: Iterable[str] = (),
@@ -540,6 +673,8 @@ def load_pretrained(
             ``...q_proj.weight``) before the map.
         fused: ``{model name: FusedSpec}`` of fused parameters; None = those registered with
             :func:`shardbridge.register_fused`.
+        stacked: ``{model name: StackedSource}`` of tensors stored one per expert (MoE experts
+            in a hub folder); see [Note: experts stored one by one]. Their keys bypass ``name_map``.
         cast_dtype: cast floating-point checkpoint values to the model's dtype (e.g. a bf16
             checkpoint into fp32 master weights). False = a dtype mismatch is an error.
         ignore_missing: regexes (full match) of model names that may be absent (they keep their
@@ -567,8 +702,15 @@ def load_pretrained(
     # parameters, whose storage reshard() frees -- targets collected then would be dangling.
     _reshard(model)
     fused_specs = fused_params(model) if fused is None else dict(fused)
+    targets = _targets(model, fused_specs)
+    stacked = dict(stacked or {})
+    unknown = sorted(set(stacked) - {n for t in targets for n in t.names})
+    if unknown:
+        raise ValueError(f"load_pretrained: stacked names {unknown[:_MAX_LISTED]} are not tensors of the model")
+    for target in targets:
+        target.stacked = next((stacked[n] for n in target.names if n in stacked), None)
     targets = _plan(
-        _targets(model, fused_specs),
+        targets,
         index,
         _mapper(name_map),
         cast_dtype=cast_dtype,

@@ -81,7 +81,7 @@ class ShardbridgeAccelerator(Accelerator):
             ``accelerate launch`` with FSDP, which drops the config file's block).
         parallel_dims: the degrees; None = ``config.dims``, else Accelerate's
             ``parallelism_config`` (argument or ``PARALLELISM_CONFIG_*`` env), else FSDP
-            over all ranks.
+            over all ranks. ``config.ep_size`` sets their ``ep``.
         tp_plan: overrides ``config.tp_plan`` ("auto" or ``{pattern: style}``).
         cpu: train on CPU with gloo; None = ``config.use_cpu``, else when no GPU.
         **kwargs: passed to ``accelerate.Accelerator`` (``gradient_accumulation_steps``,
@@ -138,7 +138,7 @@ class ShardbridgeAccelerator(Accelerator):
             super().__init__(*args, cpu=cpu, **kwargs)
         self.shardbridge_config = config
         self._sb_cpu = cpu
-        dims = parallel_dims or config.dims or _dims_from_accelerate(accelerate_pc)
+        dims = config.parallel_dims(parallel_dims or config.dims or _dims_from_accelerate(accelerate_pc))
         self.parallel_mesh: ParallelMesh = dims.build_mesh("cpu" if cpu else self.device.type)
         self._install_fsdp_state()
         self._sb_model: nn.Module | None = None

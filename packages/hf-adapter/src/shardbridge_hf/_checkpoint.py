@@ -2,6 +2,23 @@
 
 ``load_pretrained`` reads a ``from_pretrained`` folder shard-on-read, each rank its slices.
 
+Names: ``save_pretrained`` of transformers 5 writes the model's own parameter names for
+dense models; the core's strict checks name any missing / unexpected key.
+
+[Note: checkpoints transformers converts while loading]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Hub MoE folders (and transformers' own ``save_pretrained``) store experts one by one
+(``mlp.experts.3.gate_proj.weight``; Mixtral ``block_sparse_moe.experts.3.w1.weight``), which
+transformers 5 renames and merges into the model's fused ``mlp.experts.gate_up_proj`` while
+loading (``conversion_mapping.py``: ``WeightRenaming`` + ``WeightConverter`` with
+``MergeModulelist(dim=0)`` and ``Concatenate(dim=1)``). Every checkpoint key is run through
+transformers' own rules (``rename_source_key``, the function ``from_pretrained`` uses, so no
+hand-written list): a renamed key becomes a ``name_map`` entry; keys a converter merges become a
+core ``StackedSource`` (expert = the number the converter's ``*`` matched, component = the order
+of its source patterns), which the core reads shard-on-read, each rank only its experts' slices
+(docs/hf.md "Pretrained weights"). Converters doing anything else (interleaving, chunking,
+transposing, quantized blocks) are refused by name, naming the key and the operations.
+
 [Note: what a save_state checkpoint holds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 One :func:`shardbridge.checkpoint.save` directory (atomic, portable, reshardable):
@@ -31,13 +48,14 @@ from typing import Any, NamedTuple
 
 import torch
 from shardbridge import checkpoint
-from shardbridge.pretrained import PretrainedReport
+from shardbridge.pretrained import PretrainedReport, StackedSource, read_index
 from shardbridge.pretrained import load_pretrained as core_load_pretrained
 from torch import nn
 
+from shardbridge_hf._compat import rename_checkpoint_keys
 from shardbridge_hf._parallelize import release_guard
 
-__all__ = ["export_pretrained", "load_pretrained", "load_state", "save_state"]
+__all__ = ["converted_names", "export_pretrained", "load_pretrained", "load_state", "save_state"]
 
 _EXTRA_KEY = "hf"
 
@@ -255,36 +273,77 @@ def _tuplify(value: Any) -> Any:
 def load_pretrained(model: nn.Module, path: str | os.PathLike[str], *, cast_dtype: bool = False) -> PretrainedReport:
     """Fill a prepared transformers model from a ``from_pretrained`` folder, each rank its slices.
 
-    Shard-on-read through the core loader (``shardbridge.pretrained``); a model prepared on meta
-    runs forward again afterwards (see [Note: pretrained weights without materialising the model]
-    in ``_parallelize``).
-
     Args:
         model: the model ``ShardbridgeAccelerator.prepare`` returned.
         path: a ``save_pretrained`` folder (safetensors, sharded or not).
         cast_dtype: cast floating-point checkpoint values to the model's dtype.
 
     Raises:
-        ValueError: see :func:`shardbridge.pretrained.load_pretrained`; a missing key of a
-            checkpoint that transformers would convert while loading (per-expert MoE weights)
-            gets a hint.
+        ValueError: see :func:`shardbridge.pretrained.load_pretrained`; a checkpoint key that
+            transformers converts other than by stacking experts (see [Note: checkpoints
+            transformers converts while loading]).
     """
     # transformers' own lists are regexes matched with re.search.
     missing = [f".*(?:{p}).*" for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
     unexpected = [f".*(?:{p}).*" for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    try:
-        report = core_load_pretrained(
-            model, path, cast_dtype=cast_dtype, ignore_missing=missing, ignore_unexpected=unexpected
-        )
-    except ValueError as exc:
-        text = str(exc)
-        if ".experts." in text and "not in the checkpoint" in text:
-            raise ValueError(
-                f"{text} | this checkpoint stores MoE experts one by one ('experts.0.gate_proj.weight'), which "
-                "transformers merges into fused 'experts.gate_up_proj' while loading; shard-on-read of such "
-                "checkpoints is not supported yet: load with from_pretrained on every rank (prepare broadcasts "
-                "rank 0's weights), or re-save it with a fused-experts layout"
-            ) from exc
-        raise
+    name_map, stacked = converted_names(model, list(read_index(path)))
+    report = core_load_pretrained(
+        model,
+        path,
+        name_map=name_map,
+        stacked=stacked,
+        cast_dtype=cast_dtype,
+        ignore_missing=missing,
+        ignore_unexpected=unexpected,
+    )
     release_guard(model)
     return report
+
+
+# The operation lists of transformers' WeightConverters that a StackedSource expresses.
+_STACKING = ((("MergeModulelist", 0),), (("MergeModulelist", 0), ("Concatenate", 1)))
+
+
+def converted_names(model: nn.Module, keys: list[str]) -> tuple[dict[str, str], dict[str, StackedSource]]:
+    """The core loader's ``name_map`` and ``stacked`` for checkpoint ``keys``, by transformers' own rules.
+
+    See [Note: checkpoints transformers converts while loading].
+
+    Raises:
+        ValueError: a key a converter merges in a way a :class:`StackedSource` cannot express, or
+            an expert number it cannot read off the key.
+
+    Example:
+        >>> converted_names(mixtral, ["model.layers.0.block_sparse_moe.experts.0.w1.weight", ...])  # doctest: +SKIP
+        ({}, {'model.layers.0.mlp.experts.gate_up_proj': StackedSource(keys=(('...experts.0.w1.weight', ...
+    """
+    name_map: dict[str, str] = {}
+    experts: dict[str, dict[int, dict[int, str]]] = {}
+    for key, conv in rename_checkpoint_keys(model, keys).items():
+        if conv.converter is None:
+            if conv.target != key:
+                name_map[conv.target] = key
+            continue
+        ops = tuple((type(op).__name__, getattr(op, "dim", None)) for op in conv.converter.operations)
+        if ops not in _STACKING or conv.expert is None:
+            raise ValueError(
+                f"load_pretrained: checkpoint key {key!r} is merged into {conv.target!r} by transformers' "
+                f"{[f'{n}(dim={d})' for n, d in ops]}, which shard-on-read does not express (it stacks per-expert "
+                "tensors and concatenates them along dim 1); load this folder with from_pretrained on every rank "
+                "(prepare broadcasts rank 0's weights)"
+            )
+        experts.setdefault(conv.target, {}).setdefault(conv.expert, {})[conv.component] = key
+    stacked = {}
+    for target, by_expert in experts.items():
+        components = sorted({c for per in by_expert.values() for c in per})
+        holes = [e for e in range(max(by_expert) + 1) if sorted(by_expert.get(e, {})) != components]
+        if holes:
+            raise ValueError(
+                f"load_pretrained: {target!r} is stacked from per-expert keys, but experts {holes[:8]} lack some of "
+                f"their {len(components)} tensor(s); the folder is incomplete"
+            )
+        # MergeModulelist(dim=0) stacks [out, in] -> [E, out, in]; Concatenate(dim=1) joins the components' rows
+        stacked[target] = StackedSource(
+            keys=tuple(tuple(by_expert[e][c] for c in components) for e in sorted(by_expert)), dim=1
+        )
+    return name_map, stacked

@@ -14,6 +14,7 @@ from shardbridge.extras import install_hint, warn_if_untested
 
 __all__ = [
     "TRANSFORMERS_CHECKED",
+    "WeightConversion",
     "accelerate_version",
     "accelerator_models",
     "accelerator_schedulers",
@@ -21,6 +22,7 @@ __all__ = [
     "has_replicate_parallel",
     "init_module_buffers",
     "no_split_modules",
+    "rename_checkpoint_keys",
     "require_accelerate",
     "transformers_version",
 ]
@@ -122,3 +124,59 @@ def no_split_modules(model: Any) -> list[str]:
     Checked: transformers 5.0 .. 5.23.
     """
     return list(getattr(model, "_no_split_modules", None) or [])
+
+
+# -- transformers' weight conversion while loading (core_model_loading, conversion_mapping) ------
+
+
+class WeightConversion:
+    """What transformers does to one checkpoint key while loading (``from_pretrained``).
+
+    ``target``: the model name it lands in; ``converter``: None for a plain rename, else the
+    ``WeightConverter`` that merges it (its ``operations``, ``source_patterns``); ``component``:
+    the index of the converter's source pattern that matched (the order of a concatenation);
+    ``expert``: the number the pattern's ``*`` matched (the expert index), or None.
+    Checked: transformers 5.24 (the transforms came in 5.0).
+    """
+
+    __slots__ = ("component", "converter", "expert", "target")
+
+    def __init__(self, target: str, converter: Any = None, component: int = 0, expert: int | None = None) -> None:
+        self.target, self.converter, self.component, self.expert = target, converter, component, expert
+
+
+def rename_checkpoint_keys(model: Any, keys: list[str]) -> dict[str, WeightConversion]:
+    """``{checkpoint key: WeightConversion}`` with transformers' own renaming rules for ``model``.
+
+    Uses ``transformers.conversion_mapping.get_model_conversion_mapping`` and
+    ``transformers.core_model_loading.rename_source_key``, as ``from_pretrained`` does: every
+    ``WeightRenaming`` in turn, then at most one ``WeightConverter``, then the base-model prefix.
+    transformers without a conversion mapping: every key maps to itself.
+    """
+    import re
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, apply_renamings, rename_source_key
+    except ImportError:
+        return {k: WeightConversion(k) for k in keys}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = dict.fromkeys(model.state_dict(keep_vars=True), True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    out = {}
+    for key in keys:
+        target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if pattern is None:
+            out[key] = WeightConversion(target)
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        expert = None
+        if pattern.count("*.") == 1:
+            # transformers' patterns are regexes whose "*." reads ".*\." (WeightTransform.__init__):
+            # here the number it matched, the expert index.
+            match = re.search(pattern.replace("*.", r"(\d+)\."), apply_renamings(key, renamings))
+            expert = int(match.group(1)) if match else None
+        out[key] = WeightConversion(target, converter, converter.source_patterns.index(pattern), expert)
+    return out

@@ -40,6 +40,7 @@ from shardbridge.checkpoint import parse_size
 from shardbridge.fp8 import FP8Recipe
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from shardbridge_hf._ep import EP_STYLES
 from shardbridge_hf._tp import SUPPORTED_STYLES
 
 __all__ = [
@@ -54,6 +55,9 @@ __all__ = [
 BLOCK_KEY = "fsdp_config.shardbridge"
 #: Environment variable the launcher passes the validated config in (JSON).
 ENV_VAR = "SHARDBRIDGE_HF_CONFIG"
+
+#: ``ep_implementation`` values ("all_reduce" runs as "all_gather", see :attr:`HFConfig.ep_implementation`).
+EP_IMPLEMENTATIONS = ("auto", "all_to_all", "all_gather", "all_reduce")
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -254,6 +258,22 @@ class HFConfig:
     """"auto" = the model's own plan (``model.tp_plan``: ``base_model_tp_plan`` + its
     ``_tp_plan``); or an explicit ``{module pattern: style}`` (``*`` matches a layer index)."""
 
+    ep_size: int = 1
+    """Expert-parallel degree (transformers' ``DistributedConfig.ep_size``): the model's
+    expert-parallel plan splits its experts over ``ep_size`` of the ``dp_shard x cp x tp`` ranks
+    (it must divide their product; it adds no ranks) and FSDP2 shards each expert over the rest
+    (``ParallelDims.ep``, docs/concepts/moe.md). 1 = the TP plan shards the experts over tp."""
+
+    ep_plan: str | Mapping[str, str] = "auto"
+    """With ``ep_size > 1``: "auto" = the model's own plan (``model.ep_plan``:
+    ``base_model_ep_plan``); or ``{module / parameter pattern: style}`` with the styles
+    ``ep_dispatch_experts`` (an experts module) and ``grouped_gemm`` (each of its parameters)."""
+
+    ep_implementation: str = "auto"
+    """How tokens reach their experts (transformers' name): "all_to_all", "all_gather" or "auto"
+    (``shardbridge.choose_dispatch``: all_gather when top_k >= ep). "all_reduce", transformers'
+    variant for ep groups sharing one batch, is the same computation here and runs as "all_gather"."""
+
     reshard_after_forward: bool | str = "default"
     """FSDP2: "default" (all units but the last), True, or False."""
 
@@ -308,6 +328,20 @@ class HFConfig:
             raise ValueError(f"{BLOCK_KEY}.tp_plan must be 'auto' or a mapping, got {self.tp_plan!r}")
         else:
             _check_tp_plan(self.tp_plan)
+        _int("ep_size", self.ep_size, minimum=1)
+        if isinstance(self.ep_plan, str):
+            if self.ep_plan != "auto":
+                raise ValueError(f"{BLOCK_KEY}.ep_plan={self.ep_plan!r}: use 'auto' or a mapping of patterns")
+        elif not isinstance(self.ep_plan, Mapping) or not all(
+            isinstance(k, str) and v in EP_STYLES for k, v in self.ep_plan.items()
+        ):
+            raise ValueError(
+                f"{BLOCK_KEY}.ep_plan={self.ep_plan!r}: use 'auto' or a mapping of module / parameter patterns to "
+                f"{list(EP_STYLES)}"
+            )
+        _one_of("ep_implementation", self.ep_implementation, EP_IMPLEMENTATIONS)
+        if self.dims is not None:
+            self.parallel_dims(self.dims)  # ep_size must fit the degrees
         if self.reshard_after_forward != "default" and not isinstance(self.reshard_after_forward, bool):
             raise ValueError(
                 f"{BLOCK_KEY}.reshard_after_forward={self.reshard_after_forward!r}: use true, false or 'default'"
@@ -319,6 +353,32 @@ class HFConfig:
             raise ValueError(f"dims must be a shardbridge.ParallelDims, got {self.dims!r}")
         # Building the policy validates the dtype combination (FSDP2 rules included).
         self.policy()
+
+    def parallel_dims(self, dims: ParallelDims) -> ParallelDims:
+        """``dims`` with ``ep`` = :attr:`ep_size` (``dims.ep`` kept when ``ep_size`` is 1).
+
+        Raises:
+            ValueError: ``dims.ep`` and ``ep_size`` disagree, or ``ep_size`` does not divide
+                ``dp_shard * cp * tp`` (naming the yaml key).
+        """
+        if self.ep_size == 1 or dims.ep == self.ep_size:
+            return dims
+        if dims.ep != 1:
+            raise ValueError(
+                f"{BLOCK_KEY}.ep_size={self.ep_size} disagrees with the parallel dims' ep={dims.ep}; set one of them"
+            )
+        out = dataclasses.replace(dims, ep=self.ep_size)
+        if out.is_resolved:
+            try:
+                out.resolve(out.world_size)
+            except ValueError as e:
+                raise ValueError(f"{BLOCK_KEY}.ep_size={self.ep_size}: {e}") from None
+        return out
+
+    @property
+    def ep_dispatch(self) -> str:
+        """:attr:`ep_implementation` as ``shardbridge.run_experts``' dispatch ("all_reduce" -> "all_gather")."""
+        return "all_gather" if self.ep_implementation == "all_reduce" else self.ep_implementation
 
     def policy(self) -> PrecisionPolicy:
         """The core :class:`~shardbridge.PrecisionPolicy` this config asks for (FP8 is :attr:`fp8`'s recipe).

@@ -219,6 +219,9 @@ _CHECKS: tuple[_Check, ...] = (
                      "all machines, the same number on each"),
     _Check(lambda c: getattr(c, "main_process_port", None), lambda v: v is None or (type(v) is int and 1 <= v <= 65535),
            lambda v: f"main_process_port={v!r} must be a TCP port in 1..65535 (or unset: Accelerate's default 29500)"),
+    _Check(lambda c: _parallelism(c).get("parallelism_config_ep_size", 1), lambda v: v == 1,
+           lambda v: f"parallelism_config_ep_size={v!r}: Accelerate's parallelism_config has no ep; write "
+                     f"{BLOCK_KEY}.ep_size: {v!r} instead"),
     _Check(_unknown_axes, lambda v: not v,
            lambda v: f"{v[0][0]}={v[0][1]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key",
            NotImplementedError),
@@ -268,7 +271,7 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
         config = HFConfig.from_block(block, dims=dims, use_cpu=bool(cluster.use_cpu))
     except ValueError as e:  # the block's own checks name the key; say which file it is in
         raise ValueError(f"{where}: {e}") from None
-    return LaunchPlan(config=config, dims=dims, num_processes=cluster.num_processes)
+    return LaunchPlan(config=config, dims=config.parallel_dims(dims), num_processes=cluster.num_processes)
 
 
 def _dims(cluster: Any, where: str) -> ParallelDims:

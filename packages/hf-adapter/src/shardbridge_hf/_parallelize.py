@@ -8,6 +8,7 @@ The steps, in the order they must run::
     2. fp8 convert             nn.Linear -> the backend's modules, BEFORE TP / FSDP
     3. tensor parallelism      model.tp_plan on pm["tp"]   see [Note: HF TP plan on the shardbridge mesh]
        context parallelism     attention over pm["cp"]    see [Note: HF context parallel] (_cp.py)
+       expert parallelism      model.ep_plan on pm["ep"]  see [Note: HF EP plan on the shardbridge mesh]
     4. FSDP2 units (core)      embed | each decoder layer | [norm, lm_head] | root; with
                                activation_checkpointing, transformers' own per-layer checkpointing
                                first; see [Note: FSDP2 view-output warning] for the TP units
@@ -47,10 +48,9 @@ only its slices (``shardbridge.pretrained``), so no rank ever holds the full mod
 built with real weights works too (``load_pretrained`` overwrites them).
 
 Names: ``save_pretrained`` of transformers 5 writes the model's own parameter names for
-dense models; the core's strict checks name any missing / unexpected key. Checkpoints in a
-layout transformers converts while loading (per-expert MoE weights merged into a fused
-``experts.gate_up_proj``: Mixtral, Qwen2/3-MoE, ...) are refused with that error and a hint;
-see docs/hf.md "Pretrained weights".
+dense models; the core's strict checks name any missing / unexpected key. Per-expert MoE
+folders are read through transformers' own renaming rules: [Note: checkpoints transformers
+converts while loading] in ``_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardbridge_hf._compat import enable_activation_checkpointing, init_module_buffers, no_split_modules
+from shardbridge_hf._ep import apply_ep, resolve_ep_plan, without_experts
 from shardbridge_hf._tp import apply_tp, check_tp_divides, resolve_tp_plan
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ def parallelize(
 
     Raises:
         ValueError: heads / intermediate size not divisible by tp, a TP plan matching no
-            module, parameters in the wrong dtype for the policy.
+            module, parameters in the wrong dtype for the policy, an EP plan that does not
+            split every expert parameter (ep > 1).
 
     Example:
         >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
@@ -109,9 +111,12 @@ def parallelize(
     full = _rank0_full_tensors(model) if config.sync_module_states and not deferred else None
 
     plan: dict[str, Any] = {}
+    experts: dict[str, tuple[str, ...]] = {}
+    if pm.dims.ep > 1:  # transformers applies its EP plan only with ep_size > 1, and so do we
+        experts = resolve_ep_plan(model, config.ep_plan)
     if pm.dims.tp > 1:
-        check_tp_divides(getattr(model, "config", None), pm.dims.tp)
-        plan = dict(resolve_tp_plan(model, config.tp_plan))
+        check_tp_divides(getattr(model, "config", None), pm.dims.tp, experts_split_by_ep=bool(experts))
+        plan = without_experts(resolve_tp_plan(model, config.tp_plan), experts)
     fp8_styles = None
     recipe = config.fp8.to_recipe()
     if recipe is not None:
@@ -129,6 +134,9 @@ def parallelize(
         from shardbridge_hf._cp import enable_cp
 
         enable_cp(model, pm["cp"])  # FSDP2 below shards over the flattened dp_shard_cp
+    if experts:
+        # Shard(0) on ep + their own FSDP2 units over efsdp, before the dense units claim them.
+        apply_ep(model, pm, experts, policy, dispatch=config.ep_dispatch)
 
     policy.check_model_dtype(
         model,

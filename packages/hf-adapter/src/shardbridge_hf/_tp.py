@@ -36,9 +36,8 @@ bare-parameter entries); :data:`SUPPORTED_STYLES` is its key list.
     packed_rowwise           _StridedShard(ndim - 1, sf=2)
 
 ``grouped_gemm`` and ``ep_dispatch_experts`` belong to transformers' expert-parallel plan
-(``base_model_ep_plan``, an ``ep`` axis), which shardbridge does not build: refused by name
-(:data:`REFUSED_STYLES`); the TP plan of the same models shards the experts with
-``moe_tp_experts``.
+(``base_model_ep_plan``), applied on the ``ep`` axis when ep > 1 ([Note: HF EP plan on the
+shardbridge mesh] in ``_ep.py``); in a TP plan they are refused by name (:data:`REFUSED_STYLES`).
 
 ``colwise`` outputs stay local tensors (``use_local_output=True``): the attention reshapes
 them with ``view(..., -1, head_dim)`` into the local heads, which is why heads must divide
@@ -97,11 +96,12 @@ _ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep")
 
 #: Styles refused by name, with why and what to do instead.
 REFUSED_STYLES: dict[str, str] = {
-    "grouped_gemm": "expert parallelism (transformers' base_model_ep_plan) needs an ep mesh axis, which shardbridge "
-    "does not build; shard the experts over tp with the model's TP plan instead ('moe_tp_experts' on the experts "
-    "module, 'packed_colwise' / 'rowwise' on its gate_up_proj / down_proj parameters)",
-    "ep_dispatch_experts": "expert parallelism (transformers' base_model_ep_plan) needs an ep mesh axis, which "
-    "shardbridge does not build; use 'moe_tp_experts' on the experts module (the model's TP plan) instead",
+    "grouped_gemm": "it is an expert-parallel style (transformers' base_model_ep_plan): it belongs in "
+    "fsdp_config.shardbridge.ep_plan, applied with ep_size > 1 on the ep axis (shardbridge_hf._ep); a TP plan shards "
+    "experts with 'moe_tp_experts' on the experts module and 'packed_colwise' / 'rowwise' on its parameters",
+    "ep_dispatch_experts": "it is an expert-parallel style (transformers' base_model_ep_plan): it belongs in "
+    "fsdp_config.shardbridge.ep_plan, applied with ep_size > 1 on the ep axis (shardbridge_hf._ep); a TP plan uses "
+    "'moe_tp_experts' on the experts module",
 }
 
 # Styles whose module output is this rank's LOCAL shard of the features (heads).
@@ -272,8 +272,11 @@ def unplanned_in_tp_blocks(model: nn.Module, plan: Mapping[str, Any]) -> list[st
     return found
 
 
-def check_tp_divides(config: Any, tp: int) -> None:
+def check_tp_divides(config: Any, tp: int, *, experts_split_by_ep: bool = False) -> None:
     """ValueError unless ``tp`` splits whole attention heads and MLP rows.
+
+    With ``experts_split_by_ep`` (ep > 1) the experts are whole on their ranks: their width
+    (``moe_intermediate_size``) need not divide.
 
     Example:
         >>> check_tp_divides(LlamaConfig(num_attention_heads=4, num_key_value_heads=2), 4)  # doctest: +SKIP
@@ -287,7 +290,7 @@ def check_tp_divides(config: Any, tp: int) -> None:
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
         "intermediate_size": getattr(config, "intermediate_size", None),
-        "moe_intermediate_size": getattr(config, "moe_intermediate_size", None),
+        "moe_intermediate_size": None if experts_split_by_ep else getattr(config, "moe_intermediate_size", None),
     }
     sizes = {k: v for k, v in sizes.items() if isinstance(v, int)}
     check_sizes_divide(sizes, tp, fix="choose parallelism_config_tp_size dividing each of them")

@@ -10,12 +10,13 @@ writes a ``from_pretrained`` folder), :func:`hf_moe_name`, :func:`hf_moe_config`
 ``MoEFeedForward``, ``GroupedExperts``) are not public.
 """
 
+from shardbridge._ep import expert_shard_dim
 from shardbridge.models._hf import export_hf_llama, hf_llama_config, hf_llama_export_record, hf_llama_name
 from shardbridge.models._hf_moe import export_hf_moe, hf_moe_config, hf_moe_name
 from shardbridge.models._llama import Llama, LlamaConfig, ParamTP, synthetic_batch
 from shardbridge.models._moe import MoEConfig, MoELlama
 from shardbridge.models._parallelize import apply_llama_tp, parallelize_llama
-from shardbridge.models._parallelize_moe import expert_shard_dim, parallelize_moe
+from shardbridge.models._parallelize_moe import parallelize_moe
 
 __all__ = [
     "Llama",

@@ -1,0 +1,199 @@
+"""The expert-parallel sweep (not a test module): every MoE ``*ForCausalLM`` of the TP sweep, on the ep axis.
+
+The architectures come from the TP sweep's generator (``hf_sweep.sweep_archs()``: every
+``*ForCausalLM`` of the installed transformers with a TP plan); those whose config declares
+``base_model_ep_plan`` run here with ``fsdp_config.shardbridge.ep_size`` (tiny configs of
+``hf_sweep.tiny_config``), the MoE ones without an EP plan must be refused by name. Used by
+``test_hf_ep.py``, and as a script for the table of docs/hf.md::
+
+    OMP_NUM_THREADS=1 .venv/bin/python packages/hf-adapter/tests/hf_ep_sweep.py [--layouts-only] [model_type ...]
+
+Checks per architecture, 4 gloo ranks through ``ShardbridgeAccelerator`` (fp32, every rank built
+with a different seed: rank 0's weights must win):
+
+    dp4_ep4        dp_shard=4, ep=4 (each rank holds a quarter of the experts whole): losses of
+                   3 AdamW steps and every step-1 gradient equal one process on the global batch
+                   and the total gradient norm (hf_sweep.compare_step1: losses allclose rtol 1e-4
+                   / atol 1e-5, per gradient ||g - g_ref|| <= 1e-4 max(||g_ref||, 1e-3 ||G_ref||))
+    dp2_tp2_ep2    dp_shard=2 x tp=2, ep=2 (the TP plan for the dense modules, tokens split over
+                   tp inside the experts): the same
+    reshard        the dp4_ep4 checkpoint loaded into dp_shard=2 x tp=2 with the TP plan (ep=1,
+                   experts sharded by moe_tp_experts) and back into dp2_tp2_ep2: torch.equal weights
+    export         export_pretrained -> from_pretrained: logits equal the sharded model's
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import hf_helpers as H  # noqa: E402
+import hf_sweep as S  # noqa: E402
+
+LAYOUTS = {"dp4_ep4": {"dp_shard": 4, "ep": 4}, "dp2_tp2_ep2": {"dp_shard": 2, "tp": 2, "ep": 2}}
+CHECKS = (*LAYOUTS, "reshard", "export")
+
+# CI (budget): qwen3_moe at dp_shard x tp x ep (CI_CHECKS); every check of every architecture with
+# SHARDBRIDGE_MOE_MATRIX=all (nox -s moe).
+CI_ARCHS = ("qwen3_moe",)
+CI_CHECKS = ("dp2_tp2_ep2",)
+
+# Documented exceptions: {model_type: reason} (docs/hf.md, "Expert parallelism").
+KNOWN: dict[str, str] = {
+    "phimoe": "sparsemixer routing draws random jitter in training: the match cannot hold across processes",
+}
+
+
+def ep_archs() -> dict[str, bool]:
+    """``{model_type: has an EP plan}`` for every MoE architecture of the TP sweep.
+
+    MoE = the config declares an EP plan, or its TP plan names an experts module or parameter.
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    out = {}
+    for model_type in S.sweep_archs():
+        cfg = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
+        if getattr(cfg, "base_model_ep_plan", None):
+            out[model_type] = True
+        elif any("expert" in k for k in (cfg.base_model_tp_plan or {})):
+            out[model_type] = False
+    return out
+
+
+def _prepared(model_type: str, dims: dict, seed: int):
+    from shardbridge import ParallelDims
+    from shardbridge_hf import HFConfig
+
+    dims = dict(dims)
+    ep = dims.pop("ep", 1)
+    acc = H.sb_accelerator(ParallelDims(**dims), config=HFConfig(ep_size=ep))
+    model = S.build(model_type, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=S.LR)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def train(model_type: str, dims: dict, root: str | None) -> dict | None:
+    """3 steps at ``dims``: dp-mean losses, step-1 gradients (rank 0); saves and exports into ``root``."""
+    import torch.distributed as dist
+
+    acc, model, opt = _prepared(model_type, dims, seed=dist.get_rank())
+    losses, grads, norm = [], None, None
+    for step in range(1, S.STEPS + 1):
+        loss = S._step(acc, model, opt, step)
+        if step == 1:
+            grads, norm = S._grads_and_norm(acc, model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(acc.reduce_loss(loss).item())
+    out = {"losses": losses, "grads": grads, "norm": norm, "params": H.full_params(model)}
+    if root is not None:
+        acc.save_state(f"{root}/ckpt")
+        with torch.no_grad():
+            out["logits"] = model(input_ids=S.probe_ids(), use_cache=False).logits.detach().clone()
+        acc.export_pretrained(f"{root}/ckpt", f"{root}/hf")
+    return out if dist.get_rank() == 0 else None
+
+
+def load(model_type: str, dims: dict, root: str) -> dict | None:
+    import torch.distributed as dist
+
+    acc, model, _ = _prepared(model_type, dims, seed=321)
+    acc.load_state(f"{root}/ckpt")
+    params = H.full_params(model)
+    return params if dist.get_rank() == 0 else None
+
+
+def refused(model_type: str) -> str:
+    """The error an EP run of a MoE architecture without an EP plan raises (every rank the same)."""
+    try:
+        _prepared(model_type, {"dp_shard": 4, "ep": 2}, seed=0)
+    except (ValueError, NotImplementedError) as exc:
+        return str(exc)
+    return "not refused"
+
+
+def _match(got: dict, ref: dict) -> str:
+    """Losses of every step, every step-1 gradient and the total norm against one process (hf_sweep's rule)."""
+    return S.compare_step1(got, ref).verdict()
+
+
+def run_arch(model_type: str, *, checks: tuple[str, ...] = CHECKS, timeout: float = 300) -> dict[str, str]:
+    """The ``checks`` of the module docstring for one architecture: ``{check: "pass" | reason}``.
+
+    reshard and export read the dp4_ep4 run's checkpoint (which then runs whatever ``checks`` says).
+    """
+    from shardbridge.testing import run_distributed
+
+    saved = "reshard" in checks or "export" in checks
+    result: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as root:
+        try:
+            if "dp4_ep4" in checks or saved:
+                ep_run = run_distributed(
+                    train, model_type, LAYOUTS["dp4_ep4"], root if saved else None, world_size=4, timeout=timeout
+                )[0]
+                result["dp4_ep4"] = _match(ep_run, S.reference(model_type, dp=4))
+            if "dp2_tp2_ep2" in checks:
+                tp_run = run_distributed(train, model_type, LAYOUTS["dp2_tp2_ep2"], None, world_size=4, timeout=timeout)
+                result["dp2_tp2_ep2"] = _match(tp_run[0], S.reference(model_type, dp=2))
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            reason = S._reason(exc)
+            return {c: result.get(c, reason) for c in checks}
+        if not saved:
+            return {c: result[c] for c in checks}
+        diffs = []
+        for dims in ({"dp_shard": 2, "tp": 2}, LAYOUTS["dp2_tp2_ep2"]):
+            try:
+                got = run_distributed(load, model_type, dims, root, world_size=4, timeout=timeout)[0]
+                diffs += [n for n, p in ep_run["params"].items() if not torch.equal(got[n], p)]
+            except Exception as exc:  # noqa: BLE001
+                diffs.append(S._reason(exc))
+        result["reshard"] = "pass" if not diffs else f"differs: {diffs[:2]}"
+        from transformers import AutoModelForCausalLM
+
+        exported = AutoModelForCausalLM.from_pretrained(f"{root}/hf", dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = exported(input_ids=S.probe_ids(), use_cache=False).logits
+        ok = S._close(logits, ep_run["logits"])
+        result["export"] = "pass" if ok else f"logits max rel diff {S._max_rel(logits, ep_run['logits']):.1e}"
+    return {c: result[c] for c in checks}
+
+
+def main(archs: list[str], *, checks: tuple[str, ...] = CHECKS) -> None:
+    """Run ``checks`` of the sweep and print the docs/hf.md table (markdown)."""
+    from shardbridge.testing import run_distributed
+
+    table = ep_archs()
+    archs = archs or sorted(table)
+    print("| architecture | " + " | ".join(CHECKS) + " | s |")
+    print("|" + "---|" * (len(CHECKS) + 2))
+    for model_type in archs:
+        start = time.perf_counter()
+        if not table.get(model_type, True):
+            reason = run_distributed(refused, model_type, world_size=4)[0].replace("|", "/")
+            print(f"| {model_type} | refused: {reason[:150]} | - | - | - | - |", flush=True)
+            continue
+        try:
+            result = run_arch(model_type, checks=checks)
+        except Exception:  # noqa: BLE001
+            result = {c: S._reason(RuntimeError(traceback.format_exc())) for c in CHECKS}
+        cells = [result.get(c, "-").replace("|", "/") for c in CHECKS]
+        print(f"| {model_type} | " + " | ".join(cells) + f" | {math.ceil(time.perf_counter() - start)} |", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = sys.argv[1:]
+    main([a for a in args if a != "--layouts-only"], checks=tuple(LAYOUTS) if "--layouts-only" in args else CHECKS)

@@ -1,0 +1,131 @@
+"""Expert parallelism through the hf adapter: transformers' EP plans on the core ep axis.
+
+``hf_ep_sweep.py`` holds the checks (train at dp_shard x ep and dp_shard x tp x ep against one
+process, reshard into the TP-plan layout and back, export). Default run (the CI budget):
+``hf_ep_sweep.CI_ARCHS`` at ``CI_CHECKS`` (dp_shard x tp x ep: both expert axes and tp at once) and
+the plan-level refusal of a MoE architecture without an EP plan; ``SHARDBRIDGE_MOE_MATRIX=all``
+(``nox -s moe``) every check of every MoE architecture of the installed transformers (the TP
+sweep's generator), the refusals through a 4-rank prepare.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+import hf_ep_sweep as E  # noqa: E402
+import hf_sweep as S  # noqa: E402
+from shardbridge import ParallelDims  # noqa: E402
+from shardbridge.testing import run_distributed  # noqa: E402
+from shardbridge_hf import HFConfig  # noqa: E402
+from shardbridge_hf._ep import resolve_ep_plan, without_experts  # noqa: E402
+
+_ALL = os.environ.get("SHARDBRIDGE_MOE_MATRIX") == "all"
+
+
+def _with_plan() -> list[str]:
+    table = E.ep_archs()
+    return sorted(a for a, has in table.items() if has and a not in E.KNOWN) if _ALL else list(E.CI_ARCHS)
+
+
+def _without_plan() -> list[str]:
+    table = E.ep_archs()
+    return sorted(a for a, has in table.items() if not has)
+
+
+def test_the_generator_finds_the_moe_architectures():
+    table = E.ep_archs()
+    for arch in ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", *E.CI_ARCHS):
+        assert table[arch] is True, arch
+    assert table["llama4_text"] is False  # MoE, with a TP plan and no EP plan
+    assert "llama" not in table  # dense
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", _with_plan())
+def test_architecture_trains_with_expert_parallelism(model_type):
+    checks = E.CHECKS if _ALL else E.CI_CHECKS
+    assert E.run_arch(model_type, checks=checks) == {c: "pass" for c in checks}
+
+
+@pytest.mark.parametrize("model_type", _without_plan())
+def test_moe_without_an_ep_plan_is_refused_by_name(model_type):
+    if _ALL:  # through ShardbridgeAccelerator.prepare on 4 ranks
+        messages = set(run_distributed(E.refused, model_type, world_size=4))
+        assert len(messages) == 1  # every rank raises the same
+        (message,) = messages
+    else:  # the plan step prepare runs first, in this process
+        with pytest.raises(ValueError) as info:
+            resolve_ep_plan(S.build(model_type, seed=0))
+        message = str(info.value)
+    assert "declares no expert-parallel plan" in message and "fsdp_config.shardbridge.ep_plan" in message
+
+
+# -- tier 1: plans and config ----------------------------------------------------------------------
+
+
+def test_ep_plan_resolves_to_experts_modules_and_their_parameters():
+    model = S.build("gpt_oss", seed=0)
+    experts = resolve_ep_plan(model)
+    assert experts == {
+        f"model.layers.{i}.mlp.experts": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        for i in range(2)
+    }
+    tp = {"model.layers.0.mlp.experts": "moe_tp_experts", "model.layers.0.mlp.experts.down_proj": "rowwise", "x": "c"}
+    assert without_experts(tp, experts) == {"x": "c"}
+
+
+def test_bad_ep_plans_are_refused_by_name():
+    model = S.build("qwen3_moe", seed=0)
+    partial = {"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm"}
+    with pytest.raises(ValueError, match=r"parameter\(s\) \['down_proj'\] are not 'grouped_gemm'"):
+        resolve_ep_plan(model, partial)
+    with pytest.raises(ValueError, match="outside an 'ep_dispatch_experts' module"):
+        resolve_ep_plan(model, {"model.layers.*.mlp.experts.down_proj": "grouped_gemm"})
+    with pytest.raises(NotImplementedError, match="EP style 'ep_router'"):
+        resolve_ep_plan(model, {"model.layers.*.mlp.gate": "ep_router"})
+    with pytest.raises(ValueError, match="matches no module or parameter"):
+        resolve_ep_plan(model, {"model.layers.*.mlp.nope": "ep_dispatch_experts"})
+    with pytest.raises(ValueError, match="declares no expert-parallel plan"):
+        resolve_ep_plan(S.build("llama", seed=0))
+
+
+def test_ep_config_keys_are_validated_by_name():
+    with pytest.raises(ValueError, match=r"fsdp_config.shardbridge.ep_size=0 must be an int >= 1"):
+        HFConfig(ep_size=0)
+    with pytest.raises(ValueError, match=r"ep_implementation='deepgemm_megamoe' is not allowed"):
+        HFConfig(ep_implementation="deepgemm_megamoe")
+    with pytest.raises(ValueError, match=r"ep_plan=.* use 'auto' or a mapping of module / parameter patterns"):
+        HFConfig(ep_plan={"model.layers.*.mlp.experts": "moe_tp_experts"})
+    with pytest.raises(ValueError, match=r"ep_size=3: ep\(3\) does not divide dp_shard\(2\) \* cp\(1\) \* tp\(2\)"):
+        HFConfig(ep_size=3, dims=ParallelDims(dp_shard=2, tp=2).resolve(4))
+    with pytest.raises(ValueError, match=r"ep_size=4 disagrees with the parallel dims' ep=2"):
+        HFConfig(ep_size=4).parallel_dims(ParallelDims(dp_shard=4, ep=2))
+    assert HFConfig(ep_size=2).parallel_dims(ParallelDims(dp_shard=4)).ep == 2
+    assert HFConfig().parallel_dims(ParallelDims(dp_shard=4, ep=4)).ep == 4  # dims' own ep is honoured
+    assert HFConfig(ep_implementation="all_reduce").ep_dispatch == "all_gather"
+
+
+def test_launcher_reads_ep_size_from_the_block(tmp_path):
+    import hf_helpers as H
+    from shardbridge_hf import read_config_file
+
+    text = H.ACCELERATE_YAML.replace("    precision: bf16\n", "    precision: bf16\n    ep_size: 4\n    ep_implementation: all_gather\n")
+    plan = read_config_file(H.write_config(tmp_path, text))
+    assert plan.dims == ParallelDims(dp_shard=2, tp=2, ep=4)
+    assert plan.config.ep_dispatch == "all_gather"
+    assert HFConfig.from_json(plan.config.to_json()) == plan.config
+    bad = H.ACCELERATE_YAML.replace("    precision: bf16\n", "    precision: bf16\n    ep_size: 3\n")
+    with pytest.raises(ValueError, match=r"ep_size=3: ep\(3\) does not divide"):
+        read_config_file(H.write_config(tmp_path, bad))
+    # Accelerate's parallelism_config has no ep: the key is refused, pointing at the block
+    wrong = H.ACCELERATE_YAML.replace("  parallelism_config_tp_size: 2\n", "  parallelism_config_tp_size: 2\n  parallelism_config_ep_size: 2\n")
+    with pytest.raises(ValueError, match=r"parallelism_config_ep_size=2: .* write fsdp_config.shardbridge.ep_size: 2"):
+        read_config_file(H.write_config(tmp_path, wrong))
