@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import io
 import pickle
 import sys
 import tempfile
@@ -54,17 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.futures import Future
-
 from shardbridge._compat import DCPStorageInfo, fake_store
 from shardbridge._mesh import ParallelDims
 from shardbridge.checkpoint import _dist, _protocol, _save
@@ -73,6 +62,15 @@ from shardbridge.checkpoint.storage._location import locate
 from shardbridge.checkpoint.storage._manifest import CHECKSUM_KEY, DCP_METADATA_NAME, MANIFEST_NAME, Manifest, rng_file
 from shardbridge.checkpoint.storage._writer import RECORDS_KEY, Writer
 from shardbridge.layout import chunk_box, fsdp_tp_chunk
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.futures import Future
 
 WORLDS = (8, 64, 512, 4096, 16384)
 
@@ -532,8 +530,7 @@ def shardbridge_save(model: Model, root: Path, *, warm: bool = False) -> Result:
     """
     protocol = type(_protocol.PROTOCOL)()  # a fresh one: no plan cached from an earlier run
     if warm:
-        with fake_world(model.layout.world):
-            _save_once(model, root / "first", protocol, SimGroup(model.layout.world), unchanged=False)
+        _save_once(model, root / "first", protocol, SimGroup(model.layout.world), unchanged=False)
     sim = SimGroup(model.layout.world)
     final = _save_once(model, root / "sb", protocol, sim, unchanged=warm)
     return Result(sim.seconds, sim.peak, sim.counts, (final / DCP_METADATA_NAME).stat().st_size,
