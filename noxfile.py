@@ -209,3 +209,11 @@ def bench(session):
     _install(session)
     for script in ("bench_step.py", "bench_checkpoint.py", "bench_export.py", "bench_fp8.py"):
         session.run("python", f"tools/bench/{script}", *session.posargs, env=ENV)
+
+
+@nox.session(python="3.11")
+def scale(session):
+    """The scale model of the checkpoint path: 8 -> 16,384 simulated ranks, Llama-3 8B/70B/405B, vs plain DCP
+    (docs/benchmarks.md, "Scale"); its tiny-size checks run in the default suite (test_scale.py)."""
+    _install(session)
+    session.run("python", "tools/bench/bench_scale.py", *session.posargs, env=ENV)

@@ -18,6 +18,7 @@ collectives never interleave with the training thread's (see [Note: async save] 
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import threading
 from collections.abc import Callable, Iterator
@@ -214,8 +215,9 @@ def one_round(
     same: tuple[str, dict[str, Any]] | None = None,
     share: Callable[[Any], Any] | None = None,
     small: bool | None = None,
+    all_of: Callable[[Any], bool] | None = None,
 ) -> Any:
-    """:func:`on_all_ranks` with more riding on its one ``all_gather_object``.
+    """:func:`on_all_ranks` with more riding on its one round.
 
     Every collective round costs ~10 ms on 4 processes sharing 2 cores, so the checks of a
     save or load share rounds (see docs/benchmarks.md, checkpoint throughput).
@@ -234,6 +236,13 @@ def one_round(
             [share(each rank's result)])`` (a part of every rank's result, in rank order).
         small: the round's payload is usually a few KB ([Note: one-collective rounds]);
             None = when nothing but errors and ``same`` travels.
+        all_of: also return whether ``all_of(result)`` is true on every rank: the return
+            value becomes ``(what it would be, every_true)``.
+
+    With ``result`` "own" or "rank0" on a gloo group the round is one all-reduce of a fixed
+    few bytes (plus a broadcast of rank 0's shared value), whatever the world size; only when
+    a rank failed or ``same`` differs do the ranks then gather every rank's error or values to
+    name them. See [Note: constant-size rounds].
     """
     assert result in ("own", "rank0", "all"), result
     value: Any = None
@@ -245,19 +254,31 @@ def one_round(
             if not is_distributed():
                 raise
             error = exc
+    flag = error is None and (all_of is None or bool(all_of(value)))
+
+    def out(answer: Any, every_true: bool) -> Any:
+        return answer if all_of is None else (answer, every_true)
+
     if not is_distributed():
         if share is not None:
-            return value, ([share(value)] if result == "all" else share(value))
-        return [value] if result == "all" else value
+            return out((value, ([share(value)] if result == "all" else share(value))), flag)
+        return out([value] if result == "all" else value, flag)
+    mine = None if same is None else {k: repr(v) for k, v in same[1].items()}
+    if result != "all" and _cpu_collectives():
+        ok, every_true = _status(error is not None, mine, flag)
+        if ok:  # nobody failed, same arguments: rank 0's shared value is all that travels
+            if result == "rank0" or share is not None:
+                shared = _broadcast((value if result == "rank0" else share(value)) if rank() == 0 else None)
+                return out(shared if result == "rank0" else (value, shared), every_true)
+            return out(value, every_true)
     # The replayed type: the error's own if listed, else the first listed base it has.
     failure = None if error is None else summary(error)
     shared = value if error is None and (result == "all" or (result == "rank0" and rank() == 0)) else None
     if share is not None and error is None and (rank() == 0 or result == "all"):
         shared = share(value)
-    mine = None if same is None else {k: repr(v) for k, v in same[1].items()}
     if small is None:
         small = result == "own" and share is None
-    gathered = all_gather((failure, shared, mine), small=small)
+    gathered = all_gather((failure, shared, mine, flag), small=small)
     if error is not None:
         raise error
     failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
@@ -265,12 +286,30 @@ def one_round(
         raise replay(failed)
     if same is not None:
         _raise_if_different(same[0], [g[2] for g in gathered])
+    every_true = all(g[3] for g in gathered)
     if result == "all":
         every = [g[1] for g in gathered]
-        return every if share is None else (value, every)
+        return out(every if share is None else (value, every), every_true)
     if share is not None:
-        return value, gathered[0][1]
-    return gathered[0][1] if result == "rank0" else value
+        return out((value, gathered[0][1]), every_true)
+    return out(gathered[0][1] if result == "rank0" else value, every_true)
+
+
+# [Note: constant-size rounds]
+# A round whose outcome is "did anyone fail, do the arguments agree, is X true everywhere"
+# needs no rank's payload: one all-reduce (MIN) of four int64s answers it, the same bytes on
+# every rank at any world size (an all-gather of a fixed 4 KB buffer per rank is 64 MB per
+# rank at 16,384 ranks). Only when a rank failed or the arguments differ, which every rank
+# then knows alike, do the ranks gather every rank's error or arguments, to name them: the
+# slow path is the error path. Measured by tools/bench/bench_scale.py (docs/benchmarks.md, "Scale").
+def _status(failed: bool, same: dict[str, str] | None, flag: bool) -> tuple[bool, bool]:
+    """(nobody failed and ``same`` agrees everywhere, ``flag`` is true on every rank): one all-reduce."""
+    digest = hashlib.blake2b(repr(sorted((same or {}).items())).encode(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little") & ((1 << 62) - 1)
+    status = torch.tensor([rank() if failed else world_size(), h, -h, int(flag)], dtype=torch.int64)
+    dist.all_reduce(status, op=dist.ReduceOp.MIN, group=group())
+    first_failed, low, minus_high, every = (int(x) for x in status)
+    return first_failed == world_size() and low == -minus_high, every == 1
 
 
 def summary(error: BaseException) -> tuple[str, str, int | None]:

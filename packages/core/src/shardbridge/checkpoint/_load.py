@@ -147,9 +147,9 @@ def _load(
     identity = where.backend.identity(where.path) if where is not None else None
     # Two rounds in all (each ~10 ms on 4 processes sharing 2 cores; plain DCP's load has two):
     # 1. arguments, the manifest and this rank's share of the checksums, before DCP reads
-    # anything; rank 0 also reads .metadata (restricted unpickler) and shares the validated
-    # object, instead of every rank unpickling it.
-    (stored, manifest, _), shared = _dist.one_round(
+    # anything; rank 0 also reads .metadata (restricted unpickler) and broadcasts the validated
+    # object after the round, instead of every rank reading and unpickling it.
+    (stored, manifest, opened), intact = _dist.one_round(
         _open,
         (where if where is not None else path,),
         {
@@ -161,10 +161,10 @@ def _load(
             "skip_damaged": skip_damaged,
         },
         same=("shardbridge.checkpoint.load", same),
-        result="all",
-        share=lambda opened: opened[2],
+        all_of=lambda opened: not opened[2][0],  # this rank found no damaged file
     )
-    problems = merge_problems([part for part, _ in shared])
+    # Only a damaged checkpoint gathers every rank's problems (to name them all)
+    problems = [] if intact else merge_problems(_dist.all_gather(opened[0], small=True))
     if problems and skip_damaged:
         if _dist.rank() == 0:
             logger.warning(
@@ -176,7 +176,9 @@ def _load(
     if problems:
         raise ValueError(damage_message(stored, problems))
     assert manifest is not None
-    metadata = shared[0][1]
+    # Rank 0's validated .metadata, broadcast: each rank receives it once (never once per rank,
+    # as an all-gather would send it). See [Note: scale] in _protocol.py.
+    metadata = _dist.broadcast_from_rank0(opened[1] if _dist.rank() == 0 else None)
     # 2. Each rank plans and reads only the boxes it needs, without DCP's planning collectives
     # (a load plan needs no coordination), and hands the state to the model; errors are made
     # symmetric by on_all_ranks. A provider's hand-over may hold collectives: it gets a round

@@ -20,6 +20,34 @@ Either way the save's errors are symmetric: every rank raises (the failing rank 
 the others a copy naming it), and the manifest is written by rank 0 inside the write round,
 after every rank's files are durable.
 
+[Note: scale]
+~~~~~~~~~~~~~
+What travels in one save and one load, per rank, as ``tools/bench/bench_scale.py`` counts it
+(rank 0 of up to 16,384 simulated ranks; docs/benchmarks.md, "Scale"):
+
+- save, argument round: one all-reduce of four int64s ("anyone failed, arguments equal, every
+  plan unchanged"; [Note: constant-size rounds] in ``_dist.py``) and a broadcast of rank 0's
+  target: the same bytes on every rank at any world size;
+- save, plan round (the first save, and any save after a rank's plan changed): every rank's
+  local plan gathered on rank 0, DCP's global plan there, each rank's part scattered back.
+  ``.metadata`` stays on rank 0 (it used to ride in the scatter, which pads every rank's share
+  to the largest: every rank received the whole ``.metadata``);
+- save, write round: every rank's write results (offset and length of each box in its file,
+  its files' records) gathered on rank 0, ``.metadata`` and the manifest written, the outcome
+  broadcast;
+- load: one all-reduce, rank 0's validated ``.metadata`` broadcast (each rank receives it once;
+  it used to ride on an all-gather: world size x ``.metadata`` per rank), each rank plans its
+  own reads (``dcp.load(no_dist=True)``: a load, resharding or not, gathers no plans), one
+  all-reduce.
+
+Still growing with the world size: rank 0 receives and plans over world x items in the plan and
+write rounds (DCP's own design; torch's ``gather_object`` also all-gathers one int64 per rank).
+The change that removes it: every rank's boxes are a function of the mesh, the placements and
+the global shape (``shardbridge.layout``), so rank 0 can build the deduplicated global plan
+without gathering plans, and a box's length in its file is a function of its shape and dtype
+(one ``torch.save`` record), so the write round needs only each rank's file sizes and
+checksums. Rank 0's work is then the distinct boxes ``.metadata`` must list.
+
 [Note: why this protocol]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 ``PROTOCOL`` is the one the last side-by-side benchmark found faster (``tools/bench/
@@ -149,12 +177,15 @@ class OwnRounds:
             return self.plans["central"], self.plans["metadata"]
         self.plans = None  # a failed round leaves no half-updated cache behind
 
-        def plan(every_local: list[SavePlan]) -> list[tuple[SavePlan, Metadata | None]]:
-            central, metadata = SavePlanner().create_global_plan(every_local)
-            central = writer.prepare_global_plan(central)  # each rank's file prefix
-            return [(part, metadata if r == 0 else None) for r, part in enumerate(central)]
+        kept: list[Metadata] = []  # rank 0's: the metadata never travels (see [Note: scale])
 
-        central, metadata = _dist.gather_scatter(lambda: local, plan)
+        def plan(every_local: list[SavePlan]) -> list[SavePlan]:
+            central, metadata = SavePlanner().create_global_plan(every_local)
+            kept.append(metadata)
+            return writer.prepare_global_plan(central)  # each rank's file prefix
+
+        central = _dist.gather_scatter(lambda: local, plan)
+        metadata = kept[0] if kept else None
         self.plans = {"key": _key(), "local": local, "central": central, "metadata": metadata}
         return central, metadata
 

@@ -169,7 +169,7 @@ def save(
     # write; the protocol's local step rides along ([Note: save protocols] in _protocol.py).
     begun: list[Target] = []
     try:
-        prepared, shared = _dist.one_round(
+        (prepared, target), unchanged = _dist.one_round(
             _prepare,
             (model, optimizer),
             {
@@ -184,9 +184,8 @@ def save(
                 "begin": (where, overwrite, begun) if rank == 0 else None,
             },
             same=("shardbridge.checkpoint.save", same),
-            result="all",
-            share=lambda mine: (mine.target, mine.unchanged),
-            small=True,
+            share=lambda mine: mine.target,  # rank 0's
+            all_of=lambda mine: mine.unchanged,
         )
     except BaseException:
         for target in begun:
@@ -195,13 +194,13 @@ def save(
     state, snapshot = prepared.state, prepared.snapshot
     job = SaveJob(
         where=where,
-        target=shared[0][0],
+        target=target,
         dcp_state=state.dcp_state if snapshot is None else snapshot,
         rng=rng_bytes(rng_states()),
         manifest=_manifest(state, step=step, extra=prepared.extra, world_size=world_size, parallel_dims=parallel_dims),
         protocol=protocol,
         local=prepared.local,
-        unchanged=all(unchanged for _, unchanged in shared),
+        unchanged=unchanged,
     )
     del state, snapshot, prepared
     if not async_:

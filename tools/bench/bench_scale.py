@@ -1,0 +1,826 @@
+"""Scale model of the checkpoint path: 8 to 16,384 simulated ranks, Llama-3 8B / 70B / 405B.
+
+One process plays rank 0 of a job of N ranks (torch's fake process group: ``init_process_group
+("fake")``), and every collective the checkpoint code calls is intercepted (:class:`SimGroup`):
+it is counted, its bytes are computed as torch moves them (object collectives pickle, then pad
+every rank's payload to the largest), and rank 0 receives what the other ranks would send. The
+other ranks' payloads (their local plans, their write results) are generated from the layout
+algebra (``shardbridge.layout.fsdp_tp_chunk``: the box FSDP2 x TP stores on each rank), no
+tensors. Rank 0 then runs the REAL code of each contender on them:
+
+- shardbridge save: ``write_and_commit`` with the production protocol (``_protocol.PROTOCOL``:
+  plan round, write round, ``.metadata``, manifest, commit on local disk), after the save's
+  argument round (``_dist.one_round``, as ``save`` calls it);
+- plain DCP save: ``dcp.save`` with ``DefaultSavePlanner`` over the same local plans;
+- shardbridge load (same layout, and into another world size): the load's two rounds
+  (``_dist.one_round`` sharing rank 0's ``.metadata``, then ``on_all_ranks``) and rank 0's own
+  load plan (``dcp.load`` with ``no_dist=True``: no planning collectives);
+- plain DCP load: ``dcp.load`` (plan gather + scatter, read all-gather) over the same plans.
+
+Measured on rank 0: planning time (the contender's calls, without building the other ranks'
+payloads), peak Python memory (tracemalloc; the gathered payloads count: rank 0 holds them),
+collective rounds (calls), bytes received by rank 0 and by one other rank, ``.metadata`` and
+manifest size. The other ranks' payloads are built one by one as rank 0 receives them, so a
+configuration costs O(world x items) here as it does on a real rank 0; configurations above
+``--budget`` items are not run and their time and memory are projected linearly in world x
+items from the largest run of the same model (marked ``~``). Rounds and bytes per rank are
+exact for every configuration (the sizes of ``sizes_of`` payloads are pickled samples).
+
+    python tools/bench/bench_scale.py                 # the table of docs/benchmarks.md, "Scale"
+    python tools/bench/bench_scale.py --models 8B --worlds 8,64 --budget 2e5
+    nox -s scale
+
+Assumptions, printed with the table: every parameter in bf16 with fp32 Adam state (exp_avg,
+exp_avg_sq, step); q/k/v/gate/up/output/embedding column-parallel (Shard(0)), o_proj/down
+row-parallel (Shard(1)), norms replicated over tp; FSDP2 shards dim 0 of the TP-local piece
+over dp_shard; HSDP replicates over dp_replicate (DCP writes each box once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import pickle
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from shardbridge._compat import DCPStorageInfo, fake_store
+from shardbridge._mesh import ParallelDims
+from shardbridge.checkpoint import _dist, _protocol, _save
+from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks
+from shardbridge.checkpoint.storage._location import locate
+from shardbridge.checkpoint.storage._manifest import CHECKSUM_KEY, DCP_METADATA_NAME, MANIFEST_NAME, Manifest, rng_file
+from shardbridge.checkpoint.storage._writer import RECORDS_KEY, Writer
+from shardbridge.layout import chunk_box, fsdp_tp_chunk
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.futures import Future
+
+WORLDS = (8, 64, 512, 4096, 16384)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaShape:
+    """A Llama-3 decoder's shape (the published ``config.json`` of each size)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tp: int
+    """TP degree used at world >= tp (inside one 8-GPU node)."""
+    max_shard: int
+    """Largest dp_shard; the rest of the world is dp_replicate (HSDP)."""
+
+
+SHAPES = {
+    "8B": LlamaShape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, tp=1, max_shard=64),
+    "70B": LlamaShape(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256, tp=8, max_shard=64),
+    "405B": LlamaShape(hidden=16384, layers=126, heads=128, kv_heads=8, ffn=53248, vocab=128256, tp=8, max_shard=128),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """dp_replicate x dp_shard x tp, mesh order (dp_replicate, dp_shard, tp), row-major ranks."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    def coordinate(self, rank: int) -> tuple[int, int, int]:
+        return rank // (self.dp_shard * self.tp), (rank // self.tp) % self.dp_shard, rank % self.tp
+
+    def __str__(self) -> str:
+        return f"{self.dp_replicate}x{self.dp_shard}x{self.tp}"
+
+
+def layout_for(shape: LlamaShape, world: int) -> Layout:
+    """The layout the table uses: tp inside a node, FSDP up to ``max_shard``, HSDP replicas beyond."""
+    tp = min(shape.tp, world)
+    shard = min(world // tp, shape.max_shard)
+    return Layout(dp_replicate=world // (tp * shard), dp_shard=shard, tp=tp)
+
+
+def tensors(shape: LlamaShape) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """``(fqn, global shape, tp dim)`` of every parameter, under shardbridge's stored names."""
+    hd = shape.hidden // shape.heads
+    h, f = shape.hidden, shape.ffn
+    out: list[tuple[str, tuple[int, ...], int | None]] = [("tok_embeddings.weight", (shape.vocab, h), 0)]
+    for i in range(shape.layers):
+        p = f"layers.{i}."
+        out += [
+            (p + "attention_norm.weight", (h,), None),
+            (p + "attention.q_proj.weight", (shape.heads * hd, h), 0),
+            (p + "attention.k_proj.weight", (shape.kv_heads * hd, h), 0),
+            (p + "attention.v_proj.weight", (shape.kv_heads * hd, h), 0),
+            (p + "attention.o_proj.weight", (h, shape.heads * hd), 1),
+            (p + "ffn_norm.weight", (h,), None),
+            (p + "feed_forward.gate_proj.weight", (f, h), 0),
+            (p + "feed_forward.up_proj.weight", (f, h), 0),
+            (p + "feed_forward.down.weight", (h, f), 1),
+        ]
+    return out + [("norm.weight", (h,), None), ("output.weight", (shape.vocab, h), 0)]
+
+
+def build_module(shape: LlamaShape) -> nn.Module:
+    """A real module with these parameters (for a real save of a small shape: the oracle)."""
+
+    def linear(rows: int, cols: int) -> nn.Linear:
+        return nn.Linear(cols, rows, bias=False)
+
+    def tree(spec: dict[str, Any]) -> nn.Module:
+        module = nn.Module()
+        for key, value in spec.items():
+            module.add_module(key, tree(value) if isinstance(value, dict) else value)
+        return module
+
+    hd, h = shape.hidden // shape.heads, shape.hidden
+    layer = lambda: tree({  # noqa: E731
+        "attention_norm": nn.RMSNorm(h), "ffn_norm": nn.RMSNorm(h),
+        "attention": {"q_proj": linear(shape.heads * hd, h), "k_proj": linear(shape.kv_heads * hd, h),
+                      "v_proj": linear(shape.kv_heads * hd, h), "o_proj": linear(h, shape.heads * hd)},
+        "feed_forward": {"gate_proj": linear(shape.ffn, h), "up_proj": linear(shape.ffn, h), "down": linear(h, shape.ffn)},
+    })  # fmt: skip
+    model = tree({"tok_embeddings": nn.Embedding(shape.vocab, h), "norm": nn.RMSNorm(h), "output": linear(shape.vocab, h)})
+    model.layers = nn.ModuleList(layer() for _ in range(shape.layers))
+    return model
+
+
+def parallelize(model: nn.Module, layout: Layout) -> nn.Module:
+    """TP (column: q/k/v/gate/up/output/embedding rows, row: o_proj/down), then FSDP2 per layer and root."""
+    pm = ParallelDims(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp).build_mesh("cpu")
+    if layout.tp > 1:
+        plan: dict[str, Any] = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()), "output": ColwiseParallel()}
+        for i in range(len(model.layers)):
+            for name in ("attention.q_proj", "attention.k_proj", "attention.v_proj", "feed_forward.gate_proj",
+                         "feed_forward.up_proj"):  # fmt: skip
+                plan[f"layers.{i}.{name}"] = ColwiseParallel()
+            for name in ("attention.o_proj", "feed_forward.down"):
+                plan[f"layers.{i}.{name}"] = RowwiseParallel()
+        parallelize_module(model, pm["tp"], plan)
+    for block in model.layers:
+        fully_shard(block, mesh=pm.fsdp_mesh)
+    fully_shard(model, mesh=pm.fsdp_mesh)
+    return model
+
+
+# ------------------------------------------------------------------ one rank's plans, generated
+
+_STATE = TensorProperties(dtype=torch.float32)
+_OPTIM_TENSORS = ("exp_avg", "exp_avg_sq")
+_PARAM_GROUPS = "optim.param_groups"
+
+
+@dataclass
+class Model:
+    """One model under one layout: every rank's boxes, its local plans and write results, generated."""
+
+    params: list[tuple[str, tuple[int, ...], int | None]]
+    layout: Layout
+    optimizer: bool = True
+    param_dtype: torch.dtype = torch.bfloat16
+    _boxes: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+
+    def boxes(self, rank: int) -> list[tuple[str, torch.Size, torch.Size, torch.Size] | None]:
+        """Per parameter: (fqn, global size, offsets, sizes) of this rank's box (None: empty)."""
+        _, shard, tp = self.layout.coordinate(rank)
+        key = (shard, tp)
+        if key not in self._boxes:  # replicas hold the same boxes: computed once per (shard, tp)
+            out = []
+            for fqn, shape, tp_dim in self.params:
+                chunk = fsdp_tp_chunk(
+                    shape, tp_dim=tp_dim, tp_size=self.layout.tp, tp_rank=tp,
+                    dp_size=self.layout.dp_shard, dp_rank=shard,
+                )  # fmt: skip
+                box = chunk_box(shape, chunk)
+                assert box is not None, (fqn, chunk)
+                sizes, offsets = box
+                out.append(None if 0 in sizes else (fqn, torch.Size(shape), torch.Size(offsets), torch.Size(sizes)))
+            self._boxes[key] = out
+        return self._boxes[key]
+
+    def items(self, rank: int) -> list[WriteItem]:
+        """The local save plan's items, as ``LocalChunks.__create_write_items__`` and DCP make them."""
+        items: list[WriteItem] = []
+        for box in self.boxes(rank):
+            if box is None:
+                continue
+            fqn, size, offsets, sizes = box
+            keys = [(f"model.{fqn}", TensorProperties(dtype=self.param_dtype))]
+            if self.optimizer:
+                keys += [(f"optim.state.{fqn}.{name}", _STATE) for name in _OPTIM_TENSORS]
+            for key, props in keys:
+                chunk = ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(key, offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk=chunk, properties=props, size=size),
+                    )
+                )
+        if self.optimizer:
+            empty = torch.Size([])
+            for fqn, _, _ in self.params:  # step: a 0-dim tensor every rank holds (DCP keeps one)
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(f"optim.state.{fqn}.step", empty),
+                        type=WriteItemType.TENSOR,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=empty, sizes=empty), properties=_STATE, size=empty
+                        ),
+                    )
+                )
+            items.append(WriteItem(index=MetadataIndex(_PARAM_GROUPS), type=WriteItemType.BYTE_IO))
+        return items
+
+    def local_plan(self, rank: int) -> SavePlan:
+        """The items, and DCP's planner data: each flattened key's path in the nested state dict."""
+        items = self.items(rank)
+        return SavePlan(items, planner_data={item.index.fqn: self._path(item.index.fqn) for item in items})
+
+    @staticmethod
+    def _path(key: str) -> tuple[str, ...]:
+        top, _, rest = key.partition(".")
+        if top == "model" or rest == "param_groups":
+            return (top, rest)
+        fqn, _, name = rest[len("state.") :].rpartition(".")
+        return (top, "state", fqn, name)
+
+    def write_results(self, rank: int, plan: SavePlan) -> list[WriteResult]:
+        """What a rank's writer returns for its part of the global plan: one file, records last."""
+        name, offset, out = f"__{rank}_0.distcp", 0, []
+        for item in plan.items:
+            length = 1024 if item.tensor_data is None else 1024 + item.tensor_data.chunk.sizes.numel() * 4
+            out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=DCPStorageInfo(name, offset, length)))
+            offset += length
+        records = {name: {"size": offset, CHECKSUM_KEY: "0" * 32}, rng_file(rank): {"size": 9000, CHECKSUM_KEY: "0" * 32}}
+        out.append(WriteResult(index=MetadataIndex(RECORDS_KEY), size_in_bytes=0, storage_data=records))
+        return out
+
+    def load_state(self, rank: int) -> dict[str, Any]:
+        """This rank's state dict for a load: LocalChunks over meta tensors (no memory)."""
+        model: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        for box in self.boxes(rank):
+            if box is None:
+                continue
+            fqn, size, offsets, sizes = box
+            model[fqn] = LocalChunks(size, [(offsets, torch.empty(sizes, dtype=self.param_dtype, device="meta"))])
+            if self.optimizer:
+                state[fqn] = {
+                    name: LocalChunks(size, [(offsets, torch.empty(sizes, dtype=torch.float32, device="meta"))])
+                    for name in _OPTIM_TENSORS
+                }
+        out: dict[str, Any] = {"model": model}
+        if self.optimizer:
+            for fqn, _, _ in self.params:
+                state.setdefault(fqn, {})["step"] = torch.empty((), device="meta")
+            out["optim"] = {"state": state}
+        return out
+
+
+# --------------------------------------------------------------------- the simulated collectives
+
+
+# Bytes received per collective as torch moves them, (rank 0, any other rank), for a payload of
+# ``width`` bytes (object collectives: the largest rank's pickle; every rank's is padded to it).
+_RECEIVED: dict[str, Callable[[int, int], tuple[int, int]]] = {
+    "all_gather": lambda w, n: (w * n, w * n),
+    "all_gather_object": lambda w, n: (8 * n + w * n, 8 * n + w * n),  # sizes, then padded pickles
+    "gather_object": lambda w, n: (8 * n + w * n, 8 * n),  # sizes all-gathered, pickles to dst
+    "scatter_object_list": lambda w, n: (8 + w, 8 + w),  # the largest size, then one padded pickle
+    "broadcast_object_list": lambda w, n: (8 + w, 8 + w),
+    "broadcast": lambda w, n: (w, w),
+    "all_reduce": lambda w, n: (w, w),
+    "barrier": lambda w, n: (0, 0),
+}
+
+
+@dataclass
+class Counts:
+    """Collectives rank 0 took part in: (name, payload kind, width); bytes received for ``world``."""
+
+    world: int
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.calls)
+
+    @property
+    def rank0_bytes(self) -> int:
+        return sum(_RECEIVED[name](width, self.world)[0] for name, _, width in self.calls)
+
+    @property
+    def other_bytes(self) -> int:
+        return sum(_RECEIVED[name](width, self.world)[1] for name, _, width in self.calls)
+
+    def at(self, world: int, widths: dict[str, int]) -> Counts:
+        """The same collectives at ``world`` with the payload kinds' widths there (projection)."""
+        return Counts(world, [(name, kind, widths.get(kind, width)) for name, kind, width in self.calls])
+
+
+def _kind(obj: Any) -> str:
+    """What a payload carries: the kinds whose size grows with the model or the world."""
+    inner = obj[1] if isinstance(obj, tuple) and len(obj) == 2 else obj
+    if isinstance(inner, SavePlan):
+        return "save plan"
+    if isinstance(inner, LoadPlan):
+        return "load plan"
+    if isinstance(inner, list) and inner and isinstance(inner[0], WriteResult):
+        return "write results"
+    if isinstance(obj, list) and obj and isinstance(obj[0], Metadata):
+        return "metadata"
+    if isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[1], tuple) and isinstance(obj[1][1], Metadata):
+        return "metadata"
+    return "small"
+
+
+class SimGroup:
+    """Rank 0's view of an N-rank job: torch.distributed's collectives, intercepted.
+
+    ``peer(rank, obj)`` returns what ``rank`` contributes where rank 0 contributes ``obj``
+    (default: the same). ``sizes_of(obj)``: the pickled sizes torch pads object payloads to.
+    Time spent in ``peer`` is generation, not rank 0's work: it is summed in ``generation_s``.
+    """
+
+    _NAMES = ("all_gather", "all_gather_object", "gather_object", "scatter_object_list", "broadcast",
+              "broadcast_object_list", "all_reduce", "barrier", "get_backend")  # fmt: skip
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.counts = Counts(world)
+        self.peer: Callable[[int, Any], Any] = lambda rank, obj: obj
+        self.max_payload: Callable[[Any, bytes], int] = lambda obj, mine: len(mine)
+        self.generation_s = 0.0
+        self.seconds = 0.0
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[SimGroup]:
+        saved = {name: getattr(dist, name) for name in self._NAMES}
+        for name in self._NAMES:
+            setattr(dist, name, getattr(self, name))
+        try:
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+
+    def _count(self, name: str, kind: str, width: int) -> None:
+        self.counts.calls.append((name, kind, width))
+
+    def _peers(self, obj: Any) -> list[Any]:
+        start = time.perf_counter()
+        out = [obj] + [self.peer(r, obj) for r in range(1, self.world)]
+        self.generation_s += time.perf_counter() - start
+        return out
+
+    def get_backend(self, group: Any = None) -> str:  # noqa: D102
+        return "gloo"  # the checkpoint helpers' CPU path (one-collective rounds), as on a gloo job
+
+    # torch's object collectives: sizes first (one int64 per rank), then padded pickles.
+    def all_gather_object(self, out: list[Any], obj: Any, group: Any = None) -> None:  # noqa: D102
+        mine = pickle.dumps(obj)
+        self._count("all_gather_object", _kind(obj), self.max_payload(obj, mine))
+        out[:] = self._peers(obj)
+
+    def gather_object(self, obj: Any, out: list[Any] | None = None, dst: int = 0, group: Any = None, **kw: Any) -> None:  # noqa: D102
+        mine = pickle.dumps(obj)
+        self._count("gather_object", _kind(obj), self.max_payload(obj, mine))
+        assert out is not None
+        out[:] = self._peers(obj)
+
+    def scatter_object_list(self, out: list[Any], objs: list[Any] | None, src: int = 0, group: Any = None, **kw: Any) -> None:  # noqa: D102
+        assert objs is not None
+        width = max(len(pickle.dumps(o)) for o in (objs[:2] + objs[-1:]))
+        first = objs[0][1] if isinstance(objs[0], tuple) and objs[0][0] == "ok" else objs[0]
+        with_metadata = isinstance(first, tuple) and any(isinstance(x, Metadata) for x in first)
+        self._count("scatter_object_list", "plan+metadata" if with_metadata else _kind(first), width)
+        out[0] = objs[0]
+
+    def broadcast_object_list(self, objs: list[Any], src: int = 0, group: Any = None, **kw: Any) -> None:  # noqa: D102
+        self._count("broadcast_object_list", _kind(objs), len(pickle.dumps(objs)))
+
+    def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, **kw: Any) -> None:  # noqa: D102
+        self._count("all_gather", "small", tensor.numel() * tensor.element_size())
+        for t in out:
+            t.copy_(tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, group: Any = None, **kw: Any) -> None:  # noqa: D102
+        self._count("broadcast", "small", tensor.numel() * tensor.element_size())
+
+    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kw: Any) -> None:  # noqa: D102
+        self._count("all_reduce", "small", tensor.numel() * tensor.element_size())
+
+    def barrier(self, *args: Any, **kw: Any) -> None:  # noqa: D102
+        self._count("barrier", "small", 0)
+
+
+@contextlib.contextmanager
+def fake_world(world: int) -> Iterator[None]:
+    """This process is rank 0 of ``world`` (torch's fake process group: no peers)."""
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _plan_payloads(model: Model, sim: SimGroup) -> None:
+    """Peers send their own local plans and write results (built from the layout algebra)."""
+    samples = sorted({1, sim.world // 2, sim.world - 1} - {0})
+
+    def peer(rank: int, obj: Any) -> Any:
+        wrapped = isinstance(obj, tuple) and len(obj) == 2 and obj[0] is None
+        inner = obj[1] if wrapped else obj
+        if isinstance(inner, SavePlan):
+            inner = model.local_plan(rank)
+        elif isinstance(inner, list) and inner and isinstance(inner[0], WriteResult):
+            inner = model.write_results(rank, model.local_plan(rank))
+        elif isinstance(inner, LoadPlan):
+            inner = LoadPlan(_load_items(model, rank, sim.metadata))  # type: ignore[attr-defined]
+        else:
+            return obj
+        return (None, inner) if wrapped else inner
+
+    def max_payload(obj: Any, mine: bytes) -> int:
+        # torch pads to the largest rank's pickle: a few ranks' sizes stand for all (same structure)
+        start = time.perf_counter()
+        n = max([len(mine)] + [len(pickle.dumps(peer(r, obj))) for r in samples])
+        sim.generation_s += time.perf_counter() - start
+        return n
+
+    sim.peer, sim.max_payload = peer, max_payload
+
+
+def _load_items(model: Model, rank: int, metadata: Metadata) -> list[Any]:
+    planner = LoadPlanner()
+    planner.set_up_planner(model.load_state(rank), metadata, rank == 0)
+    return planner.create_local_plan().items
+
+
+# ------------------------------------------------------------------------------- the contenders
+
+
+@dataclass
+class Result:
+    """One contender on one configuration."""
+
+    seconds: float
+    peak_bytes: int
+    counts: Counts
+    metadata_bytes: int = 0
+    manifest_bytes: int = 0
+    projected: bool = False
+
+
+@contextlib.contextmanager
+def measured(sim: SimGroup) -> Iterator[None]:
+    """Rank 0's time (without building the other ranks' payloads) and peak memory, onto ``sim``."""
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        sim.seconds = time.perf_counter() - start - sim.generation_s
+        sim.peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
+
+class _SimWriter(Writer):
+    """shardbridge's writer; only rank 0's data file is not written (its results are generated)."""
+
+    model: Model
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(self.model.write_results(0, plan))
+        return done
+
+
+def shardbridge_save(model: Model, root: Path, *, warm: bool = False) -> Result:
+    """Rank 0 of ``save``: its argument round, then ``write_and_commit`` with the production protocol.
+
+    ``warm``: an earlier save of the same plans ran in this job (untimed), so no rank's plan
+    changed and the plan round is skipped, as in training after the first save.
+    """
+    protocol = type(_protocol.PROTOCOL)()  # a fresh one: no plan cached from an earlier run
+    if warm:
+        _save_once(model, root / "first", protocol, SimGroup(model.layout.world), unchanged=False)
+    sim = SimGroup(model.layout.world)
+    final = _save_once(model, root / "sb", protocol, sim, unchanged=warm)
+    return Result(sim.seconds, sim.peak, sim.counts, (final / DCP_METADATA_NAME).stat().st_size,
+                  (final / MANIFEST_NAME).stat().st_size)  # fmt: skip
+
+
+def _save_once(model: Model, path: Path, protocol: Any, sim: SimGroup, *, unchanged: bool) -> Path:
+    _plan_payloads(model, sim)
+    where = locate(path)
+    target = where.backend.begin(where.path, overwrite=False)
+    manifest = Manifest(
+        step=1, world_size=model.layout.world, has_optimizer=model.optimizer, extra={},
+        layout={"tensors": {f: {"mesh": {"dp_shard": model.layout.dp_shard, "tp": model.layout.tp},
+                                "placements": [], "stored_as": "dtensor"} for f, _, _ in model.params}},
+    )  # fmt: skip
+    _SimWriter.model = model
+    with sim.active(), measured(sim):
+        local = model.local_plan(0)
+        # The save's argument round, as ``save`` calls it (rank 0's target, "no plan changed")
+        _, same = _dist.one_round(lambda: target, same=("save", {"path": str(path)}), share=lambda mine: mine,
+                                  all_of=lambda mine: unchanged)  # fmt: skip
+        job = _save.SaveJob(where=where, target=target, dcp_state={}, rng=b"\0" * 64, manifest=manifest,
+                            protocol=protocol, local=local, unchanged=unchanged)  # fmt: skip
+        original = _save.Writer
+        _save.Writer = _SimWriter  # type: ignore[misc]
+        try:
+            _save.write_and_commit(job)
+        finally:
+            _save.Writer = original  # type: ignore[misc]
+    return Path(where.path)
+
+
+class _SimPlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose local plan is the generated one (its global plan is DCP's own)."""
+
+    def __init__(self, plan: SavePlan) -> None:
+        super().__init__()
+        self._local = plan
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = self._local
+        return self._local
+
+
+class _DCPWriter(StorageWriter):
+    """A storage writer that writes ``.metadata`` only (to measure it); data results are generated."""
+
+    def __init__(self, model: Model, path: Path) -> None:
+        super().__init__()
+        self.model, self.path = model, path
+
+    def reset(self, checkpoint_id: Any = None) -> None: ...
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None: ...
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(self.model.write_results(0, plan)[:-1])
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {r.index: r.storage_data for part in results for r in part}
+        self.path.write_bytes(pickle.dumps(metadata))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+def dcp_save(model: Model, root: Path) -> Result:
+    """Rank 0 of plain ``dcp.save`` (DefaultSavePlanner) over the same local plans."""
+    sim = SimGroup(model.layout.world)
+    _plan_payloads(model, sim)
+    path = root / "dcp.metadata"
+    with sim.active(), measured(sim):
+        dcp.save({}, storage_writer=_DCPWriter(model, path), planner=_SimPlanner(model.local_plan(0)))
+    return Result(sim.seconds, sim.peak, sim.counts, path.stat().st_size)
+
+
+class _Reader(StorageReader):
+    """Reads nothing: ``.metadata`` given (shardbridge: rank 0's, broadcast) or unpickled from
+    its bytes at every ``read_metadata`` (DCP: every rank reads the file)."""
+
+    def __init__(self, metadata: Metadata | None = None, data: bytes | None = None) -> None:
+        super().__init__()
+        self.metadata, self.data = metadata, data
+
+    def reset(self, checkpoint_id: Any = None) -> None: ...
+    def read_metadata(self) -> Metadata:  # no ``rank=``: DCP would take it for rank-local metadata
+        return self.metadata if self.metadata is not None else pickle.loads(self.data)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None: ...
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future[None]:
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+def shardbridge_load(model: Model, metadata_bytes: bytes) -> Result:
+    """Rank 0 of ``load`` (``_load``'s rounds): round 1 checks arguments and files and agrees
+    that no rank found a damaged file, rank 0 broadcasts its ``.metadata``, each rank plans
+    alone (``dcp.load(no_dist=True)``), round 2 agrees that every rank read."""
+    sim = SimGroup(model.layout.world)
+    with sim.active(), measured(sim):
+        metadata = pickle.loads(metadata_bytes)  # rank 0 reads .metadata
+        _, intact = _dist.one_round(lambda: ([], metadata), same=("load", {"path": "x"}),
+                                    all_of=lambda opened: not opened[0])  # fmt: skip
+        assert intact
+        reader = _Reader(_dist.broadcast_from_rank0(metadata))
+        _dist.on_all_ranks(
+            lambda: dcp.load(model.load_state(0), storage_reader=reader, planner=LoadPlanner(), no_dist=True)
+        )
+    return Result(sim.seconds, sim.peak, sim.counts)
+
+
+class _DCPLoadPlanner(LoadPlanner):
+    """DCP's ``DefaultLoadPlanner`` planning (shardbridge's subclass only resolves LocalChunks)."""
+
+    assert issubclass(LoadPlanner, DefaultLoadPlanner)
+
+
+def dcp_load(model: Model, metadata_bytes: bytes) -> Result:
+    """Rank 0 of plain ``dcp.load``: every rank reads ``.metadata``, plans; plans gathered, scattered."""
+    sim = SimGroup(model.layout.world)
+    _plan_payloads(model, sim)
+    reader = _Reader(data=metadata_bytes)
+    sim.metadata = pickle.loads(metadata_bytes)  # type: ignore[attr-defined]  # the peers' (generation)
+    with sim.active(), measured(sim):
+        dcp.load(model.load_state(0), storage_reader=reader, planner=_DCPLoadPlanner())
+    return Result(sim.seconds, sim.peak, sim.counts)
+
+
+# ---------------------------------------------------------------------------------- the table
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+HEAD = ("model", "world", "layout r x s x t", "items/rank", "op", "who", "rank-0 s", "rank-0 peak", "rounds",
+        "recv rank 0", "recv other rank", ".metadata", "manifest")  # fmt: skip
+
+
+def _row(name: str, world: int, where: str, items: int, op: str, who: str, r: Result) -> tuple[str, ...]:
+    mark = "~" if r.projected else ""
+    return (
+        name, str(world), where, str(items), op, who,
+        f"{mark}{r.seconds:.3g}", f"{mark}{_fmt_bytes(r.peak_bytes)}", str(r.counts.rounds),
+        _fmt_bytes(r.counts.rank0_bytes), _fmt_bytes(r.counts.other_bytes),
+        f"{mark}{_fmt_bytes(r.metadata_bytes)}" if r.metadata_bytes else "-",
+        f"{mark}{_fmt_bytes(r.manifest_bytes)}" if r.manifest_bytes else "-",
+    )  # fmt: skip
+
+
+@dataclass
+class Config:
+    """One (model, world): the layouts and sizes the projection scales by."""
+
+    name: str
+    world: int
+    model: Model
+    target: Model
+    """The same model at half the world: the reshard load."""
+
+    @property
+    def items(self) -> int:
+        return len(self.model.items(0))
+
+    @property
+    def cost(self) -> int:
+        """Items rank 0 plans over when every rank's plan is gathered."""
+        return self.world * self.items
+
+    @property
+    def chunks(self) -> int:
+        """Distinct boxes (what ``.metadata`` lists): replicas write none of their own."""
+        return self.cost // self.model.layout.dp_replicate
+
+    def widths(self, metadata_bytes: int) -> dict[str, int]:
+        plan = len(pickle.dumps((None, self.model.local_plan(1))))
+        results = len(pickle.dumps((None, self.model.write_results(1, self.model.local_plan(1)))))
+        return {"save plan": plan, "load plan": plan, "write results": results, "metadata": metadata_bytes,
+                "plan+metadata": plan + metadata_bytes}  # fmt: skip
+
+
+def config(name: str, world: int) -> Config:
+    shape = SHAPES[name]
+    model = Model(tensors(shape), layout_for(shape, world))
+    target = Model(tensors(shape), layout_for(shape, max(world // 2, shape.tp)))
+    return Config(name, world, model, target)
+
+
+def run(cfg: Config, root: Path) -> dict[tuple[str, str], Result]:
+    """Every contender on one configuration, for real (rank 0 on the gathered payloads)."""
+    root.mkdir(parents=True, exist_ok=True)
+    out: dict[tuple[str, str], Result] = {}
+    with fake_world(cfg.world):
+        out["save", "shardbridge"] = shardbridge_save(cfg.model, root)
+        out["save again", "shardbridge"] = shardbridge_save(cfg.model, root / "again", warm=True)
+        out["save", "DCP"] = dcp_save(cfg.model, root)
+        meta = (root / "sb" / DCP_METADATA_NAME).read_bytes()
+        out["load same", "shardbridge"] = shardbridge_load(cfg.model, meta)
+        out["load same", "DCP"] = dcp_load(cfg.model, meta)
+    with fake_world(cfg.target.layout.world):
+        out["load reshard", "shardbridge"] = shardbridge_load(cfg.target, meta)
+        out["load reshard", "DCP"] = dcp_load(cfg.target, meta)
+    return out
+
+
+def project(cfg: Config, ref: Config, measured: dict[tuple[str, str], Result]) -> dict[tuple[str, str], Result]:
+    """Not run: the same collectives with this configuration's payload sizes; time and memory
+    scaled by the items rank 0 plans over (world x items), ``.metadata`` by the distinct boxes."""
+    scale, meta_scale = cfg.cost / ref.cost, cfg.chunks / ref.chunks
+    metadata = int(measured["save", "shardbridge"].metadata_bytes * meta_scale)
+    widths = cfg.widths(metadata)
+    out = {}
+    for key, r in measured.items():
+        world = cfg.target.layout.world if key[0] == "load reshard" else cfg.world
+        out[key] = Result(
+            r.seconds * scale, int(r.peak_bytes * scale), r.counts.at(world, widths),
+            int(r.metadata_bytes * meta_scale), int(r.manifest_bytes * cfg.world / ref.world), projected=True,
+        )  # fmt: skip
+    return out
+
+
+def table(models: list[str], worlds: list[int], budget: float, log: Callable[[str], None] = print) -> list[tuple[str, ...]]:
+    """The rows: every (model, world), run when its cost fits ``budget``, else projected."""
+    rows: list[tuple[str, ...]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            ref: tuple[Config, dict[tuple[str, str], Result]] | None = None
+            for world in worlds:
+                cfg = config(name, world)
+                if cfg.cost <= budget or ref is None:
+                    results = run(cfg, Path(tmp) / f"{name}-{world}")
+                    ref = (cfg, results)
+                else:
+                    results = project(cfg, *ref)
+                log(f"... {name} at {world} ranks: {'projected' if results['save', 'DCP'].projected else 'run'}")
+                for (op, who), r in results.items():
+                    layout = cfg.model.layout if op != "load reshard" else f"{cfg.model.layout}->{cfg.target.layout}"
+                    rows.append(_row(name, world, str(layout), cfg.items, op, who, r))
+    return rows
+
+
+def render(rows: list[tuple[str, ...]]) -> str:
+    """A markdown table."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEAD)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    return "\n".join([line(HEAD), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the scale table."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    parser.add_argument("--budget", type=float, default=1e6, help="largest world x items run (else projected)")
+    args = parser.parse_args(argv)
+    for name in args.models.split(","):
+        shape = SHAPES[name]
+        layouts = ", ".join(f"{w}: {layout_for(shape, w)}" for w in map(int, args.worlds.split(",")))
+        print(f"{name}: {dataclasses.asdict(shape)}; dp_replicate x dp_shard x tp by world: {layouts}")
+    rows = table(args.models.split(","), [int(w) for w in args.worlds.split(",")], args.budget,
+                 log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+    print(render(rows))
+    print("~ = projected from the largest run of the same model (time, memory by world x items; .metadata by "
+          "distinct boxes); rounds and bytes are the run's collectives with this configuration's payload sizes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
