@@ -403,7 +403,8 @@ class SimGroup:
         return "gloo"  # the checkpoint helpers' CPU path (one-collective rounds), as on a gloo job
 
     # torch's object collectives: sizes first (one int64 per rank), then padded pickles.
-    def all_gather_object(self, out: list[Any], obj: Any, group: Any = None) -> None:  # noqa: D102
+    def all_gather_object(self, out: list[Any] | None = None, obj: Any = None, group: Any = None, **kw: Any) -> None:  # noqa: D102
+        out, obj = kw.get("object_list", out), kw.get("obj", obj)  # torch's keyword names
         mine = pickle.dumps(obj)
         self._count("all_gather_object", _kind(obj), self.max_payload(obj, mine))
         out[:] = self._peers(obj)
@@ -411,18 +412,24 @@ class SimGroup:
     def gather_object(self, obj: Any, out: list[Any] | None = None, dst: int = 0, group: Any = None, **kw: Any) -> None:  # noqa: D102
         mine = pickle.dumps(obj)
         self._count("gather_object", _kind(obj), self.max_payload(obj, mine))
+        out = kw.get("object_gather_list", out)  # torch's keyword name (DCP passes it by name)
         assert out is not None
         out[:] = self._peers(obj)
 
-    def scatter_object_list(self, out: list[Any], objs: list[Any] | None, src: int = 0, group: Any = None, **kw: Any) -> None:  # noqa: D102
-        assert objs is not None
+    def scatter_object_list(  # noqa: D102
+        self, out: list[Any] | None = None, objs: list[Any] | None = None, src: int = 0, group: Any = None, **kw: Any
+    ) -> None:
+        out = kw.get("scatter_object_output_list", out)  # torch's keyword names (DCP passes them by name)
+        objs = kw.get("scatter_object_input_list", objs)
+        assert out is not None and objs is not None
         width = max(len(pickle.dumps(o)) for o in (objs[:2] + objs[-1:]))
         first = objs[0][1] if isinstance(objs[0], tuple) and objs[0][0] == "ok" else objs[0]
         with_metadata = isinstance(first, tuple) and any(isinstance(x, Metadata) for x in first)
         self._count("scatter_object_list", "plan+metadata" if with_metadata else _kind(first), width)
         out[0] = objs[0]
 
-    def broadcast_object_list(self, objs: list[Any], src: int = 0, group: Any = None, **kw: Any) -> None:  # noqa: D102
+    def broadcast_object_list(self, objs: list[Any] | None = None, src: int = 0, group: Any = None, **kw: Any) -> None:  # noqa: D102
+        objs = kw.get("object_list", objs)  # torch's keyword name
         self._count("broadcast_object_list", _kind(objs), len(pickle.dumps(objs)))
 
     def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, **kw: Any) -> None:  # noqa: D102

@@ -77,7 +77,15 @@ def test_simulated_metadata_is_what_a_real_save_writes(tmp_path, name):
         bench.shardbridge_save(model, tmp_path / "sim")
     simulated = _summary(read_metadata(tmp_path / "sim" / "sb", data_files=False))
     assert simulated["keys"] == real["keys"]
-    assert simulated["files"] == real["files"]
+    # A box several ranks hold (AdamW's 0-d steps, the pickled param_groups, and under HSDP every
+    # box: dp_replicate copies) is written by one of them, which DCP's dedup picks by the plan sizes
+    # so far; the simulation need not pick the same holder. A box one rank holds must be in its file.
+    replicated = {k for k, v in real["keys"].items() if v == "bytes" or v[0] == () or _LAYOUTS[name][0] > 1}
+    assert {k: f for k, f in simulated["files"].items() if k[0] not in replicated} == {
+        k: f for k, f in real["files"].items() if k[0] not in replicated
+    }
+    assert set(simulated["files"]) == set(real["files"])
+    assert set(simulated["files"].values()) <= set(real["files"].values())
 
 
 def test_rounds_are_constant_and_no_rank_receives_world_times_the_metadata(tmp_path):
@@ -97,4 +105,6 @@ def test_rounds_are_constant_and_no_rank_receives_world_times_the_metadata(tmp_p
     for world, (sb, load, _, metadata) in results.items():
         # a rank other than 0 receives .metadata at most once (plus small rounds), not once per rank
         assert load.counts.other_bytes < metadata + 64 * 4200, (world, load.counts.calls)
-        assert sb.counts.other_bytes < metadata, (world, sb.counts.calls)
+    for i in range(2):  # bytes a rank other than 0 moves: the same at 64 ranks as at 8 (within pickling noise)
+        small, large = results[8][i].counts, results[64][i].counts
+        assert large.other_bytes <= 1.25 * small.other_bytes, (small.calls, large.calls)

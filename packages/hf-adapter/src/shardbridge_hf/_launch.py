@@ -222,6 +222,9 @@ _CHECKS: tuple[_Check, ...] = (
     _Check(lambda c: _parallelism(c).get("parallelism_config_ep_size", 1), lambda v: v == 1,
            lambda v: f"parallelism_config_ep_size={v!r}: Accelerate's parallelism_config has no ep; write "
                      f"{BLOCK_KEY}.ep_size: {v!r} instead"),
+    _Check(lambda c: sorted(k for k in _parallelism(c) if not str(k).startswith("parallelism_config_")), lambda v: not v,
+           lambda v: f"parallelism_config.{v[0]}: not a key Accelerate reads (its keys are parallelism_config_*, e.g. "
+                     "parallelism_config_tp_size); remove or rename it"),
     _Check(_unknown_axes, lambda v: not v,
            lambda v: f"{v[0][0]}={v[0][1]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key",
            NotImplementedError),
