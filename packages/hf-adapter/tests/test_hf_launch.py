@@ -104,7 +104,7 @@ _FP8_LINE = "    fp8: {backend: torchao, recipe: tensorwise}"
         ("num_processes: 4", "num_processes: 4\nmachine_rank: 1", r"machine_rank=1 must be an int in 0\.\.num_machines-1 = 0\.\.0"),
         ("num_processes: 4", "num_processes: 4\nnum_machines: 2\nmachine_rank: -1", r"machine_rank=-1 must be an int in"),
         ("num_processes: 4", "num_processes: 4\nnum_machines: 3", r"num_processes=4 is not divisible by num_machines=3"),
-        ("num_processes: 4", "num_processes: 4\nmain_process_port: -1", r"main_process_port=-1 must be a TCP port in 1\.\.65535"),
+        ("num_processes: 4", "num_processes: 4\nmain_process_port: -1", r"main_process_port=-1 must be a TCP port in 1\.\.65535, or 0 for a free one"),
         ("num_processes: 4", "num_processes: 4\nmain_process_port: 70000", r"main_process_port=70000 must be a TCP port"),
         ("num_processes: 4", "num_processes: 4\nmain_process_port: http", r"main_process_port='http' must be a TCP port"),
         # blocks of the wrong type

@@ -97,7 +97,7 @@ def test_png_is_checked_before_any_process_starts(capsys, tmp_path, monkeypatch)
 def test_unwritable_out(capsys, tmp_path):
     (tmp_path / "file").write_text("mine")
     assert "is not writable (Not a directory)" in _error(capsys, "--out", str(tmp_path / "file" / "demo"))
-    assert "is a file; pass a new or empty directory" in _error(capsys, "--out", str(tmp_path / "file"))
+    assert "is a file, not a folder; nothing was written" in _error(capsys, "--out", str(tmp_path / "file"))
     assert (tmp_path / "file").read_text() == "mine"
 
 

@@ -217,8 +217,9 @@ _CHECKS: tuple[_Check, ...] = (
     _Check(lambda c: (c.num_processes, getattr(c, "num_machines", 1)), lambda v: v[0] % v[1] == 0,
            lambda v: f"num_processes={v[0]} is not divisible by num_machines={v[1]}: num_processes is the total over "
                      "all machines, the same number on each"),
-    _Check(lambda c: getattr(c, "main_process_port", None), lambda v: v is None or (type(v) is int and 1 <= v <= 65535),
-           lambda v: f"main_process_port={v!r} must be a TCP port in 1..65535 (or unset: Accelerate's default 29500)"),
+    _Check(lambda c: getattr(c, "main_process_port", None), lambda v: v is None or (type(v) is int and 0 <= v <= 65535),
+           lambda v: f"main_process_port={v!r} must be a TCP port in 1..65535, or 0 for a free one (unset: Accelerate's "
+                     "default 29500)"),
     _Check(lambda c: _parallelism(c).get("parallelism_config_ep_size", 1), lambda v: v == 1,
            lambda v: f"parallelism_config_ep_size={v!r}: Accelerate's parallelism_config has no ep; write "
                      f"{BLOCK_KEY}.ep_size: {v!r} instead"),

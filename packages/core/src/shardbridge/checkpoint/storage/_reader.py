@@ -112,14 +112,15 @@ class TrustedReader(StorageReader):
             if isinstance(planner, WeightsOnlyBytes):
                 planner.checkpoint_dir = self.stored
         rest = self._read_in_place(plan.items, planner)
-        try:
-            for item in rest:
+        for item in rest:
+            try:
                 self._read_whole(item, planner)
-        except pickle.UnpicklingError as err:  # a tensor record torch.load(weights_only=True) refused
-            raise UntrustedCheckpointError(
-                f"a tensor record in a data file of {str(self.stored)!r} holds a pickle that "
-                f"torch.load(weights_only=True) refuses ({_weights_only_reason(str(err))}): {_REFUSED}"
-            ) from None
+            except pickle.UnpicklingError as err:  # a tensor record torch.load(weights_only=True) refused
+                file = f"{str(self.stored).rstrip('/')}/{self.storage_data[item.storage_index].relative_path}"
+                raise UntrustedCheckpointError(
+                    f"the tensor record of {item.storage_index.fqn!r} in {file!r} holds a pickle that "
+                    f"torch.load(weights_only=True) refuses ({_weights_only_reason(str(err))}): {_REFUSED}"
+                ) from None
         done: Future[None] = Future()
         done.set_result(None)
         return done
