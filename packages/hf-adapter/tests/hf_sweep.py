@@ -143,27 +143,23 @@ OVERRIDES: dict[str, dict] = {
     "gptj": dict(rotary_dim=4),
 }
 
-# The default CI run: representative architectures, one or more per style family (budget:
-# ~2 minutes on 2 cores); the rest with SHARDBRIDGE_HF_SWEEP=all.
+# The default CI run: representative architectures, one per style family the adapter adds or
+# corrects (budget: ~4 minutes on 2 cores); the rest with SHARDBRIDGE_HF_SWEEP=all (nox -s hf_sweep).
+# Moved to the full sweep for CI time (each still passes there, docs/hf.md): gemma3_text (per-head
+# norms: qwen3 has them), apertus, olmo2 (rowwise_split_input), starcoder2, granite_swa, olmoe
+# (qwen3_moe runs the same expert styles), llama4_text.
 CI_ARCHS = (
     "llama",  # colwise / rowwise / embedding_rowwise / colwise_gather_output
     "qwen3",  # replicated_with_grad_allreduce (q_norm / k_norm: local input, gradient all-reduced)
-    "gemma3_text",  # per-head norms, sliding window
-    "apertus",  # a learnable activation between colwise and rowwise (auto-handled)
-    "olmo2",  # colwise_gather_output + rowwise_split_input
     "phi3",  # fused qkv / gate_up Linears, gathered
-    "starcoder2",  # biases, LayerNorm
-    "granite_swa",  # local_params + a colwise bare parameter (attention sinks)
     "qwen3_moe",  # packed_colwise + rowwise expert parameters under moe_tp_experts
-    "olmoe",  # MoE + rowwise_split_input (mixtral: the same styles, in the full sweep)
-    "llama4_text",  # packed_rowwise experts, in-place add into a rowwise output
     "doge",  # upstream plan corrected: dt_proj reduce-scattered over kv heads, A sharded (_tp.py)
     "inkling_text",  # upstream plan corrected: packed gate_up experts; all_reduce with local params
 )
 
 # The CI architectures that also run match_hsdp_tp2 in the default run (the full sweep: all of them):
-# the plain path, the data-flow gradient rule, MoE experts, scalar parameters between colwise and rowwise.
-CI_HSDP = ("llama", "qwen3", "qwen3_moe", "apertus")
+# the plain path, and MoE experts with the data-flow gradient rule.
+CI_HSDP = ("llama", "qwen3_moe")
 
 # Variants in the default CI run: (model_type, variant), one per knob.
 CI_VARIANTS = (
