@@ -92,7 +92,7 @@ def hf_matrix(session, transformers, accelerate):
     session.install(TORCH, f"transformers=={transformers}", f"accelerate=={accelerate}")
     session.run(
         "python", "-m", "pytest", "packages/hf-adapter/tests", "integration_tests/test_launch_e2e.py",
-        *session.posargs, env=ENV,
+        *session.posargs, env={**ENV, "SHARDBRIDGE_LAUNCH_ALL": "1"},
     )  # fmt: skip
 
 
