@@ -51,6 +51,10 @@ __all__ = ["DistributedTestFailure", "WorkerPool", "run_distributed", "shutdown_
 _PG_TIMEOUT_S = 30.0
 _MAX_GROUPS = 150  # ~20 meshes; see the module note
 _ERROR_GRACE_S = 3.0
+# A rank whose gloo peer went away fails with one of these: the cause is on the peer (its own error,
+# or a collective timeout on a starved machine), so the pool waits for that rank's report (up to
+# the collective timeout) instead of the 3 s grace, and the failure shows the cause, not only echoes.
+_ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
 
 
@@ -194,7 +198,9 @@ class WorkerPool:
         while pending:
             remaining = deadline - time.monotonic()
             if errors:
-                remaining = min(remaining, _ERROR_GRACE_S)
+                echoes_only = all(any(e in error for e in _ECHOES) for error in errors.values())
+                grace = self.pg_timeout + 10 if echoes_only else _ERROR_GRACE_S
+                remaining = min(remaining, grace)
             if remaining <= 0:
                 break
             ready = wait(list(pending) + list(sentinels), timeout=remaining)
@@ -225,7 +231,7 @@ class WorkerPool:
         lines = [f"{name} failed on {len(errors)} of {self.world_size} ranks"]
         if pending and errors:
             lines[0] += (
-                f"; ranks {sorted(pending.values())} were still running {_ERROR_GRACE_S:.0f} s after the first "
+                f"; ranks {sorted(pending.values())} were still running {grace:.0f} s after the last "
                 "failure (probably waiting in a collective the failed rank never reached)"
             )
         elif pending:
