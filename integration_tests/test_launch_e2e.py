@@ -139,17 +139,18 @@ def test_qwen2_trains_saves_and_exports(tmp_path):
     torch.testing.assert_close(logits, report["logits"], rtol=1e-5, atol=1e-5)
 
 
-def test_torchao_fp8_resumes_bit_exact_and_its_checkpoint_reads_without_torchao(tmp_path):
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
     pytest.importorskip("torchao")
-    cfg = _yaml(tmp_path / "cfg.yaml", fp8="torchao")
-    report = _launch(cfg, tmp_path, "--steps", "6", "--save-every", "3", "--ckpt-root", str(tmp_path / "ckpt"))
+    out = tmp_path_factory.mktemp("fp8")
+    cfg = _yaml(out / "cfg.yaml", fp8="torchao")
+    report = _launch(cfg, out, "--steps", "6", "--save-every", "3", "--ckpt-root", str(out / "ckpt"))
+    return out, cfg, report
+
+
+def test_torchao_fp8_trains_and_its_checkpoint_reads_without_torchao(fp8_run):
+    tmp_path, _, report = fp8_run
     assert report["losses"][6] < report["losses"][1] - 0.3, report["losses"]
-    # Resumed from step 3 in the same layout: the float8 weights, their scales and the optimizer
-    # state come back bit for bit (same losses, same logits).
-    (tmp_path / "resume").mkdir()
-    again = _launch(cfg, tmp_path / "resume", "--steps", "6", "--resume", str(tmp_path / "ckpt" / "step-00000003"))
-    assert again["losses"] == {k: v for k, v in report["losses"].items() if k > 3}
-    assert torch.equal(again["logits"], report["logits"])
     # A reader without torchao: export + from_pretrained in a fresh interpreter with torchao blocked.
     code = textwrap.dedent(
         f"""
@@ -171,3 +172,12 @@ def test_torchao_fp8_resumes_bit_exact_and_its_checkpoint_reads_without_torchao(
     # The sharded model computed its matmuls in float8; the export runs them in fp32.
     assert (logits.argmax(-1) == report["logits"].argmax(-1)).float().mean() > 0.9
     torch.testing.assert_close(logits, report["logits"], rtol=0.1, atol=0.25)
+
+
+def test_torchao_fp8_resume_is_bit_exact(fp8_run, tmp_path):
+    # Resumed from step 3 in the same layout: the float8 weights, their scales and the optimizer
+    # state come back bit for bit (same losses, same logits).
+    out, cfg, first = fp8_run
+    again = _launch(cfg, tmp_path, "--steps", "6", "--resume", str(out / "ckpt" / "step-00000003"))
+    assert again["losses"] == {k: v for k, v in first["losses"].items() if k > 3}
+    assert torch.equal(again["logits"], first["logits"])
