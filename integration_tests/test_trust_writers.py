@@ -226,3 +226,18 @@ def test_convert_of_a_refused_tensor_record_is_one_line(sources, tmp_path, capsy
                     "--num-attention-heads", str(HEADS)], capsys)  # fmt: skip
     assert rc == 2 and str(file) in err and "not trusted; nothing from it was executed" in err, err
     assert not marker.exists() and not (tmp_path / "dst" / "model.safetensors").exists()
+
+
+def test_convert_of_an_equal_volume_overlap_is_refused(sources, tmp_path, capsys):
+    """fsdp_dtensor source, the embedding (64 rows) stored as rows [0, 33) and [32, 63): exit 2 naming
+    the tensor; before, convert wrote model.safetensors with row 63 uninitialised memory, exit 0."""
+    from shardbridge.testing._hostile import overlap_chunks
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["fsdp_dtensor"], src)
+    overlap_chunks(src, "model.embedding.word_embeddings.weight")
+    rc, err = _cli(["ckpt", "convert", str(src), str(tmp_path / "dst"), "--to", "hf",
+                    "--num-attention-heads", str(HEADS)], capsys)  # fmt: skip
+    assert rc == 2 and str(src / ".metadata") in err, err
+    assert "'model.embedding.word_embeddings.weight' (size (64, 32)) chunks that overlap" in err, err
+    assert not (tmp_path / "dst" / "model.safetensors").exists()

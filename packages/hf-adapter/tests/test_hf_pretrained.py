@@ -172,3 +172,50 @@ def test_per_expert_moe_checkpoint_loads_shard_on_read(tmp_path, arch, layout):
         mine = {rank} if layout == "dp4_ep4" else {2 * (rank // 2), 2 * (rank // 2) + 1}
         assert experts == mine, (rank, experts)
         assert r["bytes"] < 0.35 * r["total"], (rank, r["bytes"], r["total"])
+
+
+# -- which files: the ones from_pretrained reads (issue 28, item 2; [Note: file selection]) -------
+
+
+def _two_models_in_one_folder(tmp_path, *, leftover: bool):
+    """A (seed 1) in ``model.safetensors``; beside it B's (seed 2) index and shards, the shards deleted
+    when ``leftover`` (an index left over from an earlier sharded save)."""
+    import shutil
+
+    H.tiny_model("llama", seed=1).save_pretrained(tmp_path / "a")
+    H.tiny_model("llama", seed=2).save_pretrained(tmp_path / "b", max_shard_size="150KB")
+    folder = tmp_path / "f"
+    shutil.copytree(tmp_path / "a", folder)
+    for f in (tmp_path / "b").glob("model*.safetensors*"):
+        if not (leftover and f.name.startswith("model-")):
+            shutil.copy(f, folder / f.name)
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def _load_one_rank(folder: str) -> dict:
+    """ShardbridgeAccelerator.load_pretrained into a model built on meta and prepared (one rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    acc = H.sb_accelerator(ParallelDims())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    acc.load_pretrained(folder)
+    return H.full_params(model)
+
+
+@pytest.mark.parametrize("leftover", [False, True], ids=["single+index", "single+leftover-index"])
+def test_load_pretrained_reads_the_file_from_pretrained_reads(tmp_path, leftover):
+    """Oracle: transformers' from_pretrained on the same folder. Before: the adapter read B's shards
+    (both present) or refused the folder (the index names deleted shards)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = _two_models_in_one_folder(tmp_path, leftover=leftover)
+    oracle = dict(AutoModelForCausalLM.from_pretrained(folder).named_parameters())
+    other = H.tiny_model("llama", seed=2).state_dict()
+    assert not torch.equal(oracle["model.embed_tokens.weight"], other["model.embed_tokens.weight"])  # two models
+    (got,) = run_distributed(_load_one_rank, str(folder), world_size=1, timeout=180)
+    assert set(got) == set(oracle)
+    for key, value in oracle.items():
+        assert torch.equal(got[key], value), key

@@ -5,6 +5,8 @@ cast to int32, each key given one more row, and config.json's dtype contradictin
 ``--to megatron`` refuses each by name before writing anything (``load_pretrained`` and
 ``from_pretrained`` do not load them as the same model). A refused tensor record in an
 fsdp_dtensor source comes out as its one line, not DCP's ``CheckpointException`` traceback.
+Convert reads the file ``from_pretrained`` reads when a folder holds ``model.safetensors`` and an
+index ([Note: file selection]).
 """
 
 from __future__ import annotations
@@ -92,3 +94,31 @@ def test_config_dtype_contradicting_the_files_is_refused(folder, tmp_path, capsy
     rc, err = _convert(src, tmp_path / "dst", capsys)
     assert rc == 2 and "is float32, config.json says dtype 'bfloat16'" in err, err
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("leftover", [False, True], ids=["single+index", "single+leftover-index"])
+def test_convert_reads_the_file_from_pretrained_reads(tmp_path, capsys, leftover):
+    """``--to megatron`` of a folder holding model A in ``model.safetensors`` and model B's index
+    beside it (B's shards deleted when ``leftover``), then ``--to hf`` back: from_pretrained reads
+    A from both folders. Before: convert read B's shards, or refused the leftover index."""
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    for name, seed in (("a", 1), ("b", 2)):
+        torch.manual_seed(seed)
+        transformers.LlamaForCausalLM(config).float().save_pretrained(tmp_path / name, max_shard_size="4KB" if name == "b" else "1GB")
+    src = tmp_path / "src"
+    shutil.copytree(tmp_path / "a", src)
+    for f in (tmp_path / "b").glob("model*.safetensors*"):
+        if not (leftover and f.name.startswith("model-")):
+            shutil.copy(f, src / f.name)
+    assert _convert(src, tmp_path / "mc", capsys) == (0, "")
+    assert main(["ckpt", "convert", str(tmp_path / "mc"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    oracle = transformers.LlamaForCausalLM.from_pretrained(src).state_dict()
+    other = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "b").state_dict()
+    assert not torch.equal(oracle["model.embed_tokens.weight"], other["model.embed_tokens.weight"])  # two models
+    got = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").state_dict()
+    assert set(got) == set(oracle)
+    for key, value in oracle.items():
+        assert torch.equal(got[key], value), key

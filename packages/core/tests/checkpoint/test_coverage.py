@@ -196,3 +196,25 @@ def test_coverage_agrees_with_the_dense_count(case):
     """Random in-bounds boxes: the sweep says exact iff every element is held once."""
     size, boxes = case
     assert (coverage_fault(size, boxes) is None) == _dense_exact(size, boxes)
+
+
+def test_load_and_export_refuse_an_equal_volume_overlap(tmp_path):
+    """A real checkpoint with ``model.up.weight`` (9 rows) stored as rows [0, 5) and [4, 8), true
+    values, resealed. Before: load left row 8 as it was and export wrote it as zeros."""
+    from ckpt_helpers import Mlp
+    from shardbridge import checkpoint as ck
+    from shardbridge.testing._hostile import overlap_chunks
+
+    torch.manual_seed(0)
+    path = ck.save(tmp_path / "c", model=Mlp())
+    overlap_chunks(path, "model.up.weight")
+    refused = r"'model\.up\.weight' \(size \(9, 6\)\) chunks that overlap \(2 chunks hold element \(4, 0\)\)"
+    torch.manual_seed(1)
+    model = Mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UntrustedCheckpointError, match=refused):
+        ck.load(path, model=model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing written
+    with pytest.raises(UntrustedCheckpointError, match=refused):
+        ck.export_safetensors(path, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()

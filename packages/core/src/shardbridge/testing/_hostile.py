@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Payload", "plant_item", "reseal", "torch_save"]
+__all__ = ["Payload", "overlap_chunks", "plant_item", "reseal", "torch_save"]
 
 
 class Payload:
@@ -69,3 +69,39 @@ def plant_item(path: str | os.PathLike[str], key: str, data: bytes) -> None:
     md.storage_data[index] = type(info)(info.relative_path, offset, len(data))
     (path / ".metadata").write_bytes(pickle.dumps(md))
     reseal(path)
+
+
+def overlap_chunks(path: str | os.PathLike[str], key: str) -> None:
+    """Split tensor ``key`` (one chunk, n rows) of checkpoint ``path`` into rows [0, n//2+1) and [n//2, n-1).
+
+    Each new chunk gets its own record holding the tensor's true rows. The volumes add up to the
+    tensor's (DCP's own save-time rule), but row n//2 is held twice and row n-1 by no chunk: the
+    case [Note: exact chunk coverage] refuses. Works on any DCP directory (resealed if it has a
+    shardbridge manifest).
+    """
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    path = Path(path)
+    md = pickle.loads((path / ".metadata").read_bytes())  # the test's own, trusted file
+    entry = md.state_dict_metadata[key]
+    (index,) = [i for i in md.storage_data if i.fqn == key]
+    info = md.storage_data.pop(index)
+    file = path / info.relative_path
+    with open(file, "rb") as f:
+        f.seek(info.offset)
+        full = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+    n, rest = entry.size[0], tuple(entry.size[1:])
+    entry.chunks = []
+    for i, (lo, hi) in enumerate(((0, n // 2 + 1), (n // 2, n - 1))):
+        offsets = torch.Size((lo,) + (0,) * len(rest))
+        entry.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size((hi - lo, *rest))))
+        data = torch_save(full[lo:hi].clone())
+        offset = file.stat().st_size
+        with open(file, "ab") as f:
+            f.write(data)
+        md.storage_data[MetadataIndex(key, offsets, i)] = type(info)(info.relative_path, offset, len(data))
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    from shardbridge.checkpoint.storage import _manifest
+
+    if (path / _manifest.MANIFEST_NAME).is_file():
+        reseal(path)
