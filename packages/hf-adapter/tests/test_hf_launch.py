@@ -432,3 +432,46 @@ def test_every_hostile_yaml_value_is_one_line_naming_the_file(tmp_path, capsys):
     assert accepted == ["mixed_precision=null", "parallelism_config=null", "main_process_port=null"], accepted
     assert tried == refused + len(accepted) and tried >= 100
     print(f"\n[launch yaml] {tried} hostile files: {refused} refused by name, accepted: {accepted}")
+
+
+def _one_value_fields():
+    """(yaml path, field name) of every field of the shardbridge block that takes one value."""
+    import types
+    import typing
+
+    from shardbridge_hf._config import CheckpointConfig, FP8Config
+
+    scalars = (str, int, float, bool, type(None))
+    for prefix, cls in (("", HFConfig), ("fp8.", FP8Config), ("checkpoint.", CheckpointConfig)):
+        for name, hint in typing.get_type_hints(cls).items():
+            if name in {f.name for f in dataclasses.fields(cls)} and name not in ("dims", "use_cpu"):
+                allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+                if all(t in scalars for t in allowed):
+                    yield prefix, name
+
+
+def test_a_list_or_mapping_for_any_one_value_field_is_refused_by_name(tmp_path):
+    """Every one-value field of the block (generated from the config classes), given a list, a
+    mapping or a recursive list: one error naming the file and the key, never 'unhashable type'."""
+    fields = list(_one_value_fields())
+    assert len(fields) >= 15, fields  # the generator sees the classes
+    tried = 0
+    for prefix, name in fields:
+        for kind in ("list", "mapping", "recursive"):
+            value = _HOSTILE_VALUES[kind]
+            # fp8 fields go beside backend: torchao (a recipe field with backend none is refused for that)
+            other = "backend: torchao, " if prefix == "fp8." and name != "backend" else ""
+            entry = f"{prefix.rstrip('.')}: {{{other}{name}: {value}}}" if prefix else f"{name}: {value}"
+            text = H.ACCELERATE_YAML.replace(
+                "    fp8: {backend: torchao, recipe: tensorwise}\n    checkpoint: {export_dtype: bfloat16}\n",
+                f"    {entry}\n",
+            )
+            path = tmp_path / f"{prefix}{name}-{kind}.yaml"
+            path.write_text(text)
+            with pytest.raises(ValueError) as err:
+                read_config_file(path)
+            message = str(err.value)
+            assert str(path) in message and f"{prefix}{name}" in message, f"{prefix}{name}={kind}: {message}"
+            assert "unhashable" not in message and "unexpected" not in message, message
+            tried += 1
+    print(f"\n[launch yaml] {tried} list/mapping values for {len(fields)} one-value fields: all refused by name")

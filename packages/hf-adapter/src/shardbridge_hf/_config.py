@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -428,7 +430,9 @@ class HFConfig:
                     f"{BLOCK_KEY}.{name} has unknown key(s) {sub_unknown}; known keys: {sorted(sub_known)}"
                     + (_fp8_key_hint(sub_unknown) if sub is FP8Config else "")
                 )
+            _refuse_containers_for_scalars(f"{name}.", sub, value)
             block[name] = sub(**value)
+        _refuse_containers_for_scalars("", cls, {k: v for k, v in block.items() if k not in ("fp8", "checkpoint")})
         return cls(**block, **overrides)
 
     def to_json(self) -> str:
@@ -500,3 +504,26 @@ def _bool(key: str, value: Any) -> None:
 def _int(key: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{BLOCK_KEY}.{key}={value!r} must be an int >= {minimum}")
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _refuse_containers_for_scalars(prefix: str, cls: type, values: Mapping[str, Any]) -> None:
+    """A list or mapping where a field takes one value is refused by its yaml key.
+
+    The fields' own checks compare names and numbers; a yaml list or mapping (even a recursive
+    one: ``&r [*r]``) reaching them fails with "unhashable type" instead of an error naming the key.
+    """
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if not isinstance(value, (list, tuple, set, Mapping)):
+            continue
+        hint = hints.get(key)
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if allowed and all(t in _SCALARS for t in allowed):
+            kinds = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(
+                f"{BLOCK_KEY}.{prefix}{key} takes a single value ({kinds}), got a {type(value).__name__}: "
+                f"{key}: <one {kinds} value>"
+            )
