@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -125,3 +127,85 @@ def test_process_death_before_rename_is_never_taken(tmp_path):
     assert len(leftovers) == 1  # DCP files written, never renamed
     assert (tmp_path / leftovers[0] / ".metadata").exists()
     assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 1)
+
+
+# -- [Note: one directory for every rank] -----------------------------------------------------------
+
+
+def _rank1_file_unseen(root: str, protocol: str, how: str):
+    """Rank 1's data file is removed (or cut short) after it was written: what rank 0 sees of a
+    directory that is not the one rank 1 wrote into. Every rank returns its error and the listing."""
+    from shardbridge.checkpoint import _protocol
+    from shardbridge.checkpoint.storage import _writer
+
+    model, opt = build({"dp_shard": 2})
+    real_write, real_protocol = _writer.Writer.write_data, _protocol.PROTOCOL
+
+    def write_then_lose(self, plan, planner):
+        done = real_write(self, plan, planner)
+        if dist.get_rank() == 1:
+            path = os.path.join(self.target.data, "__1_0.distcp")
+            if how == "missing":
+                os.remove(path)
+            else:
+                os.truncate(path, os.path.getsize(path) - 1)
+        return done
+
+    _writer.Writer.write_data = write_then_lose
+    _protocol.PROTOCOL = _protocol.PROTOCOLS[protocol]()
+    try:
+        ck.save(os.path.join(root, "step-00000001"), model=model, optimizer=opt, step=1)
+        outcome = "saved"
+    except ValueError as exc:
+        outcome = str(exc)
+    finally:
+        _writer.Writer.write_data, _protocol.PROTOCOL = real_write, real_protocol
+    dist.barrier()
+    return outcome, socket.gethostname(), ck.latest(root), sorted(os.listdir(root))
+
+
+@pytest.mark.parametrize("protocol, how", [("rounds", "missing"), ("dcp", "short")])
+def test_a_file_rank_0_does_not_see_is_refused_by_name_and_nothing_is_committed(tmp_path, protocol, how):
+    results = run_distributed(_rank1_file_unseen, str(tmp_path), protocol, how, world_size=2)
+    host = results[0][1]
+    seen = "is missing" if how == "missing" else r"has \d+ bytes, not the \d+ written"
+    for outcome, _, latest, listing in results:  # every rank raises the same error: no hang, no commit
+        assert re.search(
+            rf"save of checkpoint '{re.escape(str(tmp_path))}/step-00000001' refused: '__1_0.distcp', written by "
+            rf"rank 1 \(host '{re.escape(host)}'\) into '.*\.step-00000001\.tmp-[0-9a-f]{{12}}', {seen} where rank 0 "
+            rf"\(host '{re.escape(host)}'\) looks: the ranks do not see the same directory .* Nothing was committed; "
+            r"use a directory every machine sees: a shared filesystem or an object store \(s3://\.\.\.\)",
+            outcome,
+        ), outcome
+        assert latest is None and listing == []  # no manifest, no temporary directory, no lock left
+
+
+def test_a_rank_that_does_not_see_the_temporary_directory_is_refused_by_name(tmp_path, monkeypatch):
+    """A machine that does not see rank 0's directory at all (node-local disk, another working
+    directory): ValueError; one that sees the parent but not the directory: FileNotFoundError
+    naming both causes. The writer adds its rank."""
+    from shardbridge.checkpoint.storage._backend import Target
+    from shardbridge.checkpoint.storage._local import LOCAL
+    from shardbridge.checkpoint.storage._writer import Writer
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    monkeypatch.chdir(tmp_path)
+    target = Target(final="ckpt/step-00000001", data="ckpt/.step-00000001.tmp-0123456789ab", ident="0123456789ab")
+    writer = Writer(LOCAL, target, checkpoint_id="ckpt/step-00000001")
+    writer.set_up_storage_writer(False, rank=3)
+    with pytest.raises(ValueError) as not_shared:
+        writer.write_data(SavePlan([]), None)
+    assert str(not_shared.value) == (
+        "save of checkpoint 'ckpt/step-00000001' failed on rank 3: rank 0 created the save's temporary directory "
+        f"'ckpt/.step-00000001.tmp-0123456789ab', but 'ckpt' does not exist on host {socket.gethostname()!r} (it is "
+        f"{str(tmp_path / 'ckpt')!r} here): the machines do not see the same directory (a node-local disk, or a "
+        "relative path under different working directories?). Nothing was committed; use a directory every machine "
+        "sees: a shared filesystem or an object store (s3://...)"
+    )
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"failed on rank 3: the save's temporary directory .* does not exist "
+                       r"on host .*: rank 0 gave the save up \(see its error\), or this machine does not see the "
+                       r"directory rank 0 created it in \(a node-local disk\?\); if so, use a directory every machine "
+                       r"sees"):  # fmt: skip
+        writer.write_data(SavePlan([]), None)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == []  # a rank never creates rank 0's directory
