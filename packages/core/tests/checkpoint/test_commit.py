@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_helpers import LAYOUTS, Mlp, build
+from ckpt_helpers import LAYOUTS, Mlp, build, save_losing_a_file_of_rank_1
 from shardbridge import checkpoint as ck
 from shardbridge.checkpoint.storage import _local as _commit
 from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME
@@ -132,46 +132,14 @@ def test_process_death_before_rename_is_never_taken(tmp_path):
 # -- [Note: one directory for every rank] -----------------------------------------------------------
 
 
-def _rank1_file_unseen(root: str, protocol: str, how: str):
-    """Rank 1's data file is removed (or cut short) after it was written: what rank 0 sees of a
-    directory that is not the one rank 1 wrote into. Every rank returns its error and the listing."""
-    from shardbridge.checkpoint import _protocol
-    from shardbridge.checkpoint.storage import _writer
-
-    model, opt = build({"dp_shard": 2})
-    real_write, real_protocol = _writer.Writer.write_data, _protocol.PROTOCOL
-
-    def write_then_lose(self, plan, planner):
-        done = real_write(self, plan, planner)
-        if dist.get_rank() == 1:
-            path = os.path.join(self.target.data, "__1_0.distcp")
-            if how == "missing":
-                os.remove(path)
-            else:
-                os.truncate(path, os.path.getsize(path) - 1)
-        return done
-
-    _writer.Writer.write_data = write_then_lose
-    _protocol.PROTOCOL = _protocol.PROTOCOLS[protocol]()
-    try:
-        ck.save(os.path.join(root, "step-00000001"), model=model, optimizer=opt, step=1)
-        outcome = "saved"
-    except ValueError as exc:
-        outcome = str(exc)
-    finally:
-        _writer.Writer.write_data, _protocol.PROTOCOL = real_write, real_protocol
-    dist.barrier()
-    return outcome, socket.gethostname(), ck.latest(root), sorted(os.listdir(root))
-
-
 @pytest.mark.parametrize("protocol, how", [("rounds", "missing"), ("dcp", "short")])
 def test_a_file_rank_0_does_not_see_is_refused_by_name_and_nothing_is_committed(tmp_path, protocol, how):
-    results = run_distributed(_rank1_file_unseen, str(tmp_path), protocol, how, world_size=2)
+    results = run_distributed(save_losing_a_file_of_rank_1, {}, str(tmp_path), protocol, how, world_size=2)
     host = results[0][1]
     seen = "is missing" if how == "missing" else r"has \d+ bytes, not the \d+ written"
     for outcome, _, latest, listing in results:  # every rank raises the same error: no hang, no commit
         assert re.search(
-            rf"save of checkpoint '{re.escape(str(tmp_path))}/step-00000001' refused: '__1_0.distcp', written by "
+            rf"^ValueError: save of checkpoint '{re.escape(str(tmp_path))}/step-00000001' refused: '__1_0.distcp', written by "
             rf"rank 1 \(host '{re.escape(host)}'\) into '.*\.step-00000001\.tmp-[0-9a-f]{{12}}', {seen} where rank 0 "
             rf"\(host '{re.escape(host)}'\) looks: the ranks do not see the same directory .* Nothing was committed; "
             r"use a directory every machine sees: a shared filesystem or an object store \(s3://\.\.\.\)",
