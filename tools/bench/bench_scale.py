@@ -529,7 +529,7 @@ class _SimWriter(Writer):
         done.set_result(self.model.write_results(0, plan))
         return done
 
-    def check_seen(self, written: list[RankFiles]) -> None:
+    def check_seen(self, written: list[RankFiles], landed: Any) -> None:
         """Not simulated: no rank's files exist (its cost is one listing of the directory on rank 0)."""
 
 

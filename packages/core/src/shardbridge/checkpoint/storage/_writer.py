@@ -53,9 +53,10 @@ other machines' files. Two checks refuse it, by name, with nothing committed:
   is that, or rank 0 gave the save up (a timeout): a FileNotFoundError saying both;
 - in ``finish`` on rank 0, before ``.metadata`` and the manifest: every file of every rank's
   :class:`RankFiles` must be in rank 0's listing of the directory with the size written (one
-  listing; a file missing from it is looked up by name before it counts as missing, since a
-  cached directory listing, as on NFS, may lag another machine's writes). The first that is
-  not is a ValueError naming it, its rank and host, the directory, and the fix.
+  listing, which the commit reuses for the files no rank claimed; a file missing from it is
+  looked up by name before it counts as missing, since a cached directory listing, as on NFS,
+  may lag another machine's writes). The first that is not is a ValueError naming it, its rank
+  and host, the directory, and the fix.
 
 Both run inside rounds the save runs anyway (the write round's gather of write results, whose
 failure every rank raises: [Note: save protocols] in ``checkpoint/_protocol.py``): no
@@ -80,7 +81,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from shardbridge._compat import DCPStorageInfo, DCPStoragePrefix, torch_save_without_crc
-from shardbridge.checkpoint.storage._backend import SHARED_DIRECTORY_FIX, Backend, Target
+from shardbridge.checkpoint.storage._backend import SHARED_DIRECTORY_FIX, Backend, Entry, Target
 from shardbridge.checkpoint.storage._integrity import ChecksumWriter
 from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME
 
@@ -140,6 +141,8 @@ class Writer(StorageWriter):
         self._min_file_bytes = max(1, int(min_file_bytes))
         self._failure = save_failure or (lambda exc, _path: exc)
         self.rank = 0
+        self.landed: dict[str, Entry] | None = None
+        """Rank 0, on a filesystem: the target's listing ``finish`` checked (before ``.metadata``)."""
 
     # -- DCP's StorageWriter protocol --------------------------------------------------------
 
@@ -214,7 +217,8 @@ class Writer(StorageWriter):
                 else:
                     storage[result.index] = result.storage_data
         if not self.backend.remote:
-            self.check_seen(written)
+            self.landed = self.backend.listing(self.target.data)
+            self.check_seen(written, self.landed)
         records: dict[str, dict[str, Any]] = {}
         for part in written:
             records.update(part.files)
@@ -229,12 +233,12 @@ class Writer(StorageWriter):
         if self._commit is not None:
             self._commit(records)
 
-    def check_seen(self, written: list[RankFiles]) -> None:
+    def check_seen(self, written: list[RankFiles], landed: dict[str, Entry]) -> None:
         """Rank 0: ValueError unless every file of ``written`` is in the target with its size.
 
-        See [Note: one directory for every rank].
+        ``landed``: the target's listing. See [Note: one directory for every rank].
         """
-        sizes = {name: entry.size for name, entry in self.backend.listing(self.target.data).items()}
+        sizes = {name: entry.size for name, entry in landed.items()}
         for part in sorted(written, key=lambda p: p.rank):
             for name, record in sorted(part.files.items()):
                 if sizes.get(name) == record["size"]:
