@@ -137,6 +137,16 @@ def s3(session):
 
 
 @nox.session(python="3.11")
+def multimachine(session):
+    """Two machines of two processes on localhost (integration_tests/test_multimachine.py): the CI part
+    (torchrun, SLURM's variables, the checkpoint a node-local path would split) plus `shardbridge launch
+    --num_machines 2` of examples/hf/train.py against one machine (docs/concepts/mesh.md, Across machines)."""
+    _install(session, "hf,test")
+    env = {**ENV, "SHARDBRIDGE_MULTIMACHINE": "all"}
+    session.run("python", "-m", "pytest", "integration_tests/test_multimachine.py", *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
 def fp8_matrix(session):
     """Every FP8 recipe x layout: torchao through the hf adapter and `shardbridge launch`, TE structural (docs/concepts/fp8.md)."""
     _install(session, "all,te-structural,test")

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate.utils import InitProcessGroupKwargs
+import torch.distributed as dist
+from accelerate.utils import InitProcessGroupKwargs, gather_object
 from shardbridge_hf import ShardbridgeAccelerator as Accelerator  # <- the one changed line
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -52,6 +55,13 @@ def synthetic_tokens(num_sequences: int, seq_len: int, vocab: int, seed: int = 1
     return (start * 5 + steps * 3) % vocab  # next token is a function of this one: learnable
 
 
+def where_am_i(accelerator) -> dict:
+    """This rank's global rank, machine (working directory, host) and the global ranks of its groups."""
+    pm = accelerator.parallel_mesh
+    groups = {axis: dist.get_process_group_ranks(pm[axis].get_group()) for axis in ("dp_replicate", "dp_shard", "tp")}
+    return {"rank": dist.get_rank(), "cwd": os.getcwd(), "host": socket.gethostname(), "groups": groups}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="llama", choices=sorted(ARCHS))
@@ -70,7 +80,9 @@ def main() -> None:
     p.add_argument("--ckpt-root", default=None)
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from")
     p.add_argument("--export", default=None, help="export the last checkpoint to this Hugging Face folder")
-    p.add_argument("--report", default=None, help="write losses and logits (JSON + .pt) here, from rank 0")
+    p.add_argument(
+        "--report", default=None, help="write losses, logits and every rank's groups (JSON + .pt) here, from rank 0"
+    )
     p.add_argument(
         "--collective-timeout",
         type=float,
@@ -120,11 +132,15 @@ def main() -> None:
     probe = synthetic_tokens(2, args.seq_len, cfg.vocab_size, seed=99)
     with torch.no_grad():
         logits = model(input_ids=probe).logits.float()
+    if args.report:  # every rank's place: its machine (working directory, host) and its groups' ranks
+        ranks = gather_object([where_am_i(accelerator)])
     if args.report and accelerator.is_main_process:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"logits": logits, "probe": probe}, args.report + ".pt")
         Path(args.report).write_text(
-            json.dumps({"losses": losses, "last_ckpt": last_ckpt, "dims": str(accelerator.parallel_mesh.dims)})
+            json.dumps(
+                {"losses": losses, "last_ckpt": last_ckpt, "dims": str(accelerator.parallel_mesh.dims), "ranks": ranks}
+            )
         )
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -60,7 +60,7 @@ from shardbridge.checkpoint import _dist, _protocol, _save
 from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks
 from shardbridge.checkpoint.storage._location import locate
 from shardbridge.checkpoint.storage._manifest import CHECKSUM_KEY, DCP_METADATA_NAME, MANIFEST_NAME, Manifest, rng_file
-from shardbridge.checkpoint.storage._writer import RECORDS_KEY, Writer
+from shardbridge.checkpoint.storage._writer import RECORDS_KEY, RankFiles, Writer
 from shardbridge.layout import chunk_box, fsdp_tp_chunk
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -277,7 +277,8 @@ class Model:
             out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=DCPStorageInfo(name, offset, length)))
             offset += length
         records = {name: {"size": offset, CHECKSUM_KEY: "0" * 32}, rng_file(rank): {"size": 9000, CHECKSUM_KEY: "0" * 32}}
-        out.append(WriteResult(index=MetadataIndex(RECORDS_KEY), size_in_bytes=0, storage_data=records))
+        files = RankFiles(rank, f"node{rank // 8:05d}", records)
+        out.append(WriteResult(index=MetadataIndex(RECORDS_KEY), size_in_bytes=0, storage_data=files))
         return out
 
     def load_state(self, rank: int) -> dict[str, Any]:
@@ -527,6 +528,9 @@ class _SimWriter(Writer):
         done: Future[list[WriteResult]] = Future()
         done.set_result(self.model.write_results(0, plan))
         return done
+
+    def check_seen(self, written: list[RankFiles], landed: Any) -> None:
+        """Not simulated: no rank's files exist (its cost is one listing of the directory on rank 0)."""
 
 
 def shardbridge_save(model: Model, root: Path, *, warm: bool = False) -> Result:

@@ -6,6 +6,7 @@ Pure tests (no process group), against accelerate's own config loader.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -179,6 +180,29 @@ def test_command_line_num_processes_is_validated_before_any_process_starts(tmp_p
     assert not no_launch
     err = capsys.readouterr().err
     assert "with --num_processes 2" in err and "do not fit num_processes=2" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num_machines", "3"], "with --num_machines 3: num_processes=4 is not divisible by num_machines=3"),
+        (["--num_machines", "2", "--machine_rank", "2"], r"machine_rank=2 must be an int in 0\.\.num_machines-1 = 0\.\.1"),
+        (["--machine_rank", "1"], r"machine_rank=1 must be an int in 0\.\.num_machines-1 = 0\.\.0"),
+        (["--main_process_port", "70000"], "main_process_port=70000 must be a TCP port"),
+    ],
+)
+def test_command_line_machine_flags_are_validated_before_any_process_starts(tmp_path, no_launch, capsys, flags, message):
+    """Each machine of a multi-machine launch gives these on its command line; they are checked as the file's keys."""
+    assert main(["--config_file", str(_write(tmp_path, BASE)), *flags, "train.py"]) == 2
+    assert not no_launch
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_command_line_machine_flags_that_fit_are_launched(tmp_path, no_launch):
+    flags = ["--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1", "--main_process_port", "29512"]
+    assert main(["--config_file", str(_write(tmp_path, BASE)), *flags, "train.py"]) == 0
+    (args,) = no_launch
+    assert (args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port) == (2, 1, "10.0.0.1", 29512)
 
 
 def test_command_line_parallelism_sizes_are_validated(tmp_path, no_launch, capsys):

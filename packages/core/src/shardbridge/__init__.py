@@ -26,6 +26,7 @@ from shardbridge._cp import (
     cp_split,
     cp_unsplit,
 )
+from shardbridge._distributed import DistributedEnv, init_distributed
 from shardbridge._ep import (
     EPDispatch,
     choose_dispatch,
@@ -81,7 +82,8 @@ __all__ = [
     "ParallelDims",
     "PrecisionPolicy",
     # -- entry points ----------------------------------------------------------------------
-    # mesh and TP
+    # joining the job, mesh and TP
+    "init_distributed",
     "check_tp_divides",
     "convert_module_params",
     "local_view",
@@ -123,6 +125,7 @@ __all__ = [
     "use_uint8_all_gather",
     # -- types and constants ---------------------------------------------------------------
     "ComponentPiece",
+    "DistributedEnv",
     "EPDispatch",
     "EXPERT_AXES",
     "FLATTENED_AXES",

@@ -238,7 +238,8 @@ class ParallelDims:
         if not dist.is_initialized():
             raise RuntimeError(
                 "ParallelDims.build_mesh needs an initialised process group; "
-                "call torch.distributed.init_process_group first (torchrun sets the env)"
+                "call shardbridge.init_distributed() (torchrun's or SLURM's variables) or "
+                "torch.distributed.init_process_group first"
             )
         dims = self.resolve(dist.get_world_size())
         mesh = init_device_mesh(device_type, dims.mesh_shape(), mesh_dim_names=MESH_AXES)

@@ -145,3 +145,45 @@ def assert_equal_states(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 def rank0(results: list) -> object:
     """The result of rank 0 (``run_distributed`` returns one per rank)."""
     return results[0]
+
+
+def save_losing_a_file_of_rank_1(env: dict[str, str], root: str, protocol: str, how: str):
+    """One rank of a 2-rank save whose rank 1 loses its data file right after writing it ("missing":
+    removed; "short": one byte cut): what rank 0 sees of a directory that is not the one rank 1
+    wrote into. Returns (the save's error or "saved", host, ``latest(root)``, what ``root`` holds)."""
+    import socket
+
+    import torch.distributed as dist
+    from shardbridge import checkpoint as ck
+    from shardbridge.checkpoint import _protocol
+    from shardbridge.checkpoint.storage import _writer
+    from shardbridge.checkpoint.storage._location import locate
+    from shardbridge.testing._s3 import use_server
+
+    if env:
+        use_server(env)
+    model, opt = build({"dp_shard": 2})
+    real_write, real_protocol = _writer.Writer.write_data, _protocol.PROTOCOL
+
+    def write_then_lose(self, plan, planner):
+        done = real_write(self, plan, planner)
+        if dist.get_rank() == 1:
+            path = self.backend.join(self.target.data, "__1_0.distcp")
+            if how == "missing":
+                self.backend.remove(path)
+            else:
+                self.backend.write_bytes(path, self.backend.read_bytes(path)[:-1])
+        return done
+
+    _writer.Writer.write_data = write_then_lose
+    _protocol.PROTOCOL = _protocol.PROTOCOLS[protocol]()
+    try:
+        ck.save(f"{root}/step-00000001", model=model, optimizer=opt, step=1)
+        outcome = "saved"
+    except (ValueError, OSError) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        _writer.Writer.write_data, _protocol.PROTOCOL = real_write, real_protocol
+    dist.barrier()
+    where = locate(root)
+    return outcome, socket.gethostname(), ck.latest(root), sorted(where.backend.listing(where.path))

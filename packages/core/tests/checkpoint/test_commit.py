@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_helpers import LAYOUTS, Mlp, build
+from ckpt_helpers import LAYOUTS, Mlp, build, save_losing_a_file_of_rank_1
 from shardbridge import checkpoint as ck
 from shardbridge.checkpoint.storage import _local as _commit
 from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME
@@ -125,3 +127,53 @@ def test_process_death_before_rename_is_never_taken(tmp_path):
     assert len(leftovers) == 1  # DCP files written, never renamed
     assert (tmp_path / leftovers[0] / ".metadata").exists()
     assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 1)
+
+
+# -- [Note: one directory for every rank] -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol, how", [("rounds", "missing"), ("dcp", "short")])
+def test_a_file_rank_0_does_not_see_is_refused_by_name_and_nothing_is_committed(tmp_path, protocol, how):
+    results = run_distributed(save_losing_a_file_of_rank_1, {}, str(tmp_path), protocol, how, world_size=2)
+    host = results[0][1]
+    seen = "is missing" if how == "missing" else r"has \d+ bytes, not the \d+ written"
+    for outcome, _, latest, listing in results:  # every rank raises the same error: no hang, no commit
+        assert re.search(
+            rf"^ValueError: save of checkpoint '{re.escape(str(tmp_path))}/step-00000001' refused: '__1_0.distcp', written by "
+            rf"rank 1 \(host '{re.escape(host)}'\) into '.*\.step-00000001\.tmp-[0-9a-f]{{12}}', {seen} where rank 0 "
+            rf"\(host '{re.escape(host)}'\) looks: the ranks do not see the same directory .* Nothing was committed; "
+            r"use a directory every machine sees: a shared filesystem or an object store \(s3://\.\.\.\)",
+            outcome,
+        ), outcome
+        assert latest is None and listing == []  # no manifest, no temporary directory, no lock left
+
+
+def test_a_rank_that_does_not_see_the_temporary_directory_is_refused_by_name(tmp_path, monkeypatch):
+    """A machine that does not see rank 0's directory at all (node-local disk, another working
+    directory): ValueError; one that sees the parent but not the directory: FileNotFoundError
+    naming both causes. The writer adds its rank."""
+    from shardbridge.checkpoint.storage._backend import Target
+    from shardbridge.checkpoint.storage._local import LOCAL
+    from shardbridge.checkpoint.storage._writer import Writer
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    monkeypatch.chdir(tmp_path)
+    target = Target(final="ckpt/step-00000001", data="ckpt/.step-00000001.tmp-0123456789ab", ident="0123456789ab")
+    writer = Writer(LOCAL, target, checkpoint_id="ckpt/step-00000001")
+    writer.set_up_storage_writer(False, rank=3)
+    with pytest.raises(ValueError) as not_shared:
+        writer.write_data(SavePlan([]), None)
+    assert str(not_shared.value) == (
+        "save of checkpoint 'ckpt/step-00000001' failed on rank 3: rank 0 created the save's temporary directory "
+        f"'ckpt/.step-00000001.tmp-0123456789ab', but 'ckpt' does not exist on host {socket.gethostname()!r} (it is "
+        f"{str(tmp_path / 'ckpt')!r} here): the machines do not see the same directory (a node-local disk, or a "
+        "relative path under different working directories?). Nothing was committed; use a directory every machine "
+        "sees: a shared filesystem or an object store (s3://...)"
+    )
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"failed on rank 3: the save's temporary directory .* does not exist "
+                       r"on host .*: rank 0 gave the save up \(see its error\), or this machine does not see the "
+                       r"directory rank 0 created it in \(a node-local disk\?\); if so, use a directory every machine "
+                       r"sees"):  # fmt: skip
+        writer.write_data(SavePlan([]), None)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == []  # a rank never creates rank 0's directory

@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state
+from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, save_losing_a_file_of_rank_1
 from safetensors.torch import load as safetensors_load
 from shardbridge import checkpoint as ck
 from shardbridge.checkpoint import _async, _load
@@ -138,6 +138,19 @@ def test_a_reshard_fetches_only_the_rows_each_rank_needs(s3_server, s3_root):
         assert record // 4 <= fetched <= record // 4 + 2 * (64 << 10), (fetched, record)
         assert largest <= 16 << 20
         assert torch.equal(weight, source.weight.detach())
+
+
+@pytest.mark.parametrize("how", ["missing", "short"])
+def test_an_object_rank_0_does_not_see_is_refused_and_nothing_is_committed(s3_server, s3_root, how):
+    """The object-store side of [Note: one directory for every rank]: one namespace for every
+    machine, so only a lost or cut upload gets here; the commit's listing refuses it by name."""
+    results = run_distributed(save_losing_a_file_of_rank_1, s3_server.client_env(), s3_root, "rounds", how,
+                              world_size=2)  # fmt: skip
+    seen = r"is missing \(its upload did not complete\)" if how == "missing" else r"has \d+ bytes, \d+ recorded"
+    for outcome, _, latest, listing in results:  # every rank raises; no manifest, no generation left
+        assert re.match(rf"OSError: \[Errno 5\] {re.escape(s3_root)}/step-00000001/g-[0-9a-f]{{16}}/__1_0\.distcp {seen}; nothing "
+                        r"was committed", outcome), outcome  # fmt: skip
+        assert latest is None and listing == []
 
 
 def test_latest_verify_inspect_export_and_the_cli_take_uris(s3_server, s3_root, tmp_path, capsys):

@@ -70,8 +70,9 @@ _ACCELERATE_FP8_ALIASES = {
 }
 
 
-# ``accelerate launch`` flags that restate a top-level key of the config file (the flag wins).
-_TOP_LEVEL_FLAGS = ("num_processes", "mixed_precision")
+# ``accelerate launch`` flags that restate a top-level key of the config file (the flag wins): the
+# multi-machine ones too, which a launch on each machine usually gives on its command line.
+_TOP_LEVEL_FLAGS = ("num_processes", "mixed_precision", "num_machines", "machine_rank", "main_process_port")
 
 # See [Note: Accelerate's fsdp keys].
 _FSDP_HONOURED = {

@@ -249,7 +249,8 @@ def write_and_commit(job: SaveJob) -> None:
     backend, target = job.where.backend, job.target
 
     def commit(records: dict[str, dict[str, Any]]) -> None:  # rank 0, inside the writer's finish
-        manifest = dataclasses.replace(job.manifest, files=merge_records(backend, target.data, [records]))
+        files = merge_records(backend, target.data, [records], listing=writer.landed)  # the listing finish checked
+        manifest = dataclasses.replace(job.manifest, files=files)
         backend.commit(target, manifest)
 
     def failure(exc: BaseException, file: str) -> BaseException:

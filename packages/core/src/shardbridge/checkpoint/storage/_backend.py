@@ -35,9 +35,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
-__all__ = ["Backend", "Entry", "Stored", "Target"]
+__all__ = ["SHARED_DIRECTORY_FIX", "Backend", "Entry", "Stored", "Target"]
 
 Kind = Literal["missing", "file", "dir"]
+
+SHARED_DIRECTORY_FIX = "use a directory every machine sees: a shared filesystem or an object store (s3://...)"
+"""The fix a save names when its ranks do not see one directory ([Note: one directory for every rank])."""
 
 
 @dataclass(frozen=True)

@@ -157,10 +157,17 @@ class ChecksumWriter:
         return {"size": self._size, CHECKSUM_KEY: self._digest.hexdigest()}
 
 
-def merge_records(backend: Backend, data: str, parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def merge_records(
+    backend: Backend,
+    data: str,
+    parts: list[dict[str, dict[str, Any]]],
+    *,
+    listing: dict[str, Entry] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Rank 0 at the commit: every rank's records of the files it wrote, merged.
 
-    On local disk, plus records of any file in ``data`` none claimed (read and hashed). On an
+    On local disk, plus records of any file in ``data`` none claimed (read and hashed), found in
+    ``listing`` (a listing of ``data`` taken after every rank wrote; None: listed here). On an
     object store the listing must match the records exactly: the commit checks it
     ([Note: object-store commit] in ``_fsspec.py``).
     """
@@ -168,7 +175,7 @@ def merge_records(backend: Backend, data: str, parts: list[dict[str, dict[str, A
     for part in parts:
         files.update(part)
     if not backend.remote:
-        for name in sorted(backend.listing(data)):
+        for name in sorted(backend.listing(data) if listing is None else listing):
             if name not in files and name != MANIFEST_NAME:
                 size, digest = checksum(backend, backend.join(data, name))
                 files[name] = {"size": size, CHECKSUM_KEY: digest}

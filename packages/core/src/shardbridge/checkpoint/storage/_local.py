@@ -64,6 +64,8 @@ one of them fail with an error; the final directory stays complete.
 
 Multi-node: every rank writes into the same directory and rank 0 renames it, so the path
 must be on a filesystem all nodes share (NFS, Lustre, GPFS ...), with POSIX rename semantics.
+A path that is not (a node-local disk) is refused by name before anything is committed: see
+[Note: one directory for every rank] in ``_writer.py``.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from shardbridge.checkpoint.storage._backend import Backend, Entry, Kind, Stored, Target
+from shardbridge.checkpoint.storage._backend import SHARED_DIRECTORY_FIX, Backend, Entry, Kind, Stored, Target
 from shardbridge.checkpoint.storage._integrity import check_files
 from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, Manifest, fsync_dir, read_manifest
 
@@ -540,16 +542,33 @@ class LocalBackend(Backend):
         Path(path).mkdir(exist_ok=True)
 
     def check_target(self, target: Target) -> None:
-        """FileNotFoundError if the temporary directory is gone.
+        """An error if this process does not see the temporary directory rank 0 created.
 
         A rank never creates it: if rank 0 has already given the save up and deleted it (a dead
         peer, a destroyed process group), another rank would re-create it without a lock file,
         and recovery could not tell it from another job's save in progress: it would stay forever.
+        See [Note: one directory for every rank] in ``_writer.py``.
+
+        Raises:
+            ValueError: its parent is missing too: this machine does not see rank 0's directory.
+            FileNotFoundError: only the directory is missing: that, or rank 0 gave the save up.
         """
-        if not os.path.isdir(target.data):
-            raise FileNotFoundError(
-                f"the save's temporary directory {target.data!r} is gone: rank 0 gave the save up (see its error)"
+        if os.path.isdir(target.data):
+            return
+        here = f"on host {socket.gethostname()!r}"
+        parent = os.path.dirname(target.data) or "."
+        if not os.path.isdir(parent):
+            raise ValueError(
+                f"rank 0 created the save's temporary directory {target.data!r}, but {parent!r} does not exist "
+                f"{here} (it is {os.path.abspath(parent)!r} here): the machines do not see the same directory (a "
+                f"node-local disk, or a relative path under different working directories?). Nothing was "
+                f"committed; {SHARED_DIRECTORY_FIX}"
             )
+        raise FileNotFoundError(
+            f"the save's temporary directory {target.data!r} does not exist {here} (it is "
+            f"{os.path.abspath(target.data)!r} here): rank 0 gave the save up (see its error), or this machine "
+            f"does not see the directory rank 0 created it in (a node-local disk?); if so, {SHARED_DIRECTORY_FIX}"
+        )
 
     def begin(self, final: str, *, overwrite: bool) -> Target:
         """:func:`new_tmp_dir`."""

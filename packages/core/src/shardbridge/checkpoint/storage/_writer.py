@@ -11,7 +11,10 @@ adds to DCP's writer:
 
 - every file's record (size, xxh3-128) is computed while it is written (no read-back), and
   travels to rank 0 inside DCP's own write results (one extra ``WriteResult`` per rank under
-  ``RECORDS_KEY``, which ``finish`` takes out before ``.metadata`` is built): no round of its own;
+  ``RECORDS_KEY``, a :class:`RankFiles` naming the rank and its host, which ``finish`` takes out
+  before ``.metadata`` is built): no round of its own;
+- on a filesystem, ``finish`` first checks that rank 0 sees every file every rank wrote, with
+  the size written ([Note: one directory for every rank]);
 - each rank also writes its RNG file (the bytes it is given) into the target;
 - ``finish`` commits through the backend ([Note: atomic commit], [Note: object-store commit])
   right after ``.metadata``: the manifest is written last, after every rank's files are durable;
@@ -35,14 +38,41 @@ flight per rank. Two things differ from DCP's writer, both measured (docs/benchm
 DCP's writer copies a CUDA tensor to the host ahead of writing it on a side stream; this writer
 copies it when it writes it. An asynchronous save stages to host memory first, so it is
 unaffected; a synchronous save from GPU memory waits for each copy.
+
+[Note: one directory for every rank]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every rank writes into the save's temporary directory and rank 0 commits it, so on a filesystem
+the checkpoint path must name ONE directory that every machine sees: a node-local disk (``/tmp``,
+``/scratch`` on many clusters), or a relative path under working directories that differ per
+machine, gives each machine its own. Committing then would publish a checkpoint missing the
+other machines' files. Two checks refuse it, by name, with nothing committed:
+
+- at the start of each rank's write (``Backend.check_target``): the temporary directory rank 0
+  created is not there. When its parent is missing too, this machine does not see rank 0's
+  directory at all (rank 0 created the parent and never deletes it): a ValueError. Otherwise it
+  is that, or rank 0 gave the save up (a timeout): a FileNotFoundError saying both;
+- in ``finish`` on rank 0, before ``.metadata`` and the manifest: every file of every rank's
+  :class:`RankFiles` must be in rank 0's listing of the directory with the size written (one
+  listing, which the commit reuses for the files no rank claimed; a file missing from it is
+  looked up by name before it counts as missing, since a cached directory listing, as on NFS,
+  may lag another machine's writes). The first that is not is a ValueError naming it, its rank
+  and host, the directory, and the fix.
+
+Both run inside rounds the save runs anyway (the write round's gather of write results, whose
+failure every rank raises: [Note: save protocols] in ``checkpoint/_protocol.py``): no
+collective of their own, and the same for both protocols. An object store is one namespace for
+every machine; its commit lists the generation and refuses a missing or short object anyway
+([Note: object-store commit] in ``_fsspec.py``), so ``finish`` does not list it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
+import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -51,17 +81,28 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from shardbridge._compat import DCPStorageInfo, DCPStoragePrefix, torch_save_without_crc
-from shardbridge.checkpoint.storage._backend import Backend, Target
+from shardbridge.checkpoint.storage._backend import SHARED_DIRECTORY_FIX, Backend, Entry, Target
 from shardbridge.checkpoint.storage._integrity import ChecksumWriter
 from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME
 
-__all__ = ["RECORDS_KEY", "DCP_VERSION", "Writer"]
+__all__ = ["RECORDS_KEY", "DCP_VERSION", "RankFiles", "Writer"]
 
 RECORDS_KEY = "__shardbridge_file_records__"
 """``fqn`` of the one extra ``WriteResult`` per rank that carries its files' records to ``finish``."""
 DCP_VERSION = "1.0.0"
 """``Metadata.version`` as DCP's ``FileSystemWriter`` writes it (``filesystem.CURRENT_DCP_VERSION``, 2.11-2.14)."""
 _SUFFIX = ".distcp"
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """What one rank wrote in a save: its files' records, and who wrote them (for messages)."""
+
+    rank: int
+    host: str
+    """The writing process's host name."""
+    files: dict[str, dict[str, Any]]
+    """File name (relative to the target) -> its record (``size``, checksum)."""
 
 
 class Writer(StorageWriter):
@@ -100,6 +141,8 @@ class Writer(StorageWriter):
         self._min_file_bytes = max(1, int(min_file_bytes))
         self._failure = save_failure or (lambda exc, _path: exc)
         self.rank = 0
+        self.landed: dict[str, Entry] | None = None
+        """Rank 0, on a filesystem: the target's listing ``finish`` checked (before ``.metadata``)."""
 
     # -- DCP's StorageWriter protocol --------------------------------------------------------
 
@@ -121,7 +164,10 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """This rank's data file(s) and small files, each fsynced / uploaded; results + records."""
-        self.backend.check_target(self.target)
+        try:
+            self.backend.check_target(self.target)
+        except (ValueError, FileNotFoundError) as exc:  # See [Note: one directory for every rank]
+            raise type(exc)(f"save of checkpoint {self.checkpoint_id!r} failed on rank {self.rank}: {exc}") from None
         prefix = plan.storage_data.prefix
         total = sum(_nbytes(item) for item in plan.items)
         buckets = _split(plan.items, min(self._threads, -(-total // self._min_file_bytes)))
@@ -154,21 +200,28 @@ class Writer(StorageWriter):
             except BaseException as exc:  # noqa: BLE001 (one clear error naming the file)
                 raise self._failure(exc, path) from exc
         out = [r for part in results for r in part]
-        out.append(WriteResult(index=MetadataIndex(RECORDS_KEY), size_in_bytes=0, storage_data=records))
+        mine = RankFiles(self.rank, socket.gethostname(), records)
+        out.append(WriteResult(index=MetadataIndex(RECORDS_KEY), size_in_bytes=0, storage_data=mine))
         done: Future[list[WriteResult]] = Future()
         done.set_result(out)
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Rank 0: ``.metadata`` from every rank's results, then the commit with every file's record."""
-        records: dict[str, dict[str, Any]] = {}
+        """Rank 0: every rank's files seen, ``.metadata`` from their results, then the commit with every record."""
+        written: list[RankFiles] = []
         storage: dict[MetadataIndex, Any] = {}
         for part in results:
             for result in part:
                 if result.index.fqn == RECORDS_KEY:
-                    records.update(result.storage_data)
+                    written.append(result.storage_data)
                 else:
                     storage[result.index] = result.storage_data
+        if not self.backend.remote:
+            self.landed = self.backend.listing(self.target.data)
+            self.check_seen(written, self.landed)
+        records: dict[str, dict[str, Any]] = {}
+        for part in written:
+            records.update(part.files)
         metadata.version = DCP_VERSION
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
@@ -179,6 +232,28 @@ class Writer(StorageWriter):
             raise self._failure(exc, path) from exc
         if self._commit is not None:
             self._commit(records)
+
+    def check_seen(self, written: list[RankFiles], landed: dict[str, Entry]) -> None:
+        """Rank 0: ValueError unless every file of ``written`` is in the target with its size.
+
+        ``landed``: the target's listing. See [Note: one directory for every rank].
+        """
+        sizes = {name: entry.size for name, entry in landed.items()}
+        for part in sorted(written, key=lambda p: p.rank):
+            for name, record in sorted(part.files.items()):
+                if sizes.get(name) == record["size"]:
+                    continue
+                path = self.backend.join(self.target.data, name)
+                entry = self.backend.stat(path)  # by name: a cached listing may lag another machine's writes
+                if entry is not None and entry.size == record["size"]:
+                    continue
+                seen = "is missing" if entry is None else f"has {entry.size} bytes, not the {record['size']} written"
+                raise ValueError(
+                    f"save of checkpoint {self.checkpoint_id!r} refused: {name!r}, written by rank {part.rank} "
+                    f"(host {part.host!r}) into {self.backend.uri(self.target.data)!r}, {seen} where rank 0 (host "
+                    f"{socket.gethostname()!r}) looks: the ranks do not see the same directory (a node-local disk, "
+                    f"or a relative path under different working directories?). Nothing was committed; {SHARED_DIRECTORY_FIX}"
+                )
 
     def storage_meta(self) -> StorageMeta | None:
         """The checkpoint's path or URI (``.metadata``'s ``storage_meta.checkpoint_id``)."""
