@@ -8,6 +8,7 @@ child ends, the zygote writes its exit code (negative: killed by that signal) to
 
 - ``ready``: written once torch, the process group and the model are set up;
 - ``done``: the last value whose save returned (``loop`` mode);
+- ``in-flight-<rank>``: the value whose async save this rank has started (``loop`` mode, async);
 - ``result.json``: ``{"ok": bool, "error": "Type: first line", "trace": [calls]}``.
 
 Modes (``ARGS["mode"]``):
@@ -157,6 +158,8 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
                         async_=ARGS.get("async", False),
                     )
                     if ARGS.get("async", False):
+                        # this rank's save of `value` is in flight (its writer runs until wait())
+                        _write_json(os.path.join(out, f"in-flight-{rank}"), {"value": value})
                         set_value(model, -7.0)  # training changes the model while the writer runs
                         pending.wait()
                     if rank == 0:

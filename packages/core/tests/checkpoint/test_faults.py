@@ -271,6 +271,34 @@ def _killer(delay: float, victims):
     return kill
 
 
+def _in_flight_killer(delay: float, victims, landed: list[bool]):
+    """Kill once an async save is in flight on some rank; ``landed`` records whether, at the kill,
+    rank 0 had not yet seen that save return (its ``done`` value below the in-flight one)."""
+
+    def kill(procs, out):
+        _wait_for(out / "ready")
+        flights = [out / f"in-flight-{rank}" for rank in range(len(procs))]
+        deadline = time.monotonic() + _TIMEOUT_S
+        while not any(f.exists() for f in flights):
+            assert time.monotonic() < deadline, "no async save started"
+            time.sleep(0.002)
+        time.sleep(delay)
+        started = max((_read_value(f) for f in flights), default=0.0)
+        done = _read_value(out / "done")
+        for rank in victims(len(procs)):
+            procs[rank].kill()
+        landed.append(started > done)
+
+    return kill
+
+
+def _read_value(path: Path) -> float:
+    try:
+        return float(json.loads(path.read_text())["value"])
+    except (OSError, ValueError, KeyError):  # absent, or caught mid-write
+        return 0.0
+
+
 # 2 ranks, async saves: the survivor of a kill -9 once hung (1 in ~100 trials under load) inside
 # gloo's connect while creating the writer's group; it is now bounded ([Note: a bounded writer
 # group] in _async.py) and the case runs in the default suite again.
@@ -293,6 +321,7 @@ def test_kill_at_random_points_of_a_save_loop(tmp_path, world, mode):
     trials = ((8 if world == 1 else 6) if mode == "sync" else (6 if world == 1 else 3)) * SCALE
     # 3 ranks: kill -9 of ONE rank (any of them) with async saves in flight on every rank.
     test = f"kill -9 at random points ({world} rank(s), {mode} saves)"
+    landed: list[bool] = []
     for trial in range(trials):
         overwrite = trial % 2 == 1
         root = tmp_path / f"t{trial}" / "ckpt"
@@ -301,10 +330,14 @@ def test_kill_at_random_points_of_a_save_loop(tmp_path, world, mode):
         which = rng.choice(choices) if world > 1 else "all"
         victim = None if which == "all" else int(which.split()[1])
         victims = (lambda n: range(n)) if victim is None else (lambda n, r=victim: [r])
+        # 3 ranks: the kill waits until an async save is in flight, so the case the test is for happens
+        kill = _in_flight_killer(rng.uniform(0.0, 0.05), victims, landed) if world == 3 else _killer(
+            rng.uniform(0.0, 0.8), victims
+        )
         results = _run(
             {"mode": "loop", "root": str(root), "overwrite": overwrite, "pg_timeout": 15, "async": mode == "async"},
             world=world,
-            kill=_killer(rng.uniform(0.0, 0.8), victims),
+            kill=kill,
         )
         done = results[0].get("done")
         survivors = [_label_error(r) for r in results if r["exitcode"] not in (-9, None)]
@@ -320,8 +353,12 @@ def test_kill_at_random_points_of_a_save_loop(tmp_path, world, mode):
             label = _check_root(root, allowed, at_least=float(done))
         if survivors:
             label += f"; survivors {sorted(set(survivors))}"
+        if world == 3 and landed[-1]:
+            label += "; an async save was in flight"
         _record(test, f"killed {which} ({'overwrite' if overwrite else 'new steps'}) -> {label}")
         shutil.rmtree(root.parent)
+    if world == 3:
+        assert any(landed), f"no kill landed while an async save was in flight: {landed}"
     _report(test)
 
 
