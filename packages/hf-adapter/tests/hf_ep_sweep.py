@@ -6,7 +6,7 @@ The architectures come from the TP sweep's generator (``hf_sweep.sweep_archs()``
 ``hf_sweep.tiny_config``), the MoE ones without an EP plan must be refused by name. Used by
 ``test_hf_ep.py``, and as a script for the table of docs/hf.md::
 
-    OMP_NUM_THREADS=1 .venv/bin/python packages/hf-adapter/tests/hf_ep_sweep.py [--layouts-only] [model_type ...]
+    OMP_NUM_THREADS=1 .venv/bin/python packages/hf-adapter/tests/hf_ep_sweep.py [--layouts-only] [--timeout S] [model_type ...]
 
 Checks per architecture, 4 gloo ranks through ``ShardbridgeAccelerator`` (fp32, every rank built
 with a different seed: rank 0's weights must win):
@@ -124,16 +124,33 @@ def refused(model_type: str) -> str:
     return "not refused"
 
 
-def _match(got: dict, ref: dict) -> str:
-    """Losses of every step, every step-1 gradient and the total norm against one process (hf_sweep's rule)."""
-    return S.compare_step1(got, ref).verdict()
+def _match(got: dict, ref: dict, numbers: dict | None = None) -> str:
+    """Losses of every step, every step-1 gradient and the total norm against one process (hf_sweep's rule).
+
+    ``numbers`` (if given) receives what the docs table prints: ``loss_rel`` (largest relative
+    loss difference to the one-process fp32 run over the steps), ``grad_rel`` / ``noise``
+    (``hf_sweep.GradMatch.max_rel`` / ``.noise``) and ``norm_rel``.
+    """
+    match = S.compare_step1(got, ref)
+    if numbers is not None:
+        numbers.update(
+            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])),
+            grad_rel=match.max_rel,
+            noise=match.noise,
+            norm_rel=match.norm_rel,
+        )
+    return match.verdict()
 
 
-def run_arch(model_type: str, *, checks: tuple[str, ...] = CHECKS, timeout: float = 300) -> dict[str, str]:
+def run_arch(
+    model_type: str, *, checks: tuple[str, ...] = CHECKS, timeout: float = 300, numbers: dict | None = None
+) -> dict[str, str]:
     """The ``checks`` of the module docstring for one architecture: ``{check: "pass" | reason}``.
 
     reshard and export read the dp4_ep4 run's checkpoint (which then runs whatever ``checks`` says).
+    ``numbers`` (if given) receives ``{layout: {loss_rel, grad_rel, noise, norm_rel}}`` (:func:`_match`).
     """
+    numbers = {} if numbers is None else numbers
     from shardbridge.testing import run_distributed
 
     saved = "reshard" in checks or "export" in checks
@@ -144,10 +161,11 @@ def run_arch(model_type: str, *, checks: tuple[str, ...] = CHECKS, timeout: floa
                 ep_run = run_distributed(
                     train, model_type, LAYOUTS["dp4_ep4"], root if saved else None, world_size=4, timeout=timeout
                 )[0]
-                result["dp4_ep4"] = _match(ep_run, S.reference(model_type, dp=4))
+                result["dp4_ep4"] = _match(ep_run, S.reference(model_type, dp=4), numbers.setdefault("dp4_ep4", {}))
             if "dp2_tp2_ep2" in checks:
                 tp_run = run_distributed(train, model_type, LAYOUTS["dp2_tp2_ep2"], None, world_size=4, timeout=timeout)
-                result["dp2_tp2_ep2"] = _match(tp_run[0], S.reference(model_type, dp=2))
+                ref = S.reference(model_type, dp=2)
+                result["dp2_tp2_ep2"] = _match(tp_run[0], ref, numbers.setdefault("dp2_tp2_ep2", {}))
         except Exception as exc:  # noqa: BLE001 - reported in the table
             reason = S._reason(exc)
             return {c: result.get(c, reason) for c in checks}
@@ -171,29 +189,49 @@ def run_arch(model_type: str, *, checks: tuple[str, ...] = CHECKS, timeout: floa
     return {c: result[c] for c in checks}
 
 
-def main(archs: list[str], *, checks: tuple[str, ...] = CHECKS) -> None:
-    """Run ``checks`` of the sweep and print the docs/hf.md table (markdown)."""
+def _numbers_cells(numbers: dict) -> list[str]:
+    """The table's number columns: loss rel diff per layout, worst gradient rel err / noise floor."""
+    loss = " / ".join(f"{numbers[k]['loss_rel']:.1e}" if k in numbers else "-" for k in LAYOUTS)
+    grads = [v["grad_rel"] for v in numbers.values()]
+    noises = [v["noise"] for v in numbers.values() if v.get("noise") is not None]
+    grad = (f"{max(grads):.1e} / " + (f"{max(noises):.1e}" if noises else "-")) if grads else "-"
+    return [loss, grad]
+
+
+def main(argv: list[str]) -> None:
+    """Run the sweep's checks and print the docs/hf.md table (markdown), one row per architecture."""
+    import argparse
+
     from shardbridge.testing import run_distributed
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("archs", nargs="*", help="model types (default: every MoE architecture of the TP sweep)")
+    parser.add_argument("--layouts-only", action="store_true", help="only the dp4_ep4 and dp2_tp2_ep2 checks")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per distributed run")
+    args = parser.parse_args(argv)
+    checks = tuple(LAYOUTS) if args.layouts_only else CHECKS
     table = ep_archs()
-    archs = archs or sorted(table)
-    print("| architecture | " + " | ".join(CHECKS) + " | s |")
-    print("|" + "---|" * (len(CHECKS) + 2))
+    archs = args.archs or sorted(table)
+    print(
+        "| architecture | " + " | ".join(CHECKS) + " | loss rel diff vs 1 process (" + " / ".join(LAYOUTS) + ") "
+        "| gradient rel err / noise floor | s |"
+    )
+    print("|" + "---|" * (len(CHECKS) + 4))
     for model_type in archs:
         start = time.perf_counter()
         if not table.get(model_type, True):
-            reason = run_distributed(refused, model_type, world_size=4)[0].replace("|", "/")
-            print(f"| {model_type} | refused: {reason[:150]} | - | - | - | - |", flush=True)
+            reason = run_distributed(refused, model_type, world_size=4, timeout=args.timeout)[0].replace("|", "/")
+            print(f"| {model_type} | refused: {reason[:150]} |" + " - |" * (len(CHECKS) + 2), flush=True)
             continue
+        numbers: dict = {}
         try:
-            result = run_arch(model_type, checks=checks)
+            result = run_arch(model_type, checks=checks, timeout=args.timeout, numbers=numbers)
         except Exception:  # noqa: BLE001
             result = {c: S._reason(RuntimeError(traceback.format_exc())) for c in CHECKS}
-        cells = [result.get(c, "-").replace("|", "/") for c in CHECKS]
+        cells = [result.get(c, "-").replace("|", "/") for c in CHECKS] + _numbers_cells(numbers)
         print(f"| {model_type} | " + " | ".join(cells) + f" | {math.ceil(time.perf_counter() - start)} |", flush=True)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = sys.argv[1:]
-    main([a for a in args if a != "--layouts-only"], checks=tuple(LAYOUTS) if "--layouts-only" in args else CHECKS)
+    main(sys.argv[1:])
