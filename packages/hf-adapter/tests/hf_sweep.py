@@ -178,7 +178,10 @@ KNOWN: dict[str, str] = {
     "llama4": "multimodal: default text/vision sub-configs = 1.1e11 params; no tiny nested config yet",
     "phi4_multimodal": "multimodal: default vision/audio towers = 8.7e8 params (3.5 GB fp32 per rank)",
 }
-NEEDS_EP = "needs ep (issue 26): transformers declares only an expert-parallel plan (base_model_ep_plan)"
+NEEDS_EP = (
+    "EP plan only (no base_model_tp_plan): tp > 1 is refused by name; trains in the EP sweep "
+    "(hf_ep_sweep.py, docs/hf.md 'Expert parallelism')"
+)
 
 
 def sweep_archs() -> dict[str, str]:

@@ -46,7 +46,7 @@ def test_ci_slice_is_runnable():
 
 
 def test_architectures_not_run_say_why():
-    """Every architecture with a plan is run or listed with its reason; only-EP ones name issue 26."""
+    """Every architecture with a plan is run or listed with its reason; only-EP ones point to the EP sweep."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 

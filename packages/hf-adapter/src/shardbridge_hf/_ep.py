@@ -172,8 +172,12 @@ def _route_through_ep(module: nn.Module, pm: ParallelMesh, num_experts: int, dis
         with _local_params(module):
             if rows.shape[0] == 0:
                 # No rows here: run one zero row through expert 0 and keep none of it, so every rank's
-                # experts get a gradient (FSDP2 reduce-scatters the same parameters everywhere).
-                return experts_forward(rows.new_zeros((1, rows.shape[-1])), ids.new_zeros((1, 1)), ones.new_ones((1, 1)))[:0]
+                # experts get a gradient (FSDP2 reduce-scatters the same parameters everywhere). The
+                # row is the sum of the empty rows (zeros), not a new tensor: it keeps the output
+                # connected to the received rows, so autograd reaches this rank's side of the
+                # backward exchange (all-to-all / reduce-scatter) that the other ranks wait in.
+                zero_row = rows.sum(dim=0, keepdim=True)
+                return experts_forward(zero_row, ids.new_zeros((1, 1)), ones.new_ones((1, 1)))[:0]
             return experts_forward(rows, ids, ones)
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
