@@ -227,3 +227,11 @@ def scale(session):
     (docs/benchmarks.md, "Scale"); its tiny-size checks run in the default suite (test_scale.py)."""
     _install(session)
     session.run("python", "tools/bench/bench_scale.py", *session.posargs, env=ENV)
+
+
+@nox.session(python="3.11")
+def trend(session):
+    """The checkpoint path in real processes: save / load at 4, 8, 16 gloo processes vs plain DCP, time and
+    collective rounds per rank (docs/benchmarks.md, "Trend")."""
+    _install(session)
+    session.run("python", "tools/bench/bench_trend.py", *session.posargs, env=ENV)

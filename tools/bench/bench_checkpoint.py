@@ -51,6 +51,7 @@ import time
 
 # name -> (vocab, dim, layers, intermediate): model + AdamW state on disk ~ the name.
 SIZES = {
+    "8MB": (1024, 128, 2, 384),  # tools/bench/bench_trend.py: 4-16 processes on 2 cores
     "97MB": (4096, 384, 3, 1024),
     "252MB": (8192, 512, 4, 1536),
     "1GB": (8192, 1024, 5, 3072),
@@ -74,9 +75,8 @@ def _build(size, layout):
     pm = ParallelDims(**layout).build_mesh("cpu")
     model = parallelize_llama(Llama(_model_config(size), seed=0), pm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens, labels = synthetic_batch(
-        model.config, 4, 16, dp_rank=pm["dp"].get_local_rank(), dp_size=pm.dims.degree("dp")
-    )
+    dp = pm.dims.degree("dp")
+    tokens, labels = synthetic_batch(model.config, max(4, dp), 16, dp_rank=pm["dp"].get_local_rank(), dp_size=dp)
     torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
     opt.step()
     opt.zero_grad()
