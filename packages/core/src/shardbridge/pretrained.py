@@ -537,14 +537,14 @@ def _pieces(name: str, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Ten
         )
     if not isinstance(t, DTensor):
         return [((0,) * t.dim(), t.detach())] if t.numel() else []
-    pieces = _multi_box_pieces(t)
-    if pieces is None:
+    found = _multi_box_pieces(t)  # (pieces, the rule that explains them)
+    if found is None:
         raise ValueError(
             f"{describe(name, t)}: this rank's local tensor has shape {tuple(local_tensor(t).shape)}, which the "
             "layout algebra does not explain, so its global ranges are unknown; load into Shard / "
             "_StridedShard / Replicate placements (as FSDP2 x TP builds them)"
         )
-    return [(offsets, view) for offsets, view in pieces if view.numel()]
+    return [(offsets, view) for offsets, view in found[0] if view.numel()]
 
 
 def _read(handle: object, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:

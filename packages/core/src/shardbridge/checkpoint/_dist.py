@@ -216,6 +216,7 @@ def one_round(
     share: Callable[[Any], Any] | None = None,
     small: bool | None = None,
     all_of: Callable[[Any], bool] | None = None,
+    agree: Callable[[Any], int] | None = None,
 ) -> Any:
     """:func:`on_all_ranks` with more riding on its one round.
 
@@ -238,6 +239,9 @@ def one_round(
             None = when nothing but errors and ``same`` travels.
         all_of: also return whether ``all_of(result)`` is true on every rank: the return
             value becomes ``(what it would be, every_true)``.
+        agree: also return whether ``agree(result)`` (an int in [0, 2**62)) is the same on every
+            rank: the return value becomes ``(what it would be, every_true, agreed)`` (every_true
+            is True without ``all_of``).
 
     With ``result`` "own" or "rank0" on a gloo group the round is one all-reduce of a fixed
     few bytes (plus a broadcast of rank 0's shared value), whatever the world size; only when
@@ -255,8 +259,11 @@ def one_round(
                 raise
             error = exc
     flag = error is None and (all_of is None or bool(all_of(value)))
+    accord = 0 if error is not None or agree is None else int(agree(value))
 
-    def out(answer: Any, every_true: bool) -> Any:
+    def out(answer: Any, every_true: bool, agreed: bool = True) -> Any:
+        if agree is not None:
+            return answer, every_true, agreed
         return answer if all_of is None else (answer, every_true)
 
     if not is_distributed():
@@ -265,12 +272,12 @@ def one_round(
         return out([value] if result == "all" else value, flag)
     mine = None if same is None else {k: repr(v) for k, v in same[1].items()}
     if result != "all" and _cpu_collectives():
-        ok, every_true = _status(error is not None, mine, flag)
+        ok, every_true, agreed = _status(error is not None, mine, flag, accord)
         if ok:  # nobody failed, same arguments: rank 0's shared value is all that travels
             if result == "rank0" or share is not None:
                 shared = _broadcast((value if result == "rank0" else share(value)) if rank() == 0 else None)
-                return out(shared if result == "rank0" else (value, shared), every_true)
-            return out(value, every_true)
+                return out(shared if result == "rank0" else (value, shared), every_true, agreed)
+            return out(value, every_true, agreed)
     # The replayed type: the error's own if listed, else the first listed base it has.
     failure = None if error is None else summary(error)
     shared = value if error is None and (result == "all" or (result == "rank0" and rank() == 0)) else None
@@ -278,7 +285,7 @@ def one_round(
         shared = share(value)
     if small is None:
         small = result == "own" and share is None
-    gathered = all_gather((failure, shared, mine, flag), small=small)
+    gathered = all_gather((failure, shared, mine, flag, accord), small=small)
     if error is not None:
         raise error
     failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
@@ -287,29 +294,32 @@ def one_round(
     if same is not None:
         _raise_if_different(same[0], [g[2] for g in gathered])
     every_true = all(g[3] for g in gathered)
+    agreed = len({g[4] for g in gathered}) == 1
     if result == "all":
         every = [g[1] for g in gathered]
-        return out(every if share is None else (value, every), every_true)
+        return out(every if share is None else (value, every), every_true, agreed)
     if share is not None:
-        return out((value, gathered[0][1]), every_true)
-    return out(gathered[0][1] if result == "rank0" else value, every_true)
+        return out((value, gathered[0][1]), every_true, agreed)
+    return out(gathered[0][1] if result == "rank0" else value, every_true, agreed)
 
 
 # [Note: constant-size rounds]
 # A round whose outcome is "did anyone fail, do the arguments agree, is X true everywhere"
-# needs no rank's payload: one all-reduce (MIN) of four int64s answers it, the same bytes on
+# needs no rank's payload: one all-reduce (MIN) of six int64s answers it, the same bytes on
 # every rank at any world size (an all-gather of a fixed 4 KB buffer per rank is 64 MB per
 # rank at 16,384 ranks). Only when a rank failed or the arguments differ, which every rank
 # then knows alike, do the ranks gather every rank's error or arguments, to name them: the
 # slow path is the error path. Measured by tools/bench/bench_scale.py (docs/benchmarks.md, "Scale").
-def _status(failed: bool, same: dict[str, str] | None, flag: bool) -> tuple[bool, bool]:
-    """(nobody failed and ``same`` agrees everywhere, ``flag`` is true on every rank): one all-reduce."""
+def _status(failed: bool, same: dict[str, str] | None, flag: bool, accord: int = 0) -> tuple[bool, bool, bool]:
+    """(nobody failed and ``same`` agrees everywhere, ``flag`` is true on every rank, ``accord``
+    is the same on every rank): one all-reduce."""
     digest = hashlib.blake2b(repr(sorted((same or {}).items())).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little") & ((1 << 62) - 1)
-    status = torch.tensor([rank() if failed else world_size(), h, -h, int(flag)], dtype=torch.int64)
+    values = [rank() if failed else world_size(), h, -h, int(flag), accord, -accord]
+    status = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(status, op=dist.ReduceOp.MIN, group=group())
-    first_failed, low, minus_high, every = (int(x) for x in status)
-    return first_failed == world_size() and low == -minus_high, every == 1
+    first_failed, low, minus_high, every, low2, minus_high2 = (int(x) for x in status)
+    return first_failed == world_size() and low == -minus_high, every == 1, low2 == -minus_high2
 
 
 def summary(error: BaseException) -> tuple[str, str, int | None]:
@@ -328,7 +338,7 @@ def replay(failed: list[tuple[int, tuple[str, str, int | None]]]) -> Exception:
     return error
 
 
-def gather_reduce(local: Callable[[], Any], reduce: Callable[[list[Any]], Any]) -> Any:
+def gather_reduce(local: Callable[[], Any], reduce: Callable[[list[Any]], Any], *, small: bool = False) -> Any:
     """``local()`` on every rank, ``reduce(every rank's value)`` on rank 0, its result on every rank.
 
     DCP's "write" round, with [Note: symmetric errors]: two collectives whose payload grows
@@ -336,27 +346,66 @@ def gather_reduce(local: Callable[[], Any], reduce: Callable[[list[Any]], Any]) 
     :func:`one_round`'s all-gather would send every rank's value to every rank. ``reduce``
     runs only when every ``local`` succeeded; any error is raised on every rank (its own on
     the rank that raised it). Without a process group: ``reduce([local()])``.
+
+    ``small``: the values are usually under ``_SMALL_RECORDS_BYTES``: one fixed-size gather
+    ([Note: fixed-size gather]).
     """
     if not is_distributed():
         return reduce([local()])
     value, error = _attempt(local)
+    mine = (None if error is None else summary(error), value)
     parts: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    dist.gather_object((None if error is None else summary(error), value), parts, dst=_rank0(), group=group())
-    outcome: Any = None
-    if rank() == 0:
-        assert parts is not None
-        failed = [(r, p[0]) for r, p in enumerate(parts) if p[0] is not None]
-        if not failed:
-            result, error = _attempt(lambda: reduce([p[1] for p in parts]))
-            if error is not None:
-                failed = [(0, summary(error))]
-        outcome = ("failed", failed) if failed else ("ok", result)
-    kind, payload = _broadcast(outcome)
+    if small and _cpu_collectives():
+        buf = _pack(mine, _SMALL_RECORDS_BYTES)
+        bufs = [torch.empty_like(buf) for _ in range(world_size())] if rank() == 0 else None
+        dist.gather(buf, bufs, dst=_rank0(), group=group())
+        resend: list[int] = []
+        if bufs is not None and parts is not None:
+            for r, b in enumerate(bufs):
+                if _length(b) == _TOO_BIG:
+                    resend.append(r)
+                else:
+                    parts[r] = _unpack(b)
+        kind, payload = _broadcast(("resend", resend) if resend else _outcome(parts, reduce))
+        if kind == "resend":  # the slow path: these ranks' values did not fit
+            more: list[Any] | None = [None] * world_size() if rank() == 0 else None
+            dist.gather_object(mine if rank() in payload else None, more, dst=_rank0(), group=group())
+            if parts is not None and more is not None:
+                for r in payload:
+                    parts[r] = more[r]
+            kind, payload = _broadcast(_outcome(parts, reduce))
+    else:
+        dist.gather_object(mine, parts, dst=_rank0(), group=group())
+        kind, payload = _broadcast(_outcome(parts, reduce))
     if error is not None:
         raise error
     if kind == "failed":
         raise replay(payload)
     return payload
+
+
+def _outcome(parts: list[Any] | None, reduce: Callable[[list[Any]], Any]) -> Any:
+    """Rank 0: ("failed", [(rank, summary)]) or ("ok", reduce(values)); None on the other ranks."""
+    if parts is None:
+        return None
+    failed = [(r, p[0]) for r, p in enumerate(parts) if p[0] is not None]
+    if not failed:
+        result, error = _attempt(lambda: reduce([p[1] for p in parts]))
+        if error is None:
+            return ("ok", result)
+        failed = [(0, summary(error))]
+    return ("failed", failed)
+
+
+# [Note: fixed-size gather]
+# torch's gather_object first all-gathers every rank's pickle size (one int64 per rank to EVERY
+# rank: 128 KB per rank at 16,384 ranks, growing with the world), then gathers the pickles
+# padded to the largest. A write round's values (a rank's file records) are a few hundred
+# bytes, so they go in ONE gather of a fixed-size buffer: every rank sends the same bytes at any
+# world size, rank 0 receives world x the buffer. A value that does not fit is marked; rank 0
+# names those ranks in a broadcast (which the round needs anyway, for "resend"), and they alone
+# send their value through torch's gather_object.
+_SMALL_RECORDS_BYTES = 1 << 10
 
 
 def gather_scatter(local: Callable[[], Any], plan: Callable[[list[Any]], list[Any]]) -> Any:

@@ -5,9 +5,12 @@
 A save's storage (``storage/``: DCP's ``StorageWriter`` on a backend) does not know who plans or
 how the ranks talk; a save protocol drives it exactly as ``dcp.save`` drives any storage writer
 (``set_up_storage_writer``, ``prepare_global_plan``, ``write_data`` on every rank, ``finish`` on
-rank 0), so the planning can be replaced without touching storage. Two protocols, chosen by the
-benchmark ([Note: why this protocol] below):
+rank 0), so the planning can be replaced without touching storage. Three protocols:
 
+- :class:`~shardbridge.checkpoint._derived.Derived` (``PROTOCOL``): no plan round; every rank
+  derives the global plan from the mesh and rank 0 derives every storage record from the file
+  rule ([Note: the derived protocol] in ``_derived.py``); falls back to :class:`OwnRounds` for a
+  save it cannot derive;
 - :class:`DCPSave`: ``dcp.save`` itself with shardbridge's planner and writer, and DCP's own plan
   caching (``DefaultSavePlanner(enable_plan_caching=True)``, under a key per process group): a
   plan round (gather + scatter) and a write round (gather + broadcast), each two object
@@ -25,34 +28,32 @@ after every rank's files are durable.
 What travels in one save and one load, per rank, as ``tools/bench/bench_scale.py`` counts it
 (rank 0 of up to 16,384 simulated ranks; docs/benchmarks.md, "Scale"):
 
-- save, argument round: one all-reduce of four int64s ("anyone failed, arguments equal, every
-  plan unchanged"; [Note: constant-size rounds] in ``_dist.py``) and a broadcast of rank 0's
-  target: the same bytes on every rank at any world size;
-- save, plan round (the first save, and any save after a rank's plan changed): every rank's
-  local plan gathered on rank 0, DCP's global plan there, each rank's part scattered back.
-  ``.metadata`` stays on rank 0 (it used to ride in the scatter, which pads every rank's share
-  to the largest: every rank received the whole ``.metadata``);
-- save, write round: every rank's write results (offset and length of each box in its file,
-  its files' records) gathered on rank 0, ``.metadata`` and the manifest written, the outcome
-  broadcast;
+- save, argument round: one all-reduce of six int64s ("anyone failed, arguments equal, every
+  plan unchanged, every rank's layout digest equal"; [Note: constant-size rounds] in
+  ``_dist.py``) and a broadcast of rank 0's target: the same bytes on every rank at any world
+  size;
+- save, write round (:class:`~shardbridge.checkpoint._derived.Derived`): one fixed-size gather
+  of each rank's file records (1 KiB; [Note: fixed-size gather] in ``_dist.py``) and a broadcast
+  of the outcome. Rank 0 receives world x 1 KiB and derives the rest; its work is the distinct
+  boxes ``.metadata`` must list, as tensor operations (no Python object per box);
 - load: one all-reduce, rank 0's validated ``.metadata`` broadcast (each rank receives it once;
   it used to ride on an all-gather: world size x ``.metadata`` per rank), each rank plans its
   own reads (``dcp.load(no_dist=True)``: a load, resharding or not, gathers no plans), one
   all-reduce.
 
-Still growing with the world size: rank 0 receives and plans over world x items in the plan and
-write rounds (DCP's own design; torch's ``gather_object`` also all-gathers one int64 per rank).
-The change that removes it: every rank's boxes are a function of the mesh, the placements and
-the global shape (``shardbridge.layout``), so rank 0 can build the deduplicated global plan
-without gathering plans, and a box's length in its file is a function of its shape and dtype
-(one ``torch.save`` record), so the write round needs only each rank's file sizes and
-checksums. Rank 0's work is then the distinct boxes ``.metadata`` must list.
+Still growing with the world size: ``.metadata`` itself (one record per distinct box, as DCP's
+format requires: 300 MB for Llama-3 405B with AdamW state at 16,384 ranks), which every rank of
+a load receives and unpickles, and which rank 0 reads with the restricted (pure-Python)
+unpickler. A load that derives the saving job's records from the manifest, as the save does,
+would remove both; it is not built.
 
 [Note: why this protocol]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``PROTOCOL`` is the one the last side-by-side benchmark found faster (``tools/bench/
-bench_checkpoint.py``, contenders "save" and "save, dcp.save protocol"; docs/benchmarks.md,
-"what is kept"): it stays behind this seam only while it pays.
+``PROTOCOL`` is :class:`~shardbridge.checkpoint._derived.Derived`: at 4 real ranks it costs what
+the gathered rounds cost (``tools/bench/bench_checkpoint.py``), and from a few hundred ranks on
+it is the only one whose rounds and per-rank bytes do not grow with the world size
+(``tools/bench/bench_scale.py``; docs/benchmarks.md, "Scale"). It stays behind this seam only
+while the benchmarks show it pays.
 """
 
 from __future__ import annotations
@@ -85,8 +86,15 @@ class SaveProtocol(Protocol):
         """In the save's argument round: (what this rank keeps for :meth:`save`, "my plan is unchanged")."""
         ...
 
-    def save(self, dcp_state: dict[str, Any], writer: Writer, local: Any, unchanged: bool) -> None:
-        """Plan, write, ``.metadata`` and commit (``writer.finish`` on rank 0); raises on every rank."""
+    def save(self, dcp_state: dict[str, Any], writer: Writer, local: Any, unchanged: bool, derived: bool = False) -> None:
+        """Plan, write, ``.metadata`` and commit (``writer.finish`` on rank 0); raises on every rank.
+
+        ``derived``: every rank's :meth:`digest` agreed and is not 0 (round 1).
+        """
+        ...
+
+    def digest(self, local: Any) -> int:
+        """What round 1 compares across ranks (0: this rank cannot derive the global plan)."""
         ...
 
 
@@ -100,7 +108,11 @@ class DCPSave:
         """Nothing ahead: DCP plans in its own round."""
         return None, False
 
-    def save(self, dcp_state: dict[str, Any], writer: Writer, local: Any, unchanged: bool) -> None:
+    def digest(self, local: Any) -> int:
+        """DCP plans in its own round: nothing to derive."""
+        return 0
+
+    def save(self, dcp_state: dict[str, Any], writer: Writer, local: Any, unchanged: bool, derived: bool = False) -> None:
         """One ``dcp.save``; its ``CheckpointException`` becomes the failing rank's error on every rank."""
         planner = SavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = f"shardbridge:{_key()}"  # DCP caches plans per key, process-wide
@@ -149,13 +161,22 @@ class OwnRounds:
 
     def local(self, dcp_state: dict[str, Any]) -> tuple[Any, bool]:
         """This rank's local plan, and whether it equals the last save's (same process group)."""
+        _, plan, unchanged = self.planned(dcp_state)
+        return plan, unchanged
+
+    def planned(self, dcp_state: dict[str, Any]) -> tuple[SavePlanner, SavePlan, bool]:
+        """:meth:`local`, with the planner that made the plan (its ``state_dict`` is the flattened state)."""
         planner = SavePlanner()
         planner.set_up_planner(state_dict=dcp_state, storage_meta=None, is_coordinator=_dist.rank() == 0)
         plan = planner.create_local_plan()
         plans = self.plans or {}
-        return plan, plans.get("key") == _key() and plans.get("local") == plan
+        return planner, plan, plans.get("key") == _key() and plans.get("local") == plan
 
-    def save(self, dcp_state: dict[str, Any], writer: Writer, local: Any, unchanged: bool) -> None:
+    def digest(self, local: Any) -> int:
+        """The plan round gathers every plan: nothing to derive."""
+        return 0
+
+    def save(self, dcp_state: dict[str, Any], writer: Writer, local: Any, unchanged: bool, derived: bool = False) -> None:
         """The plan round (only when some rank's plan changed), then the write round."""
         central, metadata = self._global_plan(local, unchanged, writer)
         rank = _dist.rank()
@@ -190,6 +211,12 @@ class OwnRounds:
         return central, metadata
 
 
-PROTOCOLS: dict[str, Callable[[], SaveProtocol]] = {"dcp": DCPSave, "rounds": OwnRounds}
-PROTOCOL: SaveProtocol = OwnRounds()
+def _derived() -> SaveProtocol:
+    from shardbridge.checkpoint._derived import Derived
+
+    return Derived(fallback=OwnRounds())
+
+
+PROTOCOLS: dict[str, Callable[[], SaveProtocol]] = {"dcp": DCPSave, "rounds": OwnRounds, "derived": _derived}
+PROTOCOL: SaveProtocol = _derived()
 """The protocol every save uses. See [Note: why this protocol]."""

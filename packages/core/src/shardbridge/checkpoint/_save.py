@@ -169,7 +169,7 @@ def save(
     # write; the protocol's local step rides along ([Note: save protocols] in _protocol.py).
     begun: list[Target] = []
     try:
-        (prepared, target), unchanged = _dist.one_round(
+        (prepared, target), unchanged, agreed = _dist.one_round(
             _prepare,
             (model, optimizer),
             {
@@ -186,6 +186,7 @@ def save(
             same=("shardbridge.checkpoint.save", same),
             share=lambda mine: mine.target,  # rank 0's
             all_of=lambda mine: mine.unchanged,
+            agree=lambda mine: protocol.digest(mine.local),  # see [Note: the derived protocol]
         )
     except BaseException:
         for target in begun:
@@ -201,6 +202,7 @@ def save(
         protocol=protocol,
         local=prepared.local,
         unchanged=unchanged,
+        derived=agreed and protocol.digest(prepared.local) != 0,
     )
     del state, snapshot, prepared
     if not async_:
@@ -232,6 +234,8 @@ class SaveJob:
     """The protocol's result of this rank's local step (round 1)."""
     unchanged: bool
     """No rank's local plan changed since the last save (round 1)."""
+    derived: bool = False
+    """Every rank can derive the global plan (round 1; [Note: the derived protocol] in ``_derived.py``)."""
 
     @property
     def final(self) -> Path | str:
@@ -267,7 +271,7 @@ def write_and_commit(job: SaveJob) -> None:
         save_failure=failure,
     )
     try:
-        job.protocol.save(job.dcp_state, writer, job.local, job.unchanged)
+        job.protocol.save(job.dcp_state, writer, job.local, job.unchanged, job.derived)
     except BaseException:
         if rank == 0:
             backend.abandon(target)  # see [Note: atomic commit], [Note: object-store commit]

@@ -51,6 +51,9 @@ class LocalChunks:
             Empty boxes are dropped (DCP would deduplicate an empty box against a full box
             that starts at the same offset on another rank). A tensor with zero elements
             keeps one empty box at the origin so that DCP still records its key.
+        spread: the boxes every rank of the mesh holds (:class:`~shardbridge.checkpoint.state._spread.Spread`),
+            when the caller computed them from the layout algebra; None = unknown (the save then
+            gathers every rank's plan). See [Note: derived plans] in ``_spread.py``.
 
     Example:
         >>> local = torch.arange(6.0).reshape(3, 2)
@@ -59,8 +62,15 @@ class LocalChunks:
         [(5, 0)]
     """
 
-    def __init__(self, global_size: Sequence[int], pieces: Sequence[tuple[Sequence[int], torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        global_size: Sequence[int],
+        pieces: Sequence[tuple[Sequence[int], torch.Tensor]],
+        *,
+        spread: Any = None,
+    ) -> None:
         self._size = torch.Size(global_size)
+        self.spread = spread
         kept: list[tuple[torch.Size, torch.Tensor]] = []
         for offsets, tensor in pieces:
             offsets = torch.Size(offsets)
@@ -70,6 +80,7 @@ class LocalChunks:
                 kept.append((offsets, tensor))
         if not kept and self._size.numel() == 0 and pieces:
             kept.append((torch.Size([0] * len(self._size)), pieces[0][1]))
+            self.spread = None  # the origin box of an empty tensor: not what a spread lists
         self._pieces = kept
 
     # -- tensor-like surface DCP's planners use ---------------------------------------------

@@ -33,14 +33,28 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from shardbridge._compat import local_tensor
 from shardbridge.checkpoint.state._chunks import LocalChunks
+from shardbridge.checkpoint.state._spread import Boxes, Grid, NotDerivable, Spread
 from shardbridge.layout import Chunk, chunk_box, dcp_chunk, find_dcp_mismatches, fsdp_chunk, local_chunk
 
-__all__ = ["Box", "OnBadLayout", "boxed_pieces", "check_dtensor", "describe", "local_box", "same_box"]
+__all__ = [
+    "Box",
+    "OnBadLayout",
+    "box_rule",
+    "boxed_pieces",
+    "check_dtensor",
+    "describe",
+    "dtensor_spread",
+    "local_box",
+    "mesh_grid",
+    "placement_spread",
+    "same_box",
+]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
@@ -116,21 +130,29 @@ def describe(fqn: str, t: DTensor) -> str:
     return f"{fqn!r} (shape {tuple(t.shape)}, placements {tuple(t.placements)}, mesh ({mesh_text}))"
 
 
+_RULES = {"true": _true_chunk, "local": local_chunk}
+"""How a rank's data is read from the placements: FSDP2's layout where it applies, or DTensor's own."""
+
+
 def local_box(fqn: str, t: DTensor) -> Box:
     """The true (sizes, offsets) of this rank's local tensor; ValueError if not one box."""
+    return box_rule(fqn, t)[0]
+
+
+def box_rule(fqn: str, t: DTensor) -> tuple[Box, str]:
+    """:func:`local_box` and the rule of :data:`_RULES` that explains it."""
     shape, mesh_shape, placements = tuple(t.shape), tuple(t.device_mesh.shape), tuple(t.placements)
     coordinate = t.device_mesh.get_coordinate()
     assert coordinate is not None, "rank is not part of the DTensor's mesh"
     local_shape = tuple(local_tensor(t).shape)
-    candidates = [_true_chunk(shape, mesh_shape, placements, coordinate)]
-    candidates.append(local_chunk(shape, mesh_shape, placements, coordinate))
-    for chunk in candidates:
+    candidates = [(rule, fn(shape, mesh_shape, placements, coordinate)) for rule, fn in _RULES.items()]
+    for rule, chunk in candidates:
         box = chunk_box(shape, chunk)
         if box is None:
             continue
         if box[0] == local_shape:
-            return box
-    if all(chunk_box(shape, c) is None for c in candidates):
+            return box, rule
+    if all(chunk_box(shape, c) is None for _, c in candidates):
         raise ValueError(
             f"{describe(fqn, t)}: this rank's data is several separate ranges along a dim, which DCP "
             "cannot describe with one box per rank; redistribute it to Shard/Replicate placements "
@@ -139,12 +161,12 @@ def local_box(fqn: str, t: DTensor) -> Box:
         )
     raise ValueError(
         f"{describe(fqn, t)}: the local tensor has shape {local_shape}, which the layout algebra "
-        f"does not explain (it expects {[chunk_box(shape, c) for c in candidates]}); shardbridge cannot "
+        f"does not explain (it expects {[chunk_box(shape, c) for _, c in candidates]}); shardbridge cannot "
         "save it safely. Please report this layout"
     )
 
 
-def _multi_box_pieces(t: DTensor) -> list[tuple[tuple[int, ...], torch.Tensor]] | None:
+def _multi_box_pieces(t: DTensor) -> tuple[list[tuple[tuple[int, ...], torch.Tensor]], str] | None:
     """This rank's local tensor as one view per box of its (several-range) chunk; None if unexplained.
 
     The local tensor holds the chunk's ranges of each dim in increasing global order (how
@@ -154,10 +176,8 @@ def _multi_box_pieces(t: DTensor) -> list[tuple[tuple[int, ...], torch.Tensor]] 
     shape, mesh_shape, placements = tuple(t.shape), tuple(t.device_mesh.shape), tuple(t.placements)
     coordinate = t.device_mesh.get_coordinate()
     local = local_tensor(t).detach()
-    for chunk in (
-        _true_chunk(shape, mesh_shape, placements, coordinate),
-        local_chunk(shape, mesh_shape, placements, coordinate),
-    ):
+    for rule, fn in _RULES.items():
+        chunk = fn(shape, mesh_shape, placements, coordinate)
         if tuple(sum(b - a for a, b in dim) for dim in chunk) != tuple(local.shape):
             continue
         pieces = []
@@ -168,8 +188,86 @@ def _multi_box_pieces(t: DTensor) -> list[tuple[tuple[int, ...], torch.Tensor]] 
                 view = view.narrow(d, before, stop - start)
                 offsets.append(start)
             pieces.append((tuple(offsets), view))
-        return pieces
+        return pieces, rule
     return None
+
+
+def _chunk_boxes(chunk: Chunk) -> Boxes:
+    """One ``(offsets, sizes)`` box per product of ranges, in the order ``_multi_box_pieces`` views them."""
+    return [
+        (tuple(start for start, _ in ranges), tuple(stop - start for start, stop in ranges))
+        for ranges in itertools.product(*chunk)
+    ]
+
+
+_GRIDS: dict[int, tuple[object, Grid]] = {}
+
+
+def mesh_grid(mesh: object) -> Grid:
+    """The :class:`Grid` of a ``DeviceMesh`` and its copies (``Grid.tiled``), cached per mesh."""
+    import torch.distributed as dist
+
+    hit = _GRIDS.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    grid = Grid.tiled(mesh.shape, mesh.mesh, world)  # type: ignore[attr-defined]
+    if len(_GRIDS) > 256:
+        _GRIDS.clear()
+    _GRIDS[id(mesh)] = (mesh, grid)
+    return grid
+
+
+def dtensor_spread(
+    t: DTensor, rule: str, *, multi: bool = False, properties: TensorProperties | None = None
+) -> Spread | None:
+    """The spread of a DTensor's boxes under ``rule`` ("dcp": DCP's own description, empty boxes
+    kept; "true" / "local": :data:`_RULES`, one box per range when ``multi``); None when its mesh
+    does not tile the job (the save gathers plans). See [Note: derived plans]."""
+    try:
+        grid = mesh_grid(t.device_mesh)
+    except NotDerivable:
+        return None
+    if properties is None:
+        properties = TensorProperties.create_from_tensor(t.to_local())  # as DCP describes a DTensor
+    return placement_spread(tuple(t.shape), grid, tuple(t.placements), rule, multi=multi, properties=properties)
+
+
+def placement_spread(
+    shape: tuple[int, ...],
+    grid: Grid,
+    placements: tuple[Placement, ...],
+    rule: str,
+    *,
+    multi: bool = False,
+    properties: TensorProperties | None = None,
+) -> Spread:
+    """:func:`dtensor_spread` from the layout alone: ``grid`` is the mesh's ``Grid.tiled``."""
+    mesh_shape = grid.shape[1:]
+    # the grid's dim 0 numbers the copies of the mesh ([Note: derived plans]): boxes do not depend on it
+    fixed = (0,) + tuple(d + 1 for d, p in enumerate(placements) if isinstance(p, Replicate))
+    if rule == "dcp":
+        # An entry kept as a DTensor is one whose true boxes DCP describes right on every coordinate
+        # (_verdict), so the pure algebra gives DCP's box; torch's own computation (slow for
+        # _StridedShard: ~3 ms a call) only where a box is empty, whose offsets are DCP's convention.
+        def boxes_at(coordinate: tuple[int, ...]) -> Boxes:
+            box = chunk_box(shape, _true_chunk(shape, mesh_shape, placements, coordinate[1:]))
+            if box is None or 0 in box[0]:
+                box = dcp_chunk(shape, mesh_shape, placements, coordinate[1:])
+            return [(box[1], box[0])]
+
+    else:
+        fn = _RULES[rule]
+
+        def boxes_at(coordinate: tuple[int, ...]) -> Boxes:
+            chunk = fn(shape, mesh_shape, placements, coordinate[1:])
+            if multi:
+                return _chunk_boxes(chunk)
+            box = chunk_box(shape, chunk)
+            return [] if box is None else [(box[1], box[0])]
+
+    key = (rule, multi, shape, mesh_shape, tuple(repr(p) for p in placements))
+    return Spread(grid, key, boxes_at, fixed_dims=fixed, keep_empty=rule == "dcp", properties=properties)
 
 
 def boxed_pieces(local: torch.Tensor, box: Box) -> list[tuple[tuple[int, ...], torch.Tensor]]:
@@ -184,15 +282,17 @@ def check_dtensor(fqn: str, t: DTensor, on_bad_layout: OnBadLayout, log: bool) -
     if verdict.non_contiguous:
         # e.g. a packed [gate; up] weight under _StridedShard TP: each rank holds one range of each
         # half. Written as several boxes (one per range), which DCP describes right.
-        pieces = _multi_box_pieces(t)
-        if pieces is None or on_bad_layout == "error":
+        found = _multi_box_pieces(t)
+        if found is None or on_bad_layout == "error":
             raise ValueError(
                 f"{describe(fqn, t)}: some rank holds several separate ranges of a dim, which DCP cannot "
                 f"describe with one box per rank ({verdict.detail or 'non-contiguous shard'}); redistribute it "
                 "to Shard/Replicate placements before saving"
-                + ("" if pieces is None else ", or save with on_bad_layout='repair' to write one box per range")
+                + ("" if found is None else ", or save with on_bad_layout='repair' to write one box per range")
             )
-        return LocalChunks(t.shape, pieces)
+        pieces, rule = found
+        properties = TensorProperties.create_from_tensor(local_tensor(t).detach())
+        return LocalChunks(t.shape, pieces, spread=dtensor_spread(t, rule, multi=True, properties=properties))
     if not verdict.bad:
         return None
     if on_bad_layout == "error":
@@ -210,5 +310,7 @@ def check_dtensor(fqn: str, t: DTensor, on_bad_layout: OnBadLayout, log: bool) -
             describe(fqn, t),
             verdict.detail,
         )
-    box = local_box(fqn, t)
-    return LocalChunks(t.shape, boxed_pieces(local_tensor(t).detach(), box))
+    box, rule = box_rule(fqn, t)
+    local = local_tensor(t).detach()
+    spread = dtensor_spread(t, rule, properties=TensorProperties.create_from_tensor(local))
+    return LocalChunks(t.shape, boxed_pieces(local, box), spread=spread)

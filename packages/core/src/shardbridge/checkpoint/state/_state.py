@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,7 +38,15 @@ from shardbridge.checkpoint.state._components import (
     split_fused_value,
 )
 from shardbridge.checkpoint.state._provider import StateDictProvider
-from shardbridge.checkpoint.state._repair import Box, OnBadLayout, boxed_pieces, check_dtensor, describe
+from shardbridge.checkpoint.state._repair import (
+    Box,
+    OnBadLayout,
+    box_rule,
+    boxed_pieces,
+    check_dtensor,
+    describe,
+    dtensor_spread,
+)
 from shardbridge.fp8._tensors import plain_state_dict
 
 __all__ = [
@@ -477,7 +486,12 @@ def _plain_entry(key: str, value: Any, info: ParamInfo | None, on_bad_layout: On
     ):
         # A plain tensor holding this rank's local shard of a DTensor parameter (fused
         # optimizers keep states so): placed where the parameter's local shard is.
-        return LocalChunks(info.shape, boxed_pieces(value.detach(), param_box(info)))
+        local = value.detach()
+        spread = None  # a provider's box: not derivable from the placements
+        if info.box is None:
+            rule = box_rule(info.fqn, info.dtensor)[1]
+            spread = dtensor_spread(info.dtensor, rule, properties=TensorProperties.create_from_tensor(local))
+        return LocalChunks(info.shape, boxed_pieces(local, param_box(info)), spread=spread)
     return value
 
 

@@ -82,8 +82,10 @@ from torch.futures import Future
 
 from shardbridge._compat import DCPStorageInfo, DCPStoragePrefix, torch_save_without_crc
 from shardbridge.checkpoint.storage._backend import SHARED_DIRECTORY_FIX, Backend, Entry, Target
+from shardbridge.checkpoint.storage._files import split_items
 from shardbridge.checkpoint.storage._integrity import ChecksumWriter
 from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME
+from shardbridge.checkpoint.storage._metadata_stream import StorageGroup, write_metadata
 
 __all__ = ["RECORDS_KEY", "DCP_VERSION", "RankFiles", "Writer"]
 
@@ -169,8 +171,7 @@ class Writer(StorageWriter):
         except (ValueError, FileNotFoundError) as exc:  # See [Note: one directory for every rank]
             raise type(exc)(f"save of checkpoint {self.checkpoint_id!r} failed on rank {self.rank}: {exc}") from None
         prefix = plan.storage_data.prefix
-        total = sum(_nbytes(item) for item in plan.items)
-        buckets = _split(plan.items, min(self._threads, -(-total // self._min_file_bytes)))
+        buckets = split_items(plan.items, self._threads, self._min_file_bytes)  # [Note: derived file layout]
         results: list[list[WriteResult]] = [[] for _ in buckets]
         records: dict[str, dict[str, Any]] = {}
         errors: list[BaseException] = []
@@ -183,7 +184,11 @@ class Writer(StorageWriter):
             except BaseException as exc:  # noqa: BLE001 (raised below, on this thread)
                 errors.append(self._failure(exc, path))
 
-        threads = [threading.Thread(target=write, args=(n,), name=f"shardbridge-write-{n}") for n in range(1, len(buckets))]
+        threads = [
+            threading.Thread(target=write, args=(n,), name=f"shardbridge-write-{n}")
+            for n in range(1, len(buckets))
+            if buckets[n]  # an empty later file is not written ([Note: derived file layout])
+        ]
         for thread in threads:
             thread.start()
         write(0)
@@ -233,6 +238,42 @@ class Writer(StorageWriter):
         if self._commit is not None:
             self._commit(records)
 
+    def finish_stream(
+        self, head: Metadata, names: list[str], groups: list[StorageGroup], written: list[RankFiles]
+    ) -> None:
+        """Rank 0, the derived protocol: as :meth:`finish`, ``.metadata`` streamed from records derived by rule.
+
+        ``head``: ``.metadata`` without storage records; ``names`` / ``groups``: the records
+        ([Note: streamed .metadata] in ``_metadata_stream.py``); ``written``: every rank's files.
+        """
+        if not self.backend.remote:
+            self.landed = self.backend.listing(self.target.data)
+            self.check_seen(written, self.landed)
+        records: dict[str, dict[str, Any]] = {}
+        for part in written:
+            records.update(part.files)
+        head.version = DCP_VERSION
+        head.storage_meta = self.storage_meta()
+        path = self.backend.join(self.target.data, DCP_METADATA_NAME)
+        try:
+            records[DCP_METADATA_NAME] = _write_bytes(
+                self.backend, path, lambda write: write_metadata(head, names, groups, write)
+            )
+        except BaseException as exc:  # noqa: BLE001 (one clear error naming the file)
+            raise self._failure(exc, path) from exc
+        if self._commit is not None:
+            self._commit(records)
+
+    @property
+    def threads(self) -> int:
+        """At most this many data files per rank ([Note: derived file layout] in ``_files.py``)."""
+        return self._threads
+
+    @property
+    def min_file_bytes(self) -> int:
+        """The least tensor bytes that get a data file of their own."""
+        return self._min_file_bytes
+
     def check_seen(self, written: list[RankFiles], landed: dict[str, Entry]) -> None:
         """Rank 0: ValueError unless every file of ``written`` is in the target with its size.
 
@@ -265,31 +306,6 @@ class Writer(StorageWriter):
         return False
 
 
-def _split(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
-    """``n`` buckets (fewer if there are fewer tensors): bytes items in the first, tensors by size,
-    each to the bucket with the fewest bytes so far (DCP's ``_split_by_size_and_type``)."""
-    tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
-    n = max(1, min(n, len(tensors)))
-    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
-    sizes = [0] * n
-    buckets[0].extend(i for i in items if i.type == WriteItemType.BYTE_IO)
-    for item in sorted(tensors, key=_nbytes, reverse=True) if n > 1 else tensors:
-        k = min(range(n), key=lambda b: sizes[b])
-        buckets[k].append(item)
-        sizes[k] += _nbytes(item)
-    if n > 1:  # plan order inside each file, as DCP writes them
-        order = {id(item): i for i, item in enumerate(items)}
-        for bucket in buckets:
-            bucket.sort(key=lambda item: order[id(item)])
-    return buckets
-
-
-def _nbytes(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 0
-    return item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
-
-
 def _write_items(
     backend: Backend, path: str, name: str, items: list[WriteItem], planner: SavePlanner
 ) -> tuple[list[WriteResult], dict[str, Any]]:
@@ -315,9 +331,13 @@ def _write_items(
     return results, f.record()
 
 
-def _write_bytes(backend: Backend, path: str, data: bytes) -> dict[str, Any]:
+def _write_bytes(backend: Backend, path: str, data: bytes | Callable[[Callable[[bytes], Any]], None]) -> dict[str, Any]:
+    """One file of ``data``, or of what ``data(write)`` writes (a stream); its record."""
     with backend.writing(path) as raw:
         f = ChecksumWriter(raw)
-        f.write(data)
+        if callable(data):
+            data(f.write)
+        else:
+            f.write(data)
         f.flush()
     return f.record()

@@ -1,0 +1,443 @@
+"""The derived save protocol: no plan round, and a write round that carries only file records.
+
+[Note: the derived protocol]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The default save protocol ([Note: save protocols] in ``_protocol.py``). Per save, every rank:
+
+1. in the save's argument round (which runs anyway): builds its local plan as DCP does, the
+   spread of every entry ([Note: derived plans] in ``state/_spread.py``) and their digest; the
+   round's all-reduce compares the digests (two more int64s);
+2. keeps the items it writes by the writer rule (each box by one of its holders), writes them
+   by the file rule ([Note: derived file layout] in ``storage/_files.py``), and checks that what
+   it wrote is what the rules say;
+3. in the write round: sends rank 0 its files' records (size, checksum) and whether step 2's
+   check held -- a fixed-size message ([Note: fixed-size gather] in ``_dist.py``); rank 0 derives
+   every rank's storage records, checks every file's size against them, writes ``.metadata``
+   as a stream ([Note: streamed .metadata]) and commits; the outcome is broadcast.
+
+Rounds per save: 4 collectives whatever the world size; bytes received per rank other than 0:
+constant; rank 0 receives world x (one fixed-size message). Rank 0's work is the distinct boxes
+``.metadata`` must list (tensor operations per entry, no Python object per box).
+
+Where a rank's digest differs (not SPMD: pipeline stages, different models), an entry has no
+spread (a framework's own boxes through a ``StateDictProvider``), or a rank's plan is not what
+its spreads say, every rank falls back to the gathered rounds (:class:`~shardbridge.checkpoint.
+_protocol.OwnRounds`) for this save, with the same result. Where a rank's records differ from the
+file rule, that rank alone sends its records (the slow path of step 3).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+
+from shardbridge._compat import DCPStoragePrefix
+from shardbridge.checkpoint import _dist
+from shardbridge.checkpoint.state._chunks import LocalChunks, SavePlanner
+from shardbridge.checkpoint.state._repair import dtensor_spread
+from shardbridge.checkpoint.state._spread import (
+    NotDerivable,
+    Spread,
+    SpreadTable,
+    matches_plan,
+    spread_table,
+    spreads_digest,
+    writers,
+)
+from shardbridge.checkpoint.storage._files import Rows, data_file_name, derive_rows, record_length
+from shardbridge.checkpoint.storage._metadata_stream import StorageGroup
+from shardbridge.checkpoint.storage._writer import RECORDS_KEY, RankFiles, Writer
+
+__all__ = ["Derived", "DerivedLocal", "Entry", "entry_spread"]
+
+
+def entry_spread(value: Any, world_size: int) -> Spread | None:
+    """The spread of one flattened state-dict value (None: not derivable)."""
+    if isinstance(value, LocalChunks):
+        return value.spread
+    if isinstance(value, DTensor):
+        if value.device_mesh.get_coordinate() is None:
+            return None  # a sub-mesh this rank is not on: DCP writes nothing here
+        return dtensor_spread(value, "dcp")
+    if isinstance(value, torch.Tensor):
+        return Spread.replicated(world_size, tuple(value.shape), TensorProperties.create_from_tensor(value))
+    return Spread.replicated(world_size, (), None)
+
+
+@dataclass
+class Entry:
+    """One flattened entry of the save, with its spread evaluated."""
+
+    fqn: str
+    spread: Spread
+    table: SpreadTable
+    writer: torch.Tensor
+    """``[boxes]`` the rank writing each box."""
+    properties: TensorProperties | None
+    """None: a bytes item."""
+    size: torch.Size | None
+
+
+@dataclass
+class DerivedLocal:
+    """A rank's part of the argument round: its local plan and (when derivable) its entries."""
+
+    plan: SavePlan
+    entries: list[Entry] | None
+    digest: int
+    """Of every entry's name and spread; 0 when this rank cannot derive (see [Note: the derived protocol])."""
+    gathered: Any = None
+    """What the gathered protocol's local step returned (the fallback)."""
+
+
+def _entries(planner: SavePlanner, plan: SavePlan, world_size: int) -> tuple[list[Entry] | None, int]:
+    items: dict[str, list[Any]] = {}
+    for item in plan.items:
+        items.setdefault(item.index.fqn, []).append(item)
+    values = planner.state_dict
+    spreads = [(fqn, entry_spread(value, world_size)) for fqn, value in values.items()]
+    digest = spreads_digest(spreads)
+    if digest == 0:
+        return None, 0
+    rank = _dist.rank()
+    out: list[Entry] = []
+    by_fqn: dict[str, Spread] = {}
+    try:
+        for ordinal, (fqn, spread) in enumerate(spreads):
+            assert spread is not None
+            table = spread_table(spread)
+            mine = items.get(fqn, [])
+            is_bytes = spread.properties is None
+            properties = spread.properties
+            size = None if is_bytes else torch.Size(values[fqn].size())
+            if mine and mine[0].tensor_data is not None:
+                properties, size = mine[0].tensor_data.properties, mine[0].tensor_data.size
+            out.append(Entry(fqn, spread, table, writers(table, ordinal, bytes_item=is_bytes), properties, size))
+            by_fqn[fqn] = spread
+    except NotDerivable:
+        return None, 0
+    if not matches_plan(plan, by_fqn, lambda s: _coordinate(s, rank)):
+        return None, 0
+    return out, digest
+
+
+_COORDS: dict[tuple[str, int], tuple[int, ...] | None] = {}
+
+
+def _coordinate(spread: Spread, rank: int) -> tuple[int, ...] | None:
+    """``rank``'s coordinate on the spread's grid (None: not on it)."""
+    grid = spread.grid
+    key = (grid.digest, rank)
+    if key not in _COORDS:
+        hit = torch.nonzero(grid.ranks == rank).flatten()
+        coordinate = None
+        if hit.numel():
+            flat, out = int(hit[0]), []
+            for size in reversed(grid.shape):
+                out.append(flat % size)
+                flat //= size
+            coordinate = tuple(reversed(out))
+        if len(_COORDS) > 4096:
+            _COORDS.clear()
+        _COORDS[key] = coordinate
+    return _COORDS[key]
+
+
+@dataclass
+class _Derivation:
+    """Every rank's storage records, as the rules say (rank 0), or this rank's (the others)."""
+
+    rows: Rows
+    entry_rows: list[tuple[int, int]]
+    """Per entry: (first row, number of rows) in ``rows``."""
+    sizes: dict[tuple[int, int], int]
+    """(writer, file number) -> the file's size."""
+
+
+def _nbytes_and_lengths(entry: Entry) -> tuple[torch.Tensor, torch.Tensor]:
+    if entry.properties is None:
+        n = len(entry.table.sizes)
+        return torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    dtype = entry.properties.dtype
+    cache = _LENGTHS.setdefault(id(entry.table), (entry.table, {}))[1]
+    hit = cache.get(dtype)
+    if hit is None:
+        distinct: dict[tuple[int, ...], tuple[int, int]] = {}
+        for sizes in entry.table.sizes:
+            if sizes not in distinct:
+                numel = 1
+                for s in sizes:
+                    numel *= s
+                distinct[sizes] = (numel * dtype.itemsize, record_length(sizes, dtype))
+        pairs = torch.tensor([distinct[s] for s in entry.table.sizes], dtype=torch.int64).reshape(-1, 2)
+        hit = (pairs[:, 0].contiguous(), pairs[:, 1].contiguous())
+        if len(_LENGTHS) > 4096:
+            _LENGTHS.clear()
+        cache[dtype] = hit
+    return hit
+
+
+_LENGTHS: dict[int, tuple[SpreadTable, dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+
+def _derive(entries: list[Entry], *, only: int | None, bytes_lengths: dict[str, int], threads: int, min_file_bytes: int) -> _Derivation:
+    writer, nbytes, length, is_bytes, spans = [], [], [], [], []
+    start = 0
+    for entry in entries:
+        w = entry.writer
+        b, n = _nbytes_and_lengths(entry)
+        if entry.properties is None:
+            n = torch.full_like(n, bytes_lengths.get(entry.fqn, 0))
+        if only is not None:
+            keep = w == only
+            w, b, n = w[keep], b[keep], n[keep]
+        writer.append(w)
+        nbytes.append(b)
+        length.append(n)
+        is_bytes.append(torch.full((w.numel(),), entry.properties is None, dtype=torch.bool))
+        spans.append((start, w.numel()))
+        start += w.numel()
+    rows = Rows(torch.cat(writer), torch.cat(nbytes), torch.cat(length), torch.cat(is_bytes))
+    sizes = derive_rows(rows, threads=threads, min_file_bytes=min_file_bytes)
+    return _Derivation(rows, spans, sizes)
+
+
+def _own_keys(entries: list[Entry], derivation: _Derivation, rank: int) -> dict[tuple[str, Any], tuple[str, int, int]]:
+    """This rank's derived records: (fqn, offsets or None) -> (file, offset, length)."""
+    rows = derivation.rows
+    out = {}
+    for entry, (start, count) in zip(entries, derivation.entry_rows):
+        if count == 0:
+            continue
+        positions = torch.nonzero(entry.writer == rank).flatten().tolist()
+        for k, u in enumerate(positions):
+            r = start + k
+            at = None if entry.properties is None else torch.Size(entry.table.offsets[u])
+            out[(entry.fqn, at)] = (data_file_name(rank, int(rows.file[r])), int(rows.offset[r]), int(rows.length[r]))
+    return out
+
+
+def _actual(results: Iterable[WriteResult]) -> dict[tuple[str, Any], tuple[str, int, int]]:
+    out = {}
+    for r in results:
+        if r.index.fqn == RECORDS_KEY:
+            continue
+        info = r.storage_data
+        out[(r.index.fqn, r.index.offset)] = (info.relative_path, info.offset, info.length)
+    return out
+
+
+def _chunks(table: SpreadTable) -> list[ChunkStorageMetadata]:
+    hit = _CHUNKS.get(id(table))
+    if hit is None or hit[0] is not table:
+        chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in zip(table.offsets, table.sizes)]
+        if len(_CHUNKS) > 4096:
+            _CHUNKS.clear()
+        hit = _CHUNKS[id(table)] = (table, chunks)
+    return hit[1]
+
+
+_CHUNKS: dict[int, tuple[SpreadTable, list[ChunkStorageMetadata]]] = {}
+
+
+def head_metadata(entries: list[Entry], planner_data: Any) -> Metadata:
+    """``.metadata`` without its storage records: one description per entry, chunk lists shared per layout."""
+    described: dict[str, Any] = {}
+    for entry in entries:
+        if entry.properties is None:
+            described[entry.fqn] = BytesStorageMetadata()
+        else:
+            assert entry.size is not None
+            described[entry.fqn] = TensorStorageMetadata(entry.properties, entry.size, _chunks(entry.table))
+    return Metadata(state_dict_metadata=described, planner_data=planner_data)
+
+
+def storage_groups(
+    entries: list[Entry], derivation: _Derivation, own: dict[int, list[WriteResult]]
+) -> tuple[list[str], list[StorageGroup]]:
+    """Every record for ``.metadata``: derived rows, except the ranks in ``own`` (their real records)."""
+    rows = derivation.rows
+    assert rows.file is not None and rows.offset is not None
+    files = max((f for _, f in derivation.sizes), default=0) + 1
+    pairs = sorted(derivation.sizes)
+    names = [data_file_name(w, f) for w, f in pairs]
+    keys = torch.tensor([w * files + f for w, f in pairs], dtype=torch.int64)  # ascending, as pairs
+    name = torch.searchsorted(keys, rows.writer * files + rows.file)  # each row's position in names
+    skip = torch.tensor(sorted(own), dtype=torch.int64)
+    keep = ~torch.isin(rows.writer, skip) if len(own) else None
+    groups = []
+    for entry, (start, count) in zip(entries, derivation.entry_rows):
+        sl = slice(start, start + count)
+        tensor = entry.properties is not None
+        offsets = _offsets(entry.table) if tensor else None
+        index = _positions(count) if tensor else None
+        group = StorageGroup(entry.fqn, offsets, index, name[sl], rows.offset[sl], rows.length[sl])
+        if keep is not None:
+            k = keep[sl]
+            group = StorageGroup(
+                entry.fqn,
+                None if offsets is None else offsets[k],
+                None if index is None else index[k],
+                group.name[k],
+                group.offset[k],
+                group.length[k],
+            )
+        groups.append(group)
+    groups += _real_groups(entries, own, names)
+    return names, groups
+
+
+def _offsets(table: SpreadTable) -> torch.Tensor:
+    hit = _OFFSETS.get(id(table))
+    if hit is None or hit[0] is not table:
+        t = torch.tensor(table.offsets, dtype=torch.int64).reshape(len(table.offsets), -1)
+        if len(_OFFSETS) > 4096:
+            _OFFSETS.clear()
+        hit = _OFFSETS[id(table)] = (table, t)
+    return hit[1]
+
+
+_OFFSETS: dict[int, tuple[SpreadTable, torch.Tensor]] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(count: int) -> torch.Tensor:
+    """0 .. count - 1: each box's index hint (its position in the entry's chunk list)."""
+    return torch.arange(count, dtype=torch.int64)
+
+
+def _real_groups(entries: list[Entry], own: dict[int, list[WriteResult]], names: list[str]) -> list[StorageGroup]:
+    """The records the ranks in ``own`` really wrote (their rows are left out of the derived groups)."""
+    position = {e.fqn: {o: i for i, o in enumerate(e.table.offsets)} for e in entries if own}
+    by_name = {n: i for i, n in enumerate(names)}
+    per_fqn: dict[str, list[tuple[Any, int, str, int, int]]] = {}
+    for rank in sorted(own):
+        for r in own[rank]:
+            if r.index.fqn == RECORDS_KEY:
+                continue
+            info = r.storage_data
+            if info.relative_path not in by_name:
+                by_name[info.relative_path] = len(names)
+                names.append(info.relative_path)
+            at = r.index.offset
+            u = -1 if at is None else position[r.index.fqn].get(tuple(at), 0)
+            per_fqn.setdefault(r.index.fqn, []).append((at, u, info.relative_path, info.offset, info.length))
+    groups = []
+    for fqn, recs in per_fqn.items():
+        tensor = recs[0][0] is not None
+        groups.append(
+            StorageGroup(
+                fqn,
+                torch.tensor([list(r[0]) for r in recs], dtype=torch.int64).reshape(len(recs), -1) if tensor else None,
+                torch.tensor([r[1] for r in recs], dtype=torch.int64) if tensor else None,
+                torch.tensor([by_name[r[2]] for r in recs], dtype=torch.int64),
+                torch.tensor([r[3] for r in recs], dtype=torch.int64),
+                torch.tensor([r[4] for r in recs], dtype=torch.int64),
+            )
+        )
+    return groups
+
+
+@dataclass
+class Derived:
+    """Plans derived from the mesh, records from the file rule. See [Note: the derived protocol]."""
+
+    name: str = "derived"
+    fallback: Any = None
+    """The gathered protocol (``OwnRounds``) for saves that cannot be derived."""
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    def local(self, dcp_state: dict[str, Any]) -> tuple[DerivedLocal, bool]:
+        """This rank's local plan, its entries' spreads and digest; whether its plan is the last save's.
+
+        The entries are kept between saves while this rank's local plan stays the same (what
+        changes between saves of a training run is the data, not the layout)."""
+        planner, plan, unchanged = self.fallback.planned(dcp_state)
+        world = _dist.world_size()
+        cached = self.cache.get("local")
+        if cached is not None and cached[0] == (world, _dist.rank()) and cached[1] == plan:
+            entries, digest = cached[2], cached[3]
+        else:
+            entries, digest = _entries(planner, plan, world)
+            self.cache["local"] = ((world, _dist.rank()), plan, entries, digest)
+        return DerivedLocal(plan, entries, digest, plan), unchanged
+
+    @staticmethod
+    def digest(local: DerivedLocal) -> int:
+        """What the argument round compares across ranks (0: this rank cannot derive)."""
+        return local.digest
+
+    def save(self, dcp_state: dict[str, Any], writer: Writer, local: DerivedLocal, unchanged: bool, derived: bool = False) -> None:
+        """The derived write round, or the gathered rounds when ``derived`` is False (see the Note)."""
+        if not derived or local.entries is None:
+            self.fallback.save(dcp_state, writer, local.gathered, unchanged)
+            return
+        entries = local.entries
+        rank = _dist.rank()
+        threads, min_file_bytes = writer.threads, writer.min_file_bytes
+        state: dict[str, Any] = {}
+
+        def write() -> tuple[RankFiles, bool, list[WriteResult] | None]:
+            mine = [
+                item
+                for item in local.plan.items
+                if _writes(item, entries_by_fqn, rank)
+            ]
+            plan = SavePlan(mine, storage_data=DCPStoragePrefix(f"__{rank}_"), planner_data=local.plan.planner_data)
+            writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+            planner = SavePlanner()
+            planner.set_up_planner(state_dict=dcp_state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+            results = writer.write_data(planner.finish_plan(plan), planner).wait()
+            records = next(r.storage_data for r in results if r.index.fqn == RECORDS_KEY)
+            actual = _actual(results)
+            bytes_lengths = {fqn: length for (fqn, at), (_, _, length) in actual.items() if at is None}
+            derivation = _derive(
+                entries, only=None if rank == 0 else rank, bytes_lengths=bytes_lengths,
+                threads=threads, min_file_bytes=min_file_bytes,
+            )  # fmt: skip
+            state["derivation"] = derivation
+            ok = _own_keys(entries, derivation, rank) == actual
+            return records, ok, None if ok else results
+
+        entries_by_fqn = {e.fqn: e for e in entries}
+
+        def finish(parts: list[tuple[RankFiles, bool, list[WriteResult] | None]]) -> None:
+            derivation: _Derivation = state["derivation"]
+            own = {r: part[2] for r, part in enumerate(parts) if not part[1]}
+            for (w, f), size in derivation.sizes.items():  # every file as the file rule sizes it
+                records, ok, _ = parts[w]
+                name = data_file_name(w, f)
+                if ok and records.files.get(name, {}).get("size") != size:
+                    raise RuntimeError(
+                        f"internal: rank {w}'s {name} has {records.files.get(name)} where the file rule gives "
+                        f"{size} bytes; nothing was committed"
+                    )
+            names, groups = storage_groups(entries, derivation, own)
+            head = head_metadata(entries, local.plan.planner_data)
+            writer.finish_stream(head, names, groups, [part[0] for part in parts])
+
+        _dist.gather_reduce(write, finish, small=True)
+
+
+def _writes(item: Any, entries: dict[str, Entry], rank: int) -> bool:
+    """Whether this rank writes ``item`` (the writer rule of its entry's box)."""
+    entry = entries[item.index.fqn]
+    if item.type == WriteItemType.BYTE_IO:
+        return int(entry.writer[0]) == rank
+    u = entry.table.position[tuple(item.index.offset)]
+    return int(entry.writer[u]) == rank
+

@@ -1,0 +1,172 @@
+"""The derived save protocol ([Note: the derived protocol] in ``checkpoint/_derived.py``).
+
+The oracles: the gathered protocol's own ``.metadata`` of the same state (DCP's planner over
+every rank's gathered plan: the same boxes, the same keys), torch's ``dcp_to_torch_save``, and
+``full_tensor()`` of the live model. Each test also checks that the derived protocol really ran
+(a fallback to the gathered rounds would pass every round trip too).
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from ckpt_helpers import LAYOUTS, assert_equal_states, build, full_state, step
+from shardbridge import checkpoint as ck
+from shardbridge.checkpoint.state._spread import Grid, NotDerivable
+from shardbridge.checkpoint.storage._files import Rows, derive_rows, record_length, split_items
+from shardbridge.testing import run_distributed
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+# --------------------------------------------------------------------------- pure rules
+
+
+def test_record_length_is_what_torch_save_writes():
+    from shardbridge._compat import torch_save_without_crc
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        shape = tuple(int(s) for s in torch.randint(0, 70, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g))
+        dtype = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float8_e4m3fn][int(torch.randint(0, 5, (1,), generator=g))]
+        buf = io.BytesIO()
+        torch_save_without_crc(torch.zeros(shape, dtype=dtype), buf)
+        assert record_length(shape, dtype) == len(buf.getvalue()), (shape, dtype)
+
+
+def _item(fqn: str, sizes: tuple[int, ...] | None, dtype=torch.float32) -> WriteItem:
+    if sizes is None:
+        return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
+    return WriteItem(
+        index=MetadataIndex(fqn, (0,) * len(sizes)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size((0,) * len(sizes)), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(sizes),
+        ),
+    )
+
+
+@pytest.mark.parametrize("threads,min_file_bytes", [(1, 1), (4, 1), (4, 3000), (3, 1 << 30)])
+def test_the_file_rule_derives_what_the_writer_lays_out(threads, min_file_bytes):
+    # [Note: derived file layout]: every rank's items, split and laid out as the writer does
+    # (split_items + one torch.save record each), against derive_rows over all ranks at once.
+    g = torch.Generator().manual_seed(threads * 7 + min_file_bytes)
+    per_rank = {}
+    for rank in range(5):
+        items = [_item(f"b{rank}", None)] if rank == 0 else []
+        for k in range(int(torch.randint(0, 9, (1,), generator=g))):
+            items.append(_item(f"t{rank}.{k}", tuple(int(s) for s in torch.randint(1, 40, (2,), generator=g))))
+        per_rank[rank] = items
+    expected = {}
+    for rank, items in per_rank.items():
+        for n, bucket in enumerate(split_items(items, threads, min_file_bytes)):
+            offset = 0
+            for item in bucket:
+                length = 77 if item.tensor_data is None else record_length(tuple(item.tensor_data.chunk.sizes), torch.float32)
+                expected[item.index.fqn] = (rank, n, offset, length)
+                offset += length
+    order = [(rank, item) for rank in (3, 0, 4, 1, 2) for item in per_rank[rank]]  # plan order, ranks interleaved
+    rows = Rows(
+        writer=torch.tensor([r for r, _ in order], dtype=torch.int64),
+        nbytes=torch.tensor([0 if i.tensor_data is None else i.tensor_data.chunk.sizes.numel() * 4 for _, i in order]),
+        length=torch.tensor([expected[i.index.fqn][3] for _, i in order]),
+        is_bytes=torch.tensor([i.tensor_data is None for _, i in order]),
+    )
+    sizes = derive_rows(rows, threads=threads, min_file_bytes=min_file_bytes)
+    got = {i.index.fqn: (r, int(rows.file[k]), int(rows.offset[k]), int(rows.length[k])) for k, (r, i) in enumerate(order)}
+    assert got == expected
+    for (rank, n), size in sizes.items():
+        assert size == max(o + n_ for r, f, o, n_ in expected.values() if (r, f) == (rank, n))
+
+
+def test_a_sub_mesh_tiles_the_job_with_its_copies():
+    # The dp_shard mesh of a TP-replicated norm on (dp_shard=2, tp=2): ranks {0, 2} on tp rank 0, {1, 3} on 1.
+    a = Grid.tiled((2,), torch.tensor([0, 2]), 4)
+    b = Grid.tiled((2,), torch.tensor([1, 3]), 4)
+    assert a.digest == b.digest and a.shape == (2, 2)
+    assert a.ranks.view(2, 2).tolist() == [[0, 2], [1, 3]]
+    with pytest.raises(NotDerivable):
+        Grid.tiled((2,), torch.tensor([0, 3]), 4)  # translates of {0, 3} cannot tile 4 ranks
+    assert Grid.tiled((4,), torch.arange(4), 4).shape == (1, 4)
+
+
+# ---------------------------------------------------------------------- gloo, end to end
+
+
+def _save_derived(root: str, layout: dict | None, fused: bool, tamper: str):
+    """Save with the production protocol, spying on which path it took; then a gathered-protocol save."""
+    import torch.distributed as dist
+    from shardbridge.checkpoint import _derived, _dist, _protocol
+
+    model, opt = build(layout, fused=fused, seed=1)
+    step(model, opt, seed=2)
+    took = []
+    real_save, real_length, real_small = _derived.Derived.save, _derived.record_length, _dist._SMALL_RECORDS_BYTES
+
+    def spy(self, dcp_state, writer, local, unchanged, derived=False):
+        took.append(derived)
+        return real_save(self, dcp_state, writer, local, unchanged, derived)
+
+    _derived.Derived.save = spy
+    if tamper == "rule" and dist.get_rank() == 1:  # rank 1 derives other lengths than it writes: its records travel
+        _derived.record_length = lambda sizes, dtype: real_length(sizes, dtype) + 1
+        _derived._LENGTHS.clear()  # lengths are cached per layout between saves
+    if tamper == "overflow":  # no rank's records fit the fixed-size gather: every rank resends
+        _dist._SMALL_RECORDS_BYTES = 16
+    try:
+        path = ck.save(f"{root}/derived", model=model, optimizer=opt, step=1)
+    finally:
+        _derived.Derived.save, _derived.record_length, _dist._SMALL_RECORDS_BYTES = real_save, real_length, real_small
+        _derived._LENGTHS.clear()
+    saved, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.OwnRounds()
+    try:
+        ck.save(f"{root}/gathered", model=model, optimizer=opt, step=1)
+    finally:
+        _protocol.PROTOCOL = saved
+    return took, full_state(model, opt), str(path)
+
+
+@pytest.mark.parametrize(
+    "layout,fused,tamper",
+    [
+        ("fsdp2_tp2", True, ""),  # FSDP2 x TP, uneven rows (repaired boxes), fused [gate; up] components
+        ("hsdp2_tp2", False, ""),  # HSDP: every box held by 2 replicas, written once
+        ("fsdp4", False, "rule"),  # one rank's records differ from the file rule: they travel instead
+        ("fsdp2_tp2", False, "overflow"),  # records larger than the fixed-size gather: resent
+    ],
+)
+def test_derived_save_matches_the_gathered_plan_and_loads_bit_exact(tmp_path, layout, fused, tamper):
+    from shardbridge.checkpoint.storage._trust import read_metadata
+
+    results = run_distributed(_save_derived, str(tmp_path), LAYOUTS[layout], fused, tamper, world_size=4)
+    took, want, path = results[0]
+    assert all(r[0] == [True] for r in results), [r[0] for r in results]  # the derived path, on every rank
+    derived, gathered = read_metadata(path), read_metadata(tmp_path / "gathered")
+
+    def boxes(md):
+        return {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks) if hasattr(v, "chunks") else "bytes"
+                for k, v in md.state_dict_metadata.items()}  # fmt: skip
+
+    assert boxes(derived) == boxes(gathered)
+    assert {(i.fqn, i.offset) for i in derived.storage_data} == {(i.fqn, i.offset) for i in gathered.storage_data}
+    # torch's own reader: every tensor as the live model holds it
+    dcp_to_torch_save(path, tmp_path / "t.pt")
+    flat = torch.load(tmp_path / "t.pt", weights_only=True)
+    for key, value in want.items():
+        top, name = ("model", key[len("model.") :]) if key.startswith("model.") else ("optim", key[len("optim.") :])
+        got = flat[top][name] if top in flat and name in flat[top] else flat.get(key)
+        assert got is not None and torch.equal(got, value), key
+    assert ck.verify(path).ok
+    # and shardbridge's load, into another layout
+    fresh = run_distributed(_load_into, path, LAYOUTS["fsdp4"], fused, world_size=4)[0]
+    assert_equal_states(fresh, want)
+
+
+def _load_into(path: str, layout: dict, fused: bool):
+    model, opt = build(layout, fused=fused, seed=7, lr=0.5)
+    ck.load(path, model=model, optimizer=opt)
+    return full_state(model, opt)

@@ -1,0 +1,74 @@
+"""The streamed ``.metadata`` ([Note: streamed .metadata] in ``storage/_metadata_stream.py``).
+
+The oracle is the standard pickler: the stream must unpickle (plain ``pickle``, and shardbridge's
+restricted reader) to exactly the ``Metadata`` whose ``pickle.dumps`` DCP's own writer would write.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+from shardbridge._compat import DCPStorageInfo
+from shardbridge.checkpoint.storage._metadata_stream import StorageGroup, write_metadata
+from shardbridge.checkpoint.storage._trust import MetadataUnpickler
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+
+def _random_metadata(seed: int) -> tuple[Metadata, list[str], list[StorageGroup]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(hi: int) -> int:
+        return int(torch.randint(0, hi, (1,), generator=g))
+
+    names = [f"__{r}_{f}.distcp" for r in range(rand(5) + 1) for f in range(rand(3) + 1)]
+    described, storage, groups = {}, {}, []
+    for e in range(rand(6) + 1):
+        fqn = f"model.layers.{e}.w\u00e9ight" if e % 3 == 0 else f"optim.state.{e}.exp_avg"
+        ndim = rand(4)
+        n = rand(5) + 1
+        big = e % 2 == 1  # values past 2**31: LONG1 fields
+        if ndim == 0:
+            n = 1
+        offsets = torch.randint(0, 3_000_000_000 if big else 1000, (n, ndim), generator=g)
+        if ndim:
+            offsets[:, 0] = torch.arange(n) * 7  # distinct boxes
+        chunks = [ChunkStorageMetadata(torch.Size(o.tolist()), torch.Size([1] * ndim)) for o in offsets]
+        described[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([1] * ndim), chunks)
+        name = torch.randint(0, len(names), (n,), generator=g)
+        where = torch.randint(0, 1 << 40, (n,), generator=g)
+        length = torch.randint(0, 1 << 35, (n,), generator=g)
+        for i in range(n):
+            key = MetadataIndex(fqn, offsets[i].tolist(), i)
+            storage[key] = DCPStorageInfo(names[int(name[i])], int(where[i]), int(length[i]))
+        groups.append(StorageGroup(fqn, offsets, torch.arange(n), name, where, length))
+    described["optim.param_groups"] = BytesStorageMetadata()
+    storage[MetadataIndex("optim.param_groups")] = DCPStorageInfo(names[0], 0, 99)
+    groups.append(StorageGroup("optim.param_groups", None, None, torch.tensor([0]), torch.tensor([0]), torch.tensor([99])))
+    head = Metadata(described, planner_data={k: tuple(k.split(".")) for k in described},
+                    storage_meta=StorageMeta(checkpoint_id="/ckpt/step-1"), version="1.0.0")  # fmt: skip
+    return Metadata(**{**head.__dict__, "storage_data": storage}), names, groups
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_stream_unpickles_to_what_dcp_pickles(seed):
+    want, names, groups = _random_metadata(seed)
+    out = io.BytesIO()
+    write_metadata(want, names, groups, out.write)
+    data = out.getvalue()
+    for got in (pickle.loads(data), MetadataUnpickler(io.BytesIO(data), where="x").load()):
+        assert got == want
+        # the same state as DCP's objects: every key's __dict__ and every record's pickled state
+        for (k1, v1), (k2, v2) in zip(sorted(got.storage_data.items(), key=repr), sorted(want.storage_data.items(), key=repr)):
+            assert k1.__dict__ == k2.__dict__ and v1.__getstate__() == v2.__getstate__()
+            assert type(k1.offset) is type(k2.offset)
