@@ -131,8 +131,9 @@ def s3(session):
     """Checkpoints on S3 against moto's real server: the default slice plus the whole fault matrix
     (kill -9 mid-upload, the server stopped mid-save, at random points; docs/checkpoints.md, Reliability)."""
     _install(session, "test,s3")
-    env = {**ENV, "SHARDBRIDGE_S3_FAULTS": "all"}
-    tests = ["packages/core/tests/checkpoint/test_s3.py", "packages/core/tests/checkpoint/test_s3_faults.py"]
+    env = {**ENV, "SHARDBRIDGE_S3_FAULTS": "all", "SHARDBRIDGE_DEMO_ALL": "1"}
+    tests = ["packages/core/tests/checkpoint/test_s3.py", "packages/core/tests/checkpoint/test_s3_faults.py",
+             "integration_tests/test_demo_s3.py"]  # fmt: skip
     session.run("python", "-m", "pytest", *tests, "-s", *session.posargs, env=env)
 
 
@@ -144,6 +145,18 @@ def multimachine(session):
     _install(session, "hf,test")
     env = {**ENV, "SHARDBRIDGE_MULTIMACHINE": "all"}
     session.run("python", "-m", "pytest", "integration_tests/test_multimachine.py", *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
+def beyond_ci(session):
+    """The end-to-end tests CI leaves out for its time budget (docs/testing.md, "CI budget"): the fp32 and Qwen2
+    launches, the one-machine launch the two-machine launch is compared with, the uneven demo. The sweeps and
+    matrices have sessions of their own (hf_sweep, moe, fp8_matrix, trust, s3, faults, megatron_core)."""
+    _install(session, "all,te-structural,test")
+    env = {**ENV, "SHARDBRIDGE_LAUNCH_ALL": "1", "SHARDBRIDGE_MULTIMACHINE": "all", "SHARDBRIDGE_DEMO_ALL": "1"}
+    tests = ["integration_tests/test_launch_e2e.py", "integration_tests/test_multimachine.py", "integration_tests/test_demo.py",
+             "integration_tests/test_demo_s3.py"]  # fmt: skip
+    session.run("python", "-m", "pytest", *tests, *session.posargs, env=env)
 
 
 @nox.session(python="3.11")

@@ -1,4 +1,9 @@
-"""Tier 4: the `shardbridge layout` and `shardbridge ckpt` commands, run as a user runs them."""
+"""Tier 4: the `shardbridge layout` and `shardbridge ckpt` commands, run as a user runs them.
+
+One command of each kind runs as a process of its own (exit code, stdout, stderr as a user sees
+them); the error variants call the same entry point, ``shardbridge.cli._main.main``, in this
+process (a process costs ~5-15 s of importing on 2 cores; CI budget, docs/testing.md).
+"""
 
 import json
 import os
@@ -18,6 +23,25 @@ def _cli(*args, cwd=None):
     )
 
 
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``main(args)`` in this process: (returncode, stdout, stderr) as ``_cli`` returns them."""
+    from shardbridge.cli._main import main
+
+    def run(*args, cwd=None):
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
+
+
 def test_layout_reports_the_dcp_bug_case():
     run = _cli("layout", "--shape", "9,16", "--mesh", "dp_shard=4,tp=2", "--placements", "SS(0,2),S(0)")
     assert run.returncode == 1, run.stderr
@@ -27,8 +51,8 @@ def test_layout_reports_the_dcp_bug_case():
     assert "coordinate (3, 1) (rank 7): FSDP2 holds dim 0 indices [8, 9)" in run.stdout
 
 
-def test_layout_divisible_case_is_clean():
-    run = _cli("layout", "--shape", "16,16", "--mesh", "dp_shard=4,tp=2", "--placements", "SS(0,2),S(0)")
+def test_layout_divisible_case_is_clean(cli):
+    run = cli("layout", "--shape", "16,16", "--mesh", "dp_shard=4,tp=2", "--placements", "SS(0,2),S(0)")
     assert run.returncode == 0, run.stderr
     assert "DCP describes every shard of this layout correctly" in run.stdout
 
@@ -41,11 +65,11 @@ def test_layout_divisible_case_is_clean():
         (["--shape", "9,16", "--placements", "Q(0),S(0)"], "Q(0)"),
     ],
 )
-def test_layout_bad_input_is_a_clear_error(args, message):
+def test_layout_bad_input_is_a_clear_error(cli, args, message):
     base = {"--shape": "9,16", "--mesh": "dp_shard=4,tp=2", "--placements": "SS(0,2),S(0)"}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
-    run = _cli("layout", *[x for kv in base.items() for x in kv])
+    run = cli("layout", *[x for kv in base.items() for x in kv])
     assert run.returncode == 2
     assert message in run.stderr
     assert "Traceback" not in run.stderr
@@ -89,8 +113,8 @@ def test_ckpt_inspect_and_export(tmp_path):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in oracle.values())
 
 
-def test_ckpt_on_a_folder_without_checkpoints(tmp_path):
-    run = _cli("ckpt", "inspect", str(tmp_path))
+def test_ckpt_on_a_folder_without_checkpoints(cli, tmp_path):
+    run = cli("ckpt", "inspect", str(tmp_path))
     assert run.returncode == 2
     assert "neither a shardbridge checkpoint nor a folder holding committed ones" in run.stderr
 
@@ -102,23 +126,23 @@ def _one_line_error(run, *needles):
     assert all(needle in lines[0] for needle in needles), lines[0]
 
 
-def test_ckpt_damaged_checkpoint_and_int_dtype_are_one_line_errors(tmp_path):
+def test_ckpt_damaged_checkpoint_and_int_dtype_are_one_line_errors(cli, tmp_path):
     root = tmp_path / "ckpts"
     _save_plain_checkpoint(root)
     path = root / "step-00000007"
-    _one_line_error(_cli("ckpt", "export", str(path), str(tmp_path / "hf"), "--dtype", "int8"), "not a floating dtype")
+    _one_line_error(cli("ckpt", "export", str(path), str(tmp_path / "hf"), "--dtype", "int8"), "not a floating dtype")
     assert not (tmp_path / "hf").exists()
     (path / ".metadata").write_bytes(b"garbage")
-    _one_line_error(_cli("ckpt", "inspect", str(path)), "shardbridge ckpt inspect: error:", ".metadata")
+    _one_line_error(_cli("ckpt", "inspect", str(path)), "shardbridge ckpt inspect: error:", ".metadata")  # a process
 
 
-def test_demo_out_dot_keeps_the_users_files(tmp_path):
+def test_demo_out_dot_keeps_the_users_files(cli, tmp_path):
     (tmp_path / "train.py").write_text("my work")
-    _one_line_error(_cli("demo", "--out", ".", cwd=tmp_path), "is not empty and is not a previous shardbridge demo")
+    _one_line_error(cli("demo", "--out", ".", cwd=tmp_path), "is not empty and is not a previous shardbridge demo")
     assert [p.name for p in tmp_path.iterdir()] == ["train.py"]
 
 
-def test_launch_bad_config_is_one_line(tmp_path):
+def test_launch_bad_config_is_one_line(cli, tmp_path):
     pytest.importorskip("accelerate")
     (tmp_path / "cfg.yaml").write_text("fsdp_config: [\n")
-    _one_line_error(_cli("launch", "--config_file", str(tmp_path / "cfg.yaml"), "train.py"), "is not valid YAML")
+    _one_line_error(cli("launch", "--config_file", str(tmp_path / "cfg.yaml"), "train.py"), "is not valid YAML")

@@ -13,9 +13,13 @@ import sys
 import pytest
 
 # Three runs (each ~10-30 s on 2 cores): the default, uneven sizes, and context parallel. README.md's
-# other demo commands (HSDP x TP -> FSDP, TP only -> FSDP) run as printed in the docs test, which
-# checks their exit code (0 only if every bit-exact check passed). Every other layout pair is
-# covered in-process by packages/core/tests/checkpoint (the same save/load code).
+# other demo commands (HSDP x TP -> FSDP, TP only -> FSDP, uneven vocab 250) run as printed in the
+# docs test, which checks their exit code (0 only if every bit-exact check passed). Every other
+# layout pair is covered in-process by packages/core/tests/checkpoint (the same save/load code).
+# CI runs the default (its summary text) and context parallel; the uneven case with
+# SHARDBRIDGE_DEMO_ALL=1 (nox -s beyond_ci: README's uneven demo and the in-process checkpoint
+# tests of uneven fused layouts cover it in CI).
+ALL = os.environ.get("SHARDBRIDGE_DEMO_ALL") == "1"
 LAYOUTS = {
     "dp_shard=2 x tp=2 -> dp_shard=4 (default)": [],
     "uneven vocab 250 and SwiGLU 200, dp_shard=2 x tp=2 -> dp_replicate=2 x tp=2": [
@@ -42,8 +46,14 @@ def _demo(tmp_path, *args):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 
 
+def _ci(name: str, args: list[str]) -> object:
+    if name.startswith("uneven") and not ALL:
+        return pytest.param(args, id=name, marks=pytest.mark.skip(reason="CI slice: SHARDBRIDGE_DEMO_ALL=1 (nox -s beyond_ci)"))
+    return pytest.param(args, id=name)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("args", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("args", [_ci(name, args) for name, args in LAYOUTS.items()])
 def test_demo_layouts_round_trip_bit_exact(tmp_path, args):
     steps = 4 if args else 12  # the default layout also shows the loss going down
     run = _demo(tmp_path, "--steps", str(steps), *args)

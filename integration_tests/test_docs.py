@@ -169,6 +169,7 @@ def test_no_file_refers_to_notes_outside_the_repository():
 _COUNTS: Counter = Counter()
 _SKIPPED: Counter = Counter()
 _PAGES: set = set()
+_BLOCK_SECONDS: list[tuple[float, str]] = []
 
 
 def _scratch(tmp_path: Path) -> Path:
@@ -390,6 +391,7 @@ def test_page_runs_as_printed(page, tmp_path):
             pytest.fail(f"{block.where}: the block ran longer than {BLOCK_TIMEOUT_S} s:\n{block.text}")
         _COUNTS["ran"] += 1
         _COUNTS["seconds"] += time.perf_counter() - start
+        _BLOCK_SECONDS.append((time.perf_counter() - start, block.where))
         assert run.returncode == 0, (
             f"{block.where} ({block.lang}) exited {run.returncode}:\n{block.text}\n--- output (tail) ---\n"
             f"{_tail(run.stdout)}\n{_tail(run.stderr)}"
@@ -402,7 +404,8 @@ def summary() -> str | None:
         return None
     skipped = sum(_SKIPPED.values())
     reasons = "; ".join(f"{n} x {reason}" for reason, n in sorted(_SKIPPED.items(), key=lambda kv: -kv[1]))
+    slowest = ", ".join(f"{where} {sec:.0f} s" for sec, where in sorted(_BLOCK_SECONDS, reverse=True)[:5])
     return (
         f"docs: ran {_COUNTS['ran']} block(s) in {len(_PAGES)} page(s) ({_COUNTS['seconds']:.0f} s), "
-        f"skipped {skipped}" + (f" ({reasons})" if reasons else "")
+        f"skipped {skipped}" + (f" ({reasons})" if reasons else "") + (f"; slowest: {slowest}" if slowest else "")
     )

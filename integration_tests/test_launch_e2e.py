@@ -5,10 +5,12 @@ Each launch costs ~15-40 s on 2 cores (4 workers importing transformers). Oracle
 same-layout resume is bit-exact (losses, logits); `from_pretrained` of the export gives the
 sharded model's logits; a torch-only reader (torchao blocked) reads the FP8 run's checkpoint.
 
-CI runs four launches: the fp32 run, its reshard to HSDP x TP, and the torchao FP8 run with its
-bit-exact resume. The fp32 resume (docs/hf.md's Quick start, run as printed by the docs test,
-shows the same through another script) and Qwen2 (the architecture sweep trains it in-process)
-run where ``SHARDBRIDGE_LAUNCH_ALL=1`` is set: ``nox -s hf_matrix`` sets it.
+CI runs two launches: the torchao FP8 run and its bit-exact resume (what no other CI test
+launches). The fp32 run, its resume and its reshard to HSDP x TP, and Qwen2 run where
+``SHARDBRIDGE_LAUNCH_ALL=1`` is set (``nox -s hf_matrix`` sets it): in CI, docs/hf.md's Quick
+start (run as printed by the docs test) trains, resumes bit-exact and exports through a launch,
+``test_multimachine.py`` launches ``examples/hf/train.py`` on HSDP x TP across two machines, and the
+architecture sweep trains Qwen2 in-process.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def llama_run(tmp_path_factory):
     return out, cfg, report
 
 
+@nox_only
 def test_llama_trains_saves_and_exports(llama_run):
     out, _, report = llama_run
     losses = report["losses"]
@@ -105,9 +108,10 @@ def test_llama_trains_saves_and_exports(llama_run):
     torch.testing.assert_close(logits, report["logits"], rtol=1e-5, atol=1e-5)
 
 
-def test_launch_prints_only_the_training_script_lines(llama_run):
+@pytest.mark.parametrize("run", ["fp8_run", pytest.param("llama_run", marks=nox_only)])
+def test_launch_prints_only_the_training_script_lines(run, request):
     """No upstream noise from 4 workers ([Note: upstream noise in a launch]): every line is train.py's."""
-    _, _, report = llama_run
+    _, _, report = request.getfixturevalue(run)
     lines = [line for line in report["output"].splitlines() if line.strip()]
     assert lines and all(line.startswith("step ") for line in lines), "\n".join(lines[:20])
 
@@ -120,6 +124,7 @@ def test_llama_resume_is_bit_exact(llama_run, tmp_path):
     assert torch.equal(again["logits"], first["logits"])
 
 
+@nox_only
 def test_llama_reshards_to_hsdp_x_tp(llama_run, tmp_path):
     out, _, first = llama_run
     cfg = _yaml(tmp_path / "hsdp.yaml", dp_replicate=2, dp_shard=1, tp=2)

@@ -31,6 +31,21 @@ pip_install() {
   return "$status"
 }
 
+# An environment this script already set up with these extras (or more), for this pyproject.toml and
+# torch, is left as it is: pip's own "already satisfied" pass rebuilds the editable wheel (20-60 s).
+STAMP="$VENV/.shardbridge-setup"
+KEY="$(cat pyproject.toml | sha256sum | cut -c1-16) $TORCH_SPEC"
+if [ -x "$VENV/bin/shardbridge" ] && [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" = "$KEY" ]; then
+  have=",$(sed -n 2p "$STAMP"),"
+  missing=""
+  for extra in ${EXTRAS//,/ }; do
+    case "$have" in *",$extra,"*) ;; *) missing="$missing $extra" ;; esac
+  done
+  if [ -z "$missing" ] && "$VENV/bin/python" -c "import shardbridge" 2>/dev/null; then
+    say "$VENV is set up already (pyproject.toml and $TORCH_SPEC unchanged, extras [$(sed -n 2p "$STAMP")]); delete $STAMP to reinstall"
+    exit 0
+  fi
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating the virtual environment $VENV"
   python3 -m venv "$VENV"
@@ -39,4 +54,22 @@ say "installing $TORCH_SPEC into $VENV (first, so nothing pulls a CUDA build)"
 pip_install "$TORCH_SPEC"
 say "installing shardbridge (editable) ${EXTRAS:+with extras [$EXTRAS] }into $VENV"
 pip_install "$TORCH_SPEC" -e ".${EXTRAS:+[$EXTRAS]}"
+previous=""
+if [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" = "$KEY" ]; then previous="$(sed -n 2p "$STAMP")"; fi
+# the extras installed, with what "all" (or any extra naming shardbridge[...]) brings along
+expanded="$("$VENV/bin/python" - "$previous,$EXTRAS" <<'PY'
+import re, sys, tomllib
+extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+todo, seen = [e for e in sys.argv[1].split(",") if e], set()
+while todo:
+    name = todo.pop()
+    if name not in seen:
+        seen.add(name)
+        for req in extras.get(name, []):
+            m = re.match(r"shardbridge\[([^\]]+)\]", req.replace(" ", ""))
+            todo += m.group(1).split(",") if m else []
+print(",".join(sorted(seen)))
+PY
+)"
+printf '%s\n%s\n' "$KEY" "$expanded" > "$STAMP"
 say "done in $((SECONDS - t0)) s: $("$VENV/bin/shardbridge" --version)"

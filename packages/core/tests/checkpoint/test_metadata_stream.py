@@ -72,3 +72,73 @@ def test_the_stream_unpickles_to_what_dcp_pickles(seed):
         for (k1, v1), (k2, v2) in zip(sorted(got.storage_data.items(), key=repr), sorted(want.storage_data.items(), key=repr)):
             assert k1.__dict__ == k2.__dict__ and v1.__getstate__() == v2.__getstate__()
             assert type(k1.offset) is type(k2.offset)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reading_the_stream_builds_what_the_restricted_unpickler_builds(seed):
+    from shardbridge.checkpoint.storage._metadata_stream import check_records, read_streamed
+
+    want, names, groups = _random_metadata(seed)
+    out = io.BytesIO()
+    write_metadata(want, names, groups, out.write)
+    data = out.getvalue()
+    got = read_streamed(data, lambda head: MetadataUnpickler(io.BytesIO(head), where="x").load())
+    assert got is not None
+    metadata, records = got
+    assert metadata == MetadataUnpickler(io.BytesIO(data), where="x").load() == want
+    assert all(k.__dict__ == w.__dict__ for k, w in zip(sorted(metadata.storage_data, key=repr), sorted(want.storage_data, key=repr)))
+    # the records' check, as tensor operations, judges them as the restricted reader's check does
+    from shardbridge.checkpoint.storage._trust import UntrustedCheckpointError, _check_storage
+
+    try:
+        _check_storage(metadata, None, "x")
+        slow = True
+    except UntrustedCheckpointError:
+        slow = False
+    assert check_records(metadata, records, None) is slow
+
+
+def _real_checkpoint(root) -> tuple[bytes, object]:
+    from shardbridge import checkpoint
+    from shardbridge.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(vocab_size=100), seed=1)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 100, (2, 8))).sum().backward()
+    opt.step()
+    return checkpoint.save(root / "c", model=model, optimizer=opt, step=1)
+
+
+def _outcome(path, fast: bool, monkeypatch) -> object:
+    from shardbridge.checkpoint.storage import _metadata_stream, _trust
+
+    real = _metadata_stream.read_streamed
+    monkeypatch.setattr(_metadata_stream, "read_streamed", real if fast else (lambda data, load_head: None))
+    try:
+        md = _trust.read_metadata(path)
+        return ("ok", sorted((repr(k), repr(v)) for k, v in md.storage_data.items()), md.state_dict_metadata)
+    except ValueError as exc:  # UntrustedCheckpointError included
+        return (type(exc).__name__, str(exc))
+    finally:
+        monkeypatch.setattr(_metadata_stream, "read_streamed", real)
+
+
+def test_a_damaged_stream_is_judged_as_the_restricted_reader_judges_it(tmp_path, monkeypatch):
+    # [Note: reading a streamed .metadata]: the fast path changes how long a valid file takes, never
+    # what is accepted: every mutation of a real checkpoint's .metadata gets the restricted reader's verdict.
+    path = _real_checkpoint(tmp_path)
+    meta = path / ".metadata"
+    good = meta.read_bytes()
+    assert _outcome(path, True, monkeypatch) == _outcome(path, False, monkeypatch) and _outcome(path, True, monkeypatch)[0] == "ok"
+    g = torch.Generator().manual_seed(0)
+    start = good.find(b"MetadataIndex")  # mutate the definitions and the records
+    accepted = 0
+    for trial in range(150):
+        data = bytearray(good)
+        at = start + int(torch.randint(0, len(good) - start, (1,), generator=g))
+        data[at] = (data[at] + 1 + int(torch.randint(0, 255, (1,), generator=g))) % 256
+        meta.write_bytes(bytes(data))
+        fast, slow = _outcome(path, True, monkeypatch), _outcome(path, False, monkeypatch)
+        assert fast == slow, (trial, at, fast, slow)
+        accepted += fast[0] == "ok"
+    assert accepted < 150  # most mutations are refused

@@ -28,6 +28,7 @@ shardbridge's restricted reader read it unchanged.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import struct
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shardbridge._compat import DCPStorageInfo
 
-__all__ = ["StorageGroup", "write_metadata"]
+__all__ = ["Records", "StorageGroup", "check_records", "read_streamed", "write_metadata"]
 
 _PROTOCOL = 3
 _I4_MAX = (1 << 31) - 1
@@ -228,7 +229,355 @@ def write_metadata(
         for start in range(0, total, _ROWS_PER_BATCH):
             stop = min(total, start + _ROWS_PER_BATCH)
             rows = template.render({k: v[start:stop] for k, v in columns.items()}, stop - start)
+            write(b"J" + struct.pack("<i", stop - start) + b"0")  # the batch's row count, pushed and popped
             write(b"(")  # MARK
             write(rows.numpy().tobytes())
             write(b"u")  # SETITEMS into storage_data
     write(tail)
+
+
+# --------------------------------------------------------------------------- reading
+
+# [Note: reading a streamed .metadata]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The restricted reader (``_trust.py``) runs Python's pure-Python unpickler: ~35 opcodes per
+# record, minutes for the millions of records of a large job. A ``.metadata`` in exactly the shape
+# :func:`write_metadata` writes is read faster, without trusting it: everything before the records
+# (the entries' descriptions) goes through the restricted unpickler as always; the definitions are
+# parsed one by one (only the three admitted classes and strings); each batch's records must match
+# ONE template byte for byte outside its integer fields (checked for every row at once), and every
+# integer is then checked as the structural check checks it (``check_records``). The objects built
+# are those the unpickler would build. Anything that deviates -- a byte, a class, an unknown name,
+# a count -- returns None, and the caller reads the file with the restricted unpickler, which
+# names the problem. So the fast path changes how long a valid file takes, never what is accepted.
+
+
+class _Deviates(Exception):
+    """Not in :func:`write_metadata`'s shape: read it with the restricted unpickler."""
+
+
+_DEFINITIONS_START = _global(MetadataIndex) + b"r"
+
+
+@dataclass
+class Records:
+    """The storage records of a streamed ``.metadata`` as columns (what :func:`check_records` checks)."""
+
+    fqn: list[str]
+    """Per entry that has records, its name; ``entry`` indexes this list."""
+    entry: torch.Tensor
+    index: torch.Tensor
+    """The chunk each record stores (-1: a bytes item)."""
+    name: torch.Tensor
+    names: list[str]
+    offset: torch.Tensor
+    length: torch.Tensor
+
+
+def _int(data: bytes, at: int, width: int, signed: bool = True) -> int:
+    return int.from_bytes(data[at : at + width], "little", signed=signed)
+
+
+def _definitions(data: bytes, at: int) -> tuple[dict[int, object], int]:
+    """The memo definitions ``write_metadata`` writes: slot -> admitted class or string."""
+    admitted = {
+        (MetadataIndex.__module__, MetadataIndex.__qualname__): MetadataIndex,
+        (DCPStorageInfo.__module__, DCPStorageInfo.__qualname__): DCPStorageInfo,
+        ("torch", "Size"): torch.Size,
+    }
+    defs: dict[int, object] = {}
+    while at < len(data) and data[at] in b"cX":
+        if data[at] == ord("c"):
+            end1 = data.index(b"\n", at + 1)
+            end2 = data.index(b"\n", end1 + 1)
+            key = (data[at + 1 : end1].decode("ascii"), data[end1 + 1 : end2].decode("ascii"))
+            if key not in admitted:
+                raise _Deviates
+            value: object = admitted[key]
+            at = end2 + 1
+        else:
+            n = _int(data, at + 1, 4, signed=False)
+            value = data[at + 5 : at + 5 + n].decode("utf-8", "surrogatepass")
+            at += 5 + n
+        if data[at : at + 1] != b"r" or data[at + 5 : at + 6] != b"0":
+            raise _Deviates
+        slot = _int(data, at + 1, 4, signed=False)
+        if slot in defs:
+            raise _Deviates
+        defs[slot] = value
+        at += 6
+    return defs, at
+
+
+def _first_record(data: bytes, at: int, refs: dict[object, bytes]) -> tuple[int, list[tuple[str, int, int, bool]], int | None, bool]:
+    """The template of the record at ``at``: (length, fields (name, position, width, signed), offset dims, index or not)."""
+    start, fields = at, []
+
+    def expect(b: bytes) -> None:
+        nonlocal at
+        if data[at : at + len(b)] != b:
+            raise _Deviates
+        at += len(b)
+
+    def field(name: str) -> None:
+        nonlocal at
+        if data[at : at + 1] == b"J":
+            fields.append((name, at + 1 - start, 4, True))
+            at += 5
+        elif data[at : at + 2] == b"\x8a\x08":
+            fields.append((name, at + 2 - start, 8, True))
+            at += 10
+        else:
+            raise _Deviates
+
+    def ref_field(name: str) -> None:
+        nonlocal at
+        expect(b"j")
+        fields.append((name, at - start, 4, False))
+        at += 4
+
+    expect(refs[MetadataIndex] + b")\x81}(" + refs["fqn"])
+    ref_field("fqn")
+    expect(refs["index"])
+    with_index = data[at : at + 1] != b"N"
+    if with_index:
+        field("index")
+    else:
+        at += 1
+    ndim = None
+    if data[at : at + 5] == refs["offset"]:
+        expect(refs["offset"] + refs[torch.Size] + b"(")
+        ndim = 0
+        while data[at : at + 1] in (b"J", b"\x8a"):
+            field(f"o{ndim}")
+            ndim += 1
+        expect(b"t\x85R")
+    expect(b"ub" + refs[DCPStorageInfo] + b")\x81}(" + refs["relative_path"])
+    ref_field("name")
+    expect(refs["offset"])
+    field("offset")
+    expect(refs["length"])
+    field("length")
+    expect(b"ub")
+    return at - start, fields, ndim, with_index
+
+
+def read_streamed(data: bytes, load_head: Callable[[bytes], object]) -> tuple[Metadata, Records] | None:
+    """``data`` read as :func:`write_metadata` writes it, or None (not in that shape: read it with the
+    restricted unpickler). ``load_head`` is the restricted unpickler, for everything before the
+    records. See [Note: reading a streamed .metadata]."""
+    try:
+        return _read_streamed(data, load_head)
+    except (_Deviates, ValueError, IndexError, UnicodeDecodeError, KeyError, OverflowError):
+        return None
+
+
+def _read_streamed(data: bytes, load_head: Callable[[bytes], object]) -> tuple[Metadata, Records]:
+    at = data.find(_DEFINITIONS_START)
+    if at < 0:
+        raise _Deviates
+    try:
+        head = load_head(data[:at] + b"ub.")
+    except Exception as exc:  # noqa: BLE001 (the restricted reader will name it)
+        raise _Deviates from exc
+    if type(head) is not Metadata or type(head.storage_data) is not dict or head.storage_data:
+        raise _Deviates
+    described = head.state_dict_metadata
+    if not isinstance(described, dict):
+        raise _Deviates
+    defs, at = _definitions(data, at)
+    refs: dict[object, bytes] = {}
+    for slot, value in defs.items():
+        key = value if isinstance(value, type) or value in ("fqn", "index", "offset", "relative_path", "length") else None
+        if key is not None and key not in refs:
+            refs[key] = b"j" + struct.pack("<I", slot)
+    if len(refs) != 8:
+        raise _Deviates
+    strings = {slot: v for slot, v in defs.items() if isinstance(v, str)}
+    storage: dict[MetadataIndex, object] = {}
+    columns: dict[str, list[torch.Tensor]] = {k: [] for k in ("entry", "index", "name", "offset", "length")}
+    fqns: list[str] = []
+    fqn_at: dict[int, int] = {}
+    names: list[str] = []
+    name_at: dict[int, int] = {}
+    while data[at : at + 3] != b"ub.":
+        if data[at : at + 1] != b"J" or data[at + 5 : at + 7] != b"0(":
+            raise _Deviates
+        count = _int(data, at + 1, 4)
+        at += 7
+        size, fields, ndim, with_index = _first_record(data, at, refs)
+        end = at + count * size
+        if count <= 0 or data[end : end + 1] != b"u":
+            raise _Deviates
+        rows = torch.frombuffer(bytearray(data[at:end]), dtype=torch.uint8).view(count, size)
+        fixed = torch.ones(size, dtype=torch.bool)
+        for _, pos, width, _ in fields:
+            fixed[pos : pos + width] = False
+        if not bool((rows[:, fixed] == rows[0, fixed]).all()):
+            raise _Deviates
+        value = {}
+        for name, pos, width, signed in fields:
+            raw = torch.empty(count, width, dtype=torch.uint8).copy_(rows[:, pos : pos + width])  # aligned
+            column = raw.view(torch.int32 if width == 4 else torch.int64).flatten()
+            value[name] = column.to(torch.int64) if signed or width == 8 else column.to(torch.int64) & 0xFFFFFFFF
+        _build(data, described, strings, value, ndim, with_index, storage, columns, fqns, fqn_at, names, name_at)
+        at = end + 1
+    if at + 3 != len(data):
+        raise _Deviates
+    head.storage_data = storage
+    records = Records(
+        fqns, *(torch.cat(columns[k]) if columns[k] else torch.empty(0, dtype=torch.int64) for k in ("entry", "index")),
+        torch.cat(columns["name"]) if columns["name"] else torch.empty(0, dtype=torch.int64), names,
+        *(torch.cat(columns[k]) if columns[k] else torch.empty(0, dtype=torch.int64) for k in ("offset", "length")),
+    )  # fmt: skip
+    return head, records
+
+
+def _build(
+    data: bytes,
+    described: dict,
+    strings: dict[int, str],
+    value: dict[str, torch.Tensor],
+    ndim: int | None,
+    with_index: bool,
+    storage: dict,
+    columns: dict[str, list[torch.Tensor]],
+    fqns: list[str],
+    fqn_at: dict[int, int],
+    names: list[str],
+    name_at: dict[int, int],
+) -> None:
+    """One batch's records as DCP's objects, each offset the described chunk's own ``torch.Size``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    for slot in torch.unique(value["name"]).tolist():
+        if slot not in name_at:
+            if slot not in strings:
+                raise _Deviates
+            name_at[slot] = len(names)
+            names.append(strings[slot])
+    entry_col = torch.empty_like(value["fqn"])
+    index_col = value["index"] if with_index else torch.full_like(value["fqn"], -1)
+    for slot in torch.unique(value["fqn"]).tolist():
+        fqn = strings.get(slot)
+        entry = described.get(fqn) if fqn is not None else None
+        if entry is None:
+            raise _Deviates
+        if slot not in fqn_at:
+            fqn_at[slot] = len(fqns)
+            fqns.append(fqn)
+        mine = value["fqn"] == slot
+        entry_col[mine] = fqn_at[slot]
+        if ndim is None:
+            if type(entry) is not BytesStorageMetadata or with_index:
+                raise _Deviates
+            continue
+        if type(entry) is not TensorStorageMetadata or len(entry.size) != ndim or not with_index:
+            raise _Deviates
+        index = value["index"][mine]
+        if int(index.min()) < 0 or int(index.max()) >= len(entry.chunks):
+            raise _Deviates
+        offsets = torch.stack([value[f"o{d}"][mine] for d in range(ndim)], 1) if ndim else torch.zeros(len(index), 0, dtype=torch.int64)
+        if not bool((_chunk_offsets(entry.chunks, ndim)[index] == offsets).all()):
+            raise _Deviates
+    lut = torch.full((max(name_at) + 1,), -1, dtype=torch.int64)
+    lut[torch.tensor(list(name_at), dtype=torch.int64)] = torch.tensor(list(name_at.values()), dtype=torch.int64)
+    name_col = lut[value["name"]]
+    keys = value["fqn"].tolist()
+    idx = index_col.tolist()
+    path = [names[i] for i in name_col.tolist()]
+    where, length = value["offset"].tolist(), value["length"].tolist()
+    new_index, new_info = MetadataIndex.__new__, DCPStorageInfo.__new__
+    chunks_of = {slot: described[strings[slot]].chunks for slot in set(keys)} if ndim is not None else {}
+    for k, slot in enumerate(keys):
+        mi = new_index(MetadataIndex)  # frozen: its __dict__ is filled, as unpickling does
+        if ndim is None:
+            mi.__dict__.update({"fqn": strings[slot], "index": None})
+        else:
+            mi.__dict__.update({"fqn": strings[slot], "index": idx[k], "offset": chunks_of[slot][idx[k]].offsets})
+        info = new_info(DCPStorageInfo)
+        info.__dict__ = {"relative_path": path[k], "offset": where[k], "length": length[k]}
+        storage[mi] = info
+    columns["entry"].append(entry_col)
+    columns["index"].append(index_col)
+    columns["name"].append(name_col)
+    columns["offset"].append(value["offset"])
+    columns["length"].append(value["length"])
+
+
+def _chunk_offsets(chunks: list, ndim: int) -> torch.Tensor:
+    hit = _OFFSETS_OF.get(id(chunks))
+    if hit is None or hit[0] is not chunks:
+        table = torch.tensor([list(c.offsets) for c in chunks], dtype=torch.int64).reshape(len(chunks), ndim)
+        if len(_OFFSETS_OF) > 4096:
+            _OFFSETS_OF.clear()
+        hit = _OFFSETS_OF[id(chunks)] = (chunks, table)
+    return hit[1]
+
+
+_OFFSETS_OF: dict[int, tuple[list, torch.Tensor]] = {}
+
+
+def check_records(md: Metadata, records: Records, file_sizes: Callable[[], dict[str, int]] | None) -> bool:
+    """The structural check of ``_trust.py`` on :func:`read_streamed`'s records, as tensor operations.
+
+    True when every record lives in a ``.distcp`` file of this directory, at an offset >= 0 and
+    at least as long as its chunk's raw bytes; every chunk of every tensor and every bytes item
+    has exactly one record; records of one file do not overlap; and (``file_sizes``: the data
+    files' sizes) each lies inside its file. False sends the caller to the restricted reader,
+    which names the problem.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from shardbridge.checkpoint.storage._trust import _DATA_FILE
+
+    if any(not _DATA_FILE.fullmatch(n) or n.startswith("..") for n in records.names):
+        return False
+    if bool((records.offset < 0).any()) or bool((records.length < 0).any()):
+        return False
+    described = md.state_dict_metadata
+    if set(records.fqn) != set(described):
+        return False
+    base, raw = [], []
+    total = 0
+    for fqn in records.fqn:
+        entry = described[fqn]
+        base.append(total)
+        if type(entry) is TensorStorageMetadata:
+            sizes = _chunk_bytes(entry.chunks, entry.properties.dtype)
+            raw.append(sizes)
+            total += len(sizes)
+        else:
+            raw.append(torch.zeros(1, dtype=torch.int64))
+            total += 1
+    slot = torch.tensor(base, dtype=torch.int64)[records.entry] + torch.clamp(records.index, min=0)
+    if not bool((torch.bincount(slot, minlength=total) == 1).all()):
+        return False
+    if not bool((torch.cat(raw)[slot] <= records.length).all()):
+        return False
+    order = torch.sort(records.offset, stable=True).indices
+    order = order[torch.sort(records.name[order], stable=True).indices]
+    name, offset, length = records.name[order], records.offset[order], records.length[order]
+    same = name[1:] == name[:-1]
+    if bool((same & (offset[1:] < offset[:-1] + length[:-1])).any()):
+        return False
+    if file_sizes is not None:
+        ends = torch.zeros(len(records.names), dtype=torch.int64).scatter_reduce_(0, name, offset + length, "amax")
+        sizes = file_sizes()
+        for n, end in zip(records.names, ends.tolist()):
+            if n not in sizes or end > sizes[n]:
+                return False
+    return True
+
+
+def _chunk_bytes(chunks: list, dtype: torch.dtype) -> torch.Tensor:
+    hit = _BYTES_OF.get((id(chunks), dtype))
+    if hit is None or hit[0] is not chunks:
+        table = torch.tensor([math.prod(c.sizes) * dtype.itemsize for c in chunks], dtype=torch.int64)
+        if len(_BYTES_OF) > 4096:
+            _BYTES_OF.clear()
+        hit = _BYTES_OF[(id(chunks), dtype)] = (chunks, table)
+    return hit[1]
+
+
+_BYTES_OF: dict[tuple[int, torch.dtype], tuple[list, torch.Tensor]] = {}

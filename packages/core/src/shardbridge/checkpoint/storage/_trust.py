@@ -240,6 +240,20 @@ def read_metadata(
         data = stored.backend.read_bytes(stored.file(_DCP_METADATA_NAME))
     except (FileNotFoundError, IsADirectoryError):
         raise ValueError(f"{where} does not exist; the checkpoint is damaged") from None
+    if select is None:  # [Note: reading a streamed .metadata]: the same checks, as tensor operations
+        from shardbridge.checkpoint.storage._metadata_stream import check_records, read_streamed
+
+        fast = read_streamed(data, lambda head: MetadataUnpickler(io.BytesIO(head), where=where).load())
+        if fast is not None:
+            metadata, records = fast
+            try:
+                _check_metadata(metadata, None, where, records_checked=True)
+            except (UntrustedCheckpointError, AttributeError, TypeError, KeyError):
+                fast = None  # the restricted reader below names it
+            else:
+                sizes = (lambda: _file_sizes(stored)) if data_files else None
+                if check_records(metadata, records, sizes):
+                    return metadata
     try:
         metadata = MetadataUnpickler(io.BytesIO(data), where=where).load()
     except UntrustedCheckpointError:
@@ -253,7 +267,10 @@ def read_metadata(
         _sizes_as_torch_size(metadata)
         if select is not None:
             _keep_only(metadata, set(select(metadata)))
-    _check_metadata(metadata, stored if data_files else None, where)
+    try:
+        _check_metadata(metadata, stored if data_files else None, where)
+    except (AttributeError, TypeError, KeyError) as exc:  # an admitted object built without its fields
+        raise _refuse(where, f"holds an object without the fields DCP gives it ({type(exc).__name__}: {exc})") from None
     return metadata
 
 
@@ -307,15 +324,23 @@ def _is_size(value: Any) -> bool:
 _DATA_FILE = re.compile(r"[A-Za-z0-9_.-]+\.distcp")
 
 
-def _check_metadata(md: Any, files: Stored | str | os.PathLike[str] | None, where: str) -> None:
+def _file_sizes(stored: Stored) -> dict[str, int]:
+    return {n: e.size for n, e in stored.backend.listing(stored.data).items() if e.regular}
+
+
+def _check_metadata(
+    md: Any, files: Stored | str | os.PathLike[str] | None, where: str, *, records_checked: bool = False
+) -> None:
     """The structure DCP writes; see [Note: untrusted checkpoints].
 
     ``files``: the checkpoint whose data files must hold every item (None: not checked).
+    ``records_checked``: the storage records were checked already (``check_records``).
     """
     if type(md) is not Metadata:
         raise _refuse(where, f"holds a {type(md).__name__} instead of DCP Metadata")
     if not isinstance(md.state_dict_metadata, dict):
         raise _refuse(where, "has no state_dict_metadata dict")
+    checked: set[tuple[int, Any, Any]] = set()  # entries sharing one chunk list (one layout) are checked once
     for key, entry in md.state_dict_metadata.items():
         if not isinstance(key, str):
             raise _refuse(where, f"has a non-string key {key!r}")
@@ -323,7 +348,14 @@ def _check_metadata(md: Any, files: Stored | str | os.PathLike[str] | None, wher
             continue
         if type(entry) is not TensorStorageMetadata:
             raise _refuse(where, f"describes {key!r} as a {type(entry).__name__}")
+        same = (id(entry.chunks), entry.size, type(entry.properties))
+        if isinstance(entry.chunks, list) and same in checked and _is_size(entry.size):
+            props = entry.properties
+            if type(props) is TensorProperties and isinstance(props.dtype, torch.dtype):
+                continue
         _check_tensor_entry(key, entry, where)
+        if isinstance(entry.chunks, list):
+            checked.add(same)
     if md.planner_data is not None:
         if not isinstance(md.planner_data, dict) or not all(
             isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
@@ -334,7 +366,8 @@ def _check_metadata(md: Any, files: Stored | str | os.PathLike[str] | None, wher
         raise _refuse(where, f"holds storage_meta of type {type(md.storage_meta).__name__}")
     if md.version is not None and not isinstance(md.version, str):
         raise _refuse(where, f"holds version {md.version!r}")
-    _check_storage(md, None if files is None else _stored(files), where)
+    if not records_checked:
+        _check_storage(md, None if files is None else _stored(files), where)
 
 
 def _check_tensor_entry(key: str, entry: TensorStorageMetadata, where: str) -> None:
