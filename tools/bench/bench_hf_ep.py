@@ -17,10 +17,15 @@ its fp32 run, and its float64 run for the noise floor). Printed per layout and c
 - the largest ``|p - p_ref|`` after the last step;
 - the bytes of parameter shards each rank stores (experts / all);
 - the peak of live tensor bytes on a rank during one training step (torch's
-  ``torch.distributed._tools.mem_tracker.MemTracker``: parameters, gradients, optimizer state,
-  activations and temporaries of that step, the largest rank);
-- the median step time (forward + backward + optimizer, steps 2.., the slowest rank);
-- shardbridge / transformers ratios of the last three.
+  ``torch.distributed._tools.mem_tracker.MemTracker``: parameters and what FSDP2 gathers,
+  gradients, optimizer state, activations and temporaries of that step, the largest rank), with
+  parameter shards counted by their own bytes: on CPU transformers' shards are views into a
+  copy-on-write mmap of the ``.safetensors`` file, which MemTracker would count whole (the bytes
+  left out are printed);
+- the step time (forward + backward + optimizer on the slowest rank; the median over steps 2.. of
+  the compared steps and ``--timing-steps`` more, which are only timed);
+- shardbridge / transformers ratios of the last three (step time: the median of the per-step
+  ratios, each step of one contender run right after or before the same step of the other).
 
 Then the checkpoints: each contender saves after the first layout (transformers:
 ``save_pretrained(distributed_checkpoint=True)`` + ``save_optimizer_distributed``; shardbridge:
@@ -30,7 +35,8 @@ parameters and AdamW state are compared with the saved ones (``torch.equal``); b
 a plain ``from_pretrained`` folder (transformers: ``consolidate_distributed_checkpoint``;
 shardbridge: ``export_pretrained``) and loaded in one process.
 
-    python tools/bench/bench_hf_ep.py [--arch qwen3_moe,gpt_oss] [--steps 5] [--layouts ...] [--reshard-to dp2_tp2_ep2]
+    python tools/bench/bench_hf_ep.py [--arch qwen3_moe,gpt_oss] [--steps 5] [--timing-steps 10]
+        [--layouts ...] [--reshard-to dp2_tp2_ep2] [--ep-implementation all_to_all]
 
 Layouts (4 ranks; a contender that cannot run one says why): ``dp4_ep4`` (fsdp 4, ep 4: each expert
 whole on one rank), ``dp2_tp2_ep2`` (fsdp 2 x tp 2, ep 2: experts FSDP-sharded over 2 ranks),
@@ -261,8 +267,28 @@ def _stored_bytes(model) -> tuple[int, int]:
     return experts, total
 
 
+def _beyond_shards(model) -> int:
+    """Bytes of the storages behind this rank's parameter shards, beyond the shards themselves.
+
+    MemTracker counts a tensor by its whole storage. transformers on CPU loads each shard as a view
+    into a copy-on-write mmap of the ``.safetensors`` file (its ``shard_tensor`` slices the mapped
+    tensor and ``.to("cpu")`` copies nothing), so a shard's storage is the full tensor's bytes of the
+    file, of which only the pages the rank writes become its own memory. Subtracted from the peak.
+    """
+    from torch.distributed.tensor import DTensor
+
+    storages, shards = {}, 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        shards += local.numel() * local.element_size()
+    return max(sum(storages.values()) - shards, 0)
+
+
 def _peak_bytes(model, opt, forward_backward) -> int | str:
-    """Peak live tensor bytes on this rank during one training step (torch's MemTracker)."""
+    """Peak live tensor bytes on this rank during one training step (torch's MemTracker: parameters
+    with what FSDP2 gathers, gradients, optimizer state, activations, temporaries), parameter
+    shards counted by their own bytes (:func:`_beyond_shards`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -274,7 +300,8 @@ def _peak_bytes(model, opt, forward_backward) -> int | str:
             opt.zero_grad()
     except Exception as exc:  # noqa: BLE001 - printed in the table
         return f"MemTracker: {type(exc).__name__}"
-    return int(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+    total = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    return int(total) - _beyond_shards(model)
 
 
 def _equal(got: dict, want: dict) -> list[str]:
@@ -284,15 +311,16 @@ def _equal(got: dict, want: dict) -> list[str]:
     return sorted(n for n in want if n not in got or not torch.equal(got[n], want[n]))
 
 
-def _train(runs: dict, steps: int, rank0: bool) -> dict:
-    """Interleaved steps of every contender: losses, step times, step-1 gradients, final parameters.
+def _train(runs: dict, steps: int, timing_steps: int, rank0: bool) -> dict:
+    """Interleaved steps of every contender: losses, step-1 gradients and parameters after ``steps``
+    steps, then ``timing_steps`` more steps that are only timed (every step's time is kept).
 
     A contender that raises stops there (``{"fails": ...}``); the other goes on.
     """
     import torch.distributed as dist
 
     out = {name: {"losses": [], "times": []} for name in runs}
-    for step in range(1, steps + 1):
+    for step in range(1, steps + timing_steps + 1):
         order = [(n, r) for n, r in runs.items() if "fails" not in out[n]]
         for name, run in order if step % 2 else order[::-1]:
             try:
@@ -307,21 +335,24 @@ def _train(runs: dict, steps: int, rank0: bool) -> dict:
                 run.opt.step()
                 run.opt.zero_grad()
                 out[name]["times"].append(elapsed + time.perf_counter() - start)
-                out[name]["losses"].append(run.mean_loss(loss))
+                if step <= steps:
+                    out[name]["losses"].append(run.mean_loss(loss))
+                if step == steps:
+                    params = _full_params(run.model)
+                    out[name]["params"] = params if rank0 else None
             except Exception as exc:  # noqa: BLE001 - printed in the table
                 out[name] = {"fails": f"step {step}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
     for name, run in runs.items():
         if "fails" in out[name]:
             continue
-        params = _full_params(run.model)
-        out[name]["params"] = params if rank0 else None
         out[name]["stored"] = _stored_bytes(run.model)
-        out[name]["step_s"] = statistics.median(out[name]["times"][1:] or out[name]["times"])
-        out[name]["peak"] = _peak_bytes(run.model, run.opt, functools.partial(run.forward_backward, steps + 1))
+        out[name]["beyond"] = _beyond_shards(run.model)
+        last = steps + timing_steps + 1
+        out[name]["peak"] = _peak_bytes(run.model, run.opt, functools.partial(run.forward_backward, last))
     return out
 
 
-def _worker(folder: str, names: list[str], steps: int, impl: str, ckpt: str, reshard_to: str) -> dict:
+def _worker(folder: str, names: list[str], steps: int, timing_steps: int, impl: str, ckpt: str, reshard_to: str) -> dict:
     """Every layout of ``names``, then the checkpoint round trip; tensors on rank 0 only."""
     import torch
     import torch.distributed as dist
@@ -340,7 +371,7 @@ def _worker(folder: str, names: list[str], steps: int, impl: str, ckpt: str, res
             except Exception as exc:  # noqa: BLE001 - printed in the table (every rank raises alike)
                 out[name, cls.name] = {"fails": f"build: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         initial = {c: _full_params(run.model) for c, run in runs.items()}
-        for contender, result in _train(runs, steps, rank0).items():
+        for contender, result in _train(runs, steps, timing_steps, rank0).items():
             out[name, contender] = {**result, "initial": initial[contender] if rank0 else None}
         if index == 0:  # the checkpoint every contender reloads below
             for contender, run in runs.items():
@@ -455,8 +486,9 @@ def _report(model_type: str, names: list[str], steps: int, ref: dict, results: l
             stored = max((x[name, cls.name]["stored"] for x in results), key=lambda s: s[1])
             peaks = [x[name, cls.name]["peak"] for x in results]
             peak = next((p for p in peaks if isinstance(p, str)), None) or max(peaks)
-            step_s = max(x[name, cls.name]["step_s"] for x in results)
-            row[cls.name] = (stored[1], peak, step_s)
+            slowest = _slowest_rank_times(results, name, cls.name)
+            step_s = statistics.median(slowest[1:])
+            row[cls.name] = (stored[1], peak, slowest)
             flag = "" if not initial_differ else f" INITIAL WEIGHTS DIFFER {initial_differ[:2]}"
             verdict = "" if match.verdict() == "pass" else f" ({match.verdict()[:120]})"
             print(
@@ -466,13 +498,33 @@ def _report(model_type: str, names: list[str], steps: int, ref: dict, results: l
             )
         if len(row) == 2:
             (s_tf, p_tf, t_tf), (s_sb, p_sb, t_sb) = row["transformers"], row["shardbridge"]
-            ratios.append(f"| {name} | {_ratio(s_sb, s_tf)} | {_ratio(p_sb, p_tf)} | {_ratio(t_sb, t_tf)} |")
+            # per step (the two ran back to back, under the same load), then the median: steps 2..
+            step_ratio = statistics.median(b / a for a, b in zip(t_tf[1:], t_sb[1:]))
+            ratios.append(f"| {name} | {_ratio(s_sb, s_tf)} | {_ratio(p_sb, p_tf)} | {step_ratio:.2f} |")
+    beyond = {
+        f"{cls.name} at {name}": max(x[name, cls.name]["beyond"] for x in results)
+        for name in names
+        for cls in CONTENDERS
+        if "beyond" in rank0[name, cls.name]
+    }
+    if any(beyond.values()):
+        print(
+            "\nstorage behind the parameter shards beyond their own bytes (views into the copy-on-write mmap of "
+            "model.safetensors; not counted in the peak): "
+            + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in beyond.items() if v)
+        )
     if ratios:
-        print("\nshardbridge / transformers\n\n| layout | stored | peak | step time |\n|---|---|---|---|")
+        print("\nshardbridge / transformers (step time: the median of the per-step ratios)\n")
+        print("| layout | stored | peak | step time |\n|---|---|---|---|")
         print("\n".join(ratios))
     print(f"\ncheckpoint saved at {names[0]}, loaded at {reshard_to} (parameters + AdamW state, torch.equal):")
     for cls in CONTENDERS:
         print(f"  {cls.name:13s} {rank0.get(('reshard', cls.name), 'not run')}")
+
+
+def _slowest_rank_times(results: list[dict], layout: str, contender: str) -> list[float]:
+    """Every step's time on the slowest rank."""
+    return [max(step) for step in zip(*(x[layout, contender]["times"] for x in results))]
 
 
 def _to_one_process(ckpt: str, saved: dict) -> dict:
@@ -501,6 +553,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3_moe", help="transformers model_types, comma-separated (default qwen3_moe)")
     parser.add_argument("--steps", type=int, default=5, help="AdamW steps compared (default 5; step 1 is not timed)")
+    parser.add_argument("--timing-steps", type=int, default=10, help="further steps, only timed (default 10)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {list(LAYOUTS)}")
     parser.add_argument("--reshard-to", default="dp2_tp2_ep2", help="the layout the first layout's checkpoints load into")
     parser.add_argument("--ep-implementation", default="all_to_all", help="both sides' ep_implementation (all_to_all)")
@@ -524,7 +577,7 @@ def main(argv=None) -> int:
             ref = _one_process(folder, args.steps, model_type)
             pool = WorkerPool(4)
             try:
-                work = (folder, names, args.steps, args.ep_implementation, ckpt, args.reshard_to)
+                work = (folder, names, args.steps, args.timing_steps, args.ep_implementation, ckpt, args.reshard_to)
                 results = pool.run(_worker, work, {}, 3600)
             finally:
                 pool.close()
