@@ -167,7 +167,7 @@ class Transformers:
 
     @staticmethod
     def to_pretrained(path: str, out: str) -> None:
-        """One process: the distributed checkpoint's shards consolidated into ``model.safetensors``."""
+        """One process: the distributed checkpoint's shard files consolidated into one, beside its config."""
         import shutil
 
         from transformers.distributed.checkpoint import consolidate_distributed_checkpoint
