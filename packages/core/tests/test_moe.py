@@ -70,7 +70,9 @@ MATRIX = {
     "fsdp8_ep2_dim1": (dict(dp_shard=8, ep=2), {"num_experts": 4}, "all_to_all", 8),  # 2 local over efsdp 4
     "cp2_dp2_tp2_ep4": (dict(dp_shard=2, cp=2, tp=2, ep=4), {}, "all_to_all", 8),
 }
-CI = ["fsdp4_ep4", "fsdp2_tp2_ep2", "fsdp2_tp2_ep4_gather"]
+# CI: one layout per composition issue 26 names (dp_shard x ep, dp_shard x tp x ep, HSDP x ep, cp x ep;
+# the last with the all-gather dispatch), ~2 s each on a warm pool
+CI = ["fsdp4_ep4", "fsdp2_tp2_ep2", "hsdp2x2_ep2", "cp2_dp2_ep4_gather"]
 SELECTED = list(MATRIX) if os.environ.get("SHARDBRIDGE_MOE_MATRIX") == "all" else CI
 
 

@@ -125,6 +125,20 @@ def test_cp_batch_refuses_what_it_cannot_split():
     assert all(run_distributed(_bad_batches, world_size=4, timeout=120))
 
 
+def test_attention_sinks_are_refused_by_name():
+    """GPT-OSS hands its learned per-head sink logits (``s_aux``) to the attention function; the cp
+    attention has no term for them. Before: they were dropped, and gpt_oss at cp=2 trained a different
+    model (loss 1.3e-2 relative off one process, lm_head gradient off by 2.5x; tools/bench/bench_hf_ep.py)."""
+    import hf_sweep as S
+    from shardbridge_hf import enable_cp
+
+    model = S.build("gpt_oss", seed=0)
+    enable_cp(model, None)  # no mesh needed: the refusal comes before any collective
+    ids = H.global_batch(1, 1)
+    with pytest.raises(NotImplementedError, match=r"GptOssAttention: attention sinks \(s_aux, e.g. GPT-OSS\).*use cp=1"):
+        model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids))
+
+
 def _loader_batches() -> dict:
     acc = H.sb_accelerator(ParallelDims(dp_shard=2, cp=2))
     data = H.global_batch(1, 2)  # 4 rows, 2 per dp rank

@@ -139,9 +139,19 @@ MOE = {
 }
 
 
+# Each layout: its ParallelDims (ep included), and the experts rank r holds (so must read).
+MOE_LAYOUTS = {
+    "dp4_ep4": ({"dp_shard": 4, "ep": 4}, lambda r: {r}),
+    # ep rank r % 2 holds experts {2j, 2j+1}; FSDP2 splits those 2 over efsdp (rank r // 2) on dim 0:
+    # (_StridedShard(0, sf=2), Shard(0)) on (efsdp, ep), one whole expert per rank
+    "dp4_ep2": ({"dp_shard": 4, "ep": 2}, lambda r: {2 * (r % 2) + r // 2}),
+    # the TP plan (ep=1): FSDP2 on the expert dim over dp_shard=2, [gate; up] rows over tp
+    "dp2_tp2": ({"dp_shard": 2, "tp": 2}, lambda r: {2 * (r // 2), 2 * (r // 2) + 1}),
+}
+
 # CI (budget): mixtral (renamed keys and merged experts) at ep=4; every pair with SHARDBRIDGE_MOE_MATRIX=all.
 _MOE_CASES = (
-    [(a, layout) for a in MOE for layout in ("dp4_ep4", "dp2_tp2")]
+    [(a, layout) for a in MOE for layout in MOE_LAYOUTS]
     if os.environ.get("SHARDBRIDGE_MOE_MATRIX") == "all"
     else [("mixtral", "dp4_ep4")]
 )
@@ -151,9 +161,10 @@ _MOE_CASES = (
 @pytest.mark.parametrize(("arch", "layout"), _MOE_CASES)
 def test_per_expert_moe_checkpoint_loads_shard_on_read(tmp_path, arch, layout):
     """A hub-style folder (one tensor per expert, as transformers' own save_pretrained writes it) into
-    the fused experts: at ep=4 each rank reads its own expert's tensors only; under the TP plan
-    (FSDP2 on the expert dim over dp_shard=2, packed [gate; up] rows over tp) a slice of the two
-    experts of its dp shard."""
+    the fused experts: each rank reads the tensors of the experts it holds and no other (at ep=4
+    its own expert; at ep=2 x efsdp=2 one expert of its ep rank's two; under the TP plan, FSDP2 on
+    the expert dim over dp_shard=2 and packed [gate; up] rows over tp, a slice of the two experts
+    of its dp shard)."""
     from safetensors import safe_open
 
     ref = H.tiny_model(arch, seed=0, **MOE[arch])
@@ -163,14 +174,13 @@ def test_per_expert_moe_checkpoint_loads_shard_on_read(tmp_path, arch, layout):
         with safe_open(str(f), "pt") as h:
             keys |= set(h.keys())
     assert any(".experts.3." in k for k in keys) and not any("gate_up_proj" in k for k in keys)  # one per expert
-    dims = {"dp4_ep4": {"dp_shard": 4, "ep": 4}, "dp2_tp2": {"dp_shard": 2, "tp": 2}}[layout]
+    dims, held = MOE_LAYOUTS[layout]
     results = run_distributed(_load_moe, str(tmp_path / "hf"), dims, world_size=4, timeout=240)
     for rank, r in enumerate(results):
         for name, p in ref.named_parameters():
             assert torch.equal(r["full"][name], p), (rank, name)
         experts = {int(k.split(".experts.")[1].split(".")[0]) for k in r["experts_read"]}
-        mine = {rank} if layout == "dp4_ep4" else {2 * (rank // 2), 2 * (rank // 2) + 1}
-        assert experts == mine, (rank, experts)
+        assert experts == held(rank), (rank, experts)
         assert r["bytes"] < 0.35 * r["total"], (rank, r["bytes"], r["total"])
 
 

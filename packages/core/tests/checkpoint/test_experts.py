@@ -7,7 +7,8 @@ seed and learning rate: every value must come from the checkpoint), is compared 
 chain ends where it started. A second oracle is torch's own ``dcp_to_torch_save`` of the ep=4
 checkpoint: every expert tensor is the full ``[E, ...]`` tensor, dim 0 = global expert index.
 
-``pytest .../test_experts.py`` runs the CI chain ep=4 -> ep=2 -> ep=1 -> one process -> ep=4;
+``pytest .../test_experts.py`` runs the CI chain ep=4 -> ep=2 -> ep=1 -> tp=4 (TP-only) -> one
+process -> ep=4 (issue 26's item 4);
 ``SHARDBRIDGE_MOE_MATRIX=all`` adds the long chain over TP-only, dp x tp x ep, HSDP x ep,
 cp x ep, dim-1 expert sharding and 8 ranks.
 """
@@ -34,6 +35,7 @@ CI_CHAIN = [
     ("ep4", dict(dp_shard=4, ep=4), 4),
     ("ep2", dict(dp_shard=4, ep=2), 4),
     ("ep1", dict(dp_shard=4, ep=1), 4),
+    ("tp4_ep1", dict(dp_shard=1, tp=4, ep=1), 4),  # TP-only: no dp axis, experts FSDP over the tp ranks
     ("one_process", None, 1),
     ("ep4_again", dict(dp_shard=4, ep=4), 4),
 ]

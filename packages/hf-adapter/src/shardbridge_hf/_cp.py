@@ -23,8 +23,9 @@ over ``dp_cp`` once FSDP2 averages gradients (see [Note: loss over dp_cp] in the
 Sliding-window layers (Mistral, Qwen3's ``layer_types``) pass ``sliding_window``; the mask
 applies it on global positions. Refused, each with its reason: ``attention_mask`` with
 padding (pad at the END instead, labels -100: causal attention never lets real tokens see
-it), soft-capped attention (the scores differ), and non-causal attention. The KV cache is
-turned off (``config.use_cache = False``): generation is not context-parallel here.
+it), soft-capped attention (the scores differ), attention sinks (``s_aux``: GPT-OSS's learned
+per-head logits join every softmax), and non-causal attention. The KV cache is turned off
+(``config.use_cache = False``): generation is not context-parallel here.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def _cp_attention_forward(
         )
     if kwargs.get("softcap") is not None:
         raise NotImplementedError(f"{name}: attention logit soft-capping under context parallelism is not supported")
+    if kwargs.get("s_aux") is not None:
+        # GPT-OSS's learned per-head sink logits join every softmax; the all-gather-KV attention has
+        # no term for them, and ignoring them trains a different model (gpt_oss at cp=2: loss off by 1.3e-2)
+        raise NotImplementedError(
+            f"{name}: attention sinks (s_aux, e.g. GPT-OSS) under context parallelism are not supported; use cp=1"
+        )
     if getattr(module, "is_causal", True) is False:
         raise NotImplementedError(f"{name}: non-causal attention under context parallelism is not supported")
     if attention_mask is not None:
