@@ -23,6 +23,7 @@ checkpoint chain, the structure with TE dense modules and the refusals.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -40,6 +41,11 @@ matrix_only = pytest.mark.skipif(not MATRIX, reason="layout matrix: SHARDBRIDGE_
 EP2 = {"dp_shard": 4, "ep": 2}  # efsdp 2: experts 0-3 on ranks {0, 2}, 4-7 on {1, 3}
 EP4 = {"dp_shard": 4, "ep": 4}
 EP1 = {"dp_shard": 4, "ep": 1}
+REFUSED = (
+    r"^torch's state dicts would store '{fqn}'.* under the same name on every rank, but '{fqn}' is rank-local "
+    r".*pass state_dicts=shardbridge_te\.ExpertStateDicts\(\.\.\.\) to shardbridge\.checkpoint\.save and load"
+)
+"""The ValueError of a save / load without ExpertStateDicts ([Note: rank-local tensors] in the core)."""
 GATE_UP = "model.layers.0.feed_forward.experts.gate_up_proj"
 DOWN = "model.layers.1.feed_forward.experts.down_proj"
 
@@ -90,13 +96,21 @@ def _train_and_save(dims: dict, path: str, dispatch: str = "auto") -> dict:
     grads = global_state(model, None, grads=True)
     opt.step()
     opt.zero_grad()
+    with pytest.raises(ValueError) as refused:  # without the provider: refused, see test_without_the_provider_*
+        ckpt.save(path, model=model, optimizer=opt, step=1)
     ckpt.save(path, model=model, optimizer=opt, step=1, state_dicts=_provider())
     placements = {
         n: (tuple(p.device_mesh.mesh_dim_names), tuple(p.placements))
         for n, p in model.named_parameters()
         if ".linear_fc" in n and isinstance(p, DTensor)
     }
-    return {"loss": loss.item(), "grads": grads, "state": global_state(model, opt), "placements": placements}
+    return {
+        "loss": loss.item(),
+        "grads": grads,
+        "state": global_state(model, opt),
+        "placements": placements,
+        "refused": str(refused.value),
+    }
 
 
 def _reference_step() -> tuple[float, dict, dict]:
@@ -172,6 +186,9 @@ def test_grouped_linear_experts_train_like_one_process_and_reshard_across_ep(tmp
         torch.testing.assert_close(want[k], ref_state[k], rtol=1e-5, atol=1e-5, msg=k)
     # the experts really are split: E/ep = 4 GEMMs per rank, FSDP2 over efsdp
     assert saved[0]["placements"]["layers.0.feed_forward.experts.linear_fc1.weight3"] == (("efsdp",), (Shard(0),))
+    # and a save without ExpertStateDicts is refused on every rank, naming the expert and the provider
+    for r in saved:
+        assert re.search(REFUSED.format(fqn=r"layers\.0\.feed_forward\.experts\.linear_fc1\.weight0"), r["refused"])
 
     # 2. on disk (torch's reader): ONE [E, 2I, D] tensor per layer and kind, dim 0 = global expert
     out = tmp_path / "oracle.pt"
@@ -465,40 +482,41 @@ def test_refusals_name_the_field_and_the_fix() -> None:
         assert re.search(pattern, out[name]), (name, out[name])
 
 
-def _default_path_round_trip(path: str) -> dict:
+def _default_path_refused(path: str) -> dict:
     """The control: the same model saved and loaded WITHOUT ExpertStateDicts (torch's state dicts)."""
     import shardbridge.checkpoint as ckpt
+    import shardbridge_te
 
     pm = mesh(DP2_TP2_EP2)
     model = _te_model(pm, seed=1)
-    before = _experts_by_index(model, pm)
-    ckpt.save(path, model=model, step=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out = {}
+    with pytest.raises(ValueError) as save:
+        ckpt.save(path, model=model, optimizer=opt, step=1)
+    out["save"], out["written"] = str(save.value), os.path.exists(path)
+    ckpt.save(path, model=model, step=1, state_dicts=shardbridge_te.ExpertStateDicts())
     other = _te_model(pm, seed=2)
-    ckpt.load(path, model=other, rng=False)
-    after = _experts_by_index(other, pm)
-    return {"before": before, "after": after, "ep_rank": pm["ep"].get_local_rank()}
+    before = _experts_by_index(other, pm)
+    with pytest.raises(ValueError) as load:
+        ckpt.load(path, model=other, rng=False)
+    out["load"], out["untouched"] = str(load.value), _experts_by_index(other, pm)
+    out["before"] = before
+    return out
 
 
 @matrix_only
-def test_without_the_provider_experts_are_lost_silently(tmp_path) -> None:
-    """Why ExpertStateDicts exists: torch's state dicts name weight0 alike on both ep ranks, DCP keeps
-    one ep rank's copy of each piece, and the SAME layout loads experts back wrong, with no error."""
-    res = run_distributed(_default_path_round_trip, str(tmp_path / "ckpt"), world_size=4, timeout=TIMEOUT)
-    saved = {}
-    for r in res:
-        saved.update(r["before"])
-    lost = [
-        (r["ep_rank"], i)
-        for r in res
-        for i, v in r["after"].items()
-        if not torch.equal(v, saved[i])
-    ]
-    assert lost, "expected the default path to lose one ep rank's experts"
-    # what came back: each FSDP row piece (efsdp 2) is the same piece of SOME ep rank's expert at the
-    # same local position (DCP kept one rank's copy per piece, possibly from different ep ranks)
-    num_local = NUM_EXPERTS // 2
-    for r in res:
-        for i, v in r["after"].items():
-            candidates = [saved[i % num_local + j * num_local] for j in range(2)]
-            for piece, got in enumerate(v.chunk(2)):
-                assert any(torch.equal(got, c.chunk(2)[piece]) for c in candidates), (i, piece)
+def test_without_the_provider_save_and_load_raise(tmp_path) -> None:
+    """Why the mark exists: torch's state dicts name weight0 alike on both ep ranks, and DCP would keep one
+    ep rank's copy of each piece (measured before the guard: the same layout loaded experts back wrong,
+    with no error). shard_grouped_experts marks the experts rank-local, so a save or load without
+    ExpertStateDicts raises on every rank, naming the expert and the fix; nothing is written or loaded."""
+    path = str(tmp_path / "ckpt")
+    res = run_distributed(_default_path_refused, path, world_size=4, timeout=TIMEOUT)
+    want = REFUSED.format(fqn=r"experts\.weight0")
+    for rank, r in enumerate(res):
+        assert re.search(want, r["save"]), (rank, r["save"])
+        assert re.search(want, r["load"]), (rank, r["load"])
+        # both local experts and their AdamW states (step, exp_avg, exp_avg_sq): 2 + 2 * 3 keys
+        assert "'experts.weight0', 'experts.weight1', 'state.experts.weight0.step' and 5 more" in r["save"], r["save"]
+        assert not r["written"], rank
+        assert all(torch.equal(v, r["before"][i]) for i, v in r["untouched"].items()), rank

@@ -50,10 +50,14 @@ slice is copied back into ``weight{i}`` and its states, and torch's per-expert d
 ``set_state_dict``.
 
 Without the provider, torch's state dicts name ``weight0`` alike on every ep rank, with the same
-box: DCP takes the ranks for replicas, keeps one rank's copy of each piece, and experts are lost
-WITHOUT an error (``test_without_the_provider_experts_are_lost_silently``: a same-layout round
-trip returns rows of other ep ranks' experts). Save and load a model with GroupedLinear experts with
-``state_dicts=ExpertStateDicts(...)``.
+box: DCP would take the ranks for replicas, keep one rank's copy of each piece, and lose the other
+experts without an error (measured before the guard: a same-layout round trip returned rows of
+other ep ranks' experts). So :func:`shard_grouped_experts` marks every per-expert parameter
+rank-local (``shardbridge.checkpoint.mark_rank_local``, [Note: rank-local tensors] in the core),
+and ``save`` / ``load`` without ``state_dicts=ExpertStateDicts(...)`` raise ValueError on every
+rank, naming the first ``weight{i}`` and the provider (``test_without_the_provider_save_and_load_raise``).
+The mark is set at every ep, ep=1 and one process included, where the default path would lose
+nothing: every checkpoint of these experts then has one format, the stacked one.
 """
 
 from __future__ import annotations
@@ -80,6 +84,13 @@ __all__ = ["EXPERT_ATTR", "ExpertState", "ExpertStateDicts", "expert_state", "sh
 
 EXPERT_ATTR = "_shardbridge_te_experts"
 """Attribute on each GroupedLinear :func:`shard_grouped_experts` marked: its :class:`ExpertState`."""
+
+_PROVIDER_HINT = (
+    "this is a GroupedLinear expert put on the ep axis by shardbridge_te.shard_grouped_experts: pass "
+    "state_dicts=shardbridge_te.ExpertStateDicts(...) to shardbridge.checkpoint.save and load (and "
+    "load_latest), which stores each GroupedLinear's experts as one [E, ...] tensor"
+)
+"""The end of the error ``save`` / ``load`` raise without the provider ([Note: rank-local tensors] in the core)."""
 
 NameMap = Mapping[str, str] | Callable[[str], str]
 """Stacked FQN (``<module fqn>.weight``) -> the name stored in the checkpoint."""
@@ -120,7 +131,8 @@ def shard_grouped_experts(
     experts (GEMM i = global expert ``ep_rank * num_experts / ep + i``), not tensor-parallel
     (``tp_size=1``, ``parallel_mode=None``). Marks each GroupedLinear with its ep coordinates
     (read by :class:`ExpertStateDicts`; ``set_device_mesh`` and ``default_units`` then leave
-    it alone) and makes ``experts`` one FSDP2 unit over ``mesh.expert_fsdp_mesh``, gradients
+    it alone), its per-expert parameters rank-local (``shardbridge.checkpoint.save`` / ``load``
+    refuse them without ``state_dicts=ExpertStateDicts(...)``) and makes ``experts`` one FSDP2 unit over ``mesh.expert_fsdp_mesh``, gradients
     divided by ``dp_cp`` (``shardbridge.shard_experts``). Call it before
     :func:`~shardbridge_te.parallelize` (or ``set_device_mesh`` / ``apply_fsdp``), on meta or
     real parameters; run the experts through ``shardbridge.run_experts``. See
@@ -151,6 +163,8 @@ def shard_grouped_experts(
         >>> shardbridge_te.parallelize(model, pm)  # doctest: +SKIP
         >>> ckpt.save(path, model=model, optimizer=opt, state_dicts=ExpertStateDicts())  # doctest: +SKIP
     """
+    from shardbridge.checkpoint import mark_rank_local
+
     from shardbridge_te._apply import te_modules
 
     grouped = [(fqn, m) for fqn, m, kind in te_modules(experts) if kind == "GroupedLinear"]
@@ -170,6 +184,9 @@ def shard_grouped_experts(
         marks[fqn] = ExpertState(num_experts=num_experts, first=ep_rank * num_local, groups=groups, mesh=mesh)
     for fqn, module in grouped:
         setattr(module, EXPERT_ATTR, marks[fqn])
+        # weight0 is another expert on every ep rank: only ExpertStateDicts stores it right
+        names = [n for group in marks[fqn].groups.values() for n in group]
+        mark_rank_local(module, names, provider_hint=_PROVIDER_HINT)
         _install_portable_extra_state(module)
     if mesh is not None:
         # No parameter of its own to split over ep (each rank built its own experts): FSDP2 over
