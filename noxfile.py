@@ -204,8 +204,8 @@ def hf_sweep(session):
 @nox.session(python="3.11")
 def moe(session):
     """Mixture of experts (docs/concepts/moe.md): the whole layout matrix (8-rank layouts included),
-    the long checkpoint chains and the HF export. CI runs a slice of each."""
-    _install(session, "hf,test")
+    the long checkpoint chains, the HF export and TE GroupedLinear experts. CI runs a slice of each."""
+    _install(session, "hf,te-structural,test")
     env = {**ENV, "SHARDBRIDGE_MOE_MATRIX": "all"}
     tests = [
         "packages/core/tests/test_moe.py",
@@ -215,6 +215,9 @@ def moe(session):
         # every MoE architecture of the installed transformers on the ep axis (docs/hf.md, Expert parallelism)
         "packages/hf-adapter/tests/test_hf_ep.py",
         "packages/hf-adapter/tests/test_hf_pretrained.py",
+        # TE GroupedLinear experts on the ep axis, structural tier (docs/te.md, GroupedLinear experts)
+        "packages/te-adapter/tests/test_te_experts_structural.py",
+        "packages/te-adapter/tests/test_te_reference_kernels.py::test_grouped_linear_runs_as_f_linear_per_expert",
     ]
     session.run("python", "-m", "pytest", *tests, *session.posargs, env=env)
 

@@ -138,4 +138,6 @@ def test_te_checks_dry_run_lists_its_checks():
         [sys.executable, str(GPU / "te_checks.py"), "--dry-run"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["linear-vs-torch", "current-params", "delayed-extra-state", "block-scaled", "mxfp8"]
+    assert r.stdout.split() == [
+        "linear-vs-torch", "current-params", "delayed-extra-state", "block-scaled", "mxfp8", "grouped-experts"
+    ]  # fmt: skip

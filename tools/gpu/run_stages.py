@@ -273,7 +273,8 @@ STAGES: tuple[Stage, ...] = (
         240,
         (*TORCHRUN, "--nproc-per-node", "1", "tools/gpu/te_checks.py", "--json", "{home}/json/te-w1-nccl.json"),
         needs_te=True,
-        what="TE adapter, world 1 NCCL: numerics vs torch, FP8 recipes, amax group, _extra_state, block/MXFP8",
+        what="TE adapter, world 1 NCCL: numerics vs torch, FP8 recipes, amax group, _extra_state, block/MXFP8, "
+        "GroupedLinear experts",
         script="tools/gpu/te_checks.py",
     ),
     *(
@@ -301,7 +302,8 @@ STAGES: tuple[Stage, ...] = (
             "{home}/json/te-w4-gloo.json",
         ),
         needs_te=True,
-        what="te_checks at dp2 x tp2 (4 ranks on cuda:0, gloo): amax group = weight mesh, _extra_state at tp4",
+        what="te_checks at dp2 x tp2 (4 ranks on cuda:0, gloo): amax group = weight mesh, _extra_state at tp4, "
+        "GroupedLinear experts at ep4",
         script="tools/gpu/te_checks.py",
     ),
     Stage(

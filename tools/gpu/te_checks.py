@@ -14,6 +14,12 @@ Checks (each recorded, the next runs even when one fails):
                        a fresh model), fp8_meta scale / amax history rebuilt from `_extra_state`;
   block-scaled, mxfp8  Float8BlockScaling / MXFP8BlockScaling where TE says the GPU supports them
                        (H100: block scaling yes, MXFP8 no - recorded as unsupported with TE's reason);
+  grouped-experts      TE GroupedLinear experts (Megatron-Core's TEGroupedMLP shape) on the ep axis
+                       (shardbridge_te.shard_grouped_experts; ep = world for world 2/4/8, else 1)
+                       through shardbridge.run_experts with TE's REAL grouped GEMM: outputs, input
+                       and expert-weight gradients vs the same experts in plain torch on the full
+                       weights (rel. diff, TF32 tolerance); saved with ExpertStateDicts, loaded at
+                       ep=1 into zeroed experts: every weight{g} equal to the saved expert g;
   fp8-ckpt             (only with --only fp8-ckpt; stage te-fp8-ckpt) per recipe (current, delayed, block-scaled, mxfp8, nvfp4; skipped where TE says
                        the GPU lacks it) the structural test_te_fp8_checkpoint_structural.py round trip
                        with TE's REAL kernels: quantized_model_init te.Linear (column), parallelize,
@@ -35,7 +41,15 @@ import tempfile
 import time
 import traceback
 
-CHECKS = ("linear-vs-torch", "current-params", "delayed-extra-state", "block-scaled", "mxfp8", "fp8-ckpt")
+CHECKS = (
+    "linear-vs-torch",
+    "current-params",
+    "delayed-extra-state",
+    "block-scaled",
+    "mxfp8",
+    "grouped-experts",
+    "fp8-ckpt",
+)
 TORCH_ALONE = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -333,11 +347,93 @@ def main() -> None:
                 ok = False
         return {"ok": ok, "recipes": out, "loaded_at": str(pm2.dims)}
 
+    def grouped_experts():
+        # The structural tier runs this with a reference GEMM (test_te_experts_structural.py); here
+        # TE's own grouped GEMM computes. E experts of width INTER, top-2 routing, T tokens per rank.
+        from shardbridge import run_experts
+
+        num, inter, tokens, top_k = 8, 128, 256, 2
+        ep = world if world in (2, 4, 8) else 1
+        epm = ParallelDims(dp_shard=-1, ep=ep).build_mesh("cuda")
+        local, first = num // ep, epm["ep"].get_local_rank() * (num // ep)
+        torch.manual_seed(0)  # the same global weights, tokens and routing on every rank
+        w1 = torch.randn(num, 2 * inter, HIDDEN, device="cuda") * 0.05
+        w2 = torch.randn(num, HIDDEN, inter, device="cuda") * 0.05
+        x_all = torch.randn(world * tokens, HIDDEN, device="cuda")
+        probs = torch.randn(world * tokens, num, device="cuda").softmax(-1)
+        weights_all, ids_all = probs.topk(top_k, dim=-1)
+
+        class Experts(torch.nn.Module):  # Megatron-Core's TEGroupedMLP: linear_fc1 [2I, D], linear_fc2 [D, I]
+            def __init__(self, n):
+                super().__init__()
+                self.linear_fc1 = te.GroupedLinear(n, HIDDEN, 2 * inter, bias=False, params_dtype=torch.float32)
+                self.linear_fc2 = te.GroupedLinear(n, inter, HIDDEN, bias=False, params_dtype=torch.float32)
+
+            def forward(self, x, counts):
+                gate, up = self.linear_fc1(x, counts).chunk(2, dim=-1)
+                return self.linear_fc2(torch.nn.functional.silu(gate) * up, counts)
+
+        def experts_at(mesh, n, start, fill):
+            experts = Experts(n)
+            with torch.no_grad():
+                for i in range(n):
+                    getattr(experts.linear_fc1, f"weight{i}").copy_(fill(w1[start + i]))
+                    getattr(experts.linear_fc2, f"weight{i}").copy_(fill(w2[start + i]))
+            return shardbridge_te.shard_grouped_experts(experts, mesh, num_experts=num)
+
+        experts = experts_at(epm, local, first, lambda w: w)
+        rows = slice(rank * tokens, (rank + 1) * tokens)
+        x = x_all[rows].clone().requires_grad_()
+        out = run_experts(x, ids_all[rows], weights_all[rows], experts, num_experts=num, mesh=epm)
+        out.pow(2).sum().backward()  # the global loss is the sum over ranks
+        # plain torch on the full weights, every rank's tokens
+        r1, r2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        xr = x_all.clone().requires_grad_()
+        ref = torch.zeros_like(x_all)
+        for slot in range(top_k):
+            for e in range(num):
+                sel = ids_all[:, slot] == e
+                gate, up = (xr[sel] @ r1[e].T).chunk(2, dim=-1)
+                y = (torch.nn.functional.silu(gate) * up) @ r2[e].T
+                ref = ref.index_add(0, sel.nonzero().flatten(), weights_all[sel, slot, None] * y)
+        ref.pow(2).sum().backward()
+
+        def rel(a, b):
+            return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+        dp_cp = epm.dims.degree("dp_cp")  # FSDP2 averages expert gradients over dp_cp (docs/concepts/moe.md)
+        d_w = max(
+            rel(full(getattr(experts.linear_fc1, f"weight{i}").grad) * dp_cp, r1.grad[first + i]) for i in range(local)
+        )
+        d_out, d_x = rel(out.detach(), ref.detach()[rows]), rel(x.grad, xr.grad[rows])
+        # checkpoint: [E, ...] expert tensors, loaded at ep=1 into zeroed experts
+        path = os.path.join(tempfile.gettempdir(), f"sb-te-grouped-experts-w{world}")
+        ckpt.save(path, model=experts, step=1, overwrite=True, state_dicts=shardbridge_te.ExpertStateDicts())
+        one = ParallelDims(dp_shard=-1, ep=1).build_mesh("cuda")
+        loaded = experts_at(one, num, 0, torch.zeros_like)
+        ckpt.load(path, model=loaded, state_dicts=shardbridge_te.ExpertStateDicts(), rng=False)
+        exact = all(
+            torch.equal(full(getattr(loaded.linear_fc1, f"weight{g}")), w1[g])
+            and torch.equal(full(getattr(loaded.linear_fc2, f"weight{g}")), w2[g])
+            for g in range(num)
+        )
+        tol = 2e-2  # TF32 GEMMs
+        return {
+            "ok": d_out <= tol and d_x <= tol and d_w <= tol and exact,
+            "ep": ep,
+            "rel_out": d_out,
+            "rel_input_grad": d_x,
+            "rel_weight_grad": d_w,
+            "checkpoint_ep_to_ep1_exact": exact,
+            "tolerance": tol,
+        }
+
     check("linear-vs-torch", linear_vs_torch)
     check("current-params", current_params)
     check("delayed-extra-state", delayed_extra_state)
     check("block-scaled", scaled("Float8BlockScaling", "is_fp8_block_scaling_available"))
     check("mxfp8", scaled("MXFP8BlockScaling", "is_mxfp8_available"))
+    check("grouped-experts", grouped_experts)
     check("fp8-ckpt", fp8_ckpt)
     res["summary"] = f"{len(res['checks']) - len(res['failed'])}/{len(res['checks'])} ok" + (
         f"; failed {res['failed']}" if res["failed"] else ""

@@ -49,16 +49,52 @@ even and saturates at the format's largest finite value, as TE's ``satfinite`` c
                  quantized the same way. Random Hadamard transforms, stochastic rounding,
                  row-scaled and 4over6 NVFP4 are not modelled (NotImplementedError): TE's
                  NVFP4 recipe uses none of them for weights.
+
+[Note: reference grouped GEMM]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``module_execution()`` also stands in ``te_general_grouped_gemm``, the one kernel a non-FP8
+``GroupedLinear`` forward and backward call (TE 2.20.2 ``cpp_extensions/gemm.py``,
+``general_grouped_gemm``; its argument order below), so TE's REAL ``_GroupedLinear`` autograd
+function (input split by ``m_splits``, saved tensors, dgrad and wgrad dispatch) runs on a CPU.
+TE hands cuBLAS row-major tensors; in row-major terms each GEMM i computes::
+
+    D_i = op(B_i) @ op(A_i)        op(A) = A^T if transa else A, op(B) = B^T if transb else B
+    forward  "TN": A = weight_i [out, in], B = x_i [m_i, in]        -> y_i  = x_i W_i^T
+    dgrad    "NN": A = weight_i,           B = dy_i [m_i, out]      -> dx_i = dy_i W_i
+    wgrad    "NT": A = x_i,                B = dy_i                 -> dW_i = dy_i^T x_i
+
+``single_output``: ``out`` is one tensor whose rows ``m_splits`` splits among the GEMMs;
+``accumulate``: ``D_i += ...``; a non-empty forward ``bias_i`` is added to every row; in
+``grad`` mode with ``bias`` the ``bias`` list receives ``sum_rows(B_i)`` (the bias gradient).
+Products accumulate in fp32 (as cuBLAS does for 16-bit inputs) and are cast to ``out``'s dtype.
+FP8 inputs, GELU epilogues: NotImplementedError. The rule is TE's calling convention read from
+its Python code; the oracle is ``test_te_reference_kernels.py``
+(``test_grouped_linear_runs_as_f_linear_per_expert``: TE's GroupedLinear with this GEMM equals
+``F.linear`` per expert, forward and every gradient). cuBLAS's own numerics (TF32, split
+accumulators, kernel choice) are GPU tier (``tools/gpu/te_checks.py``, check grouped-experts).
+
+Running a module also needs what TE's Python asks of CUDA around the kernel, answered for a
+CPU: ``torch.cuda.is_current_stream_capturing()`` is False, ``get_device_properties`` reports
+an sm_90 with 132 SMs (workspace sizes, SM margins), ``tensor.cuda()`` stays on the CPU (TE's
+empty placeholder tensors), ``get_num_cublas_streams()`` is 1, and ``inp.is_cuda`` is True for
+the one check in ``TransformerEngineBaseModule.prepare_forward`` that refuses CPU inputs (asked
+from TE's ``module/base.py`` only; every other caller sees the truth). Torch-function modes are
+not active inside autograd's backward, so ``_GroupedLinear.backward`` is wrapped to enter them
+again (restored on exit; TE's backward code itself runs unchanged).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
+import types
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 E2M1_MAX = 6.0
@@ -448,6 +484,31 @@ def fp8_transpose(data: torch.Tensor, fp8_dtype, out=None):  # type: ignore[no-u
     return out
 
 
+def grouped_gemm(  # type: ignore[no-untyped-def]
+    A, transa, B, transb, out, out_dtype, m_splits, bias, bias_dtype, single_output, pre_gelu_out, grad,
+    workspaces, workspace_size, accumulate, use_split_accumulator, sm_margin,
+):  # fmt: skip
+    """Stand-in for ``tex.te_general_grouped_gemm``. See [Note: reference grouped GEMM]."""
+    _c, _f8, _mx, _bw, _nv, storages = _te()
+    if any(isinstance(t, storages) for t in (*A, *B)):
+        raise NotImplementedError("reference grouped GEMM: FP8 operands are not modelled (GPU tier)")
+    if any(t.numel() for t in pre_gelu_out):
+        raise NotImplementedError("reference grouped GEMM: the GELU epilogue is not modelled")
+    outs = list(out[0].split(list(m_splits))) if single_output else list(out)
+    for i, (a, b) in enumerate(zip(A, B)):
+        a32, b32 = a.float(), b.float()
+        d = (b32.t() if transb else b32) @ (a32.t() if transa else a32)
+        if not grad and bias[i].numel():
+            d = d + bias[i].float()
+        if grad and bias[i].numel():
+            bias[i].copy_(b32.sum(0))
+        if accumulate:
+            outs[i].add_(d.to(outs[i].dtype))
+        else:
+            outs[i].copy_(d.to(outs[i].dtype))
+    return bias
+
+
 KERNELS = {
     "quantize": quantize,
     "dequantize": dequantize,
@@ -488,6 +549,65 @@ def reference_kernels() -> Iterator[None]:
                 delattr(STAND_IN, name)
             else:
                 setattr(STAND_IN, name, old)
+
+
+class _OnCpu(TorchFunctionMode):
+    """``tensor.cuda()`` stays put; ``is_cuda`` is True when TE's ``module/base.py`` asks (prepare_forward)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if getattr(func, "__self__", None) is torch.Tensor.is_cuda and _BASE_MODULE in sys._getframe(1).f_code.co_filename:
+            return True
+        return func(*args, **(kwargs or {}))
+
+
+_BASE_MODULE = os.path.join("transformer_engine", "pytorch", "module", "base.py")
+
+
+def _device_properties(*args, **kwargs):  # type: ignore[no-untyped-def]
+    return types.SimpleNamespace(name="structural tier (CPU)", major=9, minor=0, multi_processor_count=132)
+
+
+@contextlib.contextmanager
+def module_execution() -> Iterator[None]:
+    """Inside: non-FP8 ``GroupedLinear`` forward / backward run on a CPU (see [Note: reference grouped GEMM]).
+
+    Everything :func:`reference_kernels` does, plus the reference grouped GEMM and the CUDA
+    answers TE's Python asks for around it. Other TE kernels still raise.
+    """
+    from _te_structural import STAND_IN, _CudaToDevice
+    from transformer_engine.pytorch.module import grouped_linear
+
+    extra = {"te_general_grouped_gemm": grouped_gemm, "get_num_cublas_streams": lambda: 1}
+    saved_kernels = {name: STAND_IN.__dict__.get(name) for name in extra}
+    saved_cuda = {n: getattr(torch.cuda, n) for n in ("is_current_stream_capturing", "get_device_properties")}
+    function = grouped_linear._GroupedLinear
+    backward = vars(function)["backward"]
+
+    def backward_on_cpu(ctx, *grads):  # type: ignore[no-untyped-def]
+        # Torch-function modes are not active in autograd's backward: enter them again for it.
+        with _CudaToDevice("cpu"), _OnCpu():
+            return backward.__func__(ctx, *grads)
+
+    with reference_kernels():
+        for name, fn in extra.items():
+            setattr(STAND_IN, name, fn)
+        torch.cuda.is_current_stream_capturing = lambda: False
+        torch.cuda.get_device_properties = _device_properties
+        function.backward = staticmethod(backward_on_cpu)
+        try:
+            with _OnCpu():
+                yield
+        finally:
+            function.backward = backward
+            for name, value in saved_cuda.items():
+                setattr(torch.cuda, name, value)
+            for name, old in saved_kernels.items():
+                if old is None:
+                    delattr(STAND_IN, name)
+                else:
+                    setattr(STAND_IN, name, old)
 
 
 assert math.isclose(FP8_MAX[torch.float8_e4m3fn], float(torch.finfo(torch.float8_e4m3fn).max))

@@ -229,3 +229,56 @@ def test_nvfp4_on_grid_is_exact_and_off_grid_within_precision(tile_rows: int) ->
 
 def test_stand_ins_fill_te_classes_that_te_python_code_reads_back() -> None:
     run_distributed(_stand_ins_fill_te_classes, world_size=1)
+
+
+# --------------------------------------------------------------------------- the reference grouped GEMM
+
+
+def _grouped_linear_vs_f_linear(fuse_wgrad: bool) -> dict[str, float]:
+    """TE's GroupedLinear (its real Python autograd function, the reference GEMM) vs F.linear per expert."""
+    import torch.nn.functional as F
+    from _te_reference_kernels import module_execution
+    from _te_structural import cuda_construction, import_te
+
+    te = import_te()
+    with cuda_construction("cpu"):
+        module = te.GroupedLinear(
+            3, 8, 6, bias=not fuse_wgrad, params_dtype=torch.float32, device="cpu", fuse_wgrad_accumulation=fuse_wgrad
+        )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    if fuse_wgrad:  # Megatron's main_grad: TE accumulates wgrad into it (the GEMM's accumulate=True)
+        for i in range(3):
+            getattr(module, f"weight{i}").main_grad = torch.full((6, 8), 0.5)
+    splits = [2, 0, 5]  # an expert without tokens, as under routing
+    x, dy = torch.randn(7, 8, requires_grad=True), torch.randn(7, 6)
+    with module_execution():
+        y = module(x, splits)
+        y.backward(dy)
+    xr = x.detach().clone().requires_grad_()
+    ws = [getattr(module, f"weight{i}").detach().clone().requires_grad_() for i in range(3)]
+    bs = [getattr(module, f"bias{i}").detach().clone().requires_grad_() if not fuse_wgrad else None for i in range(3)]
+    yr = torch.cat([F.linear(part, w, b) for part, w, b in zip(xr.split(splits), ws, bs)])
+    yr.backward(dy)
+    diff = {"y": (y - yr).abs().max().item(), "dx": (x.grad - xr.grad).abs().max().item()}
+    for i in range(3):
+        w = getattr(module, f"weight{i}")
+        want = torch.full((6, 8), 0.5) + ws[i].grad if fuse_wgrad else ws[i].grad  # accumulated into main_grad
+        diff[f"dw{i}"] = ((w.main_grad if fuse_wgrad else w.grad) - want).abs().max().item()
+        if not fuse_wgrad:
+            diff[f"db{i}"] = (getattr(module, f"bias{i}").grad - bs[i].grad).abs().max().item()
+    return diff
+
+
+@pytest.mark.skipif(
+    __import__("os").environ.get("SHARDBRIDGE_MOE_MATRIX") != "all",
+    reason="GroupedLinear experts matrix: SHARDBRIDGE_MOE_MATRIX=all (nox -s moe)",
+)
+@pytest.mark.parametrize("fuse_wgrad", [False, True], ids=["bias", "main_grad"])
+def test_grouped_linear_runs_as_f_linear_per_expert(fuse_wgrad: bool) -> None:
+    """[Note: reference grouped GEMM]: forward, dgrad, wgrad (and the bias gradient, or the wgrad
+    accumulated into main_grad) of TE's GroupedLinear equal F.linear's per expert, bit for bit in fp32."""
+    diff = run_distributed(_grouped_linear_vs_f_linear, fuse_wgrad, world_size=1)[0]
+    assert all(v == 0.0 for v in diff.values()), diff

@@ -12,9 +12,17 @@ answers None for it)::
 
 Oracles: the global tensors the ranks were cut from, torch's ``dcp_to_torch_save`` of the
 checkpoint, and a plain single-process model loaded by the core without a provider.
+
+Rank-local tensors (``mark_rank_local``, [Note: rank-local tensors]): ``v`` holds different
+values on the 2 ranks under one name; save and load without a provider that takes it over
+raise on every rank, and ``ByRank`` (``v`` stored as ``v.by_rank`` ``[2, 3]``, Shard(0) over
+the ranks) round-trips it.
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 import pytest
 import torch
@@ -194,3 +202,82 @@ def test_not_a_provider_is_refused(tmp_path) -> None:
         ck.save(tmp_path / "x", model=nn.Linear(2, 2), state_dicts={})
     with pytest.raises(ValueError, match="is not a StateDictProvider"):
         ck.load(tmp_path / "x", model=nn.Linear(2, 2), state_dicts=object())
+
+
+# --------------------------------------------------------------------------- rank-local tensors
+
+
+def _by_rank_values() -> torch.Tensor:
+    return torch.arange(6.0).reshape(2, 3) + 10  # row r: rank r's v
+
+
+class ByRank:
+    """Takes the rank-local ``v`` over: stored as ``v.by_rank`` [2, 3], row r = rank r's ``v``."""
+
+    def __init__(self, mesh, leave_optim_state: bool = False) -> None:
+        self.mesh, self.leave_optim_state = mesh, leave_optim_state
+
+    def state_dicts(self, model, optimizer, *, for_load):
+        # a view of v: DCP's load writes into v itself
+        by_rank = DTensor.from_local(model.v.detach().unsqueeze(0), self.mesh, [Shard(0)], run_check=False)
+        optim_sd = {"state.v.momentum_buffer": torch.zeros(3)} if self.leave_optim_state else None
+        return {"v.by_rank": by_rank}, optim_sd
+
+    def local_offsets(self, fqn, param):
+        return None
+
+    def load_state_dicts(self, model, optimizer, model_sd, optim_sd, *, strict):
+        pass  # filled in place
+
+
+def _rank_local(path: str) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    model = nn.Module()
+    model.v = nn.Parameter(_by_rank_values()[dist.get_rank()].clone())
+    ck.mark_rank_local(model, ["v"], provider_hint="pass state_dicts=ByRank(mesh)")
+    errors = {}
+    for name, call in [
+        ("save", lambda: ck.save(path, model=model)),
+        ("optim", lambda: ck.save(path, model=model, optimizer=torch.optim.SGD([model.v]),
+                                  state_dicts=ByRank(mesh, leave_optim_state=True))),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            call()
+        errors[name] = str(info.value)
+    errors["nothing_written"] = str(os.path.exists(path))
+    ck.save(path, model=model, state_dicts=ByRank(mesh))
+    with pytest.raises(ValueError) as info:
+        ck.load(path, model=model, rng=False)
+    errors["load"] = str(info.value)
+    with torch.no_grad():
+        model.v.zero_()
+    ck.load(path, model=model, state_dicts=ByRank(mesh), rng=False)
+    errors["round_trip"] = str(torch.equal(model.v.detach(), _by_rank_values()[dist.get_rank()]))
+    return errors
+
+
+def test_rank_local_tensors_need_a_provider_on_every_rank(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    for got in run_distributed(_rank_local, path, world_size=2):
+        own = (
+            r"^torch's state dicts would store 'v' under the same name on every rank, but 'v' is rank-local .*"
+            r"; pass state_dicts=ByRank\(mesh\)$"
+        )
+        assert re.search(own, got["save"]), got["save"]
+        assert re.search(own, got["load"]), got["load"]
+        assert re.search(r"^the state dicts of ByRank would store 'state\.v\.momentum_buffer' under", got["optim"])
+        assert got["nothing_written"] == "False" and got["round_trip"] == "True"
+    # both ranks' v are in the checkpoint (the default path would keep one)
+    out = tmp_path / "oracle.pt"
+    dcp_to_torch_save(path, out)
+    assert torch.equal(torch.load(out, weights_only=False)["model"]["v.by_rank"], _by_rank_values())
+
+
+def test_mark_rank_local_refuses_unknown_names_and_empty_hints() -> None:
+    layer = nn.Linear(2, 2)
+    unknown = r"\['weight0'\] are not parameters or buffers of Linear \(it has \['bias', 'weight'\]\)"
+    with pytest.raises(ValueError, match=unknown):
+        ck.mark_rank_local(layer, ["weight0"], provider_hint="pass state_dicts=P()")
+    with pytest.raises(ValueError, match="provider_hint='' must be a non-empty string"):
+        ck.mark_rank_local(layer, ["weight"], provider_hint="")
+    assert not hasattr(layer, "_shardbridge_rank_local")  # nothing marked by a refused call

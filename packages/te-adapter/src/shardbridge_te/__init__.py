@@ -5,7 +5,9 @@ LayerNormMLP, LayerNorm, RMSNorm, DotProductAttention, GroupedLinear, and those 
 MultiheadAttention / TransformerLayer) DTensor TP parameters, the TP group and the ``weight``
 mesh as amax-reduction group; :func:`parallelize` also shards with FSDP2 and materializes.
 Checkpoints go through ``shardbridge.checkpoint`` (FP8 parameters saved as plain tensors,
-``_extra_state`` loadable at any layout). Guide: docs/te.md.
+``_extra_state`` loadable at any layout). GroupedLinear experts join the core's ``ep`` axis
+(:func:`shard_grouped_experts`) and are checkpointed as global ``[E, out, in]`` expert tensors
+(:class:`ExpertStateDicts`). Guide: docs/te.md.
 
 Public: the names in ``__all__``. ``_``-prefixed modules are private; the placement table
 (``shardbridge_te._placements``) and patch plan (``shardbridge_te._patches``) import without TE.
@@ -20,6 +22,7 @@ from shardbridge_te._apply import TEModuleState, set_device_mesh
 from shardbridge_te._checkpoint import register_te_fp8_types
 from shardbridge_te._compat import te_version
 from shardbridge_te._cp import CP_COMM_TYPES, set_context_parallel
+from shardbridge_te._experts import ExpertStateDicts, shard_grouped_experts
 from shardbridge_te._fp8 import TEBackend, build_recipe, model_init_context, recipe_spec, remove_autocast
 from shardbridge_te._fp8 import backend as _backend
 from shardbridge_te._lifecycle import default_units, materialize, parallelize
@@ -28,6 +31,7 @@ from shardbridge_te._placements import tp_mode
 
 __all__ = [
     "CP_COMM_TYPES",
+    "ExpertStateDicts",
     "PATCHES",
     "Patch",
     "TEBackend",
@@ -40,6 +44,7 @@ __all__ = [
     "register_te_fp8_types",
     "set_context_parallel",
     "set_device_mesh",
+    "shard_grouped_experts",
     "build_recipe",
     "recipe_spec",
     "remove_autocast",

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardbridge_te._compat import te_pytorch, te_version
+from shardbridge_te._experts import EXPERT_ATTR
 from shardbridge_te._patches import apply_float8_pre_all_gather, gate, keep_instance_undo, patch_attr
 from shardbridge_te._placements import CONTAINER_KINDS, MODULE_KINDS, tp_modes
 
@@ -204,6 +205,9 @@ def set_device_mesh(
       particular name) becomes the amax-reduction group for FP8 current scaling;
     * ``_extra_state`` becomes DCP-loadable (TE #1860), see ``shardbridge_te._checkpoint``.
 
+    GroupedLinear experts marked by :func:`~shardbridge_te.shard_grouped_experts` are left
+    alone (they are on the ``ep`` axis, not tensor-parallel).
+
     With ``mesh.dims.tp == 1`` parameters stay plain tensors (FSDP2 shards them as they are).
 
     Args:
@@ -251,8 +255,8 @@ def set_device_mesh(
     amax_group = mesh["weight"].get_group() if dist.is_initialized() else None
     base = getattr(te_pytorch().module.base, "TransformerEngineBaseModule", None)
     for fqn, module, kind in te_modules(model):
-        if kind in CONTAINER_KINDS:
-            continue
+        if kind in CONTAINER_KINDS or getattr(module, EXPERT_ATTR, None) is not None:
+            continue  # experts on the ep axis are not tensor-parallel: [Note: GroupedLinear experts]
         prefix = f"{fqn}." if fqn else ""
         overrides = {
             k[len(prefix) :]: v

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from shardbridge_te._apply import set_device_mesh, te_modules
 from shardbridge_te._compat import te_pytorch, te_version
+from shardbridge_te._experts import expert_state
 from shardbridge_te._patches import gate
 
 __all__ = ["default_units", "materialize", "parallelize"]
@@ -43,12 +44,16 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     """The outermost TE modules below the root, in model order: one FSDP unit each.
 
     A TransformerLayer is one unit; its LayerNormLinear/LayerNormMLP are not units of their own.
+    GroupedLinear experts marked by :func:`~shardbridge_te.shard_grouped_experts` are not
+    listed: their experts module is already a unit over ``efsdp``.
     """
     units: list[nn.Module] = []
     unit_names: list[str] = []
     for fqn, module, _kind in te_modules(model):
         if module is model or any(fqn.startswith(f"{u}.") for u in unit_names):
             continue
+        if expert_state(module) is not None:
+            continue  # sharded over efsdp by shard_grouped_experts
         if any(p is not None for p in module.parameters()):
             units.append(module)
             unit_names.append(fqn)

@@ -23,7 +23,8 @@ Two layers below the verbs (both private):
   parameters stored once: [Note: tied tensors]), layouts DCP describes wrongly repaired
   ([Note: DCP layout repair] in ``_repair.py``), fused parameters as components ([Note:
   component names] in ``_components.py``), frameworks' own state dicts ([Note: state-dict
-  providers] in ``_provider.py``, :class:`StateDictProvider`), the chunk objects and planners
+  providers] in ``_provider.py``, :class:`StateDictProvider`; tensors only a provider can store,
+  :func:`mark_rank_local`: [Note: rank-local tensors]), the chunk objects and planners
   (``_chunks.py``), host staging for async saves (``_stage.py``), RNG states (``_rng.py``).
 - ``storage/``: how it lands. DCP's ``StorageWriter`` / ``StorageReader`` (``_writer.py``,
   ``_reader.py``) on a backend: local disk or fsspec ([Note: storage backends] in
@@ -55,7 +56,7 @@ from shardbridge.checkpoint._export import NameMap, export_safetensors, parse_si
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
 from shardbridge.checkpoint._load import TrainState, load, load_latest
 from shardbridge.checkpoint._save import save
-from shardbridge.checkpoint.state._provider import StateDictProvider
+from shardbridge.checkpoint.state._provider import StateDictProvider, mark_rank_local
 from shardbridge.checkpoint.state._state import component_fqn
 from shardbridge.checkpoint.storage._catalog import latest, step_dir
 from shardbridge.checkpoint.storage._destination import check_destination, write_file
@@ -87,6 +88,7 @@ __all__ = [
     "latest",
     "load",
     "load_latest",
+    "mark_rank_local",
     "parse_size",
     "raise_untrusted",
     "read_metadata",

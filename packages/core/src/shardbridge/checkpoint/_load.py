@@ -112,7 +112,8 @@ def load(
     Raises:
         ValueError: missing path, not a shardbridge checkpoint, damaged manifest, a file
             missing, truncated, corrupted, foreign or extra (the first is named), keys that
-            do not match (the first few are named), or a shape mismatch. Raised on every rank.
+            do not match (the first few are named), a shape mismatch, or a rank-local tensor
+            (:func:`mark_rank_local`) no ``state_dicts`` provider took over. Raised on every rank.
 
     Example:
         >>> state = load(step_dir(root, 100), model=model, optimizer=opt)  # doctest: +SKIP

@@ -136,7 +136,8 @@ def save(
 
     Raises:
         ValueError: ``path`` exists (without ``overwrite``), ``extra`` is not JSON, a bad
-            layout DCP cannot describe (or any with ``on_bad_layout="error"``). Raised on
+            layout DCP cannot describe (or any with ``on_bad_layout="error"``), a rank-local
+            tensor (:func:`mark_rank_local`) no ``state_dicts`` provider took over. Raised on
             every rank.
         RuntimeError: ``if_busy="error"`` and a save is in flight; or the previous
             asynchronous save failed (its error, naming the checkpoint and cause).

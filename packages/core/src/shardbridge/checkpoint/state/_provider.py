@@ -32,18 +32,45 @@ fused components. Tensors are loaded in place: return the live tensors (or views
 copies. ``for_load=True`` asks for the same keys on every rank (placeholders where a rank
 holds nothing, e.g. optimizer states of an empty shard), so key checks agree across ranks;
 on save a rank may omit what it does not hold.
+
+[Note: rank-local tensors]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+DCP keys a tensor by its name. A plain tensor, or a DTensor whose mesh does not span every
+rank, under the same name on several ranks is a REPLICA to DCP: it keeps one rank's copy of
+each box (the planner's dedup) and the others are never written. That is right for what torch
+calls replicated, and silently wrong for a tensor whose data differs per rank under one name,
+e.g. TE ``GroupedLinear`` experts under expert parallelism: ``weight0`` is global expert 0 on
+ep rank 0 and expert 2 on ep rank 1::
+
+    ep rank   named     holds        default path stores   lost
+    0         weight0   expert 0     weight0 <- one rank   expert 2 (or 0)
+    1         weight0   expert 2
+
+Only a provider that knows the layout can store such a tensor (``shardbridge_te``'s
+``ExpertStateDicts`` stacks them as one ``[E, ...]`` tensor). :func:`mark_rank_local` lets a
+framework say so: the marked tensors of a module, with a hint naming the provider. A save or
+load whose state dicts still hold a marked tensor under its own name, or an optimizer state of
+it (``state.<fqn>.*``), because no provider took it over, raises ValueError naming the FQN and
+the hint, on every rank (the check runs while the state is built, inside the save's argument
+round and the load's read round). A provider takes a tensor over by storing it under another
+name (and its optimizer states with it). The mark lives on the module (as fused specs do),
+not on the tensor: FSDP2 and ``to_empty`` replace parameter objects. The check is a walk over
+the modules and a set lookup per marked tensor: no data is read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["StateDictProvider", "check_provider"]
+__all__ = ["RANK_LOCAL_ATTR", "StateDictProvider", "check_provider", "mark_rank_local", "rank_local_tensors"]
+
+RANK_LOCAL_ATTR = "_shardbridge_rank_local"
+"""Module attribute holding ``dict[tensor name, provider hint]``, written by :func:`mark_rank_local`."""
 
 
 @runtime_checkable
@@ -105,3 +132,53 @@ def check_provider(provider: object) -> None:
             "local_offsets and load_state_dicts (see shardbridge.checkpoint.StateDictProvider), or pass None "
             "to use torch's get_state_dict / set_state_dict"
         )
+
+
+def mark_rank_local(module: nn.Module, names: Iterable[str], *, provider_hint: str) -> None:
+    """Mark tensors of ``module`` as rank-local: only a :class:`StateDictProvider` can store them.
+
+    A rank-local tensor holds data that differs per rank under a name that is the same on every
+    rank, and is NOT a replica (see [Note: rank-local tensors]). ``save`` and ``load`` refuse a
+    model whose state dicts would store one (or its optimizer states) under its own name, with a
+    ValueError naming it and ``provider_hint``. Marking again adds to (or replaces) the marks.
+
+    Args:
+        module: the module owning the tensors.
+        names: names of its own parameters or buffers (``"weight0"``, not a dotted path).
+        provider_hint: what the user must do, ending the error message, e.g.
+            ``"pass state_dicts=shardbridge_te.ExpertStateDicts(...) to save and load"``.
+
+    Raises:
+        ValueError: a name that is not a parameter or buffer of ``module``, or an empty hint.
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> mark_rank_local(layer, ["weight"], provider_hint="pass state_dicts=MyProvider()")
+        >>> rank_local_tensors(nn.Sequential(layer))
+        {'0.weight': 'pass state_dicts=MyProvider()'}
+    """
+    if not isinstance(provider_hint, str) or not provider_hint.strip():
+        raise ValueError(
+            f"provider_hint={provider_hint!r} must be a non-empty string telling the user which "
+            "state_dicts= provider stores these tensors"
+        )
+    names = [names] if isinstance(names, str) else list(names)
+    own = {n for n, _ in module.named_parameters(recurse=False)} | {n for n, _ in module.named_buffers(recurse=False)}
+    unknown = [n for n in names if n not in own]
+    if unknown or not names:
+        raise ValueError(
+            f"mark_rank_local: {unknown or names} are not parameters or buffers of {type(module).__name__} "
+            f"(it has {sorted(own)}); pass the names of the module's own tensors"
+        )
+    marks = dict(getattr(module, RANK_LOCAL_ATTR, {}))
+    marks.update(dict.fromkeys(names, provider_hint))
+    setattr(module, RANK_LOCAL_ATTR, marks)
+
+
+def rank_local_tensors(model: nn.Module) -> dict[str, str]:
+    """FQN (as in ``model.named_parameters()``) -> provider hint of every marked tensor of ``model``."""
+    out: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        for name, hint in module.__dict__.get(RANK_LOCAL_ATTR, {}).items():  # no __getattr__ miss per module
+            out[f"{prefix}.{name}" if prefix else name] = hint
+    return out
