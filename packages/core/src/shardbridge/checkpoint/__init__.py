@@ -55,6 +55,7 @@ from shardbridge.checkpoint._export import NameMap, export_safetensors, parse_si
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
 from shardbridge.checkpoint._load import TrainState, load, load_latest
 from shardbridge.checkpoint._save import save
+from shardbridge.checkpoint.state._chunks import LocalChunks
 from shardbridge.checkpoint.state._provider import StateDictProvider
 from shardbridge.checkpoint.state._state import component_fqn
 from shardbridge.checkpoint.storage._catalog import latest, step_dir
@@ -72,6 +73,7 @@ __all__ = [
     "AsyncSave",
     "CheckpointInfo",
     "FileProblem",
+    "LocalChunks",
     "NameMap",
     "StateDictProvider",
     "TensorInfo",
