@@ -1,4 +1,4 @@
-r"""Megatron-Core GPT <-> Hugging Face ``LlamaForCausalLM``: names, layouts, export and shard-on-read import.
+r"""Megatron-Core GPT <-> Hugging Face ``LlamaForCausalLM`` / ``MixtralForCausalLM``: names, layouts, export, import.
 
 [Note: Megatron-Core GPT and Llama names]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
