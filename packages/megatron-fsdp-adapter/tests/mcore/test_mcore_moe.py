@@ -305,3 +305,47 @@ def test_routing_without_a_mixtral_twin_is_refused_by_name(field, value):
     assert LlamaArch.from_config(moe_config()).num_experts_per_tok == 2
     with pytest.raises(ValueError, match=rf"{field}={value!r} \(Mixtral: "):
         LlamaArch.from_config(moe_config(**{field: value}))
+
+
+# ----------------------------------------------------------------------------- ep x tp (forward only)
+
+
+def _ep_tp(root: str) -> dict:
+    """Save at dp4 x ep2; load at dp2 x tp2 x ep2 (no sequence parallelism: forward only)."""
+    from mcore_helpers import batch, positions
+    from megatron.core import tensor_parallel
+    from shardbridge_megatron_fsdp.mcore import destroy_parallel_state, load, save
+
+    out = {}
+    tokens = batch(5)[0]
+    try:
+        model, opt = build_sharded_moe({"dp_shard": 4, "ep": 2}, adam=True)
+        train(model, opt, steps=1)
+        save(f"{root}/a", model=model, optimizer=opt, step=1)
+        out["params_a"], out["logits_a"] = gather_stacked(model), _full_logits(model, tokens)
+    finally:
+        destroy_parallel_state()
+    try:
+        model, opt = build_sharded_moe({"dp_shard": 2, "tp": 2, "ep": 2}, seed=1, adam=True, weights=False,
+                                       sequence_parallel=False)  # fmt: skip
+        load(f"{root}/a", model=model, optimizer=opt)
+        out["params_b"] = gather_stacked(model)
+        model.eval()
+        with torch.no_grad():
+            local = model(tokens, positions(tokens.shape[0]), None)  # [b, s, vocab / tp]
+            out["logits_b"] = tensor_parallel.gather_from_tensor_model_parallel_region(local).clone()
+        model.train()
+        with pytest.raises(ValueError, match="without also enabling sequence parallelism"):
+            model(tokens, positions(tokens.shape[0]), None)
+    finally:
+        destroy_parallel_state()
+    return out
+
+
+@pytest.mark.skipif(not FULL, reason="SHARDBRIDGE_MCORE_FULL=1 (nox -s megatron_core)")
+def test_moe_checkpoint_loads_at_ep2_x_tp2_forward(tmp_path):
+    out = run_distributed(_ep_tp, str(tmp_path), world_size=4, timeout=600)[0]
+    assert out["params_a"].keys() == out["params_b"].keys()
+    bad = [n for n, v in out["params_a"].items() if not torch.equal(out["params_b"][n], v)]
+    assert not bad, bad
+    torch.testing.assert_close(out["logits_b"], out["logits_a"], rtol=0, atol=1e-5)
