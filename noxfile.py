@@ -183,8 +183,8 @@ def megatron_tp_sweep(session):
 @nox.session(python="3.11")
 def megatron_core(session):
     """Megatron-Core GPTModel under Megatron-Core's own Megatron-FSDP (megatron-core 0.16.1, never beside
-    megatron-fsdp): training, checkpoints, fsdp_dtensor reads, Hugging Face conversion; every case
-    (SHARDBRIDGE_MCORE_FULL=1), CI runs a slice (docs/megatron-fsdp.md, Megatron-Core)."""
+    megatron-fsdp): training, checkpoints, fsdp_dtensor reads, Hugging Face conversion, MoE with expert
+    parallelism; every case (SHARDBRIDGE_MCORE_FULL=1), CI runs a slice (docs/megatron-fsdp.md, Megatron-Core)."""
     _install(session, "megatron-core,test")
     env = {**ENV, "SHARDBRIDGE_MCORE_FULL": "1"}
     session.run("python", "-m", "pytest", "packages/megatron-fsdp-adapter/tests/mcore", *session.posargs, env=env)

@@ -281,3 +281,60 @@ def test_mark_rank_local_refuses_unknown_names_and_empty_hints() -> None:
     with pytest.raises(ValueError, match="provider_hint='' must be a non-empty string"):
         ck.mark_rank_local(layer, ["weight"], provider_hint="")
     assert not hasattr(layer, "_shardbridge_rank_local")  # nothing marked by a refused call
+
+
+class Stacked:
+    """A provider that stores two per-expert parameters ``e0`` / ``e1`` ``[3, 2]`` (experts 1 and
+    0, as a rank of ep=2 with reversed order would) as ONE ``experts`` ``[2, 3, 2]`` of boxes,
+    and their Adam ``exp_avg`` likewise."""
+
+    def state_dicts(self, model, optimizer, *, for_load):
+        def stack(e0, e1):  # e0 is global expert 1, e1 expert 0; views, so a load fills them
+            return ck.LocalChunks((2, 3, 2), [((1, 0, 0), e0.unsqueeze(0)), ((0, 0, 0), e1.unsqueeze(0))])
+
+        model_sd = {"experts": stack(model.e0.data, model.e1.data)}
+        if optimizer is None:
+            return model_sd, None
+        s0, s1 = optimizer.state[model.e0], optimizer.state[model.e1]
+        optim_sd = {"state.experts.exp_avg": stack(s0["exp_avg"], s1["exp_avg"])}
+        optim_sd.update({f"param_groups.experts.{h}": v for h, v in optimizer.param_groups[0].items() if h != "params"})
+        return model_sd, optim_sd
+
+    def local_offsets(self, fqn, param):
+        return None
+
+    def load_state_dicts(self, model, optimizer, model_sd, optim_sd, *, strict):
+        pass
+
+
+def _experts_model(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Module()
+    model.e0, model.e1 = (nn.Parameter(torch.randn(3, 2, generator=g)) for _ in range(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():  # a state the values of which must survive (renamed exp_avg)
+        opt.state[p] = {"exp_avg": torch.randn(3, 2, generator=g)}
+    return model, opt
+
+
+def test_provider_local_chunks_stack_parameters_into_one_tensor(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    model, opt = _experts_model(seed=1)
+    ck.save(path, model=model, optimizer=opt, step=1, state_dicts=Stacked())
+    # torch's reader sees one [2, 3, 2] tensor, expert 0 = e1, expert 1 = e0.
+    dcp_to_torch_save(path, tmp_path / "oracle.pt")
+    raw = torch.load(tmp_path / "oracle.pt", weights_only=True)
+    assert torch.equal(raw["model"]["experts"], torch.stack([model.e1.detach(), model.e0.detach()]))
+    want = torch.stack([opt.state[model.e1]["exp_avg"], opt.state[model.e0]["exp_avg"]])
+    assert torch.equal(raw["optim"]["state.experts.exp_avg"], want)
+    assert ck.inspect(path).layout["tensors"]["experts"]["stored_as"] == "boxes"
+    # Loaded back through the provider into other values: every box filled in place.
+    other, other_opt = _experts_model(seed=2)
+    ck.load(path, model=other, optimizer=other_opt, state_dicts=Stacked(), rng=False)
+    assert torch.equal(other.e0, model.e0) and torch.equal(other.e1, model.e1)
+    assert torch.equal(other_opt.state[other.e0]["exp_avg"], opt.state[model.e0]["exp_avg"])
+    # A model holding the stacked tensor itself reads it without any provider.
+    plain = nn.Module()
+    plain.experts = nn.Parameter(torch.zeros(2, 3, 2))
+    ck.load(path, model=plain, rng=False)
+    assert torch.equal(plain.experts.detach(), raw["model"]["experts"])

@@ -44,6 +44,12 @@ a resharded load then restarted Adam's bias correction for them). A rank with no
 writes none (another rank writes the value); on load every rank describes the same keys (agreed
 with one ``all_gather_object``), with a throwaway tensor shaped like the (empty) local shard or a
 throwaway scalar (``step``), so every rank checks the same keys.
+
+Registered local experts (``_experts.register_expert_stack``; Megatron-Core's MoE layers) are
+stored as the core's ``[E, ...]`` expert tensors, each rank's boxes with the global expert index
+prepended; their ``step`` is agreed over ranks and experts (one stored value per tensor) and
+their param group must be the same for every expert of a stack. See [Note: local experts in
+global coordinates] in ``_experts.py``.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import torch.distributed as dist
 from shardbridge import FusedSpec, fused_params
 from shardbridge import checkpoint as core
 from shardbridge._compat import local_tensor
+from shardbridge.checkpoint import LocalChunks
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -68,8 +75,19 @@ from shardbridge_megatron_fsdp._compat import (
     megatron_fsdp_module,
     optimizer_named_parameters,
 )
+from shardbridge_megatron_fsdp._experts import ExpertSlot, expert_slots
 
-__all__ = ["DistParam", "MegatronFSDPStateDicts", "dist_params", "install_weights", "load", "local_box", "save"]
+__all__ = [
+    "DistParam",
+    "ExpertStackState",
+    "MegatronFSDPStateDicts",
+    "dist_params",
+    "expert_stacks",
+    "install_weights",
+    "load",
+    "local_box",
+    "save",
+]
 
 
 @dataclass(frozen=True)
@@ -166,6 +184,71 @@ def _state_keys(optimizer: torch.optim.Optimizer, params: list[DistParam]) -> di
     return merged
 
 
+@dataclass(frozen=True)
+class ExpertStackState:
+    """The local experts of one stored ``[E, ...]`` tensor this rank holds.
+
+    See [Note: local experts in global coordinates] in ``_experts.py``.
+    """
+
+    stored: str
+    """FQN of the stored tensor."""
+    shape: tuple[int, ...]
+    """``(E, *expert parameter shape)``."""
+    members: tuple[tuple[DistParam, int], ...]
+    """``(distributed parameter, global expert index)`` of each local expert."""
+
+    def chunks(self, local_of: Any) -> LocalChunks:
+        """The boxes of the stored tensor: ``local_of(dp)`` (a local shard, or None) of each member."""
+        pieces = []
+        for dp, index in self.members:
+            local = local_of(dp)
+            if local is not None:
+                pieces.append(((index, *dp.offsets), local.unsqueeze(0)))  # a view: loads fill it
+        return LocalChunks(self.shape, pieces)
+
+
+def expert_stacks(params: list[DistParam], slots: dict[str, ExpertSlot]) -> dict[str, ExpertStackState]:
+    """Stored FQN -> :class:`ExpertStackState` of the registered local experts among ``params``.
+
+    Raises:
+        ValueError: local experts of one stored tensor with different shapes, or a stored name
+            that is also a parameter's name.
+        NotImplementedError: expert parameters split over a tensor-parallel axis.
+    """
+    members: dict[str, list[tuple[DistParam, int]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    names = {dp.fqn for dp in params}
+    for dp in params:
+        slot = slots.get(dp.fqn)
+        if slot is None:
+            continue
+        mesh = dp.param.device_mesh
+        for axis, size in zip(mesh.mesh_dim_names or (), mesh.shape):
+            if axis == "tp" and size > 1:
+                raise NotImplementedError(
+                    f"{dp.fqn}: expert parameters split over tp={size} (expert_tensor_parallel_size > 1) are not "
+                    "checkpointed in global expert coordinates; use expert_tensor_parallel_size=1 "
+                    "(mcore.init_parallel_state sets it)"
+                )
+        shape = (slot.num_experts, *dp.shape)
+        if shapes.setdefault(slot.stored, shape) != shape or slot.stored in names:
+            raise ValueError(
+                f"{dp.fqn}: stored as {slot.stored!r} {shape}, which "
+                f"{'is a parameter name' if slot.stored in names else f'other experts store as {shapes[slot.stored]}'}; "
+                "every local expert of a stack must have the same shape and the stack a name of its own"
+            )
+        members.setdefault(slot.stored, []).append((dp, slot.index))
+    return {name: ExpertStackState(name, shapes[name], tuple(m)) for name, m in members.items()}
+
+
+def _state_local(state: dict[str, Any], key: str) -> torch.Tensor | None:
+    value = state.get(key)
+    if value is None:
+        return None
+    return local_tensor(value) if isinstance(value, DTensor) else value
+
+
 class MegatronFSDPStateDicts:
     """The :class:`~shardbridge.checkpoint.StateDictProvider` of a Megatron-FSDP model (either host).
 
@@ -181,20 +264,33 @@ class MegatronFSDPStateDicts:
 
     def __init__(self) -> None:
         self._params: dict[str, DistParam] = {}
+        self._stacks: dict[str, ExpertStackState] = {}
 
     def state_dicts(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_load: bool
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         params = dist_params(model)
-        self._params = {dp.fqn: dp for dp in params}
-        model_sd: dict[str, Any] = {dp.fqn: dp.param for dp in params}
+        self._stacks = expert_stacks(params, expert_slots(_mfsdp(model)[0].module))
+        stacked = {dp.fqn for stack in self._stacks.values() for dp, _ in stack.members}
+        plain = [dp for dp in params if dp.fqn not in stacked]
+        self._params = {dp.fqn: dp for dp in plain}
+        model_sd: dict[str, Any] = {dp.fqn: dp.param for dp in plain}
+        model_sd.update({name: stack.chunks(lambda dp: dp.local) for name, stack in self._stacks.items()})
         if optimizer is None:
             return model_sd, None
         optim_sd: dict[str, Any] = {}
-        keys = _state_keys(optimizer, params) if for_load else None
+        # Keys agreed over ranks: on load for every parameter, on save for the expert stacks
+        # (each stack's entries, and so the step agreement below, must be the same on every rank).
+        agreed = _state_keys(optimizer, params) if for_load or self._stacks else None
+        keys = agreed if for_load else None
         if not for_load:
             _agree_on_step(optimizer, params)
-        for dp in params:
+        by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        for stack in self._stacks.values():
+            optim_sd.update(_stack_optim_entries(stack, optimizer, agreed, by_param))
+        if not for_load:
+            _agree_on_stack_steps(optim_sd, self._stacks)
+        for dp in plain:
             state = optimizer.state.get(dp.param, {})
             for key, value in state.items():
                 optim_sd[f"state.{dp.fqn}.{key}"] = value
@@ -203,8 +299,7 @@ class MegatronFSDPStateDicts:
                     # Throwaway: this rank holds no state here (an empty shard).
                     placeholder = torch.empty_like(dp.local) if shard_shaped else torch.zeros(())
                     optim_sd[f"state.{dp.fqn}.{key}"] = placeholder
-        by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        for dp in params:
+        for dp in plain:
             group = by_param.get(id(dp.param))
             if group is None:
                 raise ValueError(
@@ -242,8 +337,93 @@ class MegatronFSDPStateDicts:
                 for hyper in group:
                     if hyper != "params" and f"param_groups.{dp.fqn}.{hyper}" in optim_sd:
                         group[hyper] = optim_sd[f"param_groups.{dp.fqn}.{hyper}"]
+            for stack in self._stacks.values():
+                _load_stack_optim_entries(stack, optimizer, optim_sd, by_param)
         # The loaded values sit in the main (optimizer) weights; forward uses the compute weights.
         install_weights(model)
+
+
+def _stack_optim_entries(
+    stack: ExpertStackState,
+    optimizer: torch.optim.Optimizer,
+    keys: dict[str, dict[str, bool]],
+    by_param: dict[int, dict[str, Any]],
+) -> dict[str, Any]:
+    """``state.<stored>.*`` and ``param_groups.<stored>.*`` of one stack of local experts.
+
+    States shaped like the parameter are boxes of the stored tensor (LocalChunks); any other
+    state (``step``) is one value, the maximum over the local experts (on save; agreed over
+    ranks afterwards by :func:`_agree_on_stack_steps`). ``keys``: the state keys agreed over
+    ranks (:func:`_state_keys`), so every rank describes the same entries.
+    """
+    out: dict[str, Any] = {}
+    states = [(dp, optimizer.state.get(dp.param, {})) for dp, _ in stack.members]
+    shaped: dict[str, bool] = {}
+    for dp, _ in stack.members:
+        for key, shard_shaped in keys.get(dp.fqn, {}).items():
+            shaped[key] = shaped.get(key, False) or shard_shaped
+    for key, shard_shaped in shaped.items():
+        name = f"state.{stack.stored}.{key}"
+        if shard_shaped:
+            by_dp = {id(dp): state for dp, state in states}
+            out[name] = stack.chunks(lambda dp, key=key, by_dp=by_dp: _state_local(by_dp[id(dp)], key))
+            continue
+        values = [state[key] for _, state in states if key in state]
+        if not values:
+            out[name] = torch.zeros(())  # no local expert here holds it: a throwaway (load), 0 (save, then agreed)
+        elif isinstance(values[0], torch.Tensor):
+            out[name] = values[0].detach().clone().fill_(max(float(v) for v in values))
+        else:
+            out[name] = type(values[0])(max(float(v) for v in values))
+    groups = {id(by_param[id(dp.param)]) for dp, _ in stack.members if id(dp.param) in by_param}
+    if len(groups) != 1 or any(id(dp.param) not in by_param for dp, _ in stack.members):
+        raise ValueError(
+            f"the local experts stored as {stack.stored!r} are in {len(groups)} optimizer param groups (or in none); "
+            "they are one stored tensor, so put every expert of it in the same param group"
+        )
+    group = by_param[id(stack.members[0][0].param)]
+    out.update({f"param_groups.{stack.stored}.{h}": v for h, v in group.items() if h != "params"})
+    return out
+
+
+def _load_stack_optim_entries(
+    stack: ExpertStackState,
+    optimizer: torch.optim.Optimizer,
+    optim_sd: dict[str, Any],
+    by_param: dict[int, dict[str, Any]],
+) -> None:
+    """After a load: the one stored value of each non-shard state, and the hyperparameters, into every expert."""
+    for dp, _ in stack.members:
+        state = optimizer.state.get(dp.param, {})
+        for key, current in state.items():
+            value = optim_sd.get(f"state.{stack.stored}.{key}")
+            if value is None or isinstance(value, LocalChunks):
+                continue  # boxes were filled in place
+            if isinstance(current, torch.Tensor) and current.dim() == 0:
+                current.fill_(float(value))
+            elif not isinstance(current, torch.Tensor):
+                state[key] = type(current)(float(value)) if isinstance(current, (int, float)) else value
+        group = by_param[id(dp.param)]
+        for hyper in group:
+            if hyper != "params" and f"param_groups.{stack.stored}.{hyper}" in optim_sd:
+                group[hyper] = optim_sd[f"param_groups.{stack.stored}.{hyper}"]
+
+
+def _agree_on_stack_steps(optim_sd: dict[str, Any], stacks: dict[str, ExpertStackState]) -> None:
+    """One ``step`` per stored expert tensor, the same on every rank: the maximum over ranks.
+
+    Each rank holds different experts of a stack (its ep rank's), stepped the same number of
+    times in practice; DCP writes one rank's copy of a scalar, so they must agree exactly.
+    """
+    names = sorted(f"state.{name}.step" for name in stacks)
+    names = [n for n in names if isinstance(optim_sd.get(n), (torch.Tensor, int, float))]
+    if not names or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    agreed = torch.tensor([float(optim_sd[n]) for n in names], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    for name, value in zip(names, agreed.tolist()):
+        current = optim_sd[name]
+        optim_sd[name] = current.fill_(value) if isinstance(current, torch.Tensor) else type(current)(value)
 
 
 def _agree_on_step(optimizer: torch.optim.Optimizer, params: list[DistParam]) -> None:

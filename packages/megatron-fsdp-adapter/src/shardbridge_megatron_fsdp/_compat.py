@@ -50,6 +50,7 @@ __all__ = [
     "chunk_offsets",
     "disable_grad_div_fusion",
     "fix_missing_te_linear",
+    "fix_missing_te_router_gemm",
     "fsdp_tensor_spec",
     "fully_shard_model",
     "has_local_data",
@@ -370,3 +371,25 @@ def fix_missing_te_linear() -> bool:
     if not isinstance(mcore_fsdp_adapter.TELinear, type):
         mcore_fsdp_adapter.TELinear = _NoTELinear
     return mcore_fsdp_adapter.TELinear is _NoTELinear
+
+
+def fix_missing_te_router_gemm() -> bool:
+    """Make megatron-core's MoE router run without Transformer Engine (0.16.1 bug).
+
+    ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` inside ``try: import
+    transformer_engine`` and binds nothing in the ``except ImportError``, so
+    ``RouterGatingLinearFunction.forward`` (``if te_general_gemm is not None``, line 1192)
+    raises ``NameError: name 'te_general_gemm' is not defined`` in every MoE router forward of
+    a model built without TE, on CPU and GPU alike. Binding the name to None selects the
+    torch ``mm`` path right after that test, which is what the code means without TE. Does
+    nothing when TE is installed (the name is bound).
+
+    Returns:
+        Whether the router runs its torch path (the name is None).
+    """
+    require_megatron_core()
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    return moe_utils.te_general_gemm is None

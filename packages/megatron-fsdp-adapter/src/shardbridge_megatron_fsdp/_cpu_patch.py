@@ -26,6 +26,17 @@ that follows it)::
                                    torch.cuda.current_device()  "cpu" (a device argument there)
     tensor_parallel.random         cuda RNG (get/set_rng_state, the CPU default generator
                                    manual_seed, default_generators)
+    transformer.moe.token_dispatcher
+                                   torch.cuda.Stream()          MoEAlltoAllTokenDispatcher.__init__'s
+                                                                device-to-host stream (a host stream)
+                                   maybe_move_tensor_to_cpu     numpy split sizes for a host tensor
+                                                                too (upstream converts only tensors it
+                                                                moves off a GPU; all_to_all_single
+                                                                refuses a tensor of split sizes)
+    transformer.moe.router, .experts, .moe_utils
+                                   torch.cuda.current_device()  "cpu" (TopKRouter.gating moves a host
+                                                                router weight to it; expert and
+                                                                statistics buffers are created on it)
     distributed.fsdp.mcore_fsdp_adapter
                                    DeviceMesh.from_group("cuda") device "cpu"
     fusions.fused_softmax.get_default_causal_mask
@@ -225,6 +236,17 @@ def _validate_uneven_dtensor_host(root: str, dtensor: Any) -> None:
     assert bool(torch.all(checks)), ("[Megatron-FSDP] DTensor chunk metadata boundary check failed", meta)
 
 
+def _move_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the host: numpy when asked.
+
+    Upstream converts to numpy only a tensor it moves off a GPU; a host tensor stays a tensor,
+    and ``all_to_all_single`` refuses a tensor as its split sizes (it takes a sequence of ints).
+    """
+    if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+        return tensor.numpy()
+    return tensor
+
+
 @functools.lru_cache(maxsize=32)
 def _causal_mask_host(sq: int) -> torch.Tensor:
     """``transformer.utils.get_default_causal_mask`` built on the host."""
@@ -273,6 +295,10 @@ MEGATRON_CORE = Host(
             "tensor_parallel.layers",
             "tensor_parallel.mappings",
             "tensor_parallel.random",
+            "transformer.moe.experts",
+            "transformer.moe.moe_utils",
+            "transformer.moe.router",
+            "transformer.moe.token_dispatcher",
             "distributed.fsdp.mcore_fsdp_adapter",
             "utils",
         )
@@ -280,6 +306,7 @@ MEGATRON_CORE = Host(
     names=(
         (_MCORE + "distributed.fsdp.mcore_fsdp_adapter", "DeviceMesh", _HostDeviceMesh),
         (_MCORE + "fusions.fused_softmax", "get_default_causal_mask", _causal_mask_host),
+        (_MCORE + "transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu", _move_to_host),
     ),
 )
 """megatron-core 0.16.x and its bundled Megatron-FSDP (``shardbridge_megatron_fsdp.mcore``)."""

@@ -56,6 +56,7 @@ from shardbridge.checkpoint._export import NameMap, export_safetensors, parse_si
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
 from shardbridge.checkpoint._load import TrainState, load, load_latest
 from shardbridge.checkpoint._save import save
+from shardbridge.checkpoint.state._chunks import LocalChunks
 from shardbridge.checkpoint.state._provider import StateDictProvider, mark_rank_local
 from shardbridge.checkpoint.state._state import component_fqn
 from shardbridge.checkpoint.storage._catalog import latest, step_dir
@@ -73,6 +74,7 @@ __all__ = [
     "AsyncSave",
     "CheckpointInfo",
     "FileProblem",
+    "LocalChunks",
     "NameMap",
     "StateDictProvider",
     "TensorInfo",

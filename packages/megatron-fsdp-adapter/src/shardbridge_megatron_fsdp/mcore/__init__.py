@@ -9,8 +9,8 @@ share the CPU patch (``_cpu_patch``, host ``MEGATRON_CORE`` here), the checkpoin
 (``_checkpoint.MegatronFSDPStateDicts``: ``save`` / ``load`` below are the adapter's own), the
 TP DTensor patch, the optimizer handling (``_optimizer``) and one ``_compat`` (version probes
 with one contract, both copies' internals). What is Megatron-Core's alone lives here: the
-parallel state, the ``FullyShardedDataParallel`` wrap, GPT parameter layouts, the Llama name
-map, Megatron-LM's ``fsdp_dtensor`` checkpoints and the ``shardbridge ckpt convert`` verb.
+parallel state (expert parallelism included), the ``FullyShardedDataParallel`` wrap, GPT
+parameter layouts (MoE experts in global expert coordinates), the Llama / Mixtral name map, Megatron-LM's ``fsdp_dtensor`` checkpoints and the ``shardbridge ckpt convert`` verb.
 
 Public: the names in ``__all__``::
 
@@ -18,10 +18,11 @@ Public: the names in ``__all__``::
     shard_model(model, optimizer, config, policy, strategy=..., fp8=...)   # FullyShardedDataParallel
     save(path, model=..., optimizer=...) / load(...)               # the core's checkpoint format
     MegatronQKVSpec, register_gpt_fused                            # fused QKV / SwiGLU specs
+    register_gpt_experts                                           # MoE experts in global expert coordinates
     read_fsdp_dtensor(path, optimizer=True)                        # Megatron-LM fsdp_dtensor checkpoints
     load_hf(model, folder)                                         # from_pretrained folder, shard-on-read
     export_hf / fsdp_dtensor_to_hf / hf_to_checkpoint              # conversions (also: shardbridge ckpt convert)
-    hf_name / megatron_name, LlamaArch                             # the Megatron-Core <-> Llama name map
+    hf_name / megatron_name, LlamaArch                             # the Megatron-Core <-> Llama / Mixtral name map
     install_cpu_patch()                                            # CPU/gloo support (0.16.x)
 
 Not public: the ``_``-prefixed modules.
@@ -36,7 +37,7 @@ from shardbridge_megatron_fsdp._cpu_patch import install as _install
 from shardbridge_megatron_fsdp.mcore._convert import export_hf, fsdp_dtensor_to_hf, hf_to_checkpoint
 from shardbridge_megatron_fsdp.mcore._fsdp_dtensor import FsdpDTensorCheckpoint, SwiGLUSplitError, read_fsdp_dtensor
 from shardbridge_megatron_fsdp.mcore._hf import LlamaArch, hf_name, load_hf, megatron_name
-from shardbridge_megatron_fsdp.mcore._layout import MegatronQKVSpec, register_gpt_fused
+from shardbridge_megatron_fsdp.mcore._layout import MegatronQKVSpec, register_gpt_experts, register_gpt_fused
 from shardbridge_megatron_fsdp.mcore._shard import (
     check_cpu_config,
     destroy_parallel_state,
@@ -66,6 +67,7 @@ __all__ = [
     "load_hf",
     "megatron_name",
     "read_fsdp_dtensor",
+    "register_gpt_experts",
     "register_gpt_fused",
     "save",
     "shard_model",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from shardbridge.cli import Verb
 from torch import nn
 
 from shardbridge_megatron_fsdp._compat import MCORE_INSTALL_HINT
-from shardbridge_megatron_fsdp.mcore._hf import LlamaArch, hf_name, megatron_name, write_hf_config
+from shardbridge_megatron_fsdp.mcore._hf import LlamaArch, hf_config, hf_name, megatron_name, write_hf_config
 
 __all__ = ["cli_verb", "export_hf", "fsdp_dtensor_to_hf", "hf_to_checkpoint", "main"]
 
@@ -67,12 +68,15 @@ def export_hf(
             shapes[key] = tuple(t.shape)
     if unmapped:
         raise ValueError(
-            f"{checkpoint}: {len(unmapped)} tensor(s) have no LlamaForCausalLM name: {unmapped[:4]}; only Megatron-Core "
-            "GPT models in the Llama form (RMSNorm, SwiGLU, RoPE, no biases) convert"
+            f"{checkpoint}: {len(unmapped)} tensor(s) have no LlamaForCausalLM / MixtralForCausalLM name: "
+            f"{unmapped[:4]}; only Megatron-Core GPT models in the Llama form (RMSNorm, SwiGLU, RoPE, no biases), "
+            "dense or with SequentialMLP MoE layers, convert"
         )
-    core.export_safetensors(checkpoint, out_dir, name_map=hf_name, dtype=dtype, progress=False, overwrite=overwrite)
     first = next(t for t in info.tensors if t.name.startswith("model."))
-    write_hf_config(out_dir, shapes, arch, dtype or getattr(torch, first.dtype))
+    dtype_out = dtype or getattr(torch, first.dtype)
+    hf_config(shapes, arch, dtype_out)  # refuses (e.g. experts without num_experts_per_tok) before anything is written
+    core.export_safetensors(checkpoint, out_dir, name_map=hf_name, dtype=dtype, progress=False, overwrite=overwrite)
+    write_hf_config(out_dir, shapes, arch, dtype_out)
     return Path(out_dir)
 
 
@@ -166,12 +170,24 @@ def hf_to_checkpoint(
     if hf_config is not None:
         _check_against_config(Path(folder), index, hf_config)
     flat: dict[str, torch.Tensor] = {}
+    per_expert: dict[tuple[int, str, int], torch.Tensor] = {}  # (layer, w1 | w2 | w3, expert) -> tensor
     for key, (file, _, _) in index.items():
-        name = megatron_name(key)
-        if name is None:
-            raise ValueError(f"{folder}: {key!r} has no Megatron-Core name; only LlamaForCausalLM folders convert")
+        hub = _HUB_EXPERT.fullmatch(key) or _HUB_ROUTER.fullmatch(key)
+        name = megatron_name(key) if hub is None else None
+        if hub is None and name is None:
+            raise ValueError(
+                f"{folder}: {key!r} has no Megatron-Core name; only LlamaForCausalLM and MixtralForCausalLM folders "
+                "convert"
+            )
         with safe_open(str(file), framework="pt") as f:
-            flat[name] = f.get_tensor(key)
+            value = f.get_tensor(key)
+        if hub is None:
+            flat[name] = value
+        elif hub.re is _HUB_ROUTER:
+            flat[f"decoder.layers.{hub.group(1)}.mlp.router.weight"] = value
+        else:
+            per_expert[(int(hub.group(1)), hub.group(3), int(hub.group(2)))] = value
+    flat.update(_stack_hub_experts(per_expert))
     root = nn.Module()
     head_dim = flat["decoder.layers.0.self_attention.q_proj.weight"].shape[0] // arch.num_attention_heads
     for name in [n for n in flat if n.endswith("self_attention.q_proj.weight")]:
@@ -194,6 +210,32 @@ def hf_to_checkpoint(
     return core.save(out, model=root, extra=extra, overwrite=overwrite)
 
 
+# Mixtral hub / save_pretrained names: one tensor per expert (w1 = gate, w3 = up, w2 = down).
+# See [Note: Megatron-Core MoE and Mixtral] in _hf.py.
+_HUB_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+_HUB_ROUTER = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight")
+
+
+def _stack_hub_experts(per_expert: dict[tuple[int, str, int], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One-tensor-per-expert Mixtral weights -> the stored ``[E, ...]`` expert tensors under Megatron-Core names."""
+    out: dict[str, torch.Tensor] = {}
+    for layer in sorted({k[0] for k in per_expert}):
+        experts = sorted({k[2] for k in per_expert if k[0] == layer})
+        if experts != list(range(len(experts))) or any(
+            (layer, w, e) not in per_expert for e in experts for w in ("w1", "w2", "w3")
+        ):
+            raise ValueError(
+                f"layer {layer}: the folder's experts {experts} are not 0..E-1 each with w1, w2 and w3; the folder is "
+                "incomplete"
+            )
+        fc1 = [torch.cat([per_expert[(layer, "w1", e)], per_expert[(layer, "w3", e)]]) for e in experts]  # [gate; up]
+        out[f"decoder.layers.{layer}.mlp.experts.linear_fc1.weight"] = torch.stack(fc1)
+        out[f"decoder.layers.{layer}.mlp.experts.linear_fc2.weight"] = torch.stack(
+            [per_expert[(layer, "w2", e)] for e in experts]
+        )
+    return out
+
+
 # [Note: config against tensors]
 # ``--to megatron`` refuses what ``load_pretrained`` / ``from_pretrained`` would not load as the
 # same model, before anything is written: a key the config's architecture needs and the folder
@@ -214,12 +256,16 @@ _LAYER_SHAPES = {  # per-layer key suffix -> shape from (hidden, heads * head_di
 }
 
 
-def _expected_shapes(config: dict, where: Path) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: dict, where: Path, *, hub_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """HF key -> shape for ``config``; a Mixtral's experts fused, or (``hub_experts``) one tensor each."""
     try:
         hidden, vocab, ffn = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
         layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        experts = config["num_local_experts"] if config.get("model_type") == "mixtral" else None
     except KeyError as e:
-        raise ValueError(f"{where / 'config.json'} has no {e.args[0]!r}; pass a LlamaForCausalLM config") from None
+        raise ValueError(
+            f"{where / 'config.json'} has no {e.args[0]!r}; pass a LlamaForCausalLM or MixtralForCausalLM config"
+        ) from None
     head_dim = config.get("head_dim") or hidden // heads
     kv = config.get("num_key_value_heads") or heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -227,7 +273,18 @@ def _expected_shapes(config: dict, where: Path) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(layers):
         for suffix, shape in _LAYER_SHAPES.items():
+            if experts is not None and suffix.startswith("mlp."):
+                continue
             shapes[f"model.layers.{i}.{suffix}"] = shape(hidden, heads * head_dim, kv * head_dim, ffn)
+        if experts is not None and hub_experts:
+            shapes[f"model.layers.{i}.block_sparse_moe.gate.weight"] = (experts, hidden)
+            for e in range(experts):
+                for w, shape in (("w1", (ffn, hidden)), ("w3", (ffn, hidden)), ("w2", (hidden, ffn))):
+                    shapes[f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"] = shape
+        elif experts is not None:
+            shapes[f"model.layers.{i}.mlp.gate.weight"] = (experts, hidden)
+            shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] = (experts, 2 * ffn, hidden)
+            shapes[f"model.layers.{i}.mlp.experts.down_proj"] = (experts, hidden, ffn)
         if config.get("attention_bias", False):
             for proj, rows in (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim)):
                 shapes[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = (rows,)
@@ -236,7 +293,7 @@ def _expected_shapes(config: dict, where: Path) -> dict[str, tuple[int, ...]]:
 
 def _check_against_config(folder: Path, index: dict, config: dict) -> None:
     """See [Note: config against tensors]: ValueError naming the key, the file and the fix."""
-    expected = _expected_shapes(config, folder)
+    expected = _expected_shapes(config, folder, hub_experts=any(_HUB_EXPERT.fullmatch(k) for k in index))
     tied = config.get("tie_word_embeddings", False)
     missing = sorted(set(expected) - set(index))
     if missing:
@@ -263,7 +320,7 @@ def _check_against_config(folder: Path, index: dict, config: dict) -> None:
         if not dtype.is_floating_point:
             raise ValueError(
                 f"{folder}: {key!r} in {file.name} is {str(dtype).removeprefix('torch.')}, not a floating dtype; "
-                "Llama weights are floating point (convert the file); nothing was written"
+                "Llama / Mixtral weights are floating point (convert the file); nothing was written"
             )
         if isinstance(getattr(torch, str(declared), None), torch.dtype) and declared != str(dtype).removeprefix("torch."):
             raise ValueError(
@@ -296,6 +353,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-attention-heads", type=int, default=None,
                    help="TransformerConfig.num_attention_heads: required unless the source carries its config "
                    "(a from_pretrained folder, or a checkpoint written by --to megatron); if given there, it must agree")  # fmt: skip
+    p.add_argument("--num-experts-per-tok", type=int, default=None,
+                   help="MoE checkpoints (-> MixtralForCausalLM): TransformerConfig.moe_router_topk; required unless "
+                   "the source carries its config. Valid only for Megatron-Core's default softmax top-k routing "
+                   "(docs/megatron-fsdp.md, Megatron-Core MoE)")  # fmt: skip
     p.add_argument("--head-dim", type=int, default=None, help="kv_channels (fsdp_dtensor source; default hidden/heads)")
     p.add_argument("--rope-theta", type=float, default=None, help="rotary_base (default 10000, or the source's config)")
     p.add_argument("--rms-norm-eps", type=float, default=None, help="layernorm_epsilon (default 1e-5, or the source's config)")  # fmt: skip
@@ -360,7 +421,9 @@ _ARCH_FLAGS = {  # flag / LlamaArch field -> (config.json key, default)
     "rope_theta": ("rope_theta", 10000.0),
     "rms_norm_eps": ("rms_norm_eps", 1e-5),
     "max_position_embeddings": ("max_position_embeddings", 4096),
+    "num_experts_per_tok": ("num_experts_per_tok", None),  # MoE only: write_hf_config asks for it
 }
+_OPTIONAL = ("num_experts_per_tok",)
 
 
 def _read_config(folder: Path) -> dict:
@@ -392,13 +455,15 @@ def _arch(args: argparse.Namespace, config: dict | None) -> LlamaArch:
                 "drop the flag (the source's value is used)"
             )
         value = flag if flag is not None else known if known is not None else default
+        if value is None and field in _OPTIONAL:
+            continue
         if value is None:
             raise ValueError(
                 f"--{field.replace('_', '-')} is required: the source carries no config.json (pass the model's "
                 "TransformerConfig value)"
             )
-        if field == "num_attention_heads" and (not isinstance(value, int) or value <= 0):
-            raise ValueError(f"--num-attention-heads {value} must be a positive integer")
+        if field in ("num_attention_heads", "num_experts_per_tok") and (not isinstance(value, int) or value <= 0):
+            raise ValueError(f"--{field.replace('_', '-')} {value} must be a positive integer")
         values[field] = value
     return LlamaArch(**values)
 

@@ -28,7 +28,9 @@ from shardbridge import FusedSegment, FusedSpec, register_fused
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["MegatronQKVSpec", "fused_tp", "register_gpt_fused", "tp_dim", "tp_local"]
+from shardbridge_megatron_fsdp._experts import ExpertStack, register_expert_stack
+
+__all__ = ["MegatronQKVSpec", "fused_tp", "register_gpt_experts", "register_gpt_fused", "tp_dim", "tp_local"]
 
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 SWIGLU_NAMES = ("gate_proj", "up_proj")
@@ -72,6 +74,10 @@ class MegatronQKVSpec(FusedSpec):
 def register_gpt_fused(model: nn.Module, config: object) -> dict[str, FusedSpec]:
     """Register fused QKV and (gated MLP) SwiGLU ``linear_fc1`` specs on a Megatron-Core GPT model.
 
+    Routed experts' ``linear_fc1`` (``...experts.local_experts.{i}.linear_fc1``) is not
+    registered: it is stored whole, ``[gate; up]`` in an ``[E, 2I, D]`` expert tensor (see
+    :func:`register_gpt_experts`). A shared expert's is, with its own width.
+
     Returns the specs by parameter FQN. Idempotent.
     """
     heads = config.num_attention_heads
@@ -85,12 +91,50 @@ def register_gpt_fused(model: nn.Module, config: object) -> dict[str, FusedSpec]
                 continue
             if leaf == "linear_qkv":
                 spec: FusedSpec = MegatronQKVSpec.megatron(num_heads=heads, num_query_groups=groups, head_dim=head_dim)
-            elif leaf == "linear_fc1" and config.gated_linear_unit:
-                spec = FusedSpec.swiglu(config.ffn_hidden_size, names=SWIGLU_NAMES)
+            elif leaf == "linear_fc1" and config.gated_linear_unit and ".local_experts." not in f".{prefix}":
+                width = config.ffn_hidden_size
+                if ".shared_experts." in f".{prefix}.":
+                    width = config.moe_shared_expert_intermediate_size
+                spec = FusedSpec.swiglu(width, names=SWIGLU_NAMES)
             else:
                 continue
             register_fused(module, pname, spec)
             out[f"{prefix}.{pname}"] = spec
+    return out
+
+
+def register_gpt_experts(model: nn.Module) -> dict[str, ExpertStack]:
+    """Register the routed experts of a Megatron-Core GPT model's MoE layers for checkpoints.
+
+    Each MoE layer's ``SequentialMLP`` (``moe_grouped_gemm=False``) gets an
+    :class:`ExpertStack` from the layer's own ``local_expert_indices``, so its
+    ``local_experts.{i}`` are stored as the ``[E, ...]`` tensors of [Note: local experts in
+    global coordinates] (``_experts.py``). Call after the model is built (the indices depend on
+    the ep rank). Idempotent.
+
+    Returns:
+        The stacks by the FQN of the experts module (empty for a dense model).
+
+    Raises:
+        NotImplementedError: a MoE layer whose experts are not a ``SequentialMLP`` (``TEGroupedMLP``
+            / ``GroupedMLP``: ``moe_grouped_gemm=True``, GPU only).
+    """
+    out: dict[str, ExpertStack] = {}
+    for prefix, module in model.named_modules():
+        indices = getattr(module, "local_expert_indices", None)
+        experts = getattr(module, "experts", None)
+        if indices is None or experts is None:
+            continue
+        where = f"{prefix}.experts" if prefix else "experts"
+        if not isinstance(getattr(experts, "local_experts", None), nn.ModuleList):
+            raise NotImplementedError(
+                f"{where} is a {type(experts).__name__}: only SequentialMLP experts (moe_grouped_gemm=False, "
+                "local_experts.{i}) are checkpointed in global expert coordinates; TEGroupedMLP / GroupedMLP "
+                "(moe_grouped_gemm=True) need a GPU and are not wired (docs/megatron-fsdp.md, Megatron-Core MoE)"
+            )
+        stack = ExpertStack(global_indices=tuple(int(i) for i in indices), num_experts=module.config.num_moe_experts)
+        register_expert_stack(experts, stack)
+        out[where] = stack
     return out
 
 

@@ -6,8 +6,11 @@ This is what Megatron-LM does with ``--use-megatron-fsdp``, driven by shardbridg
 configuration::
 
     shardbridge                               Megatron-Core 0.16.1
-    ParallelDims(dp_shard=-1, tp=T)  ------>  parallel_state.initialize_model_parallel(T)
-                                              (rank order tp fastest, as ParallelDims' mesh)
+    ParallelDims(dp_shard=-1, tp=T, ep=E) -->  parallel_state.initialize_model_parallel(T,
+                                                expert_model_parallel_size=E,
+                                                expert_tensor_parallel_size=1)
+                                              (rank order tp fastest, as ParallelDims' mesh;
+                                              experts: ep fastest, then expert dp = efsdp)
                                               + model_parallel_cuda_manual_seed(seed)
     PrecisionPolicy            ------>  DistributedDataParallelConfig(
                                                 grad_reduce_in_fp32, preserve_fp32_weights)
@@ -19,6 +22,14 @@ configuration::
                                               (mcore_fsdp_adapter.py: the bundled megatron_fsdp)
                                               + its fully_shard_optimizer (step installs the
                                               main weights; zero_grad clears the buffers)
+
+Expert parallelism is Megatron-Core's own (its MoE layers, ``SequentialMLP`` experts, its
+token dispatchers). ``expert_tensor_parallel_size=1`` makes Megatron's expert groups the
+``(efsdp, ep)`` axes of [Note: expert axes] in ``shardbridge/_mesh.py`` rank for rank: an ep
+group takes consecutive ranks (the tp ranks first), Megatron-FSDP shards each expert over the
+expert data-parallel group (efsdp), and experts are never tensor-parallel. The experts are
+registered so that checkpoints store them in global expert coordinates ([Note: local experts
+in global coordinates] in ``_experts.py``).
 
 The model's TP parameters are Megatron-style plain tensors (``tensor_model_parallel``,
 ``partition_dim``, ``partition_stride``): column-parallel (``linear_qkv``, ``linear_fc1``,
@@ -33,6 +44,7 @@ model (``isinstance(m, (TELinear,))`` with a stand-in that is no class); ``_comp
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -46,12 +58,13 @@ from shardbridge_megatron_fsdp._compat import (
     bundled_fsdp,
     disable_grad_div_fusion,
     fix_missing_te_linear,
+    fix_missing_te_router_gemm,
     install_distributed_params,
     optimizer_named_parameters,
     require_megatron_core,
 )
 from shardbridge_megatron_fsdp._optimizer import zero_step
-from shardbridge_megatron_fsdp.mcore._layout import register_gpt_fused
+from shardbridge_megatron_fsdp.mcore._layout import register_gpt_experts, register_gpt_fused
 
 __all__ = ["STRATEGIES", "check_cpu_config", "destroy_parallel_state", "init_parallel_state", "shard_model"]
 
@@ -63,21 +76,27 @@ _CUDA_ONLY_FLAGS = (
     "apply_rope_fusion",
     "persist_layer_norm",
     "gradient_accumulation_fusion",
+    "moe_permute_fusion",
+    "moe_router_fusion",
 )
 
 
 def init_parallel_state(dims: ParallelDims, *, seed: int = 0) -> ParallelDims:
     """Initialise Megatron-Core's ``parallel_state`` for ``dims`` on the default process group.
 
-    Call on every rank after ``torch.distributed.init_process_group``. Also seeds Megatron's
-    RNG tracker (``model_parallel_cuda_manual_seed``), on CPU through the CPU patch.
+    Call on every rank after ``torch.distributed.init_process_group``. ``dims.ep`` is Megatron's
+    ``expert_model_parallel_size`` (with ``expert_tensor_parallel_size=1``: experts are split
+    over ep, never over tp; see [Note: the Megatron-Core path]); build MoE models with
+    ``TransformerConfig(expert_model_parallel_size=dims.ep)``. Also seeds Megatron's RNG
+    tracker (``model_parallel_cuda_manual_seed``), on CPU through the CPU patch.
 
     Returns:
         ``dims`` resolved for the world size.
 
     Raises:
         NotImplementedError: ``dp_replicate > 1`` or ``cp > 1`` (not wired on this path yet).
-        ValueError: the degrees do not multiply to the world size (from ``ParallelDims``).
+        ValueError: the degrees do not multiply to the world size, or ep does not divide
+            dp_shard * tp (from ``ParallelDims``).
 
     Example:
         >>> dims = init_parallel_state(ParallelDims(dp_shard=-1, tp=2))  # doctest: +SKIP
@@ -93,7 +112,10 @@ def init_parallel_state(dims: ParallelDims, *, seed: int = 0) -> ParallelDims:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     _cpu_patch.install(_cpu_patch.MEGATRON_CORE, pin=True)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp)
+    fix_missing_te_router_gemm()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp, expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=1
+    )
     model_parallel_cuda_manual_seed(seed)
     return dims
 
@@ -177,6 +199,64 @@ def fp8_fields(recipe: FP8Recipe | None, config: Any, *, device_type: str) -> di
     return fields
 
 
+# [Note: Megatron-Core 0.16.1 gradient reduction]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The Megatron-FSDP that megatron-core 0.16.1 bundles reduces gradients right only for these
+# sizes of a parameter group's data-parallel group (measured on gloo: the update of one SGD step
+# against a single-process run; dense GPT and MoE GPT alike; ratio of update norms)::
+#
+#     strategy              dp group of 1          dp group of 2 or more
+#     no_shard              right                  WRONG (1.7x - 2.2x)
+#     optim                 right                  WRONG (1.2x - 2.2x)
+#     optim_grads           WRONG (1.9x - 2.0x)    right
+#     optim_grads_params    WRONG (1.9x - 2.0x)    right
+#
+# Where it is wrong for the sharded strategies, the gradient buffer is not data-distributed
+# (one rank), so the bucket handed to the reduce-scatter is a view of the buffer, and
+# ``ParamAndGradBuffer._bucket_group_gradient_reduce`` then adds the reduced shard to that
+# same buffer (``local_grad += reduced_grad``): every gradient counts twice. For ``optim``
+# (gradients not sharded) the reduced slice likewise lands on top of the local gradient;
+# Megatron-LM later copies instead of adding for ``no_shard`` / ``optim``. The dense region's
+# group is dp_shard (x cp); a MoE model's experts have their own, the expert data-parallel
+# group (efsdp = dp_shard * tp / ep), so ep = dp_shard * tp (one rank per expert copy, e.g.
+# ep4 on 4 ranks) is wrong under every sharded strategy, and one process under both. Such a
+# wrap still loads, saves, exports and runs forward (nothing there reduces gradients); its
+# ``optimizer.step()`` raises NotImplementedError naming the group.
+_REDUCES_RIGHT: dict[str, tuple[str, Any]] = {
+    "no_shard": ("one rank", lambda size: size == 1),
+    "optim": ("one rank", lambda size: size == 1),
+    "optim_grads": ("two or more ranks", lambda size: size > 1),
+    "optim_grads_params": ("two or more ranks", lambda size: size > 1),
+}
+
+
+def gradient_reduction_problem(strategy: str, groups: dict[str, int]) -> str | None:
+    """Why Megatron-Core 0.16.1's Megatron-FSDP reduces some group's gradients wrong, or None.
+
+    ``groups``: name -> size of each data-parallel group the model's parameters reduce over.
+    See [Note: Megatron-Core 0.16.1 gradient reduction].
+    """
+    needs, right = _REDUCES_RIGHT[strategy]
+    wrong = [f"the {name} has {size} rank{'s' if size > 1 else ''}" for name, size in groups.items() if not right(size)]
+    if not wrong:
+        return None
+    return (
+        f"strategy={strategy!r} and {', '.join(wrong)}: megatron-core 0.16.1's Megatron-FSDP reduces such a group's "
+        f"gradients wrong (they count twice; {strategy!r} is right for groups of {needs} only; docs/megatron-fsdp.md, "
+        "Megatron-Core MoE); use optim_grads_params (or optim_grads) with every data-parallel group >= 2 ranks "
+        "(for experts: ep < dp_shard * tp), or no_shard / optim where every group has one rank"
+    )
+
+
+def _refuse_steps(optimizer: torch.optim.Optimizer, problem: str) -> None:
+    """``optimizer.step()`` raises NotImplementedError(problem) (loading and saving still work)."""
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(problem)
+
+    optimizer.step = types.MethodType(step, optimizer)
+
+
 def _ddp_config(
     policy: PrecisionPolicy, strategy: str, model_dtype: torch.dtype, fp8_kwargs: dict[str, Any] | None = None
 ) -> Any:
@@ -252,6 +332,11 @@ def shard_model(
         ``(wrapped model, optimizer)``: call the wrapped model like the original; train with
         ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
 
+    A strategy that megatron-core 0.16.1 reduces wrong for the run's data-parallel group sizes
+    (``optim_grads*`` with one rank, ``optim`` / ``no_shard`` with several; see [Note:
+    Megatron-Core 0.16.1 gradient reduction]) still wraps, loads and saves, but the returned
+    optimizer's ``step()`` raises NotImplementedError naming the group.
+
     Raises:
         ValueError: an unknown strategy, a CUDA-only kernel selected on a CPU host, or a
             TransformerConfig whose FP8 fields disagree with ``fp8``.
@@ -273,6 +358,7 @@ def shard_model(
     ddp_config = _ddp_config(policy, strategy, model_dtype, fp8_fields(fp8, config, device_type=device_type))
     group_fqns = None if optimizer is None else param_group_fqns(model, optimizer, when="shard_model")
     register_gpt_fused(model, config)
+    experts = register_gpt_experts(model)
 
     _cpu_patch.install(_cpu_patch.MEGATRON_CORE, pin=True)
     fix_missing_te_linear()
@@ -291,7 +377,20 @@ def shard_model(
     # Our checkpoints go through MegatronFSDPStateDicts, not upstream's state-dict post-hook.
     bundled_fsdp().fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=False)
     _init_optimizer_state(optimizer)
+    problem = gradient_reduction_problem(strategy, _dp_groups(bool(experts)))
+    if problem is not None:  # See [Note: Megatron-Core 0.16.1 gradient reduction]
+        _refuse_steps(optimizer, problem)
     return wrapped, optimizer
+
+
+def _dp_groups(has_experts: bool) -> dict[str, int]:
+    """Name -> size of the data-parallel groups Megatron-FSDP reduces gradients over."""
+    from megatron.core import parallel_state
+
+    groups = {"dense data-parallel group (dp_shard x cp)": parallel_state.get_data_parallel_world_size(True)}
+    if has_experts:
+        groups["expert data-parallel group (efsdp)"] = parallel_state.get_expert_data_parallel_world_size()
+    return groups
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -26,6 +26,21 @@ must be copied into the compute weights after a load::
     rank   placements             local rows   local_offsets   DCP from placements
     1      [Shard(0), Shard(0)]   18           (14, 0)         (16, 0)   <- wrong
 
+A value may also be a :class:`~shardbridge.checkpoint.LocalChunks` instead of a tensor: the
+boxes of ONE stored tensor that this rank holds, each a view of live data, for a stored tensor
+that is no single parameter of the model. Megatron-Core's experts are the case: each rank holds
+``local_experts.{i}.linear_fc1.weight`` for its E/ep experts, and the checkpoint holds one
+``experts.linear_fc1.weight`` ``[E, 2I, D]`` whose dim 0 is the global expert index
+([Note: expert checkpoints] in ``shardbridge/_ep.py``)::
+
+    ep rank 1 of 2, E = 4, local expert i = global expert 2 + i, FSDP rows r0..r1 of each
+    model_sd["...experts.linear_fc1.weight"] = LocalChunks((4, 2I, D), [
+        ((2, r0, 0), local_experts[0] rows r0..r1, viewed [1, r1 - r0, D]),
+        ((3, r0, 0), local_experts[1] ...)])
+
+The core stores it as given (no fused split, no layout repair; the manifest records
+``"stored_as": "boxes"``), its optimizer entries too; on load DCP writes into the views.
+
 An offset given for a parameter is also used for its optimizer states shaped like it
 (DTensors with the same local shape, or plain tensors holding the local shard), and for its
 fused components. Tensors are loaded in place: return the live tensors (or views), not

@@ -484,6 +484,9 @@ def _add_entries(
         if top == MODEL_KEY and isinstance(value, torch.Tensor):
             stored = "repaired" if isinstance(out[key], LocalChunks) else "dtensor"
             state.tensors[key] = _placements_record(value, stored if isinstance(value, DTensor) else "plain")
+        elif top == MODEL_KEY and isinstance(value, LocalChunks):
+            # A provider's own boxes (e.g. per-expert parameters stacked into [E, ...]).
+            state.tensors[key] = {"mesh": {}, "placements": [], "stored_as": "boxes"}
     for key, (head, fqn, tail, info) in fused_keys.items():
         value = sd[key]
         split = split_fused_value(info, value)

@@ -35,7 +35,7 @@ The manifest (JSON object, ASCII) has::
                        "mesh_axes": {axis name: size} seen on the DTensors,
                        "tensors": {state-dict key: {"mesh": {axis: size}, "placements": [str],
                                                    "stored_as": "dtensor" | "repaired" |
-                                                   "components" | "plain"}},
+                                                   "components" | "plain" | "boxes"}},
                        "optim_state_absent": [stored names of parameters the optimizer held
                                               no state for (no gradient yet); absent before
                                               this record existed or without optimizer]}
