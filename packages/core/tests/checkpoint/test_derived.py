@@ -98,61 +98,89 @@ def test_a_sub_mesh_tiles_the_job_with_its_copies():
 
 
 def _save_derived(root: str, layout: dict | None, fused: bool, tamper: str):
-    """Save with the production protocol, spying on which path it took; then a gathered-protocol save."""
+    """Save with the production protocol, spying on which path it took and which ranks sent their
+    own records; then a gathered-protocol save of the same state (the oracle's .metadata)."""
     import torch.distributed as dist
     from shardbridge.checkpoint import _derived, _dist, _protocol
+    from shardbridge.checkpoint.storage import _writer
 
     model, opt = build(layout, fused=fused, seed=1)
     step(model, opt, seed=2)
-    took = []
-    real_save, real_length, real_small = _derived.Derived.save, _derived.record_length, _dist._SMALL_RECORDS_BYTES
+    took, own = [], []
+    real = {"save": _derived.Derived.save, "groups": _derived.storage_groups, "small": _dist._SMALL_RECORDS_BYTES,
+            "items": _writer._write_items, "digest": _derived.spreads_digest, "plan": _derived.matches_plan}  # fmt: skip
 
     def spy(self, dcp_state, writer, local, unchanged, derived=False):
         took.append(derived)
-        return real_save(self, dcp_state, writer, local, unchanged, derived)
+        return real["save"](self, dcp_state, writer, local, unchanged, derived)
 
-    _derived.Derived.save = spy
-    if tamper == "rule" and dist.get_rank() == 1:  # rank 1 derives other lengths than it writes: its records travel
-        _derived.record_length = lambda sizes, dtype: real_length(sizes, dtype) + 1
-        _derived._LENGTHS.clear()  # lengths are cached per layout between saves
+    def groups(entries, derivation, sent):
+        own.append(sorted(sent))
+        return real["groups"](entries, derivation, sent)
+
+    def padded(backend, path, name, items, planner):  # rank 1 writes one byte ahead of every record
+        class Pad(_writer.ChecksumWriter):
+            def __init__(self, raw):
+                super().__init__(raw)
+                self.write(b"\0")
+
+        plain, _writer.ChecksumWriter = _writer.ChecksumWriter, Pad
+        try:
+            return real["items"](backend, path, name, items, planner)
+        finally:
+            _writer.ChecksumWriter = plain
+
+    _derived.Derived.save, _derived.storage_groups = spy, groups
+    if tamper == "write" and dist.get_rank() == 1:  # its records differ from the file rule: they travel
+        _writer._write_items = padded
     if tamper == "overflow":  # no rank's records fit the fixed-size gather: every rank resends
         _dist._SMALL_RECORDS_BYTES = 16
+    if tamper == "digest" and dist.get_rank() == 2:  # one rank's layout differs: every rank gathers plans
+        _derived.spreads_digest = lambda spreads: 12345
+    if tamper == "plan" and dist.get_rank() == 3:  # one rank's plan is not what its spreads say: the same
+        _derived.matches_plan = lambda *args: False
     try:
+        _protocol.PROTOCOL.cache.clear()  # no entries kept from an earlier save in this worker
         path = ck.save(f"{root}/derived", model=model, optimizer=opt, step=1)
     finally:
-        _derived.Derived.save, _derived.record_length, _dist._SMALL_RECORDS_BYTES = real_save, real_length, real_small
-        _derived._LENGTHS.clear()
+        _derived.Derived.save, _derived.storage_groups = real["save"], real["groups"]
+        _dist._SMALL_RECORDS_BYTES, _writer._write_items = real["small"], real["items"]
+        _derived.spreads_digest, _derived.matches_plan = real["digest"], real["plan"]
     saved, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.OwnRounds()
     try:
         ck.save(f"{root}/gathered", model=model, optimizer=opt, step=1)
     finally:
         _protocol.PROTOCOL = saved
-    return took, full_state(model, opt), str(path)
+    return took, own, full_state(model, opt), str(path)
 
 
 @pytest.mark.parametrize(
-    "layout,fused,tamper",
+    "layout,fused,tamper,derived,own",
     [
-        ("fsdp2_tp2", True, ""),  # FSDP2 x TP, uneven rows (repaired boxes), fused [gate; up] components
-        ("hsdp2_tp2", False, ""),  # HSDP: every box held by 2 replicas, written once
-        ("fsdp4", False, "rule"),  # one rank's records differ from the file rule: they travel instead
-        ("fsdp2_tp2", False, "overflow"),  # records larger than the fixed-size gather: resent
+        ("fsdp2_tp2", True, "", True, []),  # FSDP2 x TP, uneven rows (repaired boxes), fused [gate; up] components
+        ("hsdp2_tp2", False, "", True, []),  # HSDP: every box held by 2 replicas, written once
+        ("fsdp4", False, "write", True, [1]),  # rank 1's files differ from the file rule: its records travel
+        ("fsdp2_tp2", False, "overflow", True, []),  # records larger than the fixed-size gather: resent
+        ("fsdp4", False, "digest", False, None),  # one rank's layout digest differs: the gathered rounds
+        ("hsdp2_tp2", False, "plan", False, None),  # one rank's plan is not its spreads': the gathered rounds
     ],
 )
-def test_derived_save_matches_the_gathered_plan_and_loads_bit_exact(tmp_path, layout, fused, tamper):
+def test_derived_save_matches_the_gathered_plan_and_loads_bit_exact(tmp_path, layout, fused, tamper, derived, own):
     from shardbridge.checkpoint.storage._trust import read_metadata
 
     results = run_distributed(_save_derived, str(tmp_path), LAYOUTS[layout], fused, tamper, world_size=4)
-    took, want, path = results[0]
-    assert all(r[0] == [True] for r in results), [r[0] for r in results]  # the derived path, on every rank
-    derived, gathered = read_metadata(path), read_metadata(tmp_path / "gathered")
+    _, _, want, path = results[0]
+    assert all(r[0] == [derived] for r in results), [r[0] for r in results]  # the path taken, on every rank
+    if own is not None:
+        assert results[0][1] == [own]  # rank 0's .metadata: derived rows, real records for these ranks only
+    derived_md, gathered = read_metadata(path), read_metadata(tmp_path / "gathered")
 
     def boxes(md):
         return {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks) if hasattr(v, "chunks") else "bytes"
                 for k, v in md.state_dict_metadata.items()}  # fmt: skip
 
-    assert boxes(derived) == boxes(gathered)
-    assert {(i.fqn, i.offset) for i in derived.storage_data} == {(i.fqn, i.offset) for i in gathered.storage_data}
+    assert boxes(derived_md) == boxes(gathered)
+    assert {(i.fqn, i.offset) for i in derived_md.storage_data} == {(i.fqn, i.offset) for i in gathered.storage_data}
     # torch's own reader: every tensor as the live model holds it
     dcp_to_torch_save(path, tmp_path / "t.pt")
     flat = torch.load(tmp_path / "t.pt", weights_only=True)
@@ -164,6 +192,32 @@ def test_derived_save_matches_the_gathered_plan_and_loads_bit_exact(tmp_path, la
     # and shardbridge's load, into another layout
     fresh = run_distributed(_load_into, path, LAYOUTS["fsdp4"], fused, world_size=4)[0]
     assert_equal_states(fresh, want)
+
+
+def _async_saves(root: str):
+    from shardbridge.checkpoint import _derived
+
+    model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True, seed=1)
+    step(model, opt, seed=2)
+    took, real = [], _derived.Derived.save
+
+    def spy(self, dcp_state, writer, local, unchanged, derived=False):
+        took.append(derived)
+        return real(self, dcp_state, writer, local, unchanged, derived)
+
+    _derived.Derived.save = spy
+    try:
+        ck.save(f"{root}/a", model=model, optimizer=opt, step=1, async_=True).wait()
+    finally:
+        _derived.Derived.save = real
+    return took, full_state(model, opt)
+
+
+def test_an_async_save_is_derived_too(tmp_path):
+    # The staged snapshot keeps each entry's spread (state/_stage.py): the writer thread derives as well.
+    results = run_distributed(_async_saves, str(tmp_path), world_size=4)
+    assert all(r[0] == [True] for r in results), [r[0] for r in results]
+    assert_equal_states(run_distributed(_load_into, f"{tmp_path}/a", LAYOUTS["hsdp2_tp2"], True, world_size=4)[0], results[0][1])
 
 
 def _load_into(path: str, layout: dict, fused: bool):

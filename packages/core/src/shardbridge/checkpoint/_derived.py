@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -61,6 +61,9 @@ from shardbridge.checkpoint.state._spread import (
 from shardbridge.checkpoint.storage._files import Rows, data_file_name, derive_rows, record_length
 from shardbridge.checkpoint.storage._metadata_stream import StorageGroup
 from shardbridge.checkpoint.storage._writer import RECORDS_KEY, RankFiles, Writer
+
+if TYPE_CHECKING:
+    from shardbridge.checkpoint._protocol import OwnRounds
 
 __all__ = ["Derived", "DerivedLocal", "Entry", "entry_spread"]
 
@@ -128,7 +131,7 @@ def _entries(planner: SavePlanner, plan: SavePlan, world_size: int) -> tuple[lis
                 properties, size = mine[0].tensor_data.properties, mine[0].tensor_data.size
             out.append(Entry(fqn, spread, table, writers(table, ordinal, bytes_item=is_bytes), properties, size))
             by_fqn[fqn] = spread
-    except NotDerivable:
+    except Exception:  # noqa: BLE001 (NotDerivable, or any surprise: the gathered rounds save it right)
         return None, 0
     if not matches_plan(plan, by_fqn, lambda s: _coordinate(s, rank)):
         return None, 0
@@ -166,6 +169,9 @@ class _Derivation:
     """Per entry: (first row, number of rows) in ``rows``."""
     sizes: dict[tuple[int, int], int]
     """(writer, file number) -> the file's size."""
+    only: int | None = None
+    """The one writer whose rows these are (each entry's rows: its boxes of that writer, in order);
+    None: every writer's (each entry's rows: all its boxes, row ``u`` for box ``u``)."""
 
 
 def _nbytes_and_lengths(entry: Entry) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +219,7 @@ def _derive(entries: list[Entry], *, only: int | None, bytes_lengths: dict[str, 
         start += w.numel()
     rows = Rows(torch.cat(writer), torch.cat(nbytes), torch.cat(length), torch.cat(is_bytes))
     sizes = derive_rows(rows, threads=threads, min_file_bytes=min_file_bytes)
-    return _Derivation(rows, spans, sizes)
+    return _Derivation(rows, spans, sizes, only)
 
 
 def _own_keys(entries: list[Entry], derivation: _Derivation, rank: int) -> dict[tuple[str, Any], tuple[str, int, int]]:
@@ -225,7 +231,7 @@ def _own_keys(entries: list[Entry], derivation: _Derivation, rank: int) -> dict[
             continue
         positions = torch.nonzero(entry.writer == rank).flatten().tolist()
         for k, u in enumerate(positions):
-            r = start + k
+            r = start + (u if derivation.only is None else k)
             at = None if entry.properties is None else torch.Size(entry.table.offsets[u])
             out[(entry.fqn, at)] = (data_file_name(rank, int(rows.file[r])), int(rows.offset[r]), int(rows.length[r]))
     return out
@@ -352,14 +358,15 @@ def _real_groups(entries: list[Entry], own: dict[int, list[WriteResult]], names:
     return groups
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Derived:
     """Plans derived from the mesh, records from the file rule. See [Note: the derived protocol]."""
 
+    fallback: OwnRounds
+    """The gathered protocol for saves that cannot be derived."""
     name: str = "derived"
-    fallback: Any = None
-    """The gathered protocol (``OwnRounds``) for saves that cannot be derived."""
     cache: dict[str, Any] = field(default_factory=dict)
+    """This rank's entries of the last save, kept while its local plan stays the same."""
 
     def local(self, dcp_state: dict[str, Any]) -> tuple[DerivedLocal, bool]:
         """This rank's local plan, its entries' spreads and digest; whether its plan is the last save's.

@@ -20,12 +20,15 @@ hold it (coordinates that differ only along the mesh dims the boxes do not depen
 rank evaluates alike (:func:`writers`: the entry's ordinal modulo the number of holders, which
 spreads replicated entries over the replicas; bytes items by the first holder, rank 0). So the
 save needs no plan round: each rank filters its own local plan by the rule, and rank 0 knows
-every rank's items without being sent them. Whether the job really is SPMD is checked, not
+every rank's items without being sent them. That every rank has the same LAYOUT is checked, not
 assumed: every rank hashes its entries' spreads into one digest (:func:`spreads_digest`,
 compared in the save's argument round) and checks that its own local plan is what its spreads
 say for its coordinate (:func:`matches_plan`); a rank where either fails makes the save fall
 back to the gathered plan round. Entries without a spread (a framework's own boxes, through a
-``StateDictProvider``) fall back the same way.
+``StateDictProvider``) fall back the same way. That the replicas of a box hold the same DATA is
+assumed, exactly as DCP's own deduplication assumes it (it keeps one holder's copy); a tensor
+whose ranks hold different data under one name must be taken over by a provider
+(``mark_rank_local`` refuses it otherwise: [Note: rank-local tensors]).
 """
 
 from __future__ import annotations
@@ -113,7 +116,10 @@ class Grid:
     @classmethod
     def everywhere(cls, world_size: int) -> Grid:
         """Every rank of the job, one mesh dim (what a replicated plain tensor lives on)."""
-        return _EVERYWHERE.setdefault(world_size, cls((world_size,), torch.arange(world_size)))
+        grid = _EVERYWHERE.get(world_size)
+        if grid is None:
+            grid = _EVERYWHERE[world_size] = cls((world_size,), torch.arange(world_size))
+        return grid
 
     def rank_at(self, coordinate: Sequence[int]) -> int:
         """The global rank at ``coordinate``."""

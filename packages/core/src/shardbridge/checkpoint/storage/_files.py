@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import io
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,9 +37,11 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from shardbridge._compat import torch_save_without_crc
 
-__all__ = ["Rows", "data_file_name", "derive_rows", "file_count", "record_length", "split_items"]
+__all__ = ["DATA_FILE_PATTERN", "Rows", "data_file_name", "derive_rows", "file_count", "record_length", "split_items"]
 
 _SUFFIX = ".distcp"
+DATA_FILE_PATTERN = re.compile(r"[A-Za-z0-9_.-]+\.distcp")
+"""What a ``.metadata`` may name as a data file: a ``.distcp`` file of the checkpoint's directory."""
 
 
 def data_file_name(rank: int, n: int) -> str:

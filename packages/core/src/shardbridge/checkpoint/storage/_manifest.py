@@ -152,7 +152,7 @@ class Manifest:
             data[SELF_CHECKSUM_KEY] = _self_checksum(data)
         else:
             del data["files"]
-        return json.dumps(data, indent=1, sort_keys=True, ensure_ascii=True, allow_nan=False) + "\n"
+        return _pretty(data)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> Manifest:
@@ -198,6 +198,28 @@ class Manifest:
         if generation is not None and (not isinstance(generation, str) or not _GENERATION.match(generation)):
             raise ValueError(f"{where}: generation={generation!r} must be 'g-' and 16 hex digits; the manifest is damaged")
         return cls(**{k: data[k] for k in (*kinds, "format_version")}, files=files, generation=generation)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(", ", ": "), ensure_ascii=True, allow_nan=False)
+
+
+def _pretty(data: dict[str, Any]) -> str:
+    """JSON with sorted keys, one top-level key per line and one entry per line of each top-level
+    mapping (a file's record, a tensor's layout), deeper values on their entry's line.
+
+    ``json.dumps(indent=...)`` runs Python's pure-Python encoder: ~1 s for the 32,000 file
+    records of a 16,384-rank save; this encodes every entry with the C encoder.
+    """
+    lines = []
+    for key in sorted(data):
+        value = data[key]
+        if isinstance(value, dict) and value:
+            inner = [f"  {_compact(k)}: {_compact(value[k])}" for k in sorted(value)]
+            lines.append(f" {_compact(key)}: {{\n" + ",\n".join(inner) + "\n }")
+        else:
+            lines.append(f" {_compact(key)}: {_compact(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def _self_checksum(data: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from shardbridge._compat import DCPStorageInfo
+from shardbridge.checkpoint.storage._files import DATA_FILE_PATTERN
 
 __all__ = ["Records", "StorageGroup", "check_records", "read_streamed", "write_metadata"]
 
@@ -162,16 +163,12 @@ _ROWS_PER_BATCH = 1 << 18
 """Records rendered at once (~25 MB of pickle): bounds the writer's memory at any size."""
 
 
-def write_metadata(
-    head: Metadata, names: Sequence[str], groups: Sequence[StorageGroup], write: Callable[[bytes], None]
-) -> None:
-    """Write the pickle of ``head`` with ``storage_data`` holding ``groups``' records. See [Note: streamed .metadata].
+def _shell(head: Metadata) -> tuple[bytes, int]:
+    """The pickle of ``head`` with an empty ``storage_data`` last in its state, and its memo size.
 
-    Args:
-        head: the metadata without storage records (its ``storage_data`` is ignored).
-        names: the data file names the groups' ``name`` columns index.
-        groups: the records, one group per entry (any order).
-        write: receives the stream's bytes, in order.
+    The stream ends ``... 'storage_data' EMPTY_DICT BINPUT|LONG_BINPUT <slot> SETITEMS BUILD STOP``:
+    the records go in before the final ``SETITEMS``. The same bytes for the same head, so a reader
+    can tell that a stream's head is exactly this (see [Note: reading a streamed .metadata]).
     """
     shell = Metadata(
         state_dict_metadata=head.state_dict_metadata,
@@ -185,12 +182,26 @@ def write_metadata(
     pickler = pickle.Pickler(buf, protocol=_PROTOCOL)
     pickler.dump(shell)
     data = buf.getvalue()
+    body = data[:-3]
+    assert data.endswith(b"ub.") and (body[-3:-1] == b"}q" or body[-6:-4] == b"}r"), data[-16:]
+    return data, len(pickler.memo.copy())
+
+
+def write_metadata(
+    head: Metadata, names: Sequence[str], groups: Sequence[StorageGroup], write: Callable[[bytes], None]
+) -> None:
+    """Write the pickle of ``head`` with ``storage_data`` holding ``groups``' records. See [Note: streamed .metadata].
+
+    Args:
+        head: the metadata without storage records (its ``storage_data`` is ignored).
+        names: the data file names the groups' ``name`` columns index.
+        groups: the records, one group per entry (any order).
+        write: receives the stream's bytes, in order.
+    """
+    data, memo_size = _shell(head)
     tail = b"ub."  # the state dict's last SETITEMS, BUILD, STOP
-    body = data[: -len(tail)]
-    # ... 'storage_data' EMPTY_DICT BINPUT/LONG_BINPUT <slot>, then the tail
-    assert data.endswith(tail) and (body[-3:-1] == b"}q" or body[-6:-4] == b"}r"), data[-16:]
-    write(body)
-    memo = _Memo(len(pickler.memo.copy()))
+    write(data[: -len(tail)])
+    memo = _Memo(memo_size)
     memo.define(MetadataIndex, _global(MetadataIndex))
     memo.define(DCPStorageInfo, _global(DCPStorageInfo))
     memo.define(torch.Size, b"ctorch\nSize\n")
@@ -231,7 +242,7 @@ def write_metadata(
             rows = template.render({k: v[start:stop] for k, v in columns.items()}, stop - start)
             write(b"J" + struct.pack("<i", stop - start) + b"0")  # the batch's row count, pushed and popped
             write(b"(")  # MARK
-            write(rows.numpy().tobytes())
+            write(memoryview(rows.numpy()).cast("B"))  # no copy
             write(b"u")  # SETITEMS into storage_data
     write(tail)
 
@@ -241,15 +252,24 @@ def write_metadata(
 # [Note: reading a streamed .metadata]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The restricted reader (``_trust.py``) runs Python's pure-Python unpickler: ~35 opcodes per
-# record, minutes for the millions of records of a large job. A ``.metadata`` in exactly the shape
-# :func:`write_metadata` writes is read faster, without trusting it: everything before the records
-# (the entries' descriptions) goes through the restricted unpickler as always; the definitions are
-# parsed one by one (only the three admitted classes and strings); each batch's records must match
-# ONE template byte for byte outside its integer fields (checked for every row at once), and every
-# integer is then checked as the structural check checks it (``check_records``). The objects built
-# are those the unpickler would build. Anything that deviates -- a byte, a class, an unknown name,
-# a count -- returns None, and the caller reads the file with the restricted unpickler, which
-# names the problem. So the fast path changes how long a valid file takes, never what is accepted.
+# record, minutes for the millions of records of a large job. A ``.metadata`` in EXACTLY the shape
+# :func:`write_metadata` writes is read faster, without trusting it:
+#
+# - the head (the entries' descriptions) goes through the restricted unpickler as always, its
+#   structure is checked (``validate_head``: the restricted reader's own check), and re-pickled: the
+#   stream's head must be byte for byte what :func:`_shell` writes for it. So the stream is at the
+#   point where the records go in (``'storage_data' {}`` on the stack), whatever the bytes before;
+# - the definitions are parsed one by one: only the three admitted classes and strings, in memo
+#   slots that continue the head's without a gap (so no slot number sizes an allocation);
+# - each batch's records must match ONE template byte for byte outside its integer fields (checked
+#   for every row at once); every integer is then checked as the structural check checks it
+#   (:func:`check_records`).
+#
+# The objects built are those the unpickler would build. Anything that deviates -- a byte, a
+# class, a slot, an unknown name, a count, any exception -- returns None, and the caller reads the
+# file with the restricted unpickler, which names the problem. So the fast path changes how long a
+# valid file takes, never what is accepted (``tests/checkpoint/test_metadata_stream.py`` compares
+# the two verdicts on mutated files).
 
 
 class _Deviates(Exception):
@@ -257,6 +277,7 @@ class _Deviates(Exception):
 
 
 _DEFINITIONS_START = _global(MetadataIndex) + b"r"
+_KEYS = ("fqn", "index", "offset", "relative_path", "length")
 
 
 @dataclass
@@ -278,14 +299,14 @@ def _int(data: bytes, at: int, width: int, signed: bool = True) -> int:
     return int.from_bytes(data[at : at + width], "little", signed=signed)
 
 
-def _definitions(data: bytes, at: int) -> tuple[dict[int, object], int]:
-    """The memo definitions ``write_metadata`` writes: slot -> admitted class or string."""
+def _definitions(data: bytes, at: int, first_slot: int) -> tuple[list[object], int]:
+    """The memo definitions ``write_metadata`` writes, in slots ``first_slot``, ``first_slot + 1``, ..."""
     admitted = {
         (MetadataIndex.__module__, MetadataIndex.__qualname__): MetadataIndex,
         (DCPStorageInfo.__module__, DCPStorageInfo.__qualname__): DCPStorageInfo,
         ("torch", "Size"): torch.Size,
     }
-    defs: dict[int, object] = {}
+    defs: list[object] = []
     while at < len(data) and data[at] in b"cX":
         if data[at] == ord("c"):
             end1 = data.index(b"\n", at + 1)
@@ -297,14 +318,15 @@ def _definitions(data: bytes, at: int) -> tuple[dict[int, object], int]:
             at = end2 + 1
         else:
             n = _int(data, at + 1, 4, signed=False)
+            if at + 5 + n > len(data):
+                raise _Deviates
             value = data[at + 5 : at + 5 + n].decode("utf-8", "surrogatepass")
             at += 5 + n
         if data[at : at + 1] != b"r" or data[at + 5 : at + 6] != b"0":
             raise _Deviates
-        slot = _int(data, at + 1, 4, signed=False)
-        if slot in defs:
+        if _int(data, at + 1, 4, signed=False) != first_slot + len(defs):
             raise _Deviates
-        defs[slot] = value
+        defs.append(value)
         at += 6
     return defs, at
 
@@ -362,44 +384,44 @@ def _first_record(data: bytes, at: int, refs: dict[object, bytes]) -> tuple[int,
     return at - start, fields, ndim, with_index
 
 
-def read_streamed(data: bytes, load_head: Callable[[bytes], object]) -> tuple[Metadata, Records] | None:
+def read_streamed(
+    data: bytes, load_head: Callable[[bytes], object], validate_head: Callable[[Metadata], None]
+) -> tuple[Metadata, Records] | None:
     """``data`` read as :func:`write_metadata` writes it, or None (not in that shape: read it with the
-    restricted unpickler). ``load_head`` is the restricted unpickler, for everything before the
-    records. See [Note: reading a streamed .metadata]."""
+    restricted unpickler). ``load_head`` is the restricted unpickler, ``validate_head`` its structural
+    check of the entries' descriptions. See [Note: reading a streamed .metadata]."""
     try:
-        return _read_streamed(data, load_head)
-    except (_Deviates, ValueError, IndexError, UnicodeDecodeError, KeyError, OverflowError):
+        return _read_streamed(data, load_head, validate_head)
+    except Exception:  # noqa: BLE001 (any deviation: the restricted reader reads it and names the problem)
         return None
 
 
-def _read_streamed(data: bytes, load_head: Callable[[bytes], object]) -> tuple[Metadata, Records]:
+def _read_streamed(
+    data: bytes, load_head: Callable[[bytes], object], validate_head: Callable[[Metadata], None]
+) -> tuple[Metadata, Records]:
     at = data.find(_DEFINITIONS_START)
     if at < 0:
         raise _Deviates
-    try:
-        head = load_head(data[:at] + b"ub.")
-    except Exception as exc:  # noqa: BLE001 (the restricted reader will name it)
-        raise _Deviates from exc
+    head = load_head(data[:at] + b"ub.")
     if type(head) is not Metadata or type(head.storage_data) is not dict or head.storage_data:
         raise _Deviates
-    described = head.state_dict_metadata
-    if not isinstance(described, dict):
+    validate_head(head)  # the restricted reader's check of every description
+    canonical, memo_size = _shell(head)
+    if canonical != data[:at] + b"ub.":  # the head is exactly what write_metadata writes for it
         raise _Deviates
-    defs, at = _definitions(data, at)
+    defs, at = _definitions(data, at, memo_size)
     refs: dict[object, bytes] = {}
-    for slot, value in defs.items():
-        key = value if isinstance(value, type) or value in ("fqn", "index", "offset", "relative_path", "length") else None
-        if key is not None and key not in refs:
-            refs[key] = b"j" + struct.pack("<I", slot)
-    if len(refs) != 8:
+    for k, value in enumerate(defs[:8]):  # MetadataIndex, _StorageInfo, torch.Size, then the keys
+        refs[value if isinstance(value, type) else value] = b"j" + struct.pack("<I", memo_size + k)
+    if defs[:8] != [MetadataIndex, DCPStorageInfo, torch.Size, *_KEYS]:
         raise _Deviates
-    strings = {slot: v for slot, v in defs.items() if isinstance(v, str)}
+    described = head.state_dict_metadata
     storage: dict[MetadataIndex, object] = {}
-    columns: dict[str, list[torch.Tensor]] = {k: [] for k in ("entry", "index", "name", "offset", "length")}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("entry", "index", "name", "offset", "length")}
     fqns: list[str] = []
-    fqn_at: dict[int, int] = {}
+    fqn_at: dict[int, int] = {}  # definition -> position in fqns
     names: list[str] = []
-    name_at: dict[int, int] = {}
+    name_at = torch.full((len(defs),), -1, dtype=torch.int64)  # definition -> position in names
     while data[at : at + 3] != b"ub.":
         if data[at : at + 1] != b"J" or data[at + 5 : at + 7] != b"0(":
             raise _Deviates
@@ -407,7 +429,7 @@ def _read_streamed(data: bytes, load_head: Callable[[bytes], object]) -> tuple[M
         at += 7
         size, fields, ndim, with_index = _first_record(data, at, refs)
         end = at + count * size
-        if count <= 0 or data[end : end + 1] != b"u":
+        if count <= 0 or end >= len(data) or data[end : end + 1] != b"u":
             raise _Deviates
         rows = torch.frombuffer(bytearray(data[at:end]), dtype=torch.uint8).view(count, size)
         fixed = torch.ones(size, dtype=torch.bool)
@@ -418,91 +440,103 @@ def _read_streamed(data: bytes, load_head: Callable[[bytes], object]) -> tuple[M
         value = {}
         for name, pos, width, signed in fields:
             raw = torch.empty(count, width, dtype=torch.uint8).copy_(rows[:, pos : pos + width])  # aligned
-            column = raw.view(torch.int32 if width == 4 else torch.int64).flatten()
-            value[name] = column.to(torch.int64) if signed or width == 8 else column.to(torch.int64) & 0xFFFFFFFF
-        _build(data, described, strings, value, ndim, with_index, storage, columns, fqns, fqn_at, names, name_at)
+            column = raw.view(torch.int32 if width == 4 else torch.int64).flatten().to(torch.int64)
+            value[name] = column if signed else column & 0xFFFFFFFF
+        batch = _Batch(value, ndim, with_index, memo_size)
+        batch.build(defs, described, storage, parts, fqns, fqn_at, names, name_at)
         at = end + 1
     if at + 3 != len(data):
         raise _Deviates
     head.storage_data = storage
-    records = Records(
-        fqns, *(torch.cat(columns[k]) if columns[k] else torch.empty(0, dtype=torch.int64) for k in ("entry", "index")),
-        torch.cat(columns["name"]) if columns["name"] else torch.empty(0, dtype=torch.int64), names,
-        *(torch.cat(columns[k]) if columns[k] else torch.empty(0, dtype=torch.int64) for k in ("offset", "length")),
-    )  # fmt: skip
+
+    def column(key: str) -> torch.Tensor:
+        return torch.cat(parts[key]) if parts[key] else torch.empty(0, dtype=torch.int64)
+
+    records = Records(fqns, column("entry"), column("index"), column("name"), names, column("offset"), column("length"))
     return head, records
 
 
-def _build(
-    data: bytes,
-    described: dict,
-    strings: dict[int, str],
-    value: dict[str, torch.Tensor],
-    ndim: int | None,
-    with_index: bool,
-    storage: dict,
-    columns: dict[str, list[torch.Tensor]],
-    fqns: list[str],
-    fqn_at: dict[int, int],
-    names: list[str],
-    name_at: dict[int, int],
-) -> None:
-    """One batch's records as DCP's objects, each offset the described chunk's own ``torch.Size``."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+@dataclass
+class _Batch:
+    """One batch's integer columns (``fqn`` / ``name``: memo slots) and its template's kind."""
 
-    for slot in torch.unique(value["name"]).tolist():
-        if slot not in name_at:
-            if slot not in strings:
+    value: dict[str, torch.Tensor]
+    ndim: int | None
+    with_index: bool
+    first_slot: int
+
+    def build(
+        self,
+        defs: list[object],
+        described: dict,
+        storage: dict,
+        parts: dict[str, list[torch.Tensor]],
+        fqns: list[str],
+        fqn_at: dict[int, int],
+        names: list[str],
+        name_at: torch.Tensor,
+    ) -> None:
+        """The batch's records as DCP's objects, each offset the described chunk's own ``torch.Size``."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        v, ndim = self.value, self.ndim
+        fqn_def, name_def = v["fqn"] - self.first_slot, v["name"] - self.first_slot
+        if bool(((fqn_def < 8) | (fqn_def >= len(defs)) | (name_def < 8) | (name_def >= len(defs))).any()):
+            raise _Deviates
+        for d in torch.unique(name_def).tolist():  # every name a string definition
+            if int(name_at[d]) < 0:
+                if not isinstance(defs[d], str):
+                    raise _Deviates
+                name_at[d] = len(names)
+                names.append(defs[d])
+        # rows grouped by entry (one sort), each entry's rows checked against its chunks at once
+        order = torch.sort(fqn_def, stable=True).indices
+        groups, counts = torch.unique_consecutive(fqn_def[order], return_counts=True)
+        entry_col = torch.empty_like(fqn_def)
+        index_col = v["index"] if self.with_index else torch.full_like(fqn_def, -1)
+        start = 0
+        for d, n in zip(groups.tolist(), counts.tolist()):
+            rows = order[start : start + n]
+            start += n
+            fqn = defs[d]
+            entry = described.get(fqn) if isinstance(fqn, str) else None
+            if entry is None:
                 raise _Deviates
-            name_at[slot] = len(names)
-            names.append(strings[slot])
-    entry_col = torch.empty_like(value["fqn"])
-    index_col = value["index"] if with_index else torch.full_like(value["fqn"], -1)
-    for slot in torch.unique(value["fqn"]).tolist():
-        fqn = strings.get(slot)
-        entry = described.get(fqn) if fqn is not None else None
-        if entry is None:
-            raise _Deviates
-        if slot not in fqn_at:
-            fqn_at[slot] = len(fqns)
-            fqns.append(fqn)
-        mine = value["fqn"] == slot
-        entry_col[mine] = fqn_at[slot]
-        if ndim is None:
-            if type(entry) is not BytesStorageMetadata or with_index:
+            if d not in fqn_at:
+                fqn_at[d] = len(fqns)
+                fqns.append(fqn)
+            entry_col[rows] = fqn_at[d]
+            if ndim is None:
+                if type(entry) is not BytesStorageMetadata or self.with_index:
+                    raise _Deviates
+                continue
+            if type(entry) is not TensorStorageMetadata or len(entry.size) != ndim or not self.with_index:
                 raise _Deviates
-            continue
-        if type(entry) is not TensorStorageMetadata or len(entry.size) != ndim or not with_index:
-            raise _Deviates
-        index = value["index"][mine]
-        if int(index.min()) < 0 or int(index.max()) >= len(entry.chunks):
-            raise _Deviates
-        offsets = torch.stack([value[f"o{d}"][mine] for d in range(ndim)], 1) if ndim else torch.zeros(len(index), 0, dtype=torch.int64)
-        if not bool((_chunk_offsets(entry.chunks, ndim)[index] == offsets).all()):
-            raise _Deviates
-    lut = torch.full((max(name_at) + 1,), -1, dtype=torch.int64)
-    lut[torch.tensor(list(name_at), dtype=torch.int64)] = torch.tensor(list(name_at.values()), dtype=torch.int64)
-    name_col = lut[value["name"]]
-    keys = value["fqn"].tolist()
-    idx = index_col.tolist()
-    path = [names[i] for i in name_col.tolist()]
-    where, length = value["offset"].tolist(), value["length"].tolist()
-    new_index, new_info = MetadataIndex.__new__, DCPStorageInfo.__new__
-    chunks_of = {slot: described[strings[slot]].chunks for slot in set(keys)} if ndim is not None else {}
-    for k, slot in enumerate(keys):
-        mi = new_index(MetadataIndex)  # frozen: its __dict__ is filled, as unpickling does
-        if ndim is None:
-            mi.__dict__.update({"fqn": strings[slot], "index": None})
-        else:
-            mi.__dict__.update({"fqn": strings[slot], "index": idx[k], "offset": chunks_of[slot][idx[k]].offsets})
-        info = new_info(DCPStorageInfo)
-        info.__dict__ = {"relative_path": path[k], "offset": where[k], "length": length[k]}
-        storage[mi] = info
-    columns["entry"].append(entry_col)
-    columns["index"].append(index_col)
-    columns["name"].append(name_col)
-    columns["offset"].append(value["offset"])
-    columns["length"].append(value["length"])
+            index = v["index"][rows]
+            if int(index.min()) < 0 or int(index.max()) >= len(entry.chunks):
+                raise _Deviates
+            offsets = torch.stack([v[f"o{k}"][rows] for k in range(ndim)], 1) if ndim else index.new_zeros(n, 0)
+            if not bool((_chunk_offsets(entry.chunks, ndim)[index] == offsets).all()):
+                raise _Deviates
+        path = [names[i] for i in name_at[name_def].tolist()]
+        keys, idx = fqn_def.tolist(), index_col.tolist()
+        where, length = v["offset"].tolist(), v["length"].tolist()
+        new_index, new_info = MetadataIndex.__new__, DCPStorageInfo.__new__
+        chunks_of = {d: described[defs[d]].chunks for d in set(keys)} if ndim is not None else {}
+        for k, d in enumerate(keys):
+            mi = new_index(MetadataIndex)  # frozen: its __dict__ is filled, as unpickling does
+            if ndim is None:
+                mi.__dict__.update({"fqn": defs[d], "index": None})
+            else:
+                mi.__dict__.update({"fqn": defs[d], "index": idx[k], "offset": chunks_of[d][idx[k]].offsets})
+            info = new_info(DCPStorageInfo)
+            info.__dict__ = {"relative_path": path[k], "offset": where[k], "length": length[k]}
+            storage[mi] = info
+        parts["entry"].append(entry_col)
+        parts["index"].append(index_col)
+        parts["name"].append(name_at[name_def])
+        parts["offset"].append(v["offset"])
+        parts["length"].append(v["length"])
 
 
 def _chunk_offsets(chunks: list, ndim: int) -> torch.Tensor:
@@ -529,9 +563,7 @@ def check_records(md: Metadata, records: Records, file_sizes: Callable[[], dict[
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from shardbridge.checkpoint.storage._trust import _DATA_FILE
-
-    if any(not _DATA_FILE.fullmatch(n) or n.startswith("..") for n in records.names):
+    if any(not DATA_FILE_PATTERN.fullmatch(n) or n.startswith("..") for n in records.names):
         return False
     if bool((records.offset < 0).any()) or bool((records.length < 0).any()):
         return False
@@ -544,6 +576,8 @@ def check_records(md: Metadata, records: Records, file_sizes: Callable[[], dict[
         entry = described[fqn]
         base.append(total)
         if type(entry) is TensorStorageMetadata:
+            if not _distinct_offsets(entry.chunks):  # two chunks at one offset: one record could not tell them apart
+                return False
             sizes = _chunk_bytes(entry.chunks, entry.properties.dtype)
             raw.append(sizes)
             total += len(sizes)
@@ -581,3 +615,15 @@ def _chunk_bytes(chunks: list, dtype: torch.dtype) -> torch.Tensor:
 
 
 _BYTES_OF: dict[tuple[int, torch.dtype], tuple[list, torch.Tensor]] = {}
+
+
+def _distinct_offsets(chunks: list) -> bool:
+    hit = _DISTINCT.get(id(chunks))
+    if hit is None or hit[0] is not chunks:
+        if len(_DISTINCT) > 4096:
+            _DISTINCT.clear()
+        hit = _DISTINCT[id(chunks)] = (chunks, len({tuple(c.offsets) for c in chunks}) == len(chunks))
+    return hit[1]
+
+
+_DISTINCT: dict[int, tuple[list, bool]] = {}

@@ -51,8 +51,10 @@ size of its files, slow reads of very large metadata, and classes the PROCESS re
 tensor classes), whose constructors run.
 
 Cost: Python's pure-Python unpickler is ~2.5x slower than the C one (30 MB of metadata,
-190k chunks: 10 s instead of 4 s); the checks add a linear pass. Typical metadata is well
-under a megabyte.
+190k chunks: 10 s instead of 4 s); the checks add a linear pass. A ``.metadata`` that
+shardbridge's save streamed is read ~15x faster under the same rule ([Note: reading a streamed
+.metadata] in ``_metadata_stream.py``: its records are checked as tensor operations; anything
+that deviates from that shape is read as above): 96 MB, 895k records in 11 s instead of 169 s.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from shardbridge._compat import DCP_MEM_FORMAT_ENCODING, DCPStorageInfo, PyUnpickler, dcp_set_element
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._coverage import coverage_fault
+from shardbridge.checkpoint.storage._files import DATA_FILE_PATTERN
 
 # -- private upstream names: reached through shardbridge._compat ([Note: upstream internals]) --
 _set_element = dcp_set_element
@@ -243,17 +246,15 @@ def read_metadata(
     if select is None:  # [Note: reading a streamed .metadata]: the same checks, as tensor operations
         from shardbridge.checkpoint.storage._metadata_stream import check_records, read_streamed
 
-        fast = read_streamed(data, lambda head: MetadataUnpickler(io.BytesIO(head), where=where).load())
+        fast = read_streamed(
+            data,
+            lambda head: MetadataUnpickler(io.BytesIO(head), where=where).load(),
+            lambda head: _check_metadata(head, None, where, records_checked=True),
+        )
         if fast is not None:
-            metadata, records = fast
-            try:
-                _check_metadata(metadata, None, where, records_checked=True)
-            except (UntrustedCheckpointError, AttributeError, TypeError, KeyError):
-                fast = None  # the restricted reader below names it
-            else:
-                sizes = (lambda: _file_sizes(stored)) if data_files else None
-                if check_records(metadata, records, sizes):
-                    return metadata
+            sizes = (lambda: _file_sizes(stored)) if data_files else None
+            if check_records(fast[0], fast[1], sizes):
+                return fast[0]
     try:
         metadata = MetadataUnpickler(io.BytesIO(data), where=where).load()
     except UntrustedCheckpointError:
@@ -321,7 +322,7 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, torch.Size) and all(type(v) is int and v >= 0 for v in value)
 
 
-_DATA_FILE = re.compile(r"[A-Za-z0-9_.-]+\.distcp")
+_DATA_FILE = DATA_FILE_PATTERN
 
 
 def _file_sizes(stored: Stored) -> dict[str, int]:
