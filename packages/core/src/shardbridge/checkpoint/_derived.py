@@ -50,7 +50,6 @@ from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint.state._chunks import LocalChunks, SavePlanner
 from shardbridge.checkpoint.state._repair import dtensor_spread
 from shardbridge.checkpoint.state._spread import (
-    NotDerivable,
     Spread,
     SpreadTable,
     matches_plan,
