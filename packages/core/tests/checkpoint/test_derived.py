@@ -76,11 +76,18 @@ def test_the_file_rule_derives_what_the_writer_lays_out(threads, min_file_bytes)
         length=torch.tensor([expected[i.index.fqn][3] for _, i in order]),
         is_bytes=torch.tensor([i.tensor_data is None for _, i in order]),
     )
-    sizes = derive_rows(rows, threads=threads, min_file_bytes=min_file_bytes)
-    got = {i.index.fqn: (r, int(rows.file[k]), int(rows.offset[k]), int(rows.length[k])) for k, (r, i) in enumerate(order)}
-    assert got == expected
-    for (rank, n), size in sizes.items():
-        assert size == max(o + n_ for r, f, o, n_ in expected.values() if (r, f) == (rank, n))
+    # entries of one row each, and entries of several rows (one writer several times: the rounds)
+    cuts = sorted({0, len(order), *(int(c) for c in torch.randint(0, len(order) + 1, (6,), generator=g))})
+    for segments in (None, [(a, b - a) for a, b in zip(cuts, cuts[1:]) if all(i.tensor_data for _, i in order[a:b])
+                            or b - a == 1] or None):  # fmt: skip
+        if segments is not None:  # rows a segment does not cover get one of their own
+            covered = {k for a, n in segments for k in range(a, a + n)}
+            segments = sorted(segments + [(k, 1) for k in range(len(order)) if k not in covered])
+        sizes = derive_rows(rows, threads=threads, min_file_bytes=min_file_bytes, segments=segments)
+        got = {i.index.fqn: (r, int(rows.file[k]), int(rows.offset[k]), int(rows.length[k])) for k, (r, i) in enumerate(order)}
+        assert got == expected
+        for (rank, n), size in sizes.items():
+            assert size == max(o + n_ for r, f, o, n_ in expected.values() if (r, f) == (rank, n))
 
 
 def test_a_sub_mesh_tiles_the_job_with_its_copies():

@@ -217,7 +217,7 @@ def _derive(entries: list[Entry], *, only: int | None, bytes_lengths: dict[str, 
         spans.append((start, w.numel()))
         start += w.numel()
     rows = Rows(torch.cat(writer), torch.cat(nbytes), torch.cat(length), torch.cat(is_bytes))
-    sizes = derive_rows(rows, threads=threads, min_file_bytes=min_file_bytes)
+    sizes = derive_rows(rows, threads=threads, min_file_bytes=min_file_bytes, segments=spans)
     return _Derivation(rows, spans, sizes, only)
 
 

@@ -139,45 +139,73 @@ class Rows:
     """Byte offset of the record in its file."""
 
 
-def derive_rows(rows: Rows, *, threads: int, min_file_bytes: int) -> dict[tuple[int, int], int]:
+def derive_rows(
+    rows: Rows, *, threads: int, min_file_bytes: int, segments: Sequence[tuple[int, int]] | None = None
+) -> dict[tuple[int, int], int]:
     """Fill ``rows.file`` and ``rows.offset`` by the rule; returns ``(writer, file) -> size``.
 
-    See [Note: derived file layout]: sort by (writer, bytes items first) keeping plan order,
-    then segmented sums per writer (the file of each tensor item) and per (writer, file) (the
-    offset of each record).
+    See [Note: derived file layout]. ``segments``: ``(first row, rows)`` per entry, in plan order
+    (None: a row each). Entry by entry, every writer's running offset advances at once (one entry's
+    rows usually have distinct writers; an entry with several boxes of one writer goes in rounds):
+    ~15 small tensor operations per entry, no sort of all rows.
     """
     n = rows.writer.numel()
+    rows.file = torch.zeros(n, dtype=torch.int64)
+    rows.offset = torch.zeros(n, dtype=torch.int64)
     if n == 0:
-        rows.file = rows.offset = torch.empty(0, dtype=torch.int64)
         return {}
-    key = rows.writer * 2 + (~rows.is_bytes).to(torch.int64)
-    if int(key.max()) < (1 << 31):
-        key = key.to(torch.int32)  # sorts ~2x faster
-    order = torch.sort(key, stable=True).indices
-    # one gather of the three columns in (writer, bytes first, plan) order
-    w, b, length = torch.stack([rows.writer, torch.where(rows.is_bytes, 0, rows.nbytes), rows.length], 1)[order].unbind(1)
-    tensor = b.ne(0) | ~rows.is_bytes[order]
-    # per writer: raw bytes before each item, total bytes and tensor items
-    first = torch.ones(n, dtype=torch.bool)
-    first[1:] = w[1:] != w[:-1]
-    segment = torch.cumsum(first, 0) - 1
-    starts = torch.nonzero(first).flatten()
-    cum_b = torch.cumsum(b, 0) - b  # exclusive
-    before = cum_b - cum_b[starts][segment]
-    total = torch.zeros(len(starts), dtype=torch.int64).index_add_(0, segment, b)[segment]
-    count = torch.zeros(len(starts), dtype=torch.int64).index_add_(0, segment, tensor.to(torch.int64))[segment]
+    segments = [(i, 1) for i in range(n)] if segments is None else segments
+    world = int(rows.writer.max()) + 1
+    tensor = ~rows.is_bytes
+    raw = torch.where(rows.is_bytes, 0, rows.nbytes)
+    total = torch.zeros(world, dtype=torch.int64).index_add_(0, rows.writer, raw)
+    count = torch.zeros(world, dtype=torch.int64).index_add_(0, rows.writer, tensor.to(torch.int64))
     files = torch.clamp(torch.clamp(-(-total // max(1, min_file_bytes)), max=threads).minimum(count), min=1)
-    file = torch.where(total > 0, torch.minimum(files - 1, before * files // torch.clamp(total, min=1)), 0)
-    # per (writer, file): the offset of each record
-    first2 = first.clone()
-    first2[1:] |= file[1:] != file[:-1]
-    segment2 = torch.cumsum(first2, 0) - 1
-    starts2 = torch.nonzero(first2).flatten()
-    cum_l = torch.cumsum(length, 0) - length  # exclusive
-    offset = cum_l - cum_l[starts2][segment2]
-    placed = torch.empty(n, 2, dtype=torch.int64)
-    placed[order] = torch.stack([file, offset], 1)
-    rows.file, rows.offset = placed[:, 0], placed[:, 1]
-    ends = torch.cat([starts2[1:], torch.tensor([n])]) - 1
-    sizes = (offset + length)[ends]
-    return {(int(wr), int(f)): int(s) for wr, f, s in zip(w[starts2].tolist(), file[starts2].tolist(), sizes.tolist())}
+    run = torch.zeros(world, dtype=torch.int64)  # each writer's offset in its current file
+    cur = torch.zeros(world, dtype=torch.int64)  # each writer's current file
+    before = torch.zeros(world, dtype=torch.int64)  # each writer's raw tensor bytes so far
+    closed: list[torch.Tensor] = []  # (writer, file, size) of files a writer moved on from
+
+    def advance(at: torch.Tensor) -> None:  # rows ``at``: distinct writers, in plan order
+        w, length = rows.writer[at], rows.length[at]
+        if threads > 1:
+            file = torch.where(total[w] > 0, torch.minimum(files[w] - 1, before[w] * files[w] // total[w].clamp(min=1)), 0)
+            moved = file != cur[w]
+            if bool(moved.any()):
+                closed.append(torch.stack([w[moved], cur[w][moved], run[w][moved]], 1))
+            offset = torch.where(moved, 0, run[w])
+            cur[w] = file
+            before[w] += raw[at]
+            rows.file[at] = file
+        else:
+            offset = run[w]
+        rows.offset[at] = offset
+        run[w] = offset + length
+
+    for first_pass in (True, False):  # bytes items first (file 0), then the tensors, each in plan order
+        for start, size in segments:
+            if size == 0 or bool(rows.is_bytes[start]) != first_pass:
+                continue
+            at = torch.arange(start, start + size)
+            w = rows.writer[at]
+            if torch.unique(w).numel() == size:
+                advance(at)
+                continue
+            # several rows of one writer: round k takes each writer's k-th row
+            order = torch.sort(w, stable=True).indices
+            sorted_w = w[order]
+            new = torch.ones(size, dtype=torch.bool)
+            new[1:] = sorted_w[1:] != sorted_w[:-1]
+            group_start = torch.cummax(torch.where(new, torch.arange(size), 0), 0).values
+            occurrence = torch.empty(size, dtype=torch.int64)
+            occurrence[order] = torch.arange(size) - group_start
+            for k in range(int(occurrence.max()) + 1):
+                advance(at[occurrence == k])
+    sizes = {}
+    for w, f, size in torch.cat(closed).tolist() if closed else []:
+        sizes[(w, f)] = size
+    has_rows = torch.zeros(world, dtype=torch.bool)
+    has_rows[rows.writer] = True
+    for w in torch.nonzero(has_rows).flatten().tolist():
+        sizes[(w, int(cur[w]))] = int(run[w])
+    return sizes

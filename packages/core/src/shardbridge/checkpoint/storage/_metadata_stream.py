@@ -152,9 +152,9 @@ def _template(memo: _Memo, ndim: int | None, with_index: bool, columns: dict[str
     t.fixed(memo.ref(DCPStorageInfo) + b")\x81}(" + memo.ref("relative_path"))
     t.field("name", b"j", 4)
     t.fixed(memo.ref("offset"))
-    t.field("offset", b"\x8a\x08", 8)
+    _int_field(t, "offset", columns["offset"])
     t.fixed(memo.ref("length"))
-    t.field("length", b"\x8a\x08", 8)
+    _int_field(t, "length", columns["length"])
     t.fixed(b"ub")
     return t
 
