@@ -5,8 +5,9 @@ few MB) is parallelized the same way at every world size (dp_shard = world / tp 
 block and root, ``parallelize_llama``) and saved and loaded by both contenders, side by side in
 one run, the order shuffled each round (``bench_checkpoint._rotated``); per world size:
 
-- save: shardbridge ``save`` as the first save of a job (its plan cache cleared: plan round and
-  write round) and as every later save (plan cached: write round only); plain DCP
+- save: shardbridge ``save`` (the derived protocol: argument round and write round, no plan
+  round: [Note: the derived protocol]) as the first save of a job (nothing cached: every rank
+  derives its entries' layouts) and as every later save (entries kept); plain DCP
   (``get_state_dict`` + ``dcp.save``: ``DefaultSavePlanner``, ``FileSystemWriter``, which fsyncs
   every file as shardbridge does), on the same local disk;
 - load into the same world size: shardbridge ``load``; plain DCP (``get_state_dict`` +
@@ -57,6 +58,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_checkpoint as local  # noqa: E402 (the model, the quiescing and the shuffling of the local benchmark)
+from shardbridge.checkpoint.state import _spread  # noqa: E402
 
 WORLDS = (4, 8, 16)
 SIZE = "8MB"
@@ -248,7 +250,8 @@ def _worker(root: str, size: str, tp: int, rounds: int, source: dict[str, Any] |
         sb, first, plain = (os.path.join(d, k) for k in ("sb", "sb-first", "dcp"))
 
         def first_save(path: str = first, step: int = r + 1) -> None:
-            _protocol.PROTOCOL.plans = None  # this job's first save: no plan cached ([Note: save protocols])
+            _protocol.PROTOCOL.cache.clear()  # this job's first save: no entries kept ([Note: the derived protocol])
+            _spread._TABLES.clear()  # nor any layout's table
             checkpoint.save(path, model=model, optimizer=opt, step=step)
 
         contenders: list[tuple[str, Callable[[], Any]]] = []
