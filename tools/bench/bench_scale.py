@@ -783,7 +783,7 @@ def shardbridge_load(model: Model, checkpoint: Path) -> Result:
         _, intact = _dist.one_round(lambda: ([], metadata), same=("load", {"path": "x"}),
                                     all_of=lambda opened: not opened[0])  # fmt: skip
         assert intact
-        reader = _Reader(_dist.broadcast_from_rank0(metadata))
+        reader = _Reader(_dist.broadcast_from_rank0(metadata, large=True))
         _dist.on_all_ranks(
             lambda: dcp.load(model.load_state(0), storage_reader=reader, planner=LoadPlanner(), no_dist=True)
         )

@@ -189,10 +189,19 @@ def barrier() -> None:
         dist.barrier(group=group())
 
 
-def broadcast_from_rank0(obj: T) -> T:
-    """Rank 0's ``obj`` on every rank (a picklable object)."""
+def broadcast_from_rank0(obj: T, *, large: bool = False) -> T:
+    """Rank 0's ``obj`` on every rank (a picklable object).
+
+    ``large``: usually more than the one-collective buffer holds (a ``.metadata``): torch's object
+    broadcast directly, so the round is the same collective whatever the size (not one that falls
+    back to a second when the object outgrows the buffer).
+    """
     if not is_distributed():
         return obj
+    if large:
+        box = [obj]
+        dist.broadcast_object_list(box, src=_rank0(), group=group())
+        return box[0]
     return _broadcast(obj)
 
 

@@ -179,7 +179,7 @@ def _load(
     assert manifest is not None
     # Rank 0's validated .metadata, broadcast: each rank receives it once (never once per rank,
     # as an all-gather would send it). See [Note: scale] in _protocol.py.
-    metadata = _dist.broadcast_from_rank0(opened[1] if _dist.rank() == 0 else None)
+    metadata = _dist.broadcast_from_rank0(opened[1] if _dist.rank() == 0 else None, large=True)
     # 2. Each rank plans and reads only the boxes it needs, without DCP's planning collectives
     # (a load plan needs no coordination), and hands the state to the model; errors are made
     # symmetric by on_all_ranks. A provider's hand-over may hold collectives: it gets a round
