@@ -221,22 +221,8 @@ class Writer(StorageWriter):
                     written.append(result.storage_data)
                 else:
                     storage[result.index] = result.storage_data
-        if not self.backend.remote:
-            self.landed = self.backend.listing(self.target.data)
-            self.check_seen(written, self.landed)
-        records: dict[str, dict[str, Any]] = {}
-        for part in written:
-            records.update(part.files)
-        metadata.version = DCP_VERSION
         metadata.storage_data = storage
-        metadata.storage_meta = self.storage_meta()
-        path = self.backend.join(self.target.data, DCP_METADATA_NAME)
-        try:
-            records[DCP_METADATA_NAME] = _write_bytes(self.backend, path, pickle.dumps(metadata))
-        except BaseException as exc:  # noqa: BLE001 (one clear error naming the file)
-            raise self._failure(exc, path) from exc
-        if self._commit is not None:
-            self._commit(records)
+        self._seal(metadata, written, pickle.dumps)
 
     def finish_stream(
         self, head: Metadata, names: list[str], groups: list[StorageGroup], written: list[RankFiles]
@@ -246,19 +232,21 @@ class Writer(StorageWriter):
         ``head``: ``.metadata`` without storage records; ``names`` / ``groups``: the records
         ([Note: streamed .metadata] in ``_metadata_stream.py``); ``written``: every rank's files.
         """
+        self._seal(head, written, lambda h: lambda write: write_metadata(h, names, groups, write))
+
+    def _seal(self, metadata: Metadata, written: list[RankFiles], encode: Callable[[Metadata], Any]) -> None:
+        """Every rank's files seen, ``.metadata`` written (``encode``: its bytes, or a writer), the commit."""
         if not self.backend.remote:
             self.landed = self.backend.listing(self.target.data)
             self.check_seen(written, self.landed)
         records: dict[str, dict[str, Any]] = {}
         for part in written:
             records.update(part.files)
-        head.version = DCP_VERSION
-        head.storage_meta = self.storage_meta()
+        metadata.version = DCP_VERSION
+        metadata.storage_meta = self.storage_meta()
         path = self.backend.join(self.target.data, DCP_METADATA_NAME)
         try:
-            records[DCP_METADATA_NAME] = _write_bytes(
-                self.backend, path, lambda write: write_metadata(head, names, groups, write)
-            )
+            records[DCP_METADATA_NAME] = _write_bytes(self.backend, path, encode(metadata))
         except BaseException as exc:  # noqa: BLE001 (one clear error naming the file)
             raise self._failure(exc, path) from exc
         if self._commit is not None:
