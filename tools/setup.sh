@@ -19,9 +19,7 @@ pip_install() {
   local log status
   log=$(mktemp)
   set +e
-  # --no-compile: pip byte-compiles every installed file (~16,000 for "all": about 90 CPU-seconds,
-  # transformers' 2,900 model files among them); Python compiles what is imported on first import.
-  "$VENV/bin/python" -m pip --disable-pip-version-check install --no-compile "$@" 2>&1 | tee "$log" |
+  "$VENV/bin/python" -m pip --disable-pip-version-check install "$@" 2>&1 | tee "$log" |
     awk '/^(Collecting|Downloading|Installing collected|Successfully installed|Building|Obtaining)/ { print "  " $0; fflush() }'
   status=${PIPESTATUS[0]}
   set -e

@@ -8,4 +8,9 @@ set -euo pipefail
 cd -P "$(dirname "$0")/.."
 bash tools/setup.sh all,te-structural
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# The suite starts hundreds of Python processes (gloo ranks, launches, the docs' commands): each
+# compiles whatever it imports that has no bytecode cache. Images that set PYTHONDONTWRITEBYTECODE
+# (many CI and container images do) make every process recompile shardbridge's own sources; the
+# suite writes the cache (__pycache__/, ignored by git) instead.
+unset PYTHONDONTWRITEBYTECODE
 exec "${VENV:-.venv}/bin/python" -m pytest "$@"

@@ -45,13 +45,12 @@ assert not missing, f"packages missing from the wheel: {missing}"
 print(f"  {len(in_wheel)} packages, none missing")
 PYEOF
 
-  # --no-compile: the checks import a small part of what is installed (tools/setup.sh says why).
   step "two clean venvs, $TORCH_SPEC first, then the wheel: venv (the test extra only), venv-all (hf,megatron,plot,test)"
   for v in venv venv-all; do python3 -m venv "$WORK/$v"; done
-  quiet_pip "$WORK/venv/bin/python" -m pip --disable-pip-version-check -q install --no-compile "$TORCH_SPEC"
-  quiet_pip "$WORK/venv/bin/python" -m pip --disable-pip-version-check -q install --no-compile "$TORCH_SPEC" "$WHEEL[test]"
-  quiet_pip "$WORK/venv-all/bin/python" -m pip --disable-pip-version-check -q install --no-compile "$TORCH_SPEC"
-  quiet_pip "$WORK/venv-all/bin/python" -m pip --disable-pip-version-check -q install --no-compile "$TORCH_SPEC" "$WHEEL[hf,megatron,plot,test]"
+  quiet_pip "$WORK/venv/bin/python" -m pip --disable-pip-version-check -q install "$TORCH_SPEC"
+  quiet_pip "$WORK/venv/bin/python" -m pip --disable-pip-version-check -q install "$TORCH_SPEC" "$WHEEL[test]"
+  quiet_pip "$WORK/venv-all/bin/python" -m pip --disable-pip-version-check -q install "$TORCH_SPEC"
+  quiet_pip "$WORK/venv-all/bin/python" -m pip --disable-pip-version-check -q install "$TORCH_SPEC" "$WHEEL[hf,megatron,plot,test]"
   touch "$WORK/prepared"
   if [ "$PHASE" = prepare ]; then
     step "prepared"
