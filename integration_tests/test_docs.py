@@ -340,8 +340,16 @@ def check_signatures(block: Block) -> list[str]:
     return problems
 
 
+_CAUSE = re.compile(r"terminate called|what\(\):|Fatal Python error|Error\b|Exception\b|Traceback")
+
+
 def _tail(text: str, lines: int = 40) -> str:
-    return "\n".join(text.splitlines()[-lines:])
+    """The last ``lines`` lines, after the earlier lines that name a cause (a C++ abort's
+    ``terminate called ... what():`` scrolls away under torchrun's own report of it)."""
+    all_lines = text.splitlines()
+    earlier = [line for line in all_lines[:-lines] if _CAUSE.search(line)][:12]
+    head = ["[earlier lines naming a cause]", *earlier, "[...]"] if earlier else []
+    return "\n".join(head + all_lines[-lines:])
 
 
 def _missing_extras() -> list[str]:

@@ -12,9 +12,11 @@ tensors. Rank 0 then runs the REAL code of each contender on them:
   plan round, write round, ``.metadata``, manifest, commit on local disk), after the save's
   argument round (``_dist.one_round``, as ``save`` calls it);
 - plain DCP save: ``dcp.save`` with ``DefaultSavePlanner`` over the same local plans;
-- shardbridge load (same layout, and into another world size): the load's two rounds
-  (``_dist.one_round`` sharing rank 0's ``.metadata``, then ``on_all_ranks``) and rank 0's own
-  load plan (``dcp.load`` with ``no_dist=True``: no planning collectives);
+- shardbridge load (same layout, and into another world size), from a cold process: the
+  manifest read, every storage record derived from it (``_derived.derive_load``), the load's two
+  rounds (``_dist.one_round`` agreeing that every rank derived, then ``on_all_ranks``) and rank
+  0's own load plan over the saved boxes its boxes overlap (``dcp.load`` with ``no_dist=True``:
+  no planning collectives);
 - plain DCP load: ``dcp.load`` (plan gather + scatter, read all-gather) over the same plans.
 
 Measured on rank 0: planning time (the contender's calls, without building the other ranks'
@@ -22,8 +24,8 @@ payloads), peak Python memory (tracemalloc; the gathered payloads count: rank 0 
 collective rounds (calls), bytes received by rank 0 and by one other rank, ``.metadata`` and
 manifest size. The other ranks' payloads are built one by one as rank 0 receives them, so a
 configuration costs O(world x items) here as it does on a real rank 0; configurations above
-``--budget`` items are not run and their time and memory are projected linearly in world x
-items from the largest run of the same model (marked ``~``). Rounds and bytes per rank are
+``--budget`` items are not run for plain DCP: its time and memory are projected linearly in world
+x items from the largest run of the same model (marked ``~``); shardbridge's save and load always run. Rounds and bytes per rank are
 exact for every configuration (the sizes of ``sizes_of`` payloads are pickled samples).
 
     python tools/bench/bench_scale.py                 # the table of docs/benchmarks.md, "Scale"
@@ -56,16 +58,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from shardbridge._compat import DCPStorageInfo, fake_store
+from shardbridge._compat import DCPStorageInfo, fake_store, flatten_state_dict
 from shardbridge._mesh import ParallelDims
 from shardbridge.checkpoint import _derived, _dist, _protocol, _save
 from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks
 from shardbridge.checkpoint.state._repair import _verdict, placement_spread
 from shardbridge.checkpoint.state._spread import Grid, Spread
 from shardbridge.checkpoint.storage._files import data_file_name, record_length, split_items
-from shardbridge.checkpoint.storage._location import locate
+from shardbridge.checkpoint.storage._location import locate, open_checkpoint
 from shardbridge.checkpoint.storage._manifest import CHECKSUM_KEY, DCP_METADATA_NAME, MANIFEST_NAME, Manifest, rng_file
-from shardbridge.checkpoint.storage._trust import read_metadata
 from shardbridge.checkpoint.storage._writer import RECORDS_KEY, RankFiles, Writer
 from shardbridge.layout import chunk_box, fsdp_placements, fsdp_tp_chunk
 from torch import nn
@@ -649,6 +650,19 @@ def _peer_records(model: Model, protocol: Any) -> Callable[[int, torch.Tensor], 
     return peer
 
 
+def cold() -> None:
+    """Forget every table the checkpoint code caches between calls (spreads, grids, record lengths):
+    what a job's first save or a resume's load computes from scratch."""
+    from shardbridge.checkpoint.state import _repair, _spread
+    from shardbridge.checkpoint.storage import _files
+
+    for cache in (_spread._TABLES, _spread._TILED, _spread._EVERYWHERE, _repair._GRIDS, _derived._COORDS,
+                  _derived._LENGTHS, _derived._CHUNKS, _derived._OFFSETS):  # fmt: skip
+        cache.clear()
+    for fn in (_repair._verdict, _derived._positions, _files.record_length):
+        fn.cache_clear()
+
+
 def shardbridge_save(model: Model, root: Path, *, warm: bool = False) -> Result:
     """Rank 0 of ``save``: its argument round, then ``write_and_commit`` with the production protocol.
 
@@ -659,6 +673,8 @@ def shardbridge_save(model: Model, root: Path, *, warm: bool = False) -> Result:
     peer = _peer_records(model, _protocol.PROTOCOLS["derived"]())
     if warm:
         _save_once(model, root / "first", protocol, SimGroup(model.layout.world), peer)
+    else:
+        cold()  # computing the peers' records filled the caches the save would fill
     sim = SimGroup(model.layout.world)
     final = _save_once(model, root / "sb", protocol, sim, peer)
     return Result(sim.seconds, sim.peak, sim.counts, (final / DCP_METADATA_NAME).stat().st_size,
@@ -773,20 +789,24 @@ class _Reader(StorageReader):
 
 
 def shardbridge_load(model: Model, checkpoint: Path) -> Result:
-    """Rank 0 of ``load`` (``_load``'s rounds): round 1 checks arguments and files and agrees
-    that no rank found a damaged file, rank 0 reads ``.metadata`` with the restricted reader
-    (``read_metadata``: no code runs from the file) and broadcasts it, each rank plans alone
-    (``dcp.load(no_dist=True)``), round 2 agrees that every rank read."""
+    """Rank 0 of ``load`` (``_load``'s rounds): every rank reads the manifest and derives every
+    storage record from its ``layout.derived`` ([Note: derived loads] in ``_derived.py``), round 1
+    checks arguments and files and agrees that every rank derived them (no rank reads
+    ``.metadata``, nothing is broadcast), each rank plans alone (``dcp.load(no_dist=True)``),
+    round 2 agrees that every rank read."""
+    cold()  # a resume: nothing the save computed is cached in this process
     sim = SimGroup(model.layout.world)
     with sim.active(), measured(sim):
-        metadata = read_metadata(checkpoint, data_files=False)  # rank 0 reads .metadata (no data files here)
-        _, intact = _dist.one_round(lambda: ([], metadata), same=("load", {"path": "x"}),
-                                    all_of=lambda opened: not opened[0])  # fmt: skip
-        assert intact
-        reader = _Reader(_dist.broadcast_from_rank0(metadata, large=True))
-        _dist.on_all_ranks(
-            lambda: dcp.load(model.load_state(0), storage_reader=reader, planner=LoadPlanner(), no_dist=True)
-        )
+        _, manifest = open_checkpoint(locate(checkpoint))
+        records = _derived.derive_load(manifest.layout, manifest.world_size, manifest.files)
+        if records is None:
+            raise RuntimeError(f"{checkpoint}: the load could not derive its records (it would read .metadata)")
+        _, intact, agreed = _dist.one_round(lambda: ([], None), same=("load", {"path": "x"}),
+                                            all_of=lambda opened: not opened[0], agree=lambda _: records.digest)  # fmt: skip
+        assert intact and agreed
+        state = model.load_state(0)
+        reader = _Reader(records.metadata(local=flatten_state_dict(state)[0]))  # as _load's _read_state
+        _dist.on_all_ranks(lambda: dcp.load(state, storage_reader=reader, planner=LoadPlanner(), no_dist=True))
     return Result(sim.seconds, sim.peak, sim.counts)
 
 
@@ -873,7 +893,7 @@ def config(name: str, world: int) -> Config:
 def run(cfg: Config, root: Path, *, heavy: bool = True) -> dict[tuple[str, str], Result]:
     """Every contender on one configuration, for real (rank 0 on the gathered payloads).
 
-    ``heavy=False``: shardbridge's saves only (their cost is the distinct boxes, not world x items)."""
+    ``heavy=False``: shardbridge's saves and loads only (their cost is the distinct boxes, not world x items)."""
     root.mkdir(parents=True, exist_ok=True)
     out: dict[tuple[str, str], Result] = {}
     with fake_world(cfg.world):
@@ -882,15 +902,15 @@ def run(cfg: Config, root: Path, *, heavy: bool = True) -> dict[tuple[str, str],
         for key in (("save", "shardbridge"), ("save again", "shardbridge")):
             if not out[key].derived:
                 raise RuntimeError(f"{cfg.name} at {cfg.world} ranks: the {key[0]} fell back to gathered plans")
-        if not heavy:
-            return out
-        out["save", "DCP"] = dcp_save(cfg.model, root)
-        meta = (root / "sb" / DCP_METADATA_NAME).read_bytes()
         out["load same", "shardbridge"] = shardbridge_load(cfg.model, root / "sb")
-        out["load same", "DCP"] = dcp_load(cfg.model, meta)
+        if heavy:
+            out["save", "DCP"] = dcp_save(cfg.model, root)
+            meta = (root / "sb" / DCP_METADATA_NAME).read_bytes()
+            out["load same", "DCP"] = dcp_load(cfg.model, meta)
     with fake_world(cfg.target.layout.world):
         out["load reshard", "shardbridge"] = shardbridge_load(cfg.target, root / "sb")
-        out["load reshard", "DCP"] = dcp_load(cfg.target, meta)
+        if heavy:
+            out["load reshard", "DCP"] = dcp_load(cfg.target, meta)
     return out
 
 
@@ -927,7 +947,7 @@ def table(models: list[str], worlds: list[int], budget: float, log: Callable[[st
                 if cfg.cost <= budget or ref is None:
                     results = run(cfg, Path(tmp) / f"{name}-{world}")
                     ref = (cfg, results)
-                else:  # shardbridge's saves still run; the gathering contenders and the loads are projected
+                else:  # shardbridge's saves and loads still run; the gathering contenders are projected
                     results = {**project(cfg, *ref), **run(cfg, Path(tmp) / f"{name}-{world}", heavy=False)}
                 log(f"... {name} at {world} ranks: {'projected' if results['save', 'DCP'].projected else 'run'}")
                 for (op, who), r in results.items():

@@ -196,9 +196,33 @@ def test_derived_save_matches_the_gathered_plan_and_loads_bit_exact(tmp_path, la
         got = flat[top][name] if top in flat and name in flat[top] else flat.get(key)
         assert got is not None and torch.equal(got, value), key
     assert ck.verify(path).ok
-    # and shardbridge's load, into another layout
-    fresh = run_distributed(_load_into, path, LAYOUTS["fsdp4"], fused, world_size=4)[0]
-    assert_equal_states(fresh, want)
+    # the manifest says how to derive every record iff every record is the rules' (no rank sent its own)
+    recorded = derived and own == []
+    assert_derives_its_metadata(path, recorded)
+    # and shardbridge's load, into another layout: records derived on every rank, or .metadata read
+    loads = run_distributed(_load_into, path, LAYOUTS["fsdp4"], fused, world_size=4)
+    assert [took for _, took, _ in loads] == [[recorded]] * 4
+    # a derived load lists each rank only the saved boxes its own overlap (FSDP2 x TP -> FSDP 4: half)
+    assert all(narrowed for _, _, narrowed in loads) or not (recorded and layout == "fsdp2_tp2")
+    assert_equal_states(loads[0][0], want)
+
+
+def assert_derives_its_metadata(path, expected: bool) -> None:
+    """The records a load derives from the manifest are ``.metadata``'s, every one ([Note: derived loads])."""
+    from shardbridge.checkpoint._derived import derive_load
+    from shardbridge.checkpoint.storage._location import locate, open_checkpoint
+    from shardbridge.checkpoint.storage._trust import read_metadata
+
+    stored, manifest = open_checkpoint(locate(path))
+    records = derive_load(manifest.layout, manifest.world_size, manifest.files)
+    assert (records is not None) == expected, manifest.layout.get("derived", "no layout.derived")
+    if records is None:
+        return
+    saved, derived = read_metadata(stored), records.metadata()
+    assert derived.state_dict_metadata == saved.state_dict_metadata
+    assert len(derived.storage_data) == len(saved.storage_data)
+    assert {index: derived.storage_data[index] for index in saved.storage_data} == dict(saved.storage_data)
+    assert set(derived.storage_data) == set(saved.storage_data)
 
 
 def _async_saves(root: str):
@@ -224,10 +248,120 @@ def test_an_async_save_is_derived_too(tmp_path):
     # The staged snapshot keeps each entry's spread (state/_stage.py): the writer thread derives as well.
     results = run_distributed(_async_saves, str(tmp_path), world_size=4)
     assert all(r[0] == [True] for r in results), [r[0] for r in results]
-    assert_equal_states(run_distributed(_load_into, f"{tmp_path}/a", LAYOUTS["hsdp2_tp2"], True, world_size=4)[0], results[0][1])
+    assert_derives_its_metadata(f"{tmp_path}/a", True)
+    loads = run_distributed(_load_into, f"{tmp_path}/a", LAYOUTS["hsdp2_tp2"], True, world_size=4)
+    assert [took for _, took, _ in loads] == [[True]] * 4
+    assert_equal_states(loads[0][0], results[0][1])
 
 
-def _load_into(path: str, layout: dict, fused: bool):
+def _load_into(path: str, layout: dict, fused: bool, refuse_on: int | None = None):
+    """Load; and whether the load derived its records ([Note: derived loads]) or read ``.metadata``.
+
+    ``refuse_on``: this rank cannot derive them (as with a recipe its version does not rebuild)."""
+    import torch.distributed as dist
+    from shardbridge.checkpoint import _derived, _load
+
     model, opt = build(layout, fused=fused, seed=7, lr=0.5)
-    ck.load(path, model=model, optimizer=opt)
-    return full_state(model, opt)
+    took, real = [], {"metadata": _derived.DerivedRecords.metadata, "derive": _load.derive_load, "narrow": _derived.NARROW_FROM}
+
+    def metadata(self, **kwargs):
+        took.append(True)
+        out = real["metadata"](self, **kwargs)
+        whole = real["metadata"](self).state_dict_metadata
+        chunks.append({k: (len(v.chunks), len(whole[k].chunks)) for k, v in out.state_dict_metadata.items() if hasattr(v, "chunks")})
+        return out
+
+    _derived.DerivedRecords.metadata = metadata
+    _derived.NARROW_FROM = 2  # the test's entries have 2-4 boxes: narrow them too
+    if refuse_on == dist.get_rank():
+        _load.derive_load = lambda *args: None
+    chunks: list[dict[str, tuple[int, int]]] = []
+    try:
+        ck.load(path, model=model, optimizer=opt)
+    finally:
+        _derived.DerivedRecords.metadata, _load.derive_load = real["metadata"], real["derive"]
+        _derived.NARROW_FROM = real["narrow"]
+    if chunks:  # each entry lists at most the saved boxes, and the load read no others
+        assert all(n <= total for n, total in chunks[0].values()), chunks
+    narrowed = bool(chunks) and any(n < total for n, total in chunks[0].values())
+    return full_state(model, opt), took or [False], narrowed
+
+
+@pytest.mark.parametrize("refuse_on", [0, 3])
+def test_a_rank_that_cannot_derive_makes_every_rank_read_the_metadata(tmp_path, refuse_on):
+    # The ranks agree in the load's argument round: one rank without the records (rank 0, which then
+    # skipped .metadata in that round, or another) and every rank loads rank 0's .metadata instead.
+    results = run_distributed(_async_saves, str(tmp_path), world_size=4)
+    loads = run_distributed(_load_into, f"{tmp_path}/a", LAYOUTS["fsdp4"], True, refuse_on, world_size=4)
+    assert [took for _, took, _ in loads] == [[False]] * 4
+    assert_equal_states(loads[0][0], results[0][1])
+
+
+def _mutations(value, path=()):
+    """Every small change of a JSON value: each leaf changed, each list shortened / lengthened, each key dropped."""
+    if isinstance(value, bool):
+        yield path, not value
+    elif isinstance(value, int):
+        yield from ((path, value + 1), (path, value - 1), (path, -value - 1))
+    elif isinstance(value, str):
+        yield from ((path, value + "x"), (path, 0))
+    elif value is None:
+        yield path, 0
+    elif isinstance(value, list):
+        if value:
+            yield path, value[:-1]
+            yield path, [*value, value[-1]]
+            yield path, value[::-1]
+        for i, item in enumerate(value):
+            yield from _mutations(item, (*path, i))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield path, {k: v for k, v in value.items() if k != key}
+            yield from _mutations(item, (*path, key))
+
+
+def _put(value, path, new):
+    if not path:
+        return new
+    head, *rest = path
+    if isinstance(value, list):
+        return [_put(v, rest, new) if i == head else v for i, v in enumerate(value)]
+    return {k: _put(v, rest, new) if k == head else v for k, v in value.items()}
+
+
+def _save_for_mutation(root: str):
+    model, opt = build(LAYOUTS["hsdp2_tp2"], fused=True, seed=1)
+    step(model, opt, seed=2)
+    return str(ck.save(f"{root}/m", model=model, optimizer=opt, step=1))
+
+
+def test_no_change_of_the_recorded_derivation_derives_other_records(tmp_path):
+    # The class of damaged or crafted layout.derived records: every leaf changed, every list cut,
+    # grown or reversed, every key dropped (the manifest's checksum refuses all of them at load; this
+    # checks the second line of defence, the derivation's own checks). Each either derives exactly
+    # .metadata's records (a change that does not matter) or is refused (the load reads .metadata).
+    from shardbridge.checkpoint._derived import derive_load
+    from shardbridge.checkpoint.storage._location import locate, open_checkpoint
+    from shardbridge.checkpoint.storage._trust import read_metadata
+
+    path = run_distributed(_save_for_mutation, str(tmp_path), world_size=4)[0]
+    stored, manifest = open_checkpoint(locate(path))
+    saved = read_metadata(stored)
+    record = manifest.layout["derived"]
+    refused = same = 0
+    for where, new in _mutations(record):
+        layout = {**manifest.layout, "derived": _put(record, where, new)}
+        records = derive_load(layout, manifest.world_size, manifest.files)
+        if records is None:
+            refused += 1
+            continue
+        derived = records.metadata()
+        assert derived.state_dict_metadata == saved.state_dict_metadata, where
+        assert {i: derived.storage_data[i] for i in saved.storage_data} == dict(saved.storage_data), where
+        same += 1
+    assert refused > 100, (refused, same)
+    # the manifest's own records are part of the check: a data file's size that differs is refused
+    name = next(n for n in manifest.files if n.endswith(".distcp"))
+    files = {**manifest.files, name: {**manifest.files[name], "size": manifest.files[name]["size"] + 1}}
+    assert derive_load(manifest.layout, manifest.world_size, files) is None
+    assert derive_load(manifest.layout, manifest.world_size + 1, manifest.files) is None

@@ -114,6 +114,20 @@ def test_metadata_refused_by_load(bad_metadata, marker):
         _load_with_optimizer(bad_metadata)
 
 
+def test_a_load_that_derives_its_records_never_reads_metadata(good, marker):
+    # A hostile .metadata beside an intact layout.derived: the load derives every record from the
+    # manifest ([Note: derived loads]) and reads nothing else; what it loads is the saved state.
+    (good / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    reseal(good, keep_derived=True)
+    model, opt = _mlp_with_optimizer(seed=1)
+    ck.load(good, model=model, optimizer=opt)
+    assert not marker.exists(), "code from the checkpoint ran"
+    saved, _ = _mlp_with_optimizer(seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), model.state_dict().values()))
+    with _refused(marker):  # the tools that read .metadata still refuse it
+        ck.inspect(good)
+
+
 def test_metadata_refused_by_load_latest(bad_metadata, marker):
     with _refused(marker):
         ck.load_latest(bad_metadata.parent, model=Mlp())

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._location import locate, open_checkpoint
+from shardbridge.checkpoint.storage._manifest import DERIVED_KEY
 from shardbridge.checkpoint.storage._trust import check_no_links, read_metadata
 
 __all__ = ["CheckpointInfo", "TensorInfo", "format_bytes", "inspect"]
@@ -113,6 +114,10 @@ class CheckpointInfo:
         repaired = [k for k, r in self.layout.get("tensors", {}).items() if r.get("stored_as") == "repaired"]
         if repaired:
             lines.append(f"  layouts repaired for DCP: {', '.join(repaired)}")
+        if DERIVED_KEY in self.layout:  # see [Note: derived loads] in _derived.py
+            lines.append("  storage records: derived by every loading rank from the layout (no .metadata read)")
+        else:
+            lines.append("  storage records: read from .metadata by rank 0 at load")
         if self.extra:
             lines.append(f"  extra keys: {', '.join(sorted(self.extra))}")
         rows = [(t.name, str(t.shape), t.dtype, format_bytes(t.nbytes), str(t.num_chunks)) for t in self.tensors]

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from shardbridge._compat import flatten_state_dict
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import settle
+from shardbridge.checkpoint._derived import DerivedRecords, derive_load
 from shardbridge.checkpoint.state._chunks import LoadPlanner
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint.state._rng import restore_rng
@@ -148,9 +149,11 @@ def _load(
     identity = where.backend.identity(where.path) if where is not None else None
     # Two rounds in all (each ~10 ms on 4 processes sharing 2 cores; plain DCP's load has two):
     # 1. arguments, the manifest and this rank's share of the checksums, before DCP reads
-    # anything; rank 0 also reads .metadata (restricted unpickler) and broadcasts the validated
-    # object after the round, instead of every rank reading and unpickling it.
-    (stored, manifest, opened), intact = _dist.one_round(
+    # anything; each rank derives every storage record from the manifest, and the round agrees
+    # that all did ([Note: derived loads] in _derived.py). Where one could not, rank 0 reads
+    # .metadata (restricted unpickler) and broadcasts the validated object after the round,
+    # instead of every rank reading and unpickling it.
+    (stored, manifest, opened, derived), intact, agreed = _dist.one_round(
         _open,
         (where if where is not None else path,),
         {
@@ -163,6 +166,7 @@ def _load(
         },
         same=("shardbridge.checkpoint.load", same),
         all_of=lambda opened: not opened[2][0],  # this rank found no damaged file
+        agree=lambda opened: 0 if opened[3] is None else opened[3].digest,  # every rank derived the records
     )
     # Only a damaged checkpoint gathers every rank's problems (to name them all)
     problems = [] if intact else merge_problems(_dist.all_gather(opened[0], small=True))
@@ -177,16 +181,24 @@ def _load(
     if problems:
         raise ValueError(damage_message(stored, problems))
     assert manifest is not None
-    # Rank 0's validated .metadata, broadcast: each rank receives it once (never once per rank,
-    # as an all-gather would send it). See [Note: scale] in _protocol.py.
-    metadata = _dist.broadcast_from_rank0(opened[1] if _dist.rank() == 0 else None, large=True)
+    records, metadata = None, None
+    if agreed and derived is not None:  # every rank derived every record: see [Note: derived loads]
+        records = derived
+    else:
+        # Rank 0's validated .metadata, broadcast: each rank receives it once (never once per rank,
+        # as an all-gather would send it). See [Note: scale] in _protocol.py.
+        mine = None
+        if _dist.rank() == 0:
+            mine = opened[1] if derived is None else _read_metadata_or_none(stored)
+        metadata = _dist.broadcast_from_rank0(mine, large=True)
     # 2. Each rank plans and reads only the boxes it needs, without DCP's planning collectives
     # (a load plan needs no coordination), and hands the state to the model; errors are made
     # symmetric by on_all_ranks. A provider's hand-over may hold collectives: it gets a round
     # of its own, so that no rank enters it while another failed reading.
     read = functools.partial(
-        _read_state, stored, manifest, metadata, model, optimizer, strict=strict, provider=state_dicts, identity=identity
-    )
+        _read_state, stored, manifest, metadata, model, optimizer,
+        strict=strict, provider=state_dicts, identity=identity, records=records,
+    )  # fmt: skip
     finish = functools.partial(
         _finish, stored, model=model, optimizer=optimizer, manifest=manifest, strict=strict, rng=rng, provider=state_dicts
     )
@@ -196,6 +208,14 @@ def _load(
         _dist.on_all_ranks(finish, _dist.on_all_ranks(read))
     assert where is not None
     return TrainState(step=manifest.step, extra=manifest.extra, path=where.user, world_size=manifest.world_size)
+
+
+def _read_metadata_or_none(stored: Stored) -> Metadata | None:
+    """Rank 0's restricted read of ``.metadata``; None if it fails (each rank then reads it, to raise)."""
+    try:
+        return read_metadata(stored)
+    except Exception:  # noqa: BLE001 (raised on every rank by _read_state)
+        return None
 
 
 def _where(path: Any) -> Location | None:
@@ -215,8 +235,9 @@ def _open(
     provider: StateDictProvider | None,
     verify: bool,
     skip_damaged: bool,
-) -> tuple[Stored | None, Manifest | None, tuple[list[FileProblem], Metadata | None]]:
-    """Round 1 of :func:`load` on one rank: arguments, manifest, this rank's file checks.
+) -> tuple[Stored | None, Manifest | None, tuple[list[FileProblem], Metadata | None], DerivedRecords | None]:
+    """Round 1 of :func:`load` on one rank: arguments, manifest, this rank's file checks, the
+    derived records ([Note: derived loads] in ``_derived.py``; else rank 0 reads ``.metadata``).
 
     ``skip_damaged``: a manifest that cannot be read is one more problem, not an error.
     """
@@ -226,9 +247,11 @@ def _open(
     except _DamagedManifest as exc:
         if not skip_damaged:
             raise exc.error from None
-        return exc.stored, None, ([FileProblem(MANIFEST_NAME, str(exc.error))], None)
-    local = local_problems(checked, manifest, checksums=verify, rank0=lambda: read_metadata(checked))
-    return checked, manifest, local
+        return exc.stored, None, ([FileProblem(MANIFEST_NAME, str(exc.error))], None), None
+    derived = derive_load(manifest.layout, manifest.world_size, manifest.files) if manifest.files else None
+    rank0 = None if derived is not None else lambda: read_metadata(checked)
+    local = local_problems(checked, manifest, checksums=verify, rank0=rank0)
+    return checked, manifest, local, derived
 
 
 class _DamagedManifest(Exception):
@@ -249,13 +272,18 @@ def _read_state(
     strict: bool,
     provider: StateDictProvider | None,
     identity: Any = None,
+    records: DerivedRecords | None = None,
 ) -> PortableState:
-    """This rank's part of :func:`load`: build the portable state, check it fits, read into it."""
+    """This rank's part of :func:`load`: build the portable state, check it fits, read into it.
+
+    ``records``: every storage record, derived ([Note: derived loads]); ``metadata`` is then unused."""
     state = build_portable_state(model, optimizer, on_bad_layout="repair", log=False, provider=provider, for_load=True)
     if manifest.format_version < 2:
         unpack_param_groups(state)  # format 1 stored each param_groups entry alone
     # No code runs from the checkpoint's files: see [Note: untrusted checkpoints] in _trust.py.
-    if metadata is None:  # rank 0 could not read it: every rank reads it, to raise the error
+    if records is not None:  # the saved boxes this rank's boxes overlap, and their records
+        metadata = records.metadata(local=flatten_state_dict(state.dcp_state)[0])
+    elif metadata is None:  # rank 0 could not read it: every rank reads it, to raise the error
         metadata = read_metadata(path)
     _skip_absent_optim_state(state, metadata, manifest)
     _check_compatible(path, state, metadata, strict=strict)

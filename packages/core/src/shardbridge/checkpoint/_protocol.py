@@ -36,16 +36,18 @@ What travels in one save and one load, per rank, as ``tools/bench/bench_scale.py
   of each rank's file records (1 KiB; [Note: fixed-size gather] in ``_dist.py``) and a broadcast
   of the outcome. Rank 0 receives world x 1 KiB and derives the rest; its work is the distinct
   boxes ``.metadata`` must list, as tensor operations (no Python object per box);
-- load: one all-reduce, rank 0's validated ``.metadata`` broadcast (each rank receives it once;
-  it used to ride on an all-gather: world size x ``.metadata`` per rank), each rank plans its
-  own reads (``dcp.load(no_dist=True)``: a load, resharding or not, gathers no plans), one
-  all-reduce.
+- load of a derived save (the default): one all-reduce, each rank derives every storage record
+  from the manifest ([Note: derived loads] in ``_derived.py``) and plans its own reads
+  (``dcp.load(no_dist=True)``: a load, resharding or not, gathers no plans), one all-reduce: 96
+  bytes per rank at any world size, no rank reads ``.metadata``;
+- load of any other checkpoint (a save that fell back to the gathered rounds, an older
+  shardbridge): as above, but rank 0 reads ``.metadata`` (restricted reader) and broadcasts it
+  between the two all-reduces (each rank receives it once).
 
-Still growing with the world size: ``.metadata`` itself (one record per distinct box, as DCP's
-format requires: 300 MB for Llama-3 405B with AdamW state at 16,384 ranks), which every rank of
-a load receives and unpickles, and which rank 0 reads with the restricted (pure-Python)
-unpickler. A load that derives the saving job's records from the manifest, as the save does,
-would remove both; it is not built.
+Still growing with the world size: the records themselves (one per distinct box, as DCP's
+format requires: 272 MB of ``.metadata`` for Llama-3 405B with AdamW state at 16,384 ranks),
+which rank 0 streams into ``.metadata`` at a save and every rank of a derived load computes
+(tensor operations) to plan its reads; and the manifest's file records (one per file).
 
 [Note: why this protocol]
 ~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -25,6 +25,7 @@ from shardbridge.checkpoint.storage._fsspec import PART_BYTES
 from shardbridge.checkpoint.storage._integrity import merge_records
 from shardbridge.checkpoint.storage._location import Location, locate
 from shardbridge.checkpoint.storage._manifest import (
+    DERIVED_KEY,
     OPTIM_STATE_ABSENT,
     RNG_PATTERN,
     Manifest,
@@ -253,9 +254,11 @@ def write_and_commit(job: SaveJob) -> None:
     rank = _dist.rank()
     backend, target = job.where.backend, job.target
 
-    def commit(records: dict[str, dict[str, Any]]) -> None:  # rank 0, inside the writer's finish
+    def commit(records: dict[str, dict[str, Any]], derived: dict[str, Any] | None) -> None:  # rank 0, in finish
         files = merge_records(backend, target.data, [records], listing=writer.landed)  # the listing finish checked
         manifest = dataclasses.replace(job.manifest, files=files)
+        if derived is not None:  # see [Note: derived loads] in _derived.py
+            manifest = dataclasses.replace(manifest, layout={**manifest.layout, DERIVED_KEY: derived})
         backend.commit(target, manifest)
 
     def failure(exc: BaseException, file: str) -> BaseException:

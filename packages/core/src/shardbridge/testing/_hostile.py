@@ -34,11 +34,13 @@ def torch_save(obj: object) -> bytes:
     return buf.getvalue()
 
 
-def reseal(path: str | os.PathLike[str]) -> None:
+def reseal(path: str | os.PathLike[str], *, keep_derived: bool = False) -> None:
     """Record the current sizes and checksums of every file in the manifest, as an attacker would.
 
     The manifest's checksums detect damage, not hostility (anyone can recompute them), so a
-    crafted checkpoint passes the integrity checks and reaches the readers.
+    crafted checkpoint passes the integrity checks and reaches the readers. ``keep_derived``:
+    keep ``layout.derived`` (by default it is dropped, as an attacker who crafted ``.metadata``
+    would, so that a load reads ``.metadata`` instead of deriving its records: [Note: derived loads]).
     """
     from shardbridge.checkpoint.storage import _manifest
 
@@ -52,6 +54,8 @@ def reseal(path: str | os.PathLike[str]) -> None:
     for name in data["files"]:
         size, digest = file_checksum(path / name)
         data["files"][name] = {"size": size, _manifest.CHECKSUM_KEY: digest}
+    if not keep_derived:
+        data.get("layout", {}).pop(_manifest.DERIVED_KEY, None)
     data[_manifest.SELF_CHECKSUM_KEY] = _manifest._self_checksum(data)
     manifest.write_text(json.dumps(data, indent=2, sort_keys=True))
 

@@ -33,7 +33,7 @@ from shardbridge.checkpoint.state._chunks import LocalChunks
 from shardbridge.checkpoint.state._repair import Box, box_rule, dtensor_spread, local_box
 from shardbridge.checkpoint.state._spread import Boxes, Spread
 
-__all__ = ["ParamInfo", "component_fqn", "fused_tp_size", "param_box", "split_fused_value"]
+__all__ = ["ParamInfo", "component_fqn", "component_spread", "fused_tp_size", "param_box", "split_fused_value"]
 
 
 def component_fqn(fused_fqn: str, component: str) -> str:
@@ -51,7 +51,6 @@ def component_fqn(fused_fqn: str, component: str) -> str:
     else:
         parts[-1] = component
     return ".".join(parts)
-
 
 
 def fused_tp_size(fqn: str, t: DTensor, spec: FusedSpec) -> int:
@@ -148,7 +147,9 @@ def split_fused_value(info: ParamInfo, value: Any) -> dict[str, LocalChunks] | N
         name: LocalChunks(
             spec.component_shape(name, info.shape),
             pieces[name],
-            spread=None if whole is None else _component_spread(whole, spec, tp_size, name, properties),  # None: gathered
+            spread=None
+            if whole is None
+            else component_spread(whole, spec, tp_size, name, properties),  # None: gathered
         )
         for name in spec.names
     }
@@ -162,7 +163,7 @@ def _replicated_whole(value: torch.Tensor) -> Spread:
     return Spread.replicated(world, tuple(value.shape), TensorProperties.create_from_tensor(value))
 
 
-def _component_spread(whole: Spread, spec: FusedSpec, tp_size: int, name: str, properties: TensorProperties) -> Spread:
+def component_spread(whole: Spread, spec: FusedSpec, tp_size: int, name: str, properties: TensorProperties) -> Spread:
     """The boxes of one component on every rank: the fused tensor's boxes, split as :func:`_fused_pieces` does."""
 
     def boxes_at(coordinate: tuple[int, ...]) -> Boxes:
@@ -179,5 +180,8 @@ def _component_spread(whole: Spread, spec: FusedSpec, tp_size: int, name: str, p
         return out
 
     key = ("fused", name, repr(spec), tp_size, whole.key)
-    return Spread(whole.grid, key, boxes_at, fixed_dims=whole.fixed_dims, properties=properties)
-
+    recipe = None
+    if whole.recipe is not None:
+        fused = {"components": [list(c) for c in spec.components], "dim": spec.dim, "head_dim": spec.head_dim}
+        recipe = ("fused", {"name": name, "spec": fused, "tp_size": tp_size, "whole": list(whole.recipe)})
+    return Spread(whole.grid, key, boxes_at, fixed_dims=whole.fixed_dims, properties=properties, recipe=recipe)

@@ -267,7 +267,16 @@ def placement_spread(
             return [] if box is None else [(box[1], box[0])]
 
     key = (rule, multi, shape, mesh_shape, tuple(repr(p) for p in placements))
-    return Spread(grid, key, boxes_at, fixed_dims=fixed, keep_empty=rule == "dcp", properties=properties)
+    recipe = {"shape": list(shape), "placements": list(key[4]), "rule": rule, "multi": multi}
+    return Spread(
+        grid,
+        key,
+        boxes_at,
+        fixed_dims=fixed,
+        keep_empty=rule == "dcp",
+        properties=properties,
+        recipe=("placement", recipe),
+    )
 
 
 def boxed_pieces(local: torch.Tensor, box: Box) -> list[tuple[tuple[int, ...], torch.Tensor]]:

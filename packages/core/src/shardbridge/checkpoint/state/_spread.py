@@ -101,7 +101,9 @@ class Grid:
                     continue
                 members = pattern + base
                 if int(members.max()) >= world_size or bool(taken[members].any()):
-                    raise NotDerivable(f"mesh {tuple(shape)} with ranks {flat.tolist()[:8]}... does not tile {world_size} ranks")
+                    raise NotDerivable(
+                        f"mesh {tuple(shape)} with ranks {flat.tolist()[:8]}... does not tile {world_size} ranks"
+                    )
                 taken[members] = True
                 bases.append(base)
             table = torch.tensor(bases, dtype=torch.int64)[:, None] + pattern[None, :]
@@ -153,6 +155,9 @@ class Spread:
     fixed_dims: tuple[int, ...] = ()
     keep_empty: bool = False
     properties: TensorProperties | None = None
+    recipe: tuple[str, dict[str, Any]] | None = None
+    """How to build this spread again from JSON values and its grid (``state/_recipes.py``; None:
+    it cannot be, and a load of the checkpoint reads ``.metadata``). See [Note: derived loads]."""
 
     @classmethod
     def replicated(cls, world_size: int, shape: Sequence[int], properties: TensorProperties | None) -> Spread:
@@ -166,6 +171,7 @@ class Spread:
             fixed_dims=(0,),
             keep_empty=True,
             properties=properties,
+            recipe=("replicated", {"shape": list(size)}),
         )
 
     def signature(self) -> str:
@@ -220,8 +226,10 @@ def _build_table(spread: Spread) -> SpreadTable:
     free_dims = [d for d in range(len(shape)) if d not in spread.fixed_dims]
     fixed_dims = [d for d in range(len(shape)) if d in spread.fixed_dims]
     # row i: the ranks of the i-th free coordinate (row-major) over every fixed coordinate
-    by_free = spread.grid.ranks.view(shape).permute(*free_dims, *fixed_dims).reshape(
-        math.prod(shape[d] for d in free_dims), -1
+    by_free = (
+        spread.grid.ranks.view(shape)
+        .permute(*free_dims, *fixed_dims)
+        .reshape(math.prod(shape[d] for d in free_dims), -1)
     )
     offsets: list[tuple[int, ...]] = []
     sizes: list[tuple[int, ...]] = []
@@ -254,7 +262,11 @@ def _build_table(spread: Spread) -> SpreadTable:
     if rows and len(rows[0]) == 1:
         holders = by_free[torch.tensor([r[0] for r in rows], dtype=torch.int64)]
     else:
-        holders = torch.stack([by_free[torch.tensor(r, dtype=torch.int64)].reshape(-1) for r in rows]) if rows else by_free[:0]
+        holders = (
+            torch.stack([by_free[torch.tensor(r, dtype=torch.int64)].reshape(-1) for r in rows])
+            if rows
+            else by_free[:0]
+        )
     holders = torch.sort(holders, dim=1).values if holders.numel() else holders.reshape(len(rows), -1)
     return SpreadTable(tuple(offsets), tuple(sizes), holders.contiguous(), position, at)
 
@@ -277,7 +289,9 @@ def spreads_digest(spreads: Sequence[tuple[str, Spread | None]]) -> int:
     return (int.from_bytes(h.digest(), "little") & ((1 << 62) - 1)) or 1
 
 
-def matches_plan(plan: SavePlan, spreads: dict[str, Spread], coordinate_of: Callable[[Spread], tuple[int, ...] | None]) -> bool:
+def matches_plan(
+    plan: SavePlan, spreads: dict[str, Spread], coordinate_of: Callable[[Spread], tuple[int, ...] | None]
+) -> bool:
     """Whether this rank's local plan lists exactly the boxes (and properties) its spreads give its coordinate."""
     mine: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     props: dict[str, Any] = {}

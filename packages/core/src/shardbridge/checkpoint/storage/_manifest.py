@@ -38,7 +38,10 @@ The manifest (JSON object, ASCII) has::
                                                    "components" | "plain" | "boxes"}},
                        "optim_state_absent": [stored names of parameters the optimizer held
                                               no state for (no gradient yet); absent before
-                                              this record existed or without optimizer]}
+                                              this record existed or without optimizer],
+                       "derived": how every ``.metadata`` record is derived from the layout
+                                  (saves of the derived protocol; read by loads, ignored by
+                                  older readers: [Note: derived loads] in ``_derived.py``)}
     fused             {fused fqn: {"dim", "tp_size", "components": [{"name", "size", "fqn"}]}}
     rng               {"world_size", "files": "rng/rank-{rank:05d}.pt"}
     extra             the user's JSON dict
@@ -70,6 +73,7 @@ if TYPE_CHECKING:
     from shardbridge.checkpoint.storage._backend import Backend
 
 __all__ = [
+    "DERIVED_KEY",
     "FORMAT_NAME",
     "CHECKSUM_KEY",
     "FORMAT_VERSION",
@@ -99,6 +103,8 @@ _FILE_NAME = re.compile(r"^(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+$")
 DCP_METADATA_NAME = ".metadata"
 OPTIM_STATE_ABSENT = "optim_state_absent"
 """``layout`` key: stored names of the parameters saved without optimizer state (no gradient yet)."""
+DERIVED_KEY = "derived"
+"""``layout`` key: how every ``.metadata`` record is derived again ([Note: derived loads] in ``_derived.py``)."""
 RNG_PATTERN = "rng/rank-{rank:05d}.pt"
 """Per-rank RNG file, relative to the checkpoint directory."""
 
@@ -196,7 +202,9 @@ class Manifest:
         _check_values(data, where)
         generation = data.get("generation")
         if generation is not None and (not isinstance(generation, str) or not _GENERATION.match(generation)):
-            raise ValueError(f"{where}: generation={generation!r} must be 'g-' and 16 hex digits; the manifest is damaged")
+            raise ValueError(
+                f"{where}: generation={generation!r} must be 'g-' and 16 hex digits; the manifest is damaged"
+            )
         return cls(**{k: data[k] for k in (*kinds, "format_version")}, files=files, generation=generation)
 
 

@@ -129,7 +129,7 @@ class Writer(StorageWriter):
         *,
         checkpoint_id: str,
         files: dict[str, bytes] | None = None,
-        commit: Callable[[dict[str, dict[str, Any]]], None] | None = None,
+        commit: Callable[[dict[str, dict[str, Any]], dict[str, Any] | None], None] | None = None,
         threads: int = 1,
         min_file_bytes: int = 0,
         save_failure: Callable[[BaseException, str], BaseException] | None = None,
@@ -225,16 +225,29 @@ class Writer(StorageWriter):
         self._seal(metadata, written, pickle.dumps)
 
     def finish_stream(
-        self, head: Metadata, names: list[str], groups: list[StorageGroup], written: list[RankFiles]
+        self,
+        head: Metadata,
+        names: list[str],
+        groups: list[StorageGroup],
+        written: list[RankFiles],
+        *,
+        derived: dict[str, Any] | None = None,
     ) -> None:
         """Rank 0, the derived protocol: as :meth:`finish`, ``.metadata`` streamed from records derived by rule.
 
         ``head``: ``.metadata`` without storage records; ``names`` / ``groups``: the records
-        ([Note: streamed .metadata] in ``_metadata_stream.py``); ``written``: every rank's files.
+        ([Note: streamed .metadata] in ``_metadata_stream.py``); ``written``: every rank's files;
+        ``derived``: how to derive every record again, for the manifest (``layout.derived``).
         """
-        self._seal(head, written, lambda h: lambda write: write_metadata(h, names, groups, write))
+        self._seal(head, written, lambda h: lambda write: write_metadata(h, names, groups, write), derived)
 
-    def _seal(self, metadata: Metadata, written: list[RankFiles], encode: Callable[[Metadata], Any]) -> None:
+    def _seal(
+        self,
+        metadata: Metadata,
+        written: list[RankFiles],
+        encode: Callable[[Metadata], Any],
+        derived: dict[str, Any] | None = None,
+    ) -> None:
         """Every rank's files seen, ``.metadata`` written (``encode``: its bytes, or a writer), the commit."""
         if not self.backend.remote:
             self.landed = self.backend.listing(self.target.data)
@@ -250,7 +263,7 @@ class Writer(StorageWriter):
         except BaseException as exc:  # noqa: BLE001 (one clear error naming the file)
             raise self._failure(exc, path) from exc
         if self._commit is not None:
-            self._commit(records)
+            self._commit(records, derived)
 
     @property
     def threads(self) -> int:
