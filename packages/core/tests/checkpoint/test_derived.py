@@ -329,8 +329,8 @@ def _put(value, path, new):
     return {k: _put(v, rest, new) if k == head else v for k, v in value.items()}
 
 
-def _save_for_mutation(root: str):
-    model, opt = build(LAYOUTS["hsdp2_tp2"], fused=True, seed=1)
+def _save_for_mutation(root: str, layout: str = "hsdp2_tp2"):
+    model, opt = build(LAYOUTS[layout], fused=True, seed=1)
     step(model, opt, seed=2)
     return str(ck.save(f"{root}/m", model=model, optimizer=opt, step=1))
 
@@ -365,3 +365,103 @@ def test_no_change_of_the_recorded_derivation_derives_other_records(tmp_path):
     files = {**manifest.files, name: {**manifest.files[name], "size": manifest.files[name]["size"] + 1}}
     assert derive_load(manifest.layout, manifest.world_size, files) is None
     assert derive_load(manifest.layout, manifest.world_size + 1, manifest.files) is None
+
+
+def test_another_algebra_deriving_other_boxes_from_the_same_layout_is_refused(monkeypatch):
+    # A later shardbridge or torch could give the same recipe (the same inputs: the spreads' digest
+    # matches) the same-sized boxes at other coordinates, so that every data file keeps its size.
+    # The records digest (the outputs) refuses it, and the load reads .metadata.
+    from shardbridge.checkpoint import _derived
+    from shardbridge.checkpoint.state import _repair, _spread
+    from shardbridge.checkpoint.state._recipes import decode_grid, rebuild
+    from shardbridge.checkpoint.storage._files import data_file_name
+
+    world, props = 4, TensorProperties(dtype=torch.float32)
+    grid = {"shape": [1, world], "ranks": [[0, 1, world]]}
+    recipe = ["placement", {"shape": [8, 4], "placements": ["Shard(dim=0)"], "rule": "dcp", "multi": False}]
+    spread = rebuild(recipe, decode_grid(grid, world), keep_empty=True, properties=props)
+    table = _spread.spread_table(spread)
+    entry = _derived.Entry("model.w", spread, table, _spread.writers(table, 0), props, torch.Size([8, 4]))
+    derivation = _derived._derive([entry], only=None, bytes_lengths={}, threads=1, min_file_bytes=1 << 25)
+    digest = _spread.spreads_digest([("model.w", spread)])
+    layout = {"derived": _derived.describe([entry], digest, {}, 1, 1 << 25, derivation)}
+    files = {data_file_name(w, f): {"size": n} for (w, f), n in derivation.sizes.items()}
+    files.update({f"rng/rank-{r:05d}.pt": {"size": 1} for r in range(world)})
+    assert _derived.derive_load(layout, world, files) is not None
+    real = _repair._true_chunk
+
+    def shifted(shape, mesh_shape, placements, coordinate):  # coordinate c gets c+1's box
+        return real(shape, mesh_shape, placements, ((coordinate[0] + 1) % mesh_shape[0], *coordinate[1:]))
+
+    caches = (_spread._TABLES, _derived._CHUNKS, _derived._LENGTHS, _derived._OFFSETS, _derived._SIZES)
+    monkeypatch.setattr(_repair, "_true_chunk", shifted)
+    try:
+        for cache in caches:
+            cache.clear()
+        assert _derived.derive_load(layout, world, files) is None
+    finally:
+        monkeypatch.undo()
+        for cache in caches:
+            cache.clear()
+
+
+def test_narrowed_chunks_give_dcp_the_same_read_items():
+    # DCP's own planner is the oracle: the read items from the narrowed chunk list equal those from
+    # every saved chunk, for local boxes that cut across saved boxes; a local tensor with another
+    # number of dims is left whole (the load then names the shape mismatch).
+    from shardbridge.checkpoint._derived import Entry, _narrowed, head_metadata
+    from shardbridge.checkpoint.state._chunks import LocalChunks
+    from shardbridge.checkpoint.state._repair import placement_spread
+    from shardbridge.checkpoint.state._spread import spread_table, writers
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    from torch.distributed.tensor import Shard
+
+    props = TensorProperties(dtype=torch.float32)
+    spread = placement_spread((64, 8), Grid((1, 32), torch.arange(32)), (Shard(0),), "dcp", properties=props)
+    table = spread_table(spread)
+    entry = Entry("w", spread, table, writers(table, 0), props, torch.Size((64, 8)))
+    whole = head_metadata([entry], None).state_dict_metadata["w"]
+    for rows in ((0, 64), (5, 9), (30, 3), (63, 1)):
+        local = LocalChunks(torch.Size((64, 8)), [((rows[0], 0), torch.empty(rows[1], 8))])
+        narrowed = _narrowed(entry, whole, local)
+
+        def items(md, wanted):
+            return sorted(
+                (tuple(i.storage_index.offset), tuple(i.storage_offsets), tuple(i.dest_offsets), tuple(i.lengths))
+                for i in create_read_items_for_chunk_list("w", md, wanted)
+            )
+
+        wanted = local.__create_chunk_list__()
+        assert items(narrowed, wanted) == items(whole, wanted), rows
+        assert len(narrowed.chunks) < len(whole.chunks) or rows == (0, 64)
+    assert _narrowed(entry, whole, torch.empty(64, 8, 1)) is whole
+
+
+def test_a_crafted_record_is_refused_before_it_costs_time():
+    import time
+
+    from shardbridge.checkpoint import _derived
+    from shardbridge.checkpoint.state._recipes import rebuild
+
+    grid = Grid((1, 4), torch.arange(4))
+    props = TensorProperties(dtype=torch.float32)
+    start = time.perf_counter()
+    huge_sf = ["placement", {"shape": [8, 4], "placements": ["_StridedShard(dim=0, sf=1000000)"], "rule": "true", "multi": True}]
+    with pytest.raises(NotDerivable, match="split factor"):
+        rebuild(huge_sf, grid, keep_empty=None, properties=props)
+    whole = ["placement", {"shape": [8, 4], "placements": ["Shard(dim=0)"], "rule": "true", "multi": False}]
+    spec = {"components": [["a", 4], ["b", 4]], "dim": 0, "head_dim": None}
+    with pytest.raises(NotDerivable, match="tp_size"):
+        rebuild(["fused", {"name": "a", "spec": spec, "tp_size": 10**9, "whole": whole}], grid, keep_empty=None, properties=props)
+    big = {**spec, "components": [["a", 10**9], ["b", 4]]}
+    with pytest.raises(NotDerivable, match="do not fit"):
+        rebuild(["fused", {"name": "a", "spec": big, "tp_size": 2, "whole": whole}], grid, keep_empty=None, properties=props)
+    assert time.perf_counter() - start < 5
+    # more distinct layouts than a load rebuilds: not derived (no table is built for any of them)
+    many = [["replicated", {"shape": [n]}] for n in range(_derived.MAX_LAYOUTS + 1)]
+    record = {"version": 1, "digest": 1, "records": "", "threads": 1, "min_file_bytes": 1, "bytes": {},
+              "grids": [{"shape": [4], "ranks": [[0, 1, 4]]}], "recipes": many,
+              "entries": [[f"e{n}", 0, n, True, ["torch.float32", False], [n]] for n in range(len(many))]}  # fmt: skip
+    files = {"__0_0.distcp": {"size": 1}, **{f"rng/rank-{r:05d}.pt": {"size": 1} for r in range(4)}}
+    with pytest.raises(NotDerivable, match="distinct layouts"):
+        _derived._derive_load(record, 4, files)

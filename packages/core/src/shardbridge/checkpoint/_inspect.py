@@ -115,9 +115,9 @@ class CheckpointInfo:
         if repaired:
             lines.append(f"  layouts repaired for DCP: {', '.join(repaired)}")
         if DERIVED_KEY in self.layout:  # see [Note: derived loads] in _derived.py
-            lines.append("  storage records: derived by every loading rank from the layout (no .metadata read)")
+            lines.append("  storage records: derivable by every loading rank (layout.derived), else read from .metadata")
         else:
-            lines.append("  storage records: read from .metadata by rank 0 at load")
+            lines.append("  storage records: read from .metadata by rank 0 at load (no layout.derived)")
         if self.extra:
             lines.append(f"  extra keys: {', '.join(sorted(self.extra))}")
         rows = [(t.name, str(t.shape), t.dtype, format_bytes(t.nbytes), str(t.num_chunks)) for t in self.tensors]

@@ -53,7 +53,7 @@ which rank 0 streams into ``.metadata`` at a save and every rank of a derived lo
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 ``PROTOCOL`` is :class:`~shardbridge.checkpoint._derived.Derived`: at 4 real ranks it costs what
 the gathered rounds cost (``tools/bench/bench_checkpoint.py``, 97 MB, 2026-11-28: 1.09x their
-throughput by medians, 0.99x paired, 0.96x their CPU time; docs/benchmarks.md, "Trend": 1.07-1.20x
+throughput by medians, 0.99x paired, 0.96x their CPU time; docs/benchmarks.md, "Trend": 0.98-1.48x
 plain DCP's save at 4-16 processes after a job's first save), and from a few hundred ranks on
 it is the only one whose rounds and per-rank bytes do not grow with the world size
 (``tools/bench/bench_scale.py``; docs/benchmarks.md, "Scale"). It stays behind this seam only

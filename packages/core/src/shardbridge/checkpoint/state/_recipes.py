@@ -13,11 +13,12 @@ arguments, as JSON values (``Spread.recipe``, set by every constructor that can 
 plus the grid (:func:`encode_grid`: its shape and its ranks as arithmetic runs, a few numbers
 for any mesh of an SPMD job) and the two fields that are not the constructor's
 (``keep_empty``, ``properties``). :func:`rebuild` calls the same constructor again. Everything
-read back is checked (types, ranges, the grid a permutation of the job's ranks) and a rebuilt
-spread is only used when the digest of every rebuilt spread equals the digest the saving ranks
-agreed on (``spreads_digest``): a recipe that does not rebuild the same spread, from another
-version of shardbridge or torch or a crafted manifest, is refused with :class:`NotDerivable`
-and the load reads ``.metadata`` instead. Nothing here runs code from the checkpoint: JSON
+read back is checked (types, ranges, the grid a permutation of the job's ranks, split factors and
+fused sizes within the shape) and a rebuilt spread is only used when the digest of every rebuilt
+spread equals the digest the saving ranks agreed on (``spreads_digest``: the same inputs) and the
+records derived from them hash to the digest of the records the save wrote (the same outputs:
+another version of shardbridge's layout algebra or of torch could give the same inputs other
+boxes). Anything else is refused with :class:`NotDerivable` and the load reads ``.metadata``. Nothing here runs code from the checkpoint: JSON
 values select one of three constructors and give them integers and strings.
 """
 
@@ -40,6 +41,7 @@ __all__ = ["decode_grid", "decode_properties", "encode_grid", "encode_properties
 
 _MAX_DIMS = 16
 _MAX_DEPTH = 4  # fused recipes nest one "whole"
+_MAX_COMPONENTS = 64
 _DTYPES = {str(t): t for t in vars(torch).values() if isinstance(t, torch.dtype)}
 
 
@@ -81,16 +83,13 @@ def decode_grid(record: Any, world_size: int) -> Grid:
 
 
 def encode_properties(properties: TensorProperties | None) -> list[Any] | None:
-    """``[dtype, requires_grad]``; None for a bytes item. NotDerivable for properties DCP records
-    beyond those (a layout, memory format or pinning other than the defaults a save writes)."""
+    """``[dtype, requires_grad]``; None for a bytes item. NotDerivable for a layout or memory
+    format other than the defaults a save writes. ``pin_memory`` is not kept: an asynchronous
+    save stages into pinned host memory, and nothing a load does depends on it."""
     if properties is None:
         return None
     default = TensorProperties(dtype=properties.dtype)
-    if (properties.layout, properties.memory_format, properties.pin_memory) != (
-        default.layout,
-        default.memory_format,
-        default.pin_memory,
-    ):
+    if (properties.layout, properties.memory_format) != (default.layout, default.memory_format):
         raise NotDerivable(f"tensor properties {properties} are not the defaults")
     return [str(properties.dtype), bool(properties.requires_grad)]
 
@@ -130,6 +129,9 @@ def rebuild(
             parsed = tuple(parse_placements(", ".join(placements))) if placements else ()
             if len(parsed) != len(placements) or any(getattr(p, "dim", 0) >= max(1, len(shape)) for p in parsed):
                 raise NotDerivable(f"placements {placements} do not fit the shape {shape}")
+            # a split factor beyond the dim's size means nothing, and costs a loop of that length per coordinate
+            if any(getattr(p, "split_factor", 1) > max(1, shape[p.dim]) for p in parsed if hasattr(p, "dim")):
+                raise NotDerivable(f"placements {placements}: a split factor larger than its dim of {shape}")
             rule, multi = args["rule"], args["multi"]
             if rule not in ("dcp", *_RULES) or not isinstance(multi, bool):
                 raise NotDerivable(f"rule {rule!r} / multi {multi!r}")
@@ -139,8 +141,10 @@ def rebuild(
             if not isinstance(spec_args, dict) or set(spec_args) != {"components", "dim", "head_dim"}:
                 raise NotDerivable(f"fused spec {spec_args!r:.80}")
             components = spec_args["components"]
-            if not isinstance(components, list) or not all(
-                isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) for c in components
+            if (
+                not isinstance(components, list)
+                or not 1 <= len(components) <= _MAX_COMPONENTS
+                or not all(isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) for c in components)
             ):
                 raise NotDerivable(f"fused components {components!r:.80}")
             spec = FusedSpec(
@@ -149,7 +153,12 @@ def rebuild(
             _ints([tp_size], "tp_size", minimum=1)
             if not isinstance(name, str) or name not in spec.names or properties is None:
                 raise NotDerivable(f"fused component {name!r} of {spec.names} (a tensor)")
+            if tp_size > math.prod(grid.shape):  # TP over more ranks than the job has
+                raise NotDerivable(f"fused tp_size {tp_size} on a job of {math.prod(grid.shape)} ranks")
             whole = rebuild(args["whole"], grid, keep_empty=None, properties=None, depth=depth + 1)
+            whole_shape = whole.recipe[1].get("shape", []) if whole.recipe else []
+            if spec.dim >= len(whole_shape) or any(size > whole_shape[spec.dim] for _, size in spec.components):
+                raise NotDerivable(f"fused components {spec.components} do not fit the fused shape {whole_shape}")
             spread = component_spread(whole, spec, tp_size, name, properties)
         else:
             raise NotDerivable(f"recipe kind {kind!r} with arguments {sorted(args)}")
