@@ -657,7 +657,7 @@ def cold() -> None:
     from shardbridge.checkpoint.storage import _files
 
     for cache in (_spread._TABLES, _spread._TILED, _spread._EVERYWHERE, _repair._GRIDS, _derived._COORDS,
-                  _derived._LENGTHS, _derived._CHUNKS, _derived._OFFSETS):  # fmt: skip
+                  _derived._LENGTHS, _derived._CHUNKS, _derived._COLUMNS):  # fmt: skip
         cache.clear()
     for fn in (_repair._verdict, _derived._positions, _files.record_length):
         fn.cache_clear()

@@ -393,7 +393,7 @@ def test_another_algebra_deriving_other_boxes_from_the_same_layout_is_refused(mo
     def shifted(shape, mesh_shape, placements, coordinate):  # coordinate c gets c+1's box
         return real(shape, mesh_shape, placements, ((coordinate[0] + 1) % mesh_shape[0], *coordinate[1:]))
 
-    caches = (_spread._TABLES, _derived._CHUNKS, _derived._LENGTHS, _derived._OFFSETS, _derived._SIZES)
+    caches = (_spread._TABLES, _derived._CHUNKS, _derived._LENGTHS, _derived._COLUMNS)
     monkeypatch.setattr(_repair, "_true_chunk", shifted)
     try:
         for cache in caches:

@@ -327,16 +327,28 @@ def storage_groups(
 
 
 def _offsets(table: SpreadTable) -> torch.Tensor:
-    hit = _OFFSETS.get(id(table))
+    """``[boxes, dims]``: each box's offsets."""
+    return _columns(table)[0]
+
+
+def _sizes(table: SpreadTable) -> torch.Tensor:
+    """``[boxes, dims]``: each box's sizes."""
+    return _columns(table)[1]
+
+
+def _columns(table: SpreadTable) -> tuple[torch.Tensor, torch.Tensor]:
+    hit = _COLUMNS.get(id(table))
     if hit is None or hit[0] is not table:
-        t = torch.tensor(table.offsets, dtype=torch.int64).reshape(len(table.offsets), -1)
-        if len(_OFFSETS) > 4096:
-            _OFFSETS.clear()
-        hit = _OFFSETS[id(table)] = (table, t)
-    return hit[1]
+        n = len(table.offsets)
+        offsets = torch.tensor(table.offsets, dtype=torch.int64).reshape(n, -1)
+        sizes = torch.tensor(table.sizes, dtype=torch.int64).reshape(n, -1)
+        if len(_COLUMNS) > 4096:
+            _COLUMNS.clear()
+        hit = _COLUMNS[id(table)] = (table, offsets, sizes)
+    return hit[1], hit[2]
 
 
-_OFFSETS: dict[int, tuple[SpreadTable, torch.Tensor]] = {}
+_COLUMNS: dict[int, tuple[SpreadTable, torch.Tensor, torch.Tensor]] = {}
 
 
 @functools.lru_cache(maxsize=256)
@@ -539,17 +551,6 @@ def _narrowed(entry: Entry, md: Any, value: Any) -> Any:
     return TensorStorageMetadata(md.properties, md.size, [chunks[u] for u in torch.nonzero(keep).flatten().tolist()])
 
 
-def _sizes(table: SpreadTable) -> torch.Tensor:
-    hit = _SIZES.get(id(table))
-    if hit is None or hit[0] is not table:
-        t = torch.tensor(table.sizes, dtype=torch.int64).reshape(len(table.sizes), -1)
-        if len(_SIZES) > 4096:
-            _SIZES.clear()
-        hit = _SIZES[id(table)] = (table, t)
-    return hit[1]
-
-
-_SIZES: dict[int, tuple[SpreadTable, torch.Tensor]] = {}
 
 
 class _DerivedStorage(Mapping[MetadataIndex, Any]):
