@@ -129,7 +129,8 @@ def trust(session):
 @nox.session(python="3.11")
 def s3(session):
     """Checkpoints on S3 against moto's real server: the default slice plus the whole fault matrix
-    (kill -9 mid-upload, the server stopped mid-save, at random points; docs/checkpoints.md, Reliability)."""
+    (kill -9 mid-upload, the server stopped before each request of a save and at random points;
+    docs/checkpoints.md, Reliability)."""
     _install(session, "test,s3")
     env = {**ENV, "SHARDBRIDGE_S3_FAULTS": "all", "SHARDBRIDGE_DEMO_ALL": "1"}
     tests = ["packages/core/tests/checkpoint/test_s3.py", "packages/core/tests/checkpoint/test_s3_faults.py",
@@ -166,7 +167,8 @@ def fp8_matrix(session):
     env = {**ENV, "SHARDBRIDGE_FP8_MATRIX": "all"}
     session.run(
         "python", "-m", "pytest", "packages/core/tests/test_fp8_tp_styles.py", "packages/hf-adapter/tests/test_hf_fp8.py",
-        "packages/hf-adapter/tests/test_hf_te.py", "integration_tests/test_launch_fp8.py", *session.posargs, env=env,
+        "packages/hf-adapter/tests/test_hf_te.py", "packages/te-adapter/tests/test_te_fp8_checkpoint_structural.py",
+        "integration_tests/test_launch_fp8.py", *session.posargs, env=env,
     )
 
 

@@ -30,6 +30,7 @@ saved scale is restored before its FP8 weights are re-quantized.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -218,7 +219,21 @@ def _by_suffix(saved: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]
     return out
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+MATRIX = os.environ.get("SHARDBRIDGE_FP8_MATRIX") == "all"
+CI_RECIPES = ("tensorwise", "mxfp8", "nvfp4")
+"""One recipe per class of format (per-tensor scale, 32-element blocks, FP4 tiles) in CI; delayed and
+blockwise with SHARDBRIDGE_FP8_MATRIX=all (``nox -s fp8_matrix``). CI still saves and loads both:
+``test_delayed_scaling_weights_are_requantized_with_the_saved_scale`` and
+``test_blockwise_load_with_other_tile_boundaries_is_within_half_a_step``."""
+
+
+def _recipe_case(name: str):
+    if MATRIX or name in CI_RECIPES:
+        return name
+    return pytest.param(name, marks=pytest.mark.skip(reason="CI slice: SHARDBRIDGE_FP8_MATRIX=all (nox -s fp8_matrix)"))
+
+
+@pytest.mark.parametrize("recipe", [_recipe_case(r) for r in RECIPES])
 def test_fp8_params_of_each_recipe_save_plain_and_reload_across_layouts(recipe: str, tmp_path) -> None:
     """(a) plain tensors readable by torch alone == dequantize(); (b) tp4 / dp4 and back; (c) non-FP8 model."""
     path, again = str(tmp_path / "ckpt"), str(tmp_path / "ckpt-tp4")

@@ -18,7 +18,8 @@ Modes (``ARGS["mode"]``):
 - ``loop``: save values 1, 2, 3 ... until killed; ``overwrite`` saves all into step 0's
   directory, else each into its own ``step_dir``. ``async``: each save is
   ``save(..., async_=True)``, the model is changed at once, then the save is waited for.
-- ``once``: one save of ``value``; optional faults: ``crash_at`` = k (the k-th call of an
+- ``once``: one save of ``value``; optional faults: ``stop_server_at`` = k (SIGSTOP the S3
+  server ``server_pid`` just before this process's k-th request; 0 = count only), ``crash_at`` = k (the k-th call of an
   instrumented file-system function, counted from the start of the save, exits the
   process with ``how="exit"`` or raises ``OSError`` with ``how="raise"``; 0 = count only),
   ``fsize`` (RLIMIT_FSIZE in bytes), ``pause`` (wait for the file ``go`` before committing).
@@ -31,9 +32,11 @@ from __future__ import annotations
 
 import builtins
 import errno
+import faulthandler
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -108,9 +111,32 @@ def _install_faults(crash_at: int, how: str) -> None:
     wrap(shutil, "rmtree", "shutil.rmtree")
 
 
+def _stop_server_at(k: int, server_pid: int) -> None:
+    """SIGSTOP the S3 server just before this process sends its k-th request (0: count only).
+
+    At aiobotocore's HTTP session: every S3 client of the process sends through it (fsspec keeps
+    one filesystem, so one client, per thread).
+    """
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    real = AIOHTTPSession.send
+
+    async def send(self, request):
+        _FAULTS["count"] += 1
+        name = re.sub(r"g-[0-9a-f]{16}", "g-*", request.url.split("?")[0].rsplit("/", 1)[-1])  # one per save
+        _FAULTS["trace"].append(f"{request.method} {name}")
+        if _FAULTS["count"] == k:
+            os.kill(server_pid, signal.SIGSTOP)
+        return await real(self, request)
+
+    AIOHTTPSession.send = send
+
+
 def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
     out = ARGS["out"]
     rank, world = ARGS.get("rank", 0), ARGS.get("world", 1)
+    # a hung child's stacks, for the parent's report (test_faults._Child.stacks)
+    faulthandler.register(signal.SIGUSR1, file=open(os.path.join(out, f"stacks-{rank}"), "w"), all_threads=True)  # noqa: SIM115
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group(
@@ -127,6 +153,8 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
         from shardbridge.testing._s3 import use_server
 
         use_server(ARGS["s3_env"])
+        if ARGS.get("stop_server_at") is not None:
+            _stop_server_at(ARGS["stop_server_at"], ARGS["server_pid"])
 
     root = ARGS["root"]
     model = build(ARGS.get("value", 1.0), world, ARGS.get("width", 16))
@@ -226,9 +254,12 @@ def zygote() -> None:
                 return
             path = exits.pop(pid, None)
             if path is not None:
-                with open(path + ".tmp", "w") as f:
-                    f.write(str(os.waitstatus_to_exitcode(status)))
-                os.replace(path + ".tmp", path)
+                try:
+                    with open(path + ".tmp", "w") as f:
+                        f.write(str(os.waitstatus_to_exitcode(status)))
+                    os.replace(path + ".tmp", path)
+                except FileNotFoundError:  # the parent gave up on this child and removed its folder
+                    pass
 
     signal.signal(signal.SIGCHLD, reap)
     print("ready", flush=True)

@@ -88,6 +88,19 @@ class _Child:
         except ProcessLookupError:
             pass
 
+    def stacks(self, out: Path, rank: int) -> str:
+        """Every thread's Python stack of a hung child (faulthandler on SIGUSR1, see fault_child.py)."""
+        path = out / f"stacks-{rank}"
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return ""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (path.exists() and "File" in path.read_text()):
+            time.sleep(0.05)
+        time.sleep(0.2)  # the other threads' stacks
+        return path.read_text() if path.exists() else ""
+
     @property
     def exitcode(self) -> int | None:
         return int(self.exit_file.read_text()) if self.exit_file.exists() else None
@@ -129,12 +142,13 @@ def _run(args: dict, *, world: int = 1, kill=None, timeout: float = _TIMEOUT_S) 
     if kill is not None:
         kill(procs, out)
     deadline = time.monotonic() + timeout
-    hung = []
-    for proc in procs:
+    hung, stacks = [], []
+    for rank, proc in enumerate(procs):
         while proc.exitcode is None and time.monotonic() < deadline:
             time.sleep(0.005)
         if proc.exitcode is None:
             hung.append(proc)
+            stacks.append(f"rank {rank}:\n{proc.stacks(out, rank)}")
             proc.kill()
     results = []
     for rank, proc in enumerate(procs):
@@ -144,8 +158,12 @@ def _run(args: dict, *, world: int = 1, kill=None, timeout: float = _TIMEOUT_S) 
         if (out / "done").exists():
             result["done"] = json.loads((out / "done").read_text())["value"]
         results.append(result)
+    for proc in hung:  # the zygote records its exit code before out/ goes
+        end = time.monotonic() + 10
+        while proc.exitcode is None and time.monotonic() < end:
+            time.sleep(0.01)
     shutil.rmtree(out, ignore_errors=True)
-    assert not hung, f"{len(hung)} rank(s) hung past {timeout} s: {results}"
+    assert not hung, f"{len(hung)} rank(s) hung past {timeout} s: {results}\n" + "\n".join(stacks)
     return results
 
 

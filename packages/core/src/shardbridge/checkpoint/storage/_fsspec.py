@@ -37,6 +37,22 @@ writes where a committed checkpoint's files are::
   have committed it: then it is kept).
 - Other fsspec filesystems (GCS, Azure, memory) have no conditional PUT here: step 3 checks the
   manifest's generation just before writing it (a narrow race, last writer wins; still never a mix).
+
+[Note: no 100-continue]
+~~~~~~~~~~~~~~~~~~~~~~~
+botocore sends every PutObject and UploadPart with ``Expect: 100-continue`` (it wraps any body
+into a file object first). botocore's own HTTP client waits about a second for the server's
+"100 Continue" and then sends the body anyway; aiohttp, which s3fs's aiobotocore uses, waits for
+it with no timeout, and starts the client's read timeout only once the body is sent. So a server
+that stops answering (overloaded, a dead proxy, SIGSTOP in test_s3_faults.py) hung a save forever
+in its first PUT, whatever timeouts the user configured (measured: a 5-byte PUT to a stopped
+moto server never returned; a GET failed after its read timeout). The backend removes the header
+from the requests of every S3 client it writes with (a botocore ``before-call`` handler, registered
+once per client): the body goes at once and the read timeout bounds the wait for the answer. The
+header only saves sending a body the server would refuse; a checkpoint's refused PUT (permission,
+precondition) is an error either way. Not covered: a server that stops reading in the middle of a
+body larger than the sockets' buffers (a multipart part of up to ``PART_BYTES``): aiohttp has no
+write timeout, so that upload waits until TCP gives up on the connection.
 """
 
 from __future__ import annotations
@@ -171,6 +187,7 @@ class FsspecBackend(Backend):
         On an error the upload is aborted: no object, and no parts left billed.
         """
         with self._naming(path):
+            self._no_continue()
             f = self.fs.open(path, "wb", block_size=PART_BYTES)
         try:
             with self._naming(path):
@@ -192,6 +209,7 @@ class FsspecBackend(Backend):
     def write_bytes(self, path: str, data: bytes) -> None:
         """One PUT."""
         with self._naming(path):
+            self._no_continue()
             self.fs.pipe_file(path, data)
 
     def remove(self, path: str) -> None:
@@ -303,6 +321,15 @@ class FsspecBackend(Backend):
             text = (str(exc).strip().splitlines() or [""])[0]
             raise OSError(errno.EIO, f"{type(exc).__name__}: {text}", self.uri(path)) from exc
 
+    def _no_continue(self) -> None:
+        """This S3 client's PUTs go without ``Expect: 100-continue`` ([Note: no 100-continue])."""
+        if self.scheme not in ("s3", "s3a"):
+            return
+        client = getattr(self.fs, "s3", None)  # s3fs: the aiobotocore client (connects it if needed)
+        events = getattr(getattr(client, "meta", None), "events", None)
+        if events is not None:  # botocore: a unique_id registers once per client
+            events.register_last("before-call.s3", _drop_expect, unique_id="shardbridge-no-100-continue")
+
     def _lock(self, final: str, generation: str) -> str:
         root, name = posixpath.split(final)
         return self.join(root, f".{name}.lock-{generation}")
@@ -354,6 +381,7 @@ class FsspecBackend(Backend):
             condition = {"IfNoneMatch": "*"} if target.expect is None else {"IfMatch": target.expect}
             try:
                 with self._naming(path):
+                    self._no_continue()
                     self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
             except OSError as exc:
                 text = str(exc).lower()
@@ -442,6 +470,13 @@ class FsspecBackend(Backend):
         except (OSError, ValueError):
             return True
         return True
+
+
+def _drop_expect(params: dict[str, Any], **_: Any) -> None:
+    """botocore ``before-call`` handler: the request goes without ``Expect: 100-continue``."""
+    headers = params.get("headers")
+    if headers is not None:
+        headers.pop("Expect", None)
 
 
 def _mtime(info: dict[str, Any]) -> float:
