@@ -8,4 +8,5 @@ bash "$ROOT/tools/setup.sh"
 VENV="${VENV:-.venv}"
 case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+unset PYTHONDONTWRITEBYTECODE  # setup.sh installs without byte-compiling: the first run writes the cache
 exec "$VENV/bin/shardbridge" demo "$@"

@@ -7,6 +7,9 @@
 # requirement admits a newer torch would otherwise pull a multi-GB CUDA build. VENV (default .venv,
 # relative to the repository root) names the environment. pip's own output is filtered to one line
 # per package it collects, downloads or installs; on a failure its last 40 lines are shown.
+# --no-compile: pip would byte-compile every module of every package (16k files, half of a 130 s
+# install, measured); Python compiles what is imported on first use instead and caches it in
+# __pycache__ (tools/test.sh unsets PYTHONDONTWRITEBYTECODE so that the cache is written).
 set -euo pipefail
 cd -P "$(dirname "$0")/.."   # the repository root, also when called through a symlink
 VENV="${VENV:-.venv}"
@@ -19,7 +22,7 @@ pip_install() {
   local log status
   log=$(mktemp)
   set +e
-  "$VENV/bin/python" -m pip --disable-pip-version-check install "$@" 2>&1 | tee "$log" |
+  "$VENV/bin/python" -m pip --disable-pip-version-check install --no-compile "$@" 2>&1 | tee "$log" |
     awk '/^(Collecting|Downloading|Installing collected|Successfully installed|Building|Obtaining)/ { print "  " $0; fflush() }'
   status=${PIPESTATUS[0]}
   set -e

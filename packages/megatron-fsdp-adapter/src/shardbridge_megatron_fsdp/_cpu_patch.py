@@ -5,8 +5,11 @@
 Megatron-FSDP calls CUDA unconditionally in code that is device-agnostic otherwise, in both
 copies (the standalone megatron-fsdp 0.6.1 and the one megatron-core 0.16.1 bundles), and
 megatron-core's models do too. Each call the patch covers, and why it is safe to replace on CPU
-(no CUDA means one host "stream": every collective of gloo is already ordered with the compute
-that follows it)::
+(no CUDA means one host "stream"; the collectives Megatron-FSDP issues with ``async_op=True`` are
+all waited on the host before their buffers are used or freed: the parameter all-gathers through
+``_coalescing_manager``'s handle in ``wait_bucket_ready`` / ``release_bucket``, the gradient
+reduce-scatters inside a synchronous ``_coalescing_manager``; so stand-in streams and events lose
+no ordering)::
 
     <copy>.megatron_fsdp           torch.cuda.current_device()  in __init__ (device default / warning)
                                    torch.cuda.Stream()          side streams of the two pipelines

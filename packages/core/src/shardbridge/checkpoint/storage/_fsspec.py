@@ -18,7 +18,9 @@ writes where a committed checkpoint's files are::
                                          for a new checkpoint, If-Match (the old manifest's entity
                                          tag) for an overwrite, so a job that committed meanwhile
                                          is never silently replaced
-                                      4. the previous generation (overwrite) and the lock are deleted
+                                      4. the previous generation (overwrite) and the lock are
+                                         deleted: best effort, the save is committed (a failure
+                                         here is a warning, not an error of the save)
 
 - Nothing without a valid manifest is visible: ``latest`` reads manifests only, and a manifest
   names exactly one generation. A killed upload leaves a generation no manifest names.
@@ -259,9 +261,20 @@ class FsspecBackend(Backend):
         self._check_landed(target, manifest)
         data = _with_generation(manifest, target.ident).to_json().encode("ascii")
         self._put_manifest(target, data)
-        if target.replaces is not None and target.replaces != target.ident:
-            self._delete_generation(target.final, target.replaces)
-        self._delete(self._lock(target.final, target.ident))
+        # Committed: what follows is cleanup, and its failure (the server stopped answering ...) must
+        # not turn a durable save into an error; later saves delete what is left.
+        try:
+            if target.replaces is not None and target.replaces != target.ident:
+                self._delete_generation(target.final, target.replaces)
+            self._delete(self._lock(target.final, target.ident))
+        except Exception as exc:  # noqa: BLE001
+            logger.warning(
+                "shardbridge.checkpoint: %s is committed, but cleaning up after it failed (%s); later saves "
+                "under %s delete what is left",
+                self.uri(target.final),
+                exc,
+                self.uri(posixpath.dirname(target.final)),
+            )
 
     def abandon(self, target: Target) -> None:
         """Delete the failed save's generation, unless the manifest names it (or cannot be read). Never raises."""
