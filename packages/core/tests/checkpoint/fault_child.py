@@ -114,8 +114,8 @@ def _install_faults(crash_at: int, how: str) -> None:
 def _stop_server_at(k: int, server_pid: int) -> None:
     """SIGSTOP the S3 server just before this process sends its k-th request (0: count only).
 
-    At aiobotocore's HTTP session: every S3 client of the process sends through it (fsspec keeps
-    one filesystem, so one client, per thread).
+    At aiobotocore's HTTP session class: every S3 client of the process sends through it. The
+    trace says, per request, whether it still carried ``Expect: 100-continue``.
     """
     from aiobotocore.httpsession import AIOHTTPSession
 
@@ -124,7 +124,8 @@ def _stop_server_at(k: int, server_pid: int) -> None:
     async def send(self, request):
         _FAULTS["count"] += 1
         name = re.sub(r"g-[0-9a-f]{16}", "g-*", request.url.split("?")[0].rsplit("/", 1)[-1])  # one per save
-        _FAULTS["trace"].append(f"{request.method} {name}")
+        expect = " Expect" if "expect" in {k.lower() for k in request.headers} else ""
+        _FAULTS["trace"].append(f"{request.method} {name}{expect}")
         if _FAULTS["count"] == k:
             os.kill(server_pid, signal.SIGSTOP)
         return await real(self, request)

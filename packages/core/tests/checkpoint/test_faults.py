@@ -148,8 +148,9 @@ def _run(args: dict, *, world: int = 1, kill=None, timeout: float = _TIMEOUT_S) 
             time.sleep(0.005)
         if proc.exitcode is None:
             hung.append(proc)
-            stacks.append(f"rank {rank}:\n{proc.stacks(out, rank)}")
-            proc.kill()
+            stacks.append(f"rank {rank}:\n{proc.stacks(out, rank)}")  # every hung rank's, before any is killed
+    for proc in hung:
+        proc.kill()
     results = []
     for rank, proc in enumerate(procs):
         path = out / f"result-{rank}.json"

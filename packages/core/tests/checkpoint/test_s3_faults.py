@@ -144,6 +144,21 @@ def _stopped_at(s3_server, root: str, k: int, overwrite: bool) -> dict:
         )[0]  # fmt: skip
     finally:
         s3_server.resume()
+        _settled(root)
+
+
+def _settled(root: str) -> None:
+    """Wait until requests the stopped server had queued (a PUT the child gave up on) have landed."""
+    where = locate(root)
+    where.backend.fs.invalidate_cache()
+    before, deadline = None, time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        listing = sorted(where.backend.fs.find(where.path, withdirs=True))
+        where.backend.fs.invalidate_cache()
+        if listing == before:
+            return
+        before = listing
 
 
 @pytest.mark.parametrize("overwrite", [False, True] if FULL else [False], ids=["new step", "overwrite"][: 2 if FULL else 1])
@@ -163,6 +178,7 @@ def test_the_server_stopped_before_each_request_of_a_save(s3_server, s3_root, ov
     counted = _stopped_at(s3_server, f"{s3_root}/count", 0, overwrite)
     assert counted.get("ok"), counted
     requests = counted["trace"]
+    assert not [r for r in requests if r.endswith(" Expect")], requests  # [Note: no 100-continue]
     puts = [k for k, r in enumerate(requests, 1) if r.startswith("PUT")]
     assert len(puts) >= 3 and requests[puts[-1] - 1] == "PUT shardbridge.json", requests
     for k in range(1, len(requests) + 1) if FULL else (puts[0],):  # CI: the lock's
@@ -172,8 +188,11 @@ def test_the_server_stopped_before_each_request_of_a_save(s3_server, s3_root, ov
         assert result["trace"][:k] == requests[:k], (k, result["trace"], requests)  # the same request stopped
         if k > puts[-1]:  # after the commit point: cleanup only, the save returns (a warning)
             assert result.get("ok"), (requests[k - 1], result)
-        if not result.get("ok"):
+        else:  # the server stays stopped until the child ends: the save cannot have returned
+            assert not result.get("ok"), (requests[k - 1], result)
             assert "s3://" in result["error"], result
+            if k == puts[0]:
+                assert ".lock-" in result["error"], result  # the stopped PUT is the one named
         name = ck.step_dir(root, 1 if overwrite else 2).rsplit("/", 1)[1]
         allowed = {"step-00000001": {1.0}, name: {1.0, 2.0} if overwrite else {2.0}}  # overwrite: name is step 1
         label = _check_root(root, allowed, at_least=2.0 if result.get("ok") else 1.0,
@@ -211,6 +230,7 @@ def test_the_server_stopped_mid_save(s3_server, s3_root):
             )  # fmt: skip
         finally:
             s3_server.resume()
+            _settled(root)
         result = results[0]
         outcome = _label_error(result)
         if not result.get("ok"):

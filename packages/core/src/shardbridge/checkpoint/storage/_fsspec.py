@@ -49,12 +49,20 @@ it with no timeout, and starts the client's read timeout only once the body is s
 that stops answering (overloaded, a dead proxy, SIGSTOP in test_s3_faults.py) hung a save forever
 in its first PUT, whatever timeouts the user configured (measured: a 5-byte PUT to a stopped
 moto server never returned; a GET failed after its read timeout). The backend removes the header
-from the requests of every S3 client it writes with (a botocore ``before-call`` handler, registered
-once per client): the body goes at once and the read timeout bounds the wait for the answer. The
-header only saves sending a body the server would refuse; a checkpoint's refused PUT (permission,
-precondition) is an error either way. Not covered: a server that stops reading in the middle of a
-body larger than the sockets' buffers (a multipart part of up to ``PART_BYTES``): aiohttp has no
-write timeout, so that upload waits until TCP gives up on the connection.
+from the requests of the S3 clients of every filesystem it uses: a botocore ``before-call``
+handler on the filesystem's session (clients created later, a refreshed one or s3fs's per-region
+ones, copy it) and on its current client, registered when the backend is made and checked
+before each write. The body goes at once and the read timeout bounds the wait for the answer.
+The header only saves sending a body the server would refuse (a checkpoint's refused PUT,
+permission or precondition, is an error either way; a region redirect re-sends the body). The
+filesystem is fsspec's cached instance, so the user's own uploads through it go without the
+header too.
+
+Not covered: a body larger than the sockets' buffers (any PUT of a few MiB or more: a data file,
+a multipart part of up to ``PART_BYTES``) sent to a server that stops reading it. aiohttp has no
+write timeout, and a stopped server's kernel keeps acknowledging TCP's window probes, so that
+upload may wait indefinitely (a dead host or a cut network ends it after TCP's retransmission
+timeout, about 15 minutes on Linux).
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ import os
 import posixpath
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -94,6 +103,8 @@ _BUILTIN_OS_ERRORS = (
     ConnectionError,
     OSError,
 )
+_HOOK_ID = "shardbridge-no-100-continue"
+_HOOK_LOCK = threading.Lock()
 _LOCK = re.compile(r"^\.(?P<name>.+)\.lock-(?P<generation>g-[0-9a-f]{16})$")
 
 
@@ -114,6 +125,7 @@ class FsspecBackend(Backend):
     def __init__(self, fs: Any, scheme: str) -> None:
         self.fs = fs
         self.scheme = scheme
+        self._no_continue()  # before any client of this filesystem sends (a refreshed or per-region one too)
 
     def uri(self, path: str) -> str:
         """``scheme://path``."""
@@ -262,15 +274,24 @@ class FsspecBackend(Backend):
         data = _with_generation(manifest, target.ident).to_json().encode("ascii")
         self._put_manifest(target, data)
         # Committed: what follows is cleanup, and its failure (the server stopped answering ...) must
-        # not turn a durable save into an error; later saves delete what is left.
-        try:
-            if target.replaces is not None and target.replaces != target.ident:
+        # not turn a durable save into an error.
+        if target.replaces is not None and target.replaces != target.ident:
+            try:
                 self._delete_generation(target.final, target.replaces)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning(
+                    "shardbridge.checkpoint: %s is committed, but deleting the generation it replaced failed (%s); "
+                    "the next save of %s deletes it",
+                    self.uri(target.final),
+                    exc,
+                    self.uri(target.final),
+                )
+        try:
             self._delete(self._lock(target.final, target.ident))
         except Exception as exc:  # noqa: BLE001
             logger.warning(
-                "shardbridge.checkpoint: %s is committed, but cleaning up after it failed (%s); later saves "
-                "under %s delete what is left",
+                "shardbridge.checkpoint: %s is committed, but deleting its lock failed (%s); the first save under "
+                "%s after this process has ended deletes it",
                 self.uri(target.final),
                 exc,
                 self.uri(posixpath.dirname(target.final)),
@@ -335,13 +356,25 @@ class FsspecBackend(Backend):
             raise OSError(errno.EIO, f"{type(exc).__name__}: {text}", self.uri(path)) from exc
 
     def _no_continue(self) -> None:
-        """This S3 client's PUTs go without ``Expect: 100-continue`` ([Note: no 100-continue])."""
+        """This filesystem's S3 PUTs go without ``Expect: 100-continue`` ([Note: no 100-continue])."""
         if self.scheme not in ("s3", "s3a"):
             return
-        client = getattr(self.fs, "s3", None)  # s3fs: the aiobotocore client (connects it if needed)
-        events = getattr(getattr(client, "meta", None), "events", None)
-        if events is not None:  # botocore: a unique_id registers once per client
-            events.register_last("before-call.s3", _drop_expect, unique_id="shardbridge-no-100-continue")
+        with _HOOK_LOCK:  # botocore marks a unique_id registered before it clears its lookup cache
+            hooked = []
+            try:
+                client = self.fs.s3  # s3fs: the aiobotocore client (connects it if needed; no request)
+            except Exception:  # noqa: BLE001 (an asynchronous fs not set up yet: its session below, or later)
+                client = None
+            events = getattr(getattr(client, "meta", None), "events", None)
+            if events is not None:
+                events.register_last("before-call.s3", _drop_expect, unique_id=_HOOK_ID)
+                hooked.append("client")
+            session = getattr(self.fs, "session", None)
+            if callable(getattr(session, "register", None)):  # clients made later copy its handlers
+                session.register("before-call.s3", _drop_expect, unique_id=_HOOK_ID)
+                hooked.append("session")
+            if not hooked:
+                logger.debug("shardbridge.checkpoint: %s has no botocore client to take Expect off", type(self.fs))
 
     def _lock(self, final: str, generation: str) -> str:
         root, name = posixpath.split(final)
