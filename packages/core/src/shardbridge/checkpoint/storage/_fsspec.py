@@ -276,26 +276,26 @@ class FsspecBackend(Backend):
         # Committed: what follows is cleanup, and its failure (the server stopped answering ...) must
         # not turn a durable save into an error.
         if target.replaces is not None and target.replaces != target.ident:
-            try:
-                self._delete_generation(target.final, target.replaces)
-            except Exception as exc:  # noqa: BLE001
-                logger.warning(
-                    "shardbridge.checkpoint: %s is committed, but deleting the generation it replaced failed (%s); "
-                    "the next save of %s deletes it",
-                    self.uri(target.final),
-                    exc,
-                    self.uri(target.final),
-                )
-        try:
-            self._delete(self._lock(target.final, target.ident))
-        except Exception as exc:  # noqa: BLE001
-            logger.warning(
-                "shardbridge.checkpoint: %s is committed, but deleting its lock failed (%s); the first save under "
-                "%s after this process has ended deletes it",
-                self.uri(target.final),
-                exc,
-                self.uri(posixpath.dirname(target.final)),
+            self._after_commit(
+                target,
+                lambda: self._delete_generation(target.final, target.replaces),
+                "deleting the generation it replaced",
+                f"the next save of {self.uri(target.final)} deletes it",
             )
+        self._after_commit(
+            target,
+            lambda: self._delete(self._lock(target.final, target.ident)),
+            "deleting its lock",
+            f"the first save under {self.uri(posixpath.dirname(target.final))} after this process ended deletes it",
+        )
+
+    def _after_commit(self, target: Target, cleanup: Any, what: str, later: str) -> None:
+        """Best-effort cleanup of a committed save: a failure is a warning."""
+        try:
+            cleanup()
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("shardbridge.checkpoint: %s is committed, but %s failed (%s); %s",
+                           self.uri(target.final), what, exc, later)  # fmt: skip
 
     def abandon(self, target: Target) -> None:
         """Delete the failed save's generation, unless the manifest names it (or cannot be read). Never raises."""
