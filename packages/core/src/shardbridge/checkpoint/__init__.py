@@ -56,12 +56,13 @@ from shardbridge.checkpoint._export import NameMap, export_safetensors, parse_si
 from shardbridge.checkpoint._inspect import CheckpointInfo, TensorInfo, inspect
 from shardbridge.checkpoint._load import TrainState, load, load_latest
 from shardbridge.checkpoint._save import save
+from shardbridge.checkpoint._verify import verify
 from shardbridge.checkpoint.state._chunks import LocalChunks
 from shardbridge.checkpoint.state._provider import StateDictProvider, mark_rank_local
 from shardbridge.checkpoint.state._state import component_fqn
 from shardbridge.checkpoint.storage._catalog import latest, step_dir
 from shardbridge.checkpoint.storage._destination import check_destination, write_file
-from shardbridge.checkpoint.storage._integrity import FileProblem, VerifyReport, verify
+from shardbridge.checkpoint.storage._integrity import FileProblem, VerifyReport
 from shardbridge.checkpoint.storage._reader import TrustedReader
 from shardbridge.checkpoint.storage._trust import (
     UntrustedCheckpointError,

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from shardbridge._compat import flatten_state_dict
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import settle
+from shardbridge.checkpoint._verify import local_problems, merge_problems
 from shardbridge.checkpoint.derived import DerivedRecords, derive_load
 from shardbridge.checkpoint.state._chunks import LoadPlanner
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
@@ -35,12 +36,7 @@ from shardbridge.checkpoint.state._state import (
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._catalog import newest
 from shardbridge.checkpoint.storage._errors import dcp_errors
-from shardbridge.checkpoint.storage._integrity import (
-    FileProblem,
-    damage_message,
-    local_problems,
-    merge_problems,
-)
+from shardbridge.checkpoint.storage._integrity import FileProblem, damage_message
 from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
 from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
 from shardbridge.checkpoint.storage._reader import TrustedReader
