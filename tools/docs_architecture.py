@@ -133,8 +133,8 @@ def cli_verbs() -> str:
     import tomllib
 
     sys.path.insert(0, str(REPO / "packages" / "core" / "src"))
-    from shardbridge.cli import GROUP
     from shardbridge.cli._main import build_parser
+    from shardbridge.cli._plugins import GROUP
 
     contributed = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"][GROUP]
     rows = ["| command | from | what it does |", "|---|---|---|"]

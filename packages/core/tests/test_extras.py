@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import shardbridge
-from shardbridge.extras import extra_requirements, install_hint
+from shardbridge._extras import extra_requirements
+from shardbridge.adapters import install_hint
 
 EXTRAS = importlib.metadata.metadata("shardbridge").get_all("Provides-Extra") or []
 

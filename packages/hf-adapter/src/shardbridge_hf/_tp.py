@@ -64,8 +64,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shardbridge import check_tp_divides as check_sizes_divide
 from shardbridge import fp8
+from shardbridge.tp import check_tp_divides as check_sizes_divide
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (

@@ -58,8 +58,8 @@ def parallelize_llama(
     A model converted for FP8 (``shardbridge.fp8.convert``, before this call) gets its backend's
     TP styles for the converted Linears and, at the end, ``fp8.refresh``. Call on an initialised model (``init_weights`` done) whose parameters are identical on
     every rank; call with the same arguments on every rank. With cp > 1, feed each rank its
-    part of the batch (``shardbridge.cp_split`` of tokens and labels over ``mesh["cp"]``) and
-    reduce the loss with ``shardbridge.cp_cross_entropy``.
+    part of the batch (``shardbridge.cp.cp_split`` of tokens and labels over ``mesh["cp"]``) and
+    reduce the loss with ``shardbridge.cp.cp_cross_entropy``.
 
     Args:
         model: the model, in ``policy.main_params_dtype``.
@@ -67,7 +67,7 @@ def parallelize_llama(
         policy: mixed precision for FSDP2; None = no casting.
         compile: ``torch.compile`` each transformer block (before FSDP, as torchtitan).
         cp_comm: with cp > 1, how attention spans cp: "all_gather" (K/V all-gathered) or
-            "ring" (K/V passed around the cp ring; CPU). See ``shardbridge.cp_attention``.
+            "ring" (K/V passed around the cp ring; CPU). See ``shardbridge.cp.cp_attention``.
 
     Returns:
         ``model``, parallelized in place.

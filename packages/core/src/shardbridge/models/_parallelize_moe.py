@@ -61,7 +61,7 @@ def parallelize_moe(
         mesh: the run's :class:`~shardbridge.ParallelMesh` (``ParallelDims(..., ep=...)``).
         policy: mixed precision for FSDP2 (dense and expert units alike); None = no casting.
         dispatch: how tokens reach their experts: "all_to_all", "all_gather" or "auto"
-            (``shardbridge.choose_dispatch``).
+            (``shardbridge.ep.choose_dispatch``).
         cp_comm: with cp > 1, the attention's "all_gather" or "ring".
 
     Returns:
