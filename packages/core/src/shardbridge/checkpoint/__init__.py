@@ -17,14 +17,16 @@ any other, export to Hugging Face safetensors::
 Every path may be a URI: ``s3://bucket/ckpt`` (the ``s3`` extra: s3fs), ``gs://``,
 ``az://``, ``file://``.
 
-Two layers below the verbs (both private):
+Below the verbs (all private; the modules by layer: docs/checkpoints.md, generated):
 
+- ``derived/``: the derived save protocol, plans and storage records derived from the layout
+  ([Note: the derived protocol] in ``derived/_save.py``); nothing below imports it.
 - ``state/``: what is saved. The portable state dict handed to DCP (``_state.py``; tied
   parameters stored once: [Note: tied tensors]), layouts DCP describes wrongly repaired
   ([Note: DCP layout repair] in ``_repair.py``), fused parameters as components ([Note:
   component names] in ``_components.py``), frameworks' own state dicts ([Note: state-dict
   providers] in ``_provider.py``, :class:`StateDictProvider`; tensors only a provider can store,
-  :func:`mark_rank_local`: [Note: rank-local tensors]), the chunk objects and planners
+  :func:`shardbridge.adapters.mark_rank_local`: [Note: rank-local tensors]), the chunk objects and planners
   (``_chunks.py``), host staging for async saves (``_stage.py``), RNG states (``_rng.py``).
 - ``storage/``: how it lands. DCP's ``StorageWriter`` / ``StorageReader`` (``_writer.py``,
   ``_reader.py``) on a backend: local disk or fsspec ([Note: storage backends] in
