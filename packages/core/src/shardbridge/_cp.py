@@ -64,6 +64,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardbridge._compat import all_gather_single, reduce_scatter_single
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -191,8 +193,7 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     world = dist.get_world_size(group)
     flat = x.movedim(dim, 0).contiguous()
     out = flat.new_empty((world * flat.shape[0], *flat.shape[1:]))
-    # all_gather_single: torch >= 2.13 (all_gather_into_tensor, its older name, warns there).
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, flat, group=group)
+    all_gather_single(out, flat, group=group)
     return out.movedim(0, dim)
 
 
@@ -201,9 +202,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
     world = dist.get_world_size(group)
     flat = x.movedim(dim, 0).contiguous()
     out = flat.new_empty((flat.shape[0] // world, *flat.shape[1:]))
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
-        out, flat, op=dist.ReduceOp.SUM, group=group
-    )
+    reduce_scatter_single(out, flat, group=group)
     return out.movedim(0, dim)
 
 

@@ -68,7 +68,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
-from shardbridge._compat import AllGather, fsdp_params, fsdp_shard_process_group, fsdp_unit_key, fsdp_unit_modules
+from shardbridge._compat import (
+    AllGather,
+    all_gather_single,
+    fsdp_params,
+    fsdp_shard_process_group,
+    fsdp_unit_key,
+    fsdp_unit_modules,
+)
 
 if TYPE_CHECKING:
     from shardbridge._mesh import ParallelMesh
@@ -343,7 +350,7 @@ class Uint8AllGather(AllGather):
         if output_tensor.dtype in FP8_DTYPES:
             output_tensor = output_tensor.view(torch.uint8)
             input_tensor = input_tensor.view(torch.uint8)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def _backend(module: FSDPModule) -> str:
