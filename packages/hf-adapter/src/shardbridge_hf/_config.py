@@ -474,13 +474,13 @@ def refuse_unknown_keys(where: str, given: Mapping[Any, Any], known: Iterable[st
         >>> refuse_unknown_keys("fsdp_config.shardbridge", {"precison": "bf16"}, ["precision", "fp8"])
         Traceback (most recent call last):
         ...
-        ValueError: fsdp_config.shardbridge.precison is not a key here; did you mean 'precision'? (known keys: ['fp8', 'precision'])
+        ValueError: fsdp_config.shardbridge.precison: unknown key; did you mean 'precision'? (known keys: ['fp8', 'precision'])
     """
     known = sorted(known)
     unknown = [k for k in given if k not in known]
     if not unknown:
         return
-    named = "; ".join(f"{where}.{k} is not a key here{did_you_mean(k, known)}" for k in sorted(unknown, key=str))
+    named = "; ".join(f"{where}.{k}: unknown key{did_you_mean(k, known)}" for k in sorted(unknown, key=str))
     raise ValueError(f"{named} (known keys: {known}){hint}")
 
 

@@ -179,7 +179,10 @@ def _dynamo_key(cluster: Any) -> str | None:
     for key in section:
         name = key if str(key).startswith("dynamo_") else f"dynamo_{key}"
         if name not in known:
-            return f"dynamo_config.{key}: not a key Accelerate reads{did_you_mean(name, known)} (keys: {', '.join(known)})"
+            near = did_you_mean(key, {*known, *(k.removeprefix("dynamo_") for k in known)})
+            return f"dynamo_config.{key}: not a key Accelerate reads, it would be dropped without effect" + (
+                near or f" (keys: {', '.join(known)})"
+            )
     backend = str(section.get("dynamo_backend", section.get("backend", "NO"))).upper()
     if backend != "NO":
         return (
