@@ -60,7 +60,8 @@ def _given(value: Any) -> str:
         return f"the class {value.__name__}"
     if inspect.ismethod(value) or inspect.isfunction(value):
         return f"the {'method' if inspect.ismethod(value) else 'function'} {value.__qualname__}"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _fix(name: str, value: Any, types: tuple[type | None, ...], others: dict[str, Any], expected: dict) -> str:
@@ -131,7 +132,7 @@ def checked_args(**expected: type | tuple[type | None, ...]) -> Callable[[F], F]
                 if isinstance(value, real):
                     continue
                 fix = _fix(name, value, types, arguments, spec)
-                article = "an" if _describe(types)[:1] in "AEIOU" else "a"
+                article = "an" if _describe(types)[:1].lower() in "aeiou" else "a"
                 raise TypeError(
                     f"{fn.__qualname__}({name}=...): expected {article} {_describe(types)}, got {_given(value)}"
                     + (f"; {fix}" if fix else "")
