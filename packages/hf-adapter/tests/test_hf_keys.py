@@ -207,3 +207,20 @@ def test_keys_at_the_values_shardbridge_runs_are_accepted(tmp_path):
     )
     text = BASE.replace("  parallelism_config_tp_size: 2\n", extra) + "dynamo_config: {dynamo_backend: 'NO'}\ndebug: false\n"
     assert read_config_file(H.write_config(tmp_path, text)).dims.tp == 2
+
+
+def test_what_accelerate_itself_writes_is_accepted(tmp_path):
+    """A file written by Accelerate's own ClusterConfig, and the keys `accelerate config` puts in every file
+    (downcast_bf16: 'no', tpu_env: [], main_training_function, rdzv_backend, ...), are not refused."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    path = tmp_path / "written.yaml"
+    ClusterConfig(
+        compute_environment="LOCAL_MACHINE", distributed_type="FSDP", mixed_precision="no", use_cpu=True, debug=False,
+        num_processes=4, fsdp_config={"fsdp_version": 2, "shardbridge": {"precision": "fp32"}},
+        parallelism_config={"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2},
+    ).to_yaml_file(str(path))  # fmt: skip
+    assert read_config_file(path).dims.tp == 2
+    typical = "downcast_bf16: 'no'\nenable_cpu_affinity: false\nmain_training_function: main\nrdzv_backend: static\n"
+    typical += "same_network: true\ntpu_env: []\ntpu_use_cluster: false\ntpu_use_sudo: false\nmachine_rank: 0\n"
+    assert read_config_file(H.write_config(tmp_path, BASE + typical)).dims.tp == 2

@@ -63,18 +63,19 @@ _PARALLELISM_OTHER: dict[str, tuple[tuple[Any, ...], str]] = {
     "parallelism_config_sp_attn_implementation": (("sdpa",), "sequence parallelism (sp) is not run by shardbridge"),
 }
 
-# Top-level keys only Accelerate's TPU launcher reads -> their default (any other value has no effect under FSDP).
-_TPU_ONLY = {
-    "downcast_bf16": False,
-    "tpu_name": None,
-    "tpu_zone": None,
-    "tpu_use_cluster": False,
-    "tpu_use_sudo": False,
-    "command_file": None,
-    "commands": None,
-    "tpu_vm": None,
-    "tpu_env": None,
-}
+# Top-level keys only Accelerate's TPU launcher reads: set to anything but "off" they have no effect under FSDP.
+# `accelerate config` writes some of them off in every file (downcast_bf16: 'no', tpu_env: []).
+_TPU_ONLY = (
+    "downcast_bf16",
+    "tpu_name",
+    "tpu_zone",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "command_file",
+    "commands",
+    "tpu_vm",
+    "tpu_env",
+)
 
 _SECTIONS_FOR_OTHER_LAUNCHERS = ("deepspeed_config", "megatron_lm_config", "mpirun_config")
 
@@ -109,13 +110,18 @@ def config_file_keys_problem(data: Mapping[Any, Any]) -> str | None:
                 f"{key}: not a key of an Accelerate config file{did_you_mean(key, known)} (Accelerate refuses unknown "
                 "top-level keys); fix or remove it"
             )
-    for key, default in _TPU_ONLY.items():
-        if key in data and data[key] not in (default, None):
+    for key in _TPU_ONLY:
+        if key in data and not _off(data[key]):
             return (
                 f"{key}={data[key]!r} has no effect: only Accelerate's TPU launcher reads it (distributed_type is FSDP); "
                 "remove it"
             )
     return None
+
+
+def _off(value: Any) -> bool:
+    """A value that leaves a TPU-only key off: null, false, 'no', an empty string or container."""
+    return value is None or value is False or (isinstance(value, (str, list, dict)) and str(value).lower() in ("", "no", "false", "[]", "{}"))
 
 
 def sections_problem(cluster: Any) -> str | None:
