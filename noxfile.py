@@ -141,13 +141,14 @@ def faults(session):
 def trust(session):
     """Every generated hostile input (docs/checkpoints.md, Threat model): chunk coverage with every chunk mutated and
     ~60x the layouts, every writer x file x link/overwrite case, convert config-vs-tensor mutants, the HF
-    file-selection oracle; CI runs a slice."""
+    file-selection oracle, every key of an Accelerate config file misspelled by one edit (docs/hf.md); CI runs a slice."""
     _install(session, "all,test")
     env = {**ENV, "SHARDBRIDGE_TRUST": "all"}
     session.run(
         "python", "-m", "pytest", "packages/core/tests/checkpoint/test_coverage.py",
         "packages/core/tests/checkpoint/test_trust.py", "packages/core/tests/test_pretrained_files.py",
         "packages/megatron-fsdp-adapter/tests/test_convert_trust.py", "integration_tests/test_trust_writers.py",
+        "packages/hf-adapter/tests/test_hf_keys.py",
         *session.posargs, env=env,
     )
 

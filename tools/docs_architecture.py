@@ -43,6 +43,7 @@ PUBLIC = (
     "shardbridge.testing",
     "shardbridge.patching",
     "shardbridge.extras",
+    "shardbridge.checks",
     "shardbridge.cli",
     "shardbridge_te",
     "shardbridge_megatron_fsdp",

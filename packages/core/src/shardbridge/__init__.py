@@ -59,6 +59,7 @@ from shardbridge._tp import (
     local_view,
     to_dtensor_param,
     tp_placements,
+    unview_tp_output,
 )
 from shardbridge._version import __version__  # written once, in _version.py
 from shardbridge._wrap import (
@@ -89,6 +90,7 @@ __all__ = [
     "local_view",
     "to_dtensor_param",
     "tp_placements",
+    "unview_tp_output",
     # FSDP2 wrapping, clipping, optimizer groups
     "apply_fsdp",
     "clip_grad_norm_",

@@ -69,6 +69,7 @@ __all__ = [
     "torch_save_without_crc",
     "tree_map",
     "unflatten_mesh",
+    "unview",
 ]
 
 TORCH_CHECKED = ((2, 11, 0), (2, 15, 0))
@@ -189,6 +190,19 @@ class _ToLocalKeepingLayout(torch.autograd.Function):
             return None, None
         mesh, placements, shape, stride = ctx.meta
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None
+
+
+def unview(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of its own when it is a view (``t._base``), same storage, no copy: ``aten._unsafe_view``.
+
+    For the local tensor ``DTensor.to_local()`` returns (``local.view_as(local)`` of a DTensor
+    nobody else holds); see [Note: TP outputs are not views] in ``shardbridge._tp``. autograd
+    tracks ``_unsafe_view`` as an ordinary op (``reshape`` uses it for its fresh results), so an
+    in-place op on the result is allowed and keeps the hooks registered on it. Checked: 2.13.
+    """
+    if t._base is None:
+        return t
+    return torch.ops.aten._unsafe_view(t, t.shape)
 
 
 def dtensor_boundary(node: Any) -> tuple[str, tuple[Any, ...]] | None:

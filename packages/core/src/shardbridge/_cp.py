@@ -58,18 +58,14 @@ HSDP, replicating over cp and averaging wrongly; NeMo-Automodel #2768).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardbridge._compat import all_gather_single, reduce_scatter_single
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from shardbridge._mesh import ParallelMesh
+from shardbridge._mesh import ParallelMesh
+from shardbridge.checks import checked_args
 
 __all__ = [
     "check_cp_seq_len",
@@ -142,6 +138,7 @@ def _cp_coords(cp_mesh: DeviceMesh | None) -> tuple[int, int]:
     return cp_mesh.size(), cp_mesh.get_local_rank()
 
 
+@checked_args(tensor=torch.Tensor, cp_mesh=(DeviceMesh, None))
 def cp_split(tensor: torch.Tensor, cp_mesh: DeviceMesh | None, *, dim: int = 1) -> torch.Tensor:
     """This cp rank's part of a full-length tensor (tokens, labels, position ids, masks).
 
@@ -168,6 +165,7 @@ def cp_split(tensor: torch.Tensor, cp_mesh: DeviceMesh | None, *, dim: int = 1) 
     return torch.cat([chunks[head], chunks[tail]], dim=dim)
 
 
+@checked_args(local=torch.Tensor, cp_mesh=(DeviceMesh, None))
 def cp_unsplit(local: torch.Tensor, cp_mesh: DeviceMesh | None, *, dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`cp_split`: the full-length tensor, in sequence order, on every cp rank.
 
@@ -537,6 +535,7 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+@checked_args(logits=torch.Tensor, labels=torch.Tensor, mesh=ParallelMesh)
 def cp_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol, Union, runtime_checkable
+from typing import Literal, Protocol, Union, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -76,10 +76,9 @@ from shardbridge._compat import (
     fsdp_unit_key,
     fsdp_unit_modules,
 )
-
-if TYPE_CHECKING:
-    from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import PrecisionPolicy
+from shardbridge._mesh import ParallelMesh
+from shardbridge._precision import PrecisionPolicy
+from shardbridge.checks import checked_args
 
 __all__ = [
     "FP8_DTYPES",
@@ -112,6 +111,7 @@ class SupportsFSDPUnits(Protocol):
     def fsdp_units(self) -> Sequence[FSDPUnit]: ...
 
 
+@checked_args(model=nn.Module, mesh=ParallelMesh, policy=(PrecisionPolicy, None))
 def apply_fsdp(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -212,6 +212,7 @@ def set_gradient_divide_factor(module: FSDPModule, factor: float) -> None:
     module.set_gradient_divide_factor(factor)
 
 
+@checked_args(model=nn.Module)
 def fsdp_unit_params(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Which parameters each FSDP unit of ``model`` manages, by FQN.
 
@@ -358,6 +359,7 @@ def _backend(module: FSDPModule) -> str:
     return "" if pg is None else dist.get_backend(pg)
 
 
+@checked_args(model=nn.Module)
 def use_uint8_all_gather(model: nn.Module, *, backends: tuple[str, ...] = ("gloo",)) -> int:
     """Give every FSDP2 unit of ``model`` on one of ``backends`` the :class:`Uint8AllGather`.
 

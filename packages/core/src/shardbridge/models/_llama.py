@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Placement
 from shardbridge._cp import cp_attention, cp_positions
 from shardbridge._fused import FusedSpec, fused_params, register_fused
 from shardbridge._tp import TPMode, tp_placements
+from shardbridge.checks import checked_args
 
 __all__ = ["Llama", "LlamaConfig", "ParamTP", "synthetic_batch"]
 
@@ -373,6 +374,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+@checked_args(config=LlamaConfig)
 def synthetic_batch(
     config: LlamaConfig,
     batch_size: int,
