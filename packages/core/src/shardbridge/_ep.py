@@ -96,14 +96,14 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from shardbridge._checks import checked_args
 from shardbridge._cp import _SumOverGroup
+from shardbridge._mesh import ParallelMesh
+from shardbridge._precision import PrecisionPolicy
 from shardbridge._wrap import set_gradient_divide_factor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import PrecisionPolicy
 
 __all__ = [
     "EPDispatch",
@@ -416,6 +416,7 @@ def expert_shard_dim(shape: tuple[int, ...], *, ep: int, efsdp: int) -> int:
     return 0
 
 
+@checked_args(experts=nn.Module, mesh=ParallelMesh, policy=(PrecisionPolicy, None))
 def shard_experts(
     experts: nn.Module,
     mesh: ParallelMesh,

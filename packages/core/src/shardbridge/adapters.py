@@ -22,10 +22,13 @@ stable as any public name; each lives in a private module of the core and is pub
 - Optional dependencies ([Note: install hints], [Note: version policy]): :func:`install_hint`
   for the ImportError of a missing extra, :func:`warn_if_untested` for a host framework outside
   its checked range (it warns with ``shardbridge.UntestedVersionWarning``).
+- Input checks worded as the core's ([Note: argument checks]): :func:`checked_args` on an
+  entry point, :func:`did_you_mean` for an unknown config key.
 - CLI verbs ([Note: adapter verbs]): a :class:`Verb` registered in the ``shardbridge.cli``
   entry-point group.
 """
 
+from shardbridge._checks import checked_args, did_you_mean
 from shardbridge._extras import install_hint, warn_if_untested
 from shardbridge._patching import Patch, PatchPlan, fmt_version, patch_attr, patch_item
 from shardbridge.checkpoint._export import parse_size
@@ -57,7 +60,9 @@ __all__ = [
     "fmt_version",
     "patch_attr",
     "patch_item",
-    # -- optional dependencies and CLI verbs -----------------------------------------------
+    # -- input checks, optional dependencies, CLI verbs ------------------------------------
+    "checked_args",
+    "did_you_mean",
     "Verb",
     "install_hint",
     "warn_if_untested",

@@ -16,6 +16,15 @@ from shardbridge._tp import (
     local_view,
     to_dtensor_param,
     tp_placements,
+    unview_tp_output,
 )
 
-__all__ = ["TPMode", "check_tp_divides", "convert_module_params", "local_view", "to_dtensor_param", "tp_placements"]
+__all__ = [
+    "TPMode",
+    "check_tp_divides",
+    "convert_module_params",
+    "local_view",
+    "to_dtensor_param",
+    "tp_placements",
+    "unview_tp_output",
+]

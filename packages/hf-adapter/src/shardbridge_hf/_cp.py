@@ -31,16 +31,15 @@ per-head logits join every softmax), and non-causal attention. The KV cache is t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from shardbridge import ParallelMesh
+from shardbridge.adapters import checked_args
 from shardbridge.cp import check_cp_seq_len, cp_attention, cp_split
 from torch import nn
-
-if TYPE_CHECKING:
-    from shardbridge import ParallelMesh
-    from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["CP_ATTENTION", "cp_batch", "enable_cp"]
 
@@ -101,6 +100,7 @@ def _cp_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+@checked_args(model=nn.Module, cp_mesh=DeviceMesh)
 def enable_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Make ``model``'s attention context-parallel over the 1-D ``cp_mesh``. See [Note: HF context parallel].
 
@@ -131,6 +131,7 @@ def enable_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+@checked_args(batch=Mapping, pm=ParallelMesh)
 def cp_batch(batch: Mapping[str, Any], pm: ParallelMesh, *, ignore_index: int = -100) -> dict[str, Any]:
     """This cp rank's part of a causal-LM batch, ready for ``model(**batch)``.
 

@@ -45,9 +45,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
-    from shardbridge import ParallelMesh, PrecisionPolicy
+    from shardbridge import ParallelDims, ParallelMesh, PrecisionPolicy
 
-__all__ = ["EP_STYLES", "apply_ep", "resolve_ep_plan", "without_experts"]
+__all__ = ["EP_STYLES", "apply_ep", "check_ep_divides", "resolve_ep_plan", "without_experts"]
 
 #: The expert-parallel styles of transformers' ``ParallelInterface`` this adapter runs on ``ep``.
 EP_STYLES: tuple[str, ...] = ("grouped_gemm", "ep_dispatch_experts")
@@ -128,6 +128,24 @@ def resolve_ep_plan(model: nn.Module, plan: str | Mapping[str, str] = "auto") ->
             "built): plan the owning experts module 'ep_dispatch_experts'"
         )
     return out
+
+
+def check_ep_divides(model: nn.Module, experts: Mapping[str, tuple[str, ...]], dims: ParallelDims) -> None:
+    """ValueError, naming ``fsdp_config.shardbridge.ep_size`` and the sizes that fit, unless ep divides every experts module.
+
+    Each ep rank holds the same number of whole experts: ``ep`` must divide ``num_experts`` (and,
+    as always, ``dp_shard * cp * tp``, which ``ParallelDims`` checks).
+    """
+    ranks = dims.dp_shard * dims.cp * dims.tp
+    for fqn in experts:
+        num_experts = int(next(model.get_submodule(fqn).parameters()).shape[0])
+        if num_experts % dims.ep:
+            fits = [d for d in range(1, num_experts + 1) if num_experts % d == 0 and ranks % d == 0]
+            raise ValueError(
+                f"fsdp_config.shardbridge.ep_size={dims.ep} (ParallelDims.ep) does not divide the {num_experts} experts "
+                f"of {fqn}: every ep rank holds the same number of whole experts; set ep_size to one of {fits} "
+                f"(the divisors of {num_experts} that also divide dp_shard * cp * tp = {ranks})"
+            )
 
 
 def without_experts(tp_plan: Mapping[str, Any], experts: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardbridge._checks import did_you_mean
 from shardbridge._compat import require_module
 from shardbridge._extras import install_hint
 from shardbridge.fp8._convert import converted_fqn
@@ -160,7 +161,7 @@ class TorchaoBackend(FP8BackendBase):
             if key not in allowed:
                 raise ValueError(
                     f"fp8.params.{key}: torchao recipe {recipe.name!r} takes "
-                    f"{sorted(allowed) or 'no parameters'}; remove {key!r}"
+                    f"{sorted(allowed) or 'no parameters'}; remove {key!r}{did_you_mean(key, allowed)}"
                 )
             if not isinstance(value, allowed[key]) or (key == "kernel" and value not in _MX_KERNELS):
                 raise ValueError(

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from shardbridge._checks import checked_args
 from shardbridge._cp import cp_attention, cp_positions
 from shardbridge._fused import FusedSpec, fused_params, register_fused
 from shardbridge._tp import TPMode, tp_placements
@@ -373,6 +374,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+@checked_args(config=LlamaConfig)
 def synthetic_batch(
     config: LlamaConfig,
     batch_size: int,
