@@ -110,13 +110,13 @@ def _stage_dtensor():
     model, opt = build(LAYOUTS["fsdp2_tp2"])
     state = {"model": {"w": model.up.weight, "plain": torch.ones(3), "lr": [("x", 0.5)]}}
     stager = Stager()
-    first = stager.stage(state)
+    first, _ = stager.stage(state)
     chunks = first["model"]["w"]
     local = model.up.weight.to_local()
     assert isinstance(model.up.weight, DTensor) and chunks.shape == model.up.weight.shape
     (offsets, copy), *_ = chunks.pieces
     assert torch.equal(copy, local) and copy.data_ptr() != local.data_ptr()
-    again = stager.stage(state)["model"]["w"].pieces[0][1]
+    again = stager.stage(state)[0]["model"]["w"].pieces[0][1]
     return copy.data_ptr() == again.data_ptr() and stager.nbytes > 0  # buffers reused
 
 
@@ -234,3 +234,52 @@ def test_the_previous_saves_error_says_the_next_save_did_not_start(tmp_path, mon
         ck.save(ck.step_dir(tmp_path, 2), model=model, step=2)
     assert any("that next save did not start" in note for note in info.value.__notes__)
     assert not ck.step_dir(tmp_path, 2).exists()
+
+
+def _slow_staging(monkeypatch):
+    """Hold the writer thread's copies ([Note: background staging]) until the returned event is set."""
+    from shardbridge.checkpoint.state import _stage
+
+    go = threading.Event()
+    real = _stage.Pending._copy
+
+    def held(self):
+        go.wait(30)
+        return real(self)
+
+    monkeypatch.setattr(_stage.Pending, "_copy", held)
+    return go
+
+
+def test_optimizer_step_waits_for_the_background_copy(tmp_path, monkeypatch):
+    """The optimizer's parameters and state are copied by the writer thread; the next step() waits for
+    the copy, so the checkpoint holds the values at the call (bit-exact), not the stepped ones."""
+    model, opt = build(LAYOUTS["single"])
+    step(model, opt, seed=1)
+    want = full_state(model, opt)
+    go = _slow_staging(monkeypatch)
+    pending = ck.save(tmp_path / "a", model=model, optimizer=opt, step=1, async_=True)
+    stepped = threading.Thread(target=lambda: step(model, opt, seed=2))
+    stepped.start()
+    stepped.join(0.5)
+    assert stepped.is_alive()  # held by the hook: the copy has not been made
+    go.set()
+    stepped.join(30)
+    assert pending.wait() == tmp_path / "a" and not stepped.is_alive()
+    assert not opt._optimizer_step_pre_hooks and ck.wait() is None  # the hook is gone once waited
+    assert_equal_states(_oracle(tmp_path / "a", tmp_path), want)
+
+
+def test_an_in_place_change_before_the_background_copy_fails_the_save_by_name(tmp_path, monkeypatch):
+    model, opt = build(LAYOUTS["single"])
+    step(model, opt, seed=1)
+    ck.save(ck.step_dir(tmp_path, 1), model=model, optimizer=opt, step=1)
+    go = _slow_staging(monkeypatch)
+    pending = ck.save(ck.step_dir(tmp_path, 2), model=model, optimizer=opt, step=2, async_=True)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # not through optimizer.step(): nothing waits for the copy
+    go.set()
+    with pytest.raises(RuntimeError, match=r"rank 0: model\..* was changed in place before the asynchronous save"):
+        pending.wait()
+    assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]

@@ -20,6 +20,7 @@ from shardbridge.checkpoint._protocol import DCPSave, SaveProtocol
 from shardbridge.checkpoint.derived import DerivedSave
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint.state._rng import rng_bytes, rng_states
+from shardbridge.checkpoint.state._stage import Pending
 from shardbridge.checkpoint.state._state import OPTIM_KEY, OnBadLayout, PortableState, build_portable_state
 from shardbridge.checkpoint.storage._backend import Target
 from shardbridge.checkpoint.storage._errors import save_failure
@@ -215,13 +216,14 @@ def save(
         protocol=protocol,
         local=prepared.local,
         derived=agreed and protocol.digest(prepared.local) != 0,
+        pending=prepared.pending,
     )
     del state, snapshot, prepared
     if not async_:
         write_and_commit(job)
         return where.user
     try:
-        return start_async(job, write_and_commit)
+        return start_async(job, write_and_commit, optimizer)
     except BaseException:
         if rank == 0:
             where.backend.abandon(job.target)
@@ -246,6 +248,8 @@ class SaveJob:
     """The protocol's result of this rank's local step (round 1)."""
     derived: bool = False
     """Every rank can derive the global plan (round 1; [Note: the derived protocol] in ``derived/_save.py``)."""
+    pending: Pending | None = None
+    """An asynchronous save's copies left to the writer ([Note: background staging] in ``_async.py``)."""
 
     @property
     def final(self) -> Path | str:
@@ -283,11 +287,26 @@ def write_and_commit(job: SaveJob) -> None:
         save_failure=failure,
     )
     try:
+        if job.pending is not None:
+            _finish_staging(job.pending)
         job.protocol.save(job.dcp_state, writer, job.local, job.derived)
     except BaseException:
         if rank == 0:
             backend.abandon(target)  # see [Note: atomic commit], [Note: object-store commit]
         raise
+
+
+def _finish_staging(pending: Pending) -> None:
+    """The copies left to the writer, then one round: a rank whose copy failed fails every rank."""
+    problem = None
+    try:
+        pending.run()
+    except RuntimeError as exc:
+        problem = str(exc)
+    failed = [(r, p) for r, p in enumerate(_dist.all_gather(problem)) if p is not None]
+    if failed:
+        rank, problem = failed[0]
+        raise RuntimeError(f"rank {rank}: {problem}")
 
 
 def _prepare(
@@ -307,14 +326,14 @@ def _prepare(
     """Steps 1-2 of :func:`save` on one rank; rank 0 (``begin``) also begins the save on the backend."""
     extra = _check_args(step=step, extra=extra, parallel_dims=parallel_dims, provider=provider)
     state = build_portable_state(model, optimizer, on_bad_layout=on_bad_layout, log=log, provider=provider)
-    snapshot = stage_state(state.dcp_state) if stage else None
+    snapshot, pending = stage_state(state.dcp_state, optimizer) if stage else (None, None)
     local = protocol.local(state.dcp_state if snapshot is None else snapshot)
     target = None
     if begin is not None:
         where, overwrite, begun = begin
         target = where.backend.begin(where.path, overwrite=overwrite)
         begun.append(target)
-    return _Prepared(extra, state, snapshot, local, target)
+    return _Prepared(extra, state, snapshot, local, target, pending)
 
 
 @dataclass
@@ -324,6 +343,7 @@ class _Prepared:
     snapshot: dict[str, Any] | None
     local: Any
     target: Target | None
+    pending: Pending | None
 
 
 def _protocol_of(protocol: str | SaveProtocol) -> SaveProtocol:

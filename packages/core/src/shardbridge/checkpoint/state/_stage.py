@@ -12,11 +12,17 @@ exactly the boxes a synchronous save would write. Every tensor becomes a host co
 Copies go into buffers kept from the previous save when shapes and dtypes match (no page
 faults on the training thread's critical path after the first save); on CUDA they are pinned
 and copied with ``non_blocking`` then synchronised once.
+
+``later``: the storages of tensors that only the optimizer's ``step`` changes (its parameters and
+state): their copies are not made by :meth:`Stager.stage` but returned as :class:`Pending`, which
+the writer thread runs while training goes on ([Note: background staging] in ``_async.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +31,51 @@ from torch.distributed.tensor import DTensor
 from shardbridge.checkpoint.state._chunks import LocalChunks
 from shardbridge.checkpoint.state._repair import dtensor_origin
 
-__all__ = ["Stager"]
+__all__ = ["Pending", "Stager", "storages"]
+
+
+def storages(tensors: Any) -> set[int]:
+    """The storage addresses of ``tensors`` (a DTensor's local tensor; empty storages left out)."""
+    out = set()
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            ptr = local.untyped_storage().data_ptr()
+            if ptr:
+                out.add(ptr)
+    return out
+
+
+@dataclass
+class Pending:
+    """Copies of a snapshot left for later: (name, buffer, source, the source's version when staged)."""
+
+    copies: list[tuple[str, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set once the copies are made (or failed): the sources may change from then on."""
+
+    def run(self) -> None:
+        """Make the copies, then set :attr:`done`; RuntimeError naming a source changed in place
+        since it was staged."""
+        try:
+            self._copy()
+        finally:
+            self.copies.clear()
+            self.done.set()
+
+    def _copy(self) -> None:
+        cuda = False
+        for name, buf, src, version in self.copies:
+            cuda = cuda or src.device.type == "cuda"
+            buf.copy_(src, non_blocking=src.device.type == "cuda")
+            if src._version != version:
+                raise RuntimeError(
+                    f"{name} was changed in place before the asynchronous save copied it (only optimizer.step(), "
+                    "which waits for the copy, may change the optimizer's parameters and state while the save is "
+                    "staging); call the save's staged() before changing them otherwise"
+                )
+        if cuda:
+            torch.cuda.synchronize()
 
 
 class Stager:
@@ -45,22 +95,26 @@ class Stager:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._used: set[tuple[Any, ...]] = set()
         self._async_cuda = False
+        self._later: set[int] = set()
+        self._pending = Pending()
 
     @property
     def nbytes(self) -> int:
         """Bytes of host memory the buffers hold."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A host-memory copy of ``state`` (nested dicts of tensors, DTensors, LocalChunks, values)."""
+    def stage(self, state: dict[str, Any], later: set[int] | None = None) -> tuple[dict[str, Any], Pending]:
+        """A host-memory copy of ``state`` (nested dicts of tensors, DTensors, LocalChunks, values),
+        and the copies of the tensors whose storage is in ``later``, left to :meth:`Pending.run`."""
         self._used = set()
         self._async_cuda = False
+        self._later, self._pending = set(later or ()), Pending()
         out = self._value((), state)
         if self._async_cuda:
             torch.cuda.synchronize()
         for key in [k for k in self._buffers if k not in self._used]:
             del self._buffers[key]  # a tensor that is gone or changed shape
-        return out
+        return out, self._pending
 
     def _value(self, where: tuple[Any, ...], value: Any) -> Any:
         if isinstance(value, dict):
@@ -92,7 +146,9 @@ class Stager:
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buf
         self._used.add(key)
-        if t.device.type == "cuda":
+        if self._later and t.untyped_storage().data_ptr() in self._later:
+            self._pending.copies.append((".".join(str(k) for k in key[:-1]), buf, t, t._version))
+        elif t.device.type == "cuda":
             buf.copy_(t, non_blocking=True)
             self._async_cuda = True
         else:
