@@ -19,7 +19,9 @@ Modes (``ARGS["mode"]``):
   directory, else each into its own ``step_dir``. ``async``: each save is
   ``save(..., async_=True)``, the model is changed at once, then the save is waited for.
 - ``once``: one save of ``value``; optional faults: ``stop_server_at`` = k (SIGSTOP the S3
-  server ``server_pid`` just before this process's k-th request; 0 = count only), ``crash_at`` = k (the k-th call of an
+  server ``server_pid`` just before this process's k-th request; 0 = count only), ``exit_after`` =
+  "METHOD name" (exit with code 9, as if killed, once that S3 request was answered: e.g. "PUT
+  shardbridge.json", the commit), ``crash_at`` = k (the k-th call of an
   instrumented file-system function, counted from the start of the save, exits the
   process with ``how="exit"`` or raises ``OSError`` with ``how="raise"``; 0 = count only),
   ``fsize`` (RLIMIT_FSIZE in bytes), ``pause`` (wait for the file ``go`` before committing).
@@ -133,6 +135,21 @@ def _stop_server_at(k: int, server_pid: int) -> None:
     AIOHTTPSession.send = send
 
 
+def _exit_after(label: str) -> None:
+    """Exit at once (code 9, no cleanup: as if killed) when the S3 request ``label`` was answered."""
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    real = AIOHTTPSession.send
+
+    async def send(self, request):
+        response = await real(self, request)
+        if f"{request.method} {request.url.split('?')[0].rsplit('/', 1)[-1]}" == label:
+            os._exit(9)
+        return response
+
+    AIOHTTPSession.send = send
+
+
 def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
     out = ARGS["out"]
     rank, world = ARGS.get("rank", 0), ARGS.get("world", 1)
@@ -156,6 +173,8 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
         use_server(ARGS["s3_env"])
         if ARGS.get("stop_server_at") is not None:
             _stop_server_at(ARGS["stop_server_at"], ARGS["server_pid"])
+        if ARGS.get("exit_after"):
+            _exit_after(ARGS["exit_after"])
 
     root = ARGS["root"]
     model = build(ARGS.get("value", 1.0), world, ARGS.get("width", 16))
