@@ -268,14 +268,14 @@ def _check_config(config: dict[str, Any]) -> None:
 
 
 def _botocore_settings(profile: str | None) -> dict[str, Any]:
-    """botocore's own retry settings (AWS_MAX_ATTEMPTS / AWS_RETRY_MODE, the profile): honoured."""
+    """botocore's own retry settings the user made (AWS_MAX_ATTEMPTS / AWS_RETRY_MODE, the profile's): honoured."""
     import botocore.session
 
-    session = botocore.session.Session(profile=profile)
     try:
-        return {k: session.get_config_variable(k) for k in ("max_attempts", "retry_mode")}
+        scoped = botocore.session.Session(profile=profile).get_scoped_config()
     except Exception:  # noqa: BLE001 (a broken profile: the client's creation names it)
-        return {}
+        scoped = {}
+    return {k: os.environ.get(f"AWS_{k.upper()}") or scoped.get(k) for k in ("max_attempts", "retry_mode")}
 
 
 def request_bound(fs: Any) -> tuple[float, str]:
