@@ -34,78 +34,35 @@ writes where a committed checkpoint's files are::
 - Other fsspec filesystems (GCS, Azure, memory) have no conditional PUT here: step 3 checks the
   manifest's generation just before writing it (a narrow race, last writer wins; still never a mix).
 
-Cleanup never decides on one read of a manifest. A save killed right after its manifest PUT is
-committed and loadable, and leaves its lock; a store that is not read-after-write consistent
+Leftovers: at the start of each save rank 0 lists the root (one level: the locks sit there, as
+local disk's do) and settles the generations of every lock whose save is gone (a dead process on
+this host, or a lock of another host older than ``LOCK_STALE_S``: it cannot be probed), and every
+generation of ``<ckpt>`` itself no live lock names ([Note: object-store cleanup]). A failed save
+deletes its own generation, unless its manifest PUT was sent (an answer lost may have committed
+it): then it is kept for the next save to settle.
+
+[Note: object-store cleanup]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Cleanup never deletes on one read what a committed manifest may name. A save killed right after
+its manifest PUT is committed and leaves its lock; a store that is not read-after-write consistent
 (multi-site Ceph RGW, a caching proxy) may answer the next read of that manifest with the previous
-version, or with 404 -- deleting "what the manifest does not name" then deleted the committed
-checkpoint (issue 42: 2 of 2 trials). So what a dead save left (its lock is dead: a gone pid on
-this host, or a lock of another host older than ``LOCK_STALE_S``) is judged by what no read can
-take back, rank 0 at the start of each save, per checkpoint (``_settle``)::
+version or 404, and deleting "what the manifest does not name" then deleted the committed
+checkpoint (issue 42). A dead save's generation is settled (``_settle``) by what no stale read
+can take back::
 
-    generation of a dead save              decided                     why it is safe
-    named by the manifest read             kept, its lock deleted      committed
-    no .metadata (listing, then a HEAD)    deleted, then its lock      never reached step 3: no
-                                                                       manifest can name it
-    .metadata older than the .metadata     deleted, then its lock      a commit after it named
-      of the generation the read names                                 another generation (commits
-                                                                       are ordered: conditional PUTs)
-    .metadata older than LOCK_STALE_S      deleted, then its lock      the store's stated bound
-    otherwise                              KEPT, and its lock          it may be committed: a stale
-                                                                       read cannot be told apart
+    the generation                              settled            why
+    is the one the manifest read names          kept (lock goes)   committed
+    holds no .metadata (listing, then HEAD)     deleted            never reached step 3: no manifest
+                                                                   can name it (.metadata is last)
+    .metadata older than the named one's        deleted            a later commit replaced it
+                                                                   (commits are ordered: step 3)
+    .metadata older than LOCK_STALE_S           deleted            the store's stated bound
+    otherwise                                   kept, with lock    it may be committed
 
-A kept generation goes when this checkpoint is next committed (step 4: after a successful
-conditional PUT no dead save can be named any more) or after ``LOCK_STALE_S``; meanwhile it costs
-its storage. So the store must show a PUT to every reader within ``LOCK_STALE_S`` (24 h; AWS S3,
-GCS and Azure do at once); a reader that sees an older manifest meanwhile loads the older
-checkpoint. A failed save deletes its own generation at once unless its manifest PUT was sent (an
-answer lost may have committed it): then it is kept, for the next save to judge.
-
-[Note: object-store client settings]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every request to an object store ends, answered or not, within a bound. s3fs's own defaults let a
-stopped server hang a command for minutes: its retry loop (5 tries) around botocore's (5 attempts
-in botocore's legacy mode), each waiting ``read_timeout`` (15 s): 330 s and more measured (issue 38).
-shardbridge's S3 clients use, unless the user set them::
-
-    setting                 default                  set it in                  (the user's wins)
-    connect_timeout         5 s  (s3fs's)            fsspec.config.conf["s3"]["config_kwargs"]
-    read_timeout            15 s (s3fs's)              (the FSSPEC_S3 variable, JSON, fills it)
-    retries                 {"mode": "standard",     the same; or botocore's own AWS_RETRY_MODE /
-                             "total_max_attempts": 3}  AWS_MAX_ATTEMPTS / the profile's settings
-    s3fs's retry loop       1 try (botocore retries)
-
-so a request takes at most ``attempts x (connect_timeout + read_timeout) + backoff`` (3 x 20 s + 3 s
-= 63 s; a stopped server that still accepts connections: about 48 s). botocore's standard mode
-retries throttling (SlowDown), 5xx answers, timeouts and dropped connections with jittered
-exponential backoff. :func:`request_bound` reads it back from the effective client; a request that
-has waited ``NOTICE_S`` logs one line naming the request and the bound, so a command never waits
-in silence. A setting that cannot take effect is refused by name: a key botocore's ``Config`` does
-not take, a timeout that is not a positive number, an ``FSSPEC_S3`` that is not a JSON object
-(fsspec itself only warns and drops it).
-
-[Note: object-store errors]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The client's failures are turned into errors that name the object, the cause and its fix
-(``_store_error``, from the exception chain: botocore's error code or exception class)::
-
-    cause          from                                         raised as
-    credentials    NoCredentialsError, InvalidAccessKeyId,      StoreAccessError (PermissionError)
-                   SignatureDoesNotMatch, ExpiredToken, a 403
-                   without a code (a HEAD)
-    denied         AccessDenied (a bucket or IAM policy)        StoreAccessError
-    bucket         NoSuchBucket                                 ObjectStoreError (never "missing":
-                                                                ``latest`` would return None)
-    unreachable    EndpointConnectionError, ConnectTimeout,     StoreConnectionError
-                   SSL and proxy errors
-    unanswered     ReadTimeoutError, a dropped connection       StoreTimeoutError
-    server         SlowDown, 5xx after every attempt            ObjectStoreError
-    a bad request  ParamValidationError (a bucket name S3       ValueError
-                   refuses)
-
-An :class:`ObjectStoreError` is never taken for damage (``_errors.py``, integrity checks,
-``latest``). A missing object stays ``FileNotFoundError`` with its URI. Once a request went
-unanswered, the cleanup of a failed save (and after a commit) is left to the next save instead of
-waiting once more per object.
+A kept generation is deleted by the next commit of its checkpoint (step 4: once a conditional
+PUT succeeded, no dead save can be named) or a save after ``LOCK_STALE_S``; it costs its storage
+meanwhile. The store must show a PUT to every reader within ``LOCK_STALE_S`` (AWS S3, GCS, Azure:
+at once); a reader shown an older manifest meanwhile loads the older checkpoint.
 
 [Note: no 100-continue]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -135,9 +92,7 @@ timeout, about 15 minutes on Linux).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import errno
-import json
 import logging
 import os
 import posixpath
@@ -150,30 +105,20 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from shardbridge.checkpoint.storage import _store
 from shardbridge.checkpoint.storage._backend import Backend, Entry, Kind, Target
-from shardbridge.checkpoint.storage._errors import (
-    ObjectStoreError,
-    StoreAccessError,
-    StoreConnectionError,
-    StoreTimeoutError,
-)
+from shardbridge.checkpoint.storage._errors import ObjectStoreError
 from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
 
-__all__ = ["NOTICE_S", "FsspecBackend", "LOCK_STALE_S", "PART_BYTES", "client_options", "is_leftover", "request_bound"]
+__all__ = ["FsspecBackend", "LOCK_STALE_S", "PART_BYTES", "is_leftover"]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
 PART_BYTES = 32 << 20
 """Multipart upload part size (S3's minimum is 5 MiB; see docs/benchmarks.md, object store)."""
 LOCK_STALE_S = 24 * 3600.0
-"""A lock of another host older than this is taken for a dead save's; a dead save's complete
-generation older than this is deleted even if no later commit replaced it ([Note: object-store commit])."""
-NOTICE_S = 5.0
-"""A request that has waited this long logs one line ([Note: object-store client settings])."""
-S3_RETRIES = {"mode": "standard", "total_max_attempts": 3}
-"""botocore's retries for shardbridge's S3 clients, each key unless the user set it."""
-_S3FS_OWN_RETRIES = 5
-"""s3fs's own retry loop around botocore's (its class default): replaced by 1 try."""
+"""A lock of another host older than this is taken for a dead save's; a dead save's generation
+that may be committed is deleted once older than this ([Note: object-store cleanup])."""
 _GENERATION = re.compile(r"^g-[0-9a-f]{16}$")
 _ERRNO = {PermissionError: errno.EACCES, FileNotFoundError: errno.ENOENT, FileExistsError: errno.EEXIST}
 _BUILTIN_OS_ERRORS = (
@@ -188,111 +133,12 @@ _BUILTIN_OS_ERRORS = (
 )
 _HOOK_LOCK = threading.Lock()
 _LOCK = re.compile(r"^\.(?P<name>.+)\.lock-(?P<generation>g-[0-9a-f]{16})$")
-_SETTINGS = "fsspec's S3 config (fsspec.config.conf['s3'], or the FSSPEC_S3 variable)"
-_CAUSES = (  # [Note: object-store errors]: (cause, botocore error codes and exception class names)
-    ("credentials", {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "InvalidAccessKeyId",
-                     "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}),
-    ("denied", {"AccessDenied", "AllAccessDisabled"}),
-    ("forbidden", {"403"}),  # no code (a HEAD, some servers): credentials or a policy
-    ("bucket", {"NoSuchBucket"}),
-    ("unreachable", {"EndpointConnectionError", "ConnectTimeoutError", "ProxyConnectionError", "SSLError",
-                     "ClientConnectorError"}),
-    ("unanswered", {"ReadTimeoutError", "ConnectionClosedError", "ServerTimeoutError", "FSTimeoutError", "TimeoutError"}),
-    ("server", {"SlowDown", "InternalError", "ServiceUnavailable", "500", "502", "503", "504"}),
-    ("request", {"ParamValidationError", "InvalidBucketName"}),
-)  # fmt: skip
 
 
 def is_leftover(name: str) -> bool:
     """Whether ``name`` (relative to a checkpoint prefix) is an object of some generation."""
     first = name.split("/", 1)[0]
     return "/" in name and bool(_GENERATION.match(first))
-
-
-def client_options(scheme: str) -> dict[str, Any]:
-    """The storage options shardbridge passes to fsspec for ``scheme``: the user's, defaults filled in.
-
-    See [Note: object-store client settings].
-
-    Raises:
-        ValueError: a setting that cannot take effect (named, with the fix).
-    """
-    options: dict[str, Any] = {"use_listings_cache": False}
-    if scheme not in ("s3", "s3a"):
-        return options
-    import fsspec.config
-
-    raw = os.environ.get("FSSPEC_S3")
-    if raw is not None:
-        try:
-            ok = isinstance(json.loads(raw), dict)
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"FSSPEC_S3={raw!r} is not a JSON object, so fsspec ignores it; write it as JSON, e.g. "
-                """FSSPEC_S3='{"config_kwargs": {"read_timeout": 60}}'"""
-            )
-    user: dict[str, Any] = {}
-    for proto in ("s3", "s3a"):  # what fsspec applies to s3fs (both are its protocols)
-        user.update(fsspec.config.conf.get(proto, {}))
-    config = dict(user.get("config_kwargs") or {})
-    _check_config(config)
-    retries = dict(config.get("retries") or {})
-    store = _botocore_settings(user.get("profile"))
-    if "mode" not in retries and store.get("retry_mode") is None:
-        retries["mode"] = S3_RETRIES["mode"]
-    if not {"max_attempts", "total_max_attempts"} & set(retries) and store.get("max_attempts") is None:
-        retries["total_max_attempts"] = S3_RETRIES["total_max_attempts"]
-    if retries:
-        config["retries"] = retries
-    options["config_kwargs"] = config
-    return options
-
-
-def _check_config(config: dict[str, Any]) -> None:
-    from botocore.config import Config
-
-    for key in config:
-        if key not in Config.OPTION_DEFAULTS:
-            close = difflib.get_close_matches(key, list(Config.OPTION_DEFAULTS), n=1)
-            mean = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"config_kwargs key {key!r} of {_SETTINGS} is not a botocore Config setting{mean}; "
-                "fix or remove it (docs/checkpoints.md, Object stores)"
-            )
-    for key in ("connect_timeout", "read_timeout"):
-        value = config.get(key)
-        if key in config and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-            raise ValueError(f"config_kwargs {key}={value!r} of {_SETTINGS} must be a number of seconds > 0")
-
-
-def _botocore_settings(profile: str | None) -> dict[str, Any]:
-    """botocore's own retry settings the user made (AWS_MAX_ATTEMPTS / AWS_RETRY_MODE, the profile's): honoured."""
-    import botocore.session
-
-    try:
-        scoped = botocore.session.Session(profile=profile).get_scoped_config()
-    except Exception:  # noqa: BLE001 (a broken profile: the client's creation names it)
-        scoped = {}
-    return {k: os.environ.get(f"AWS_{k.upper()}") or scoped.get(k) for k in ("max_attempts", "retry_mode")}
-
-
-def request_bound(fs: Any) -> tuple[float, str]:
-    """The longest one request of ``fs``'s S3 client can take unanswered, and how it adds up.
-
-    See [Note: object-store client settings]. Backoff: botocore's jittered exponential backoff
-    at its largest (1 s, 2 s, 4 s ... at most 20 s each).
-    """
-    config = fs.s3.meta.config
-    retries = config.retries or {}
-    attempts = int(retries.get("total_max_attempts") or (3 if retries.get("mode") in ("standard", "adaptive") else 5))
-    tries = max(1, int(getattr(fs, "retries", 1)))
-    connect, read = float(config.connect_timeout), float(config.read_timeout)
-    backoff = sum(min(2.0**k, 20.0) for k in range(attempts - 1))
-    seconds = tries * (attempts * (connect + read) + backoff)
-    how = f"{attempts} attempt(s) x (connect_timeout {connect:g} s + read_timeout {read:g} s) + {backoff:g} s backoff"
-    return seconds, how if tries == 1 else f"{tries} x ({how})"
 
 
 class FsspecBackend(Backend):
@@ -307,7 +153,7 @@ class FsspecBackend(Backend):
         self.fs = fs
         self.scheme = scheme
         self._sent: set[str] = set()  # generations whose manifest PUT was sent (abandon keeps them)
-        self._waits = _Waits(self)
+        self._waits = _store.Waits(fs)
         if scheme in ("s3", "s3a"):
             self._connect()
 
@@ -479,7 +325,7 @@ class FsspecBackend(Backend):
                 cleanup()
             except Exception as exc:  # noqa: BLE001
                 logger.warning("shardbridge.checkpoint: %s is committed, but %s failed (%s); %s", final, what, exc, later)
-                if _unanswered(exc):  # each next request would wait as long
+                if _store.unanswered(exc):  # each next request would wait as long
                     break
 
     def abandon(self, target: Target) -> None:
@@ -496,7 +342,7 @@ class FsspecBackend(Backend):
             return
         failed = sys.exc_info()[1]  # abandon runs while the save's error is handled
         try:
-            if not _unanswered(failed):  # else every request would wait as long again
+            if not _store.unanswered(failed):  # else every request would wait as long again
                 self._delete_generation(target.final, target.ident)
                 self._delete(self._lock(target.final, target.ident))
                 return
@@ -533,7 +379,7 @@ class FsspecBackend(Backend):
         except (ObjectStoreError, ValueError, TypeError, AssertionError, MemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 (botocore / aiohttp: the server cannot be reached ...)
-            store = self._store_error(exc, path)
+            store = _store.store_error(exc, self.fs, self.uri(path), path.split("/", 1)[0])
             if store is not None:
                 raise store from exc
             if not isinstance(exc, OSError):
@@ -548,72 +394,19 @@ class FsspecBackend(Backend):
             code = exc.errno if isinstance(exc.errno, int) else _ERRNO.get(kind, errno.EIO)
             raise kind(code, text, self.uri(path)) from exc
 
-    def _store_error(self, exc: BaseException, path: str) -> Exception | None:
-        """The error of [Note: object-store errors] for ``exc``, or None (an error of the object itself)."""
-        cause, detail = _cause_of(exc)
-        if cause is None:
-            return None
-        uri, endpoint = self.uri(path), self._endpoint()
-        if cause == "request":
-            return ValueError(f"{uri}: the S3 client refused the request ({detail}); check the bucket and key in the path")
-        bound = self._bound_text()
-        text = {
-            "credentials": f"no valid credentials for the S3 server at {endpoint} ({detail}); set them: "
-            f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or key / secret in {_SETTINGS}",
-            "denied": f"access denied ({detail}): the credentials in use may not access it; check the bucket's "
-            "policy and the credentials' IAM policy",
-            "forbidden": f"the S3 server at {endpoint} refused access ({detail}): the credentials are wrong, or a "
-            "bucket or IAM policy denies them this object; check both",
-            "bucket": f"the bucket {path.split('/', 1)[0]!r} does not exist at {endpoint} ({detail}); check the "
-            "bucket name in the path, or create the bucket",
-            "unreachable": f"cannot connect to the S3 endpoint {endpoint} ({detail}); check AWS_ENDPOINT_URL (or "
-            f"client_kwargs.endpoint_url in {_SETTINGS}) and the network",
-            "unanswered": f"the S3 server at {endpoint} did not answer ({detail}) within the client's bound ({bound}); "
-            f"it is stopped or overloaded. A slow server: raise read_timeout / retries in config_kwargs of {_SETTINGS}",
-            "server": f"the S3 server at {endpoint} kept failing ({detail}) after every attempt ({bound}); retry "
-            f"later, or raise retries in config_kwargs of {_SETTINGS}",
-        }[cause]
-        kind = {"credentials": StoreAccessError, "denied": StoreAccessError, "forbidden": StoreAccessError,
-                "unreachable": StoreConnectionError,
-                "unanswered": StoreTimeoutError}.get(cause, ObjectStoreError)  # fmt: skip
-        error = kind(f"{uri}: {text}")
-        error.errno = {StoreAccessError: errno.EACCES, StoreTimeoutError: errno.ETIMEDOUT}.get(kind, errno.EIO)
-        error.cause = cause
-        return error
-
-    def _endpoint(self) -> str:
-        try:
-            return str(self.fs.s3.meta.endpoint_url)
-        except Exception:  # noqa: BLE001 (a client that cannot be made: name the scheme)
-            return f"{self.scheme}://"
-
-    def _bound_text(self) -> str:
-        try:
-            seconds, how = request_bound(self.fs)
-        except Exception:  # noqa: BLE001 (not an S3 client)
-            return "the client's timeouts and retries"
-        return f"about {seconds:.0f} s: {how}"
-
     def _connect(self) -> None:
-        """Make the S3 client now (no request): a setting it cannot take is named here, not as a damaged checkpoint."""
+        """Make the S3 client now (no request): a setting it cannot take is named here, not as damage."""
         try:
             self.fs.s3  # noqa: B018 (s3fs: creates the aiobotocore client)
         except Exception as exc:  # noqa: BLE001 (TypeError, botocore's configuration errors ...)
-            text = (str(exc).strip().splitlines() or [""])[0]
-            name = re.search(r"keyword argument '(\w+)'", text)
-            close = difflib.get_close_matches(name[1], _S3_KEYS, n=1) if name else []
-            mean = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"the S3 client settings are invalid ({type(exc).__name__}: {text}){mean}; fix them in {_SETTINGS} "
-                "or the AWS_* variables (docs/checkpoints.md, Object stores)"
-            ) from None
-        if getattr(self.fs, "retries", None) == _S3FS_OWN_RETRIES:
+            raise _store.settings_error(exc) from None
+        if getattr(self.fs, "retries", None) == _store.S3FS_OWN_RETRIES:
             self.fs.retries = 1  # botocore's attempts are the budget ([Note: object-store client settings])
         self._hook()
 
     def _hook(self) -> None:
         """This filesystem's S3 requests go without ``Expect: 100-continue`` ([Note: no 100-continue]) and are
-        watched (:class:`_Waits`): handlers on the filesystem's session (clients made later copy them) and client."""
+        watched (``_store.Waits``): handlers on the filesystem's session (clients made later copy them) and client."""
         if self.scheme not in ("s3", "s3a"):
             return
         handlers = (
@@ -623,18 +416,17 @@ class FsspecBackend(Backend):
             ("after-call-error.s3", self._waits.end, "shardbridge-wait-failed"),
         )
         with _HOOK_LOCK:  # botocore marks a unique_id registered before it clears its lookup cache
-            hooked = []
             try:
                 client = self.fs.s3  # s3fs: the aiobotocore client (connects it if needed; no request)
             except Exception:  # noqa: BLE001 (an asynchronous fs not set up yet: its session below, or later)
                 client = None
-            for events in (getattr(getattr(client, "meta", None), "events", None), getattr(self.fs, "session", None)):
-                if events is not None and callable(getattr(events, "register", None)):
-                    for event, handler, unique_id in handlers:
-                        events.register_last(event, handler, unique_id=unique_id) if events is not self.fs.session \
-                            else events.register(event, handler, unique_id=unique_id)  # fmt: skip
-                    hooked.append(events)
-            if not hooked:
+            events, session = getattr(getattr(client, "meta", None), "events", None), getattr(self.fs, "session", None)
+            for event, handler, unique_id in handlers:
+                if events is not None:
+                    events.register_last(event, handler, unique_id=unique_id)
+                if callable(getattr(session, "register", None)):  # clients made later copy its handlers
+                    session.register(event, handler, unique_id=unique_id)
+            if events is None and session is None:
                 logger.debug("shardbridge.checkpoint: %s has no botocore client to take Expect off", type(self.fs))
 
     def _lock(self, final: str, generation: str) -> str:
@@ -797,82 +589,6 @@ class FsspecBackend(Backend):
         return True
 
 
-class _Waits:
-    """The S3 requests of one backend in flight; one log line for each that waits ``NOTICE_S``.
-
-    botocore handlers start and end each request (its retries included); one daemon thread
-    sleeps until the oldest request is due. See [Note: object-store client settings].
-    """
-
-    def __init__(self, backend: FsspecBackend) -> None:
-        self._backend = backend
-        self._cond = threading.Condition()
-        self._open: dict[object, list[Any]] = {}  # token -> [start, what, said]
-        self._thread: threading.Thread | None = None
-
-    def begin(self, params: dict[str, Any] | None = None, model: Any = None, context: Any = None, **_: Any) -> None:
-        if not isinstance(context, dict):
-            return
-        token = context["shardbridge_wait"] = object()
-        what = f"{getattr(model, 'name', 'a request')} s3://{(params or {}).get('Bucket', '')}/{(params or {}).get('Key', '')}"
-        with self._cond:
-            self._open[token] = [time.monotonic(), what.rstrip("/"), False]
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="shardbridge-s3-waits", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def end(self, context: Any = None, **_: Any) -> None:
-        token = context.pop("shardbridge_wait", None) if isinstance(context, dict) else None
-        if token is not None:
-            with self._cond:
-                self._open.pop(token, None)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                due = [w for w in self._open.values() if not w[2] and now - w[0] >= NOTICE_S]
-                for wait in due:
-                    wait[2] = True
-                waiting = [w[0] + NOTICE_S - now for w in self._open.values() if not w[2]]
-                if not due:
-                    self._cond.wait(timeout=max(0.05, min(waiting)) if waiting else None)
-                    continue
-            for start, what, _ in due:
-                logger.warning(
-                    "shardbridge.checkpoint: waiting for the S3 server at %s to answer %s (%.0f s so far); without an "
-                    "answer it fails after %s",
-                    self._backend._endpoint(), what, now - start, self._backend._bound_text(),
-                )  # fmt: skip
-
-
-def _cause_of(exc: BaseException) -> tuple[str | None, str]:
-    """The cause of [Note: object-store errors] behind ``exc`` and its detail, from the exception chain."""
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            break
-        error = (getattr(seen, "response", None) or {}).get("Error") or {}
-        code = str(error.get("Code") or "")
-        names = {c.__name__ for c in type(seen).__mro__}
-        for cause, marks in _CAUSES:
-            if code in marks or names & marks:
-                text = error.get("Message") or (str(seen).strip().splitlines() or [""])[0]
-                return cause, f"{code or type(seen).__name__}: {text}".rstrip(": ")
-        seen = seen.__cause__ or seen.__context__
-    return None, ""
-
-
-def _unanswered(exc: BaseException | None) -> bool:
-    """Whether the server did not answer (or could not be reached) somewhere in ``exc``'s chain."""
-    for _ in range(8):
-        if exc is None or isinstance(exc, (StoreTimeoutError, StoreConnectionError)):
-            return exc is not None
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def _drop_expect(params: dict[str, Any], **_: Any) -> None:
     """botocore ``before-call`` handler: the request goes without ``Expect: 100-continue``."""
     headers = params.get("headers")
@@ -899,8 +615,3 @@ def _with_generation(manifest: Manifest, generation: str) -> Manifest:
     import dataclasses
 
     return dataclasses.replace(manifest, generation=generation)
-
-
-_S3_KEYS = ["key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "s3_additional_kwargs", "anon",
-            "use_ssl", "requester_pays", "version_aware", "profile", "session", "region_name", "cache_regions"]  # fmt: skip
-"""Settings people put in ``fsspec.config.conf["s3"]``: what a misspelled one probably meant."""

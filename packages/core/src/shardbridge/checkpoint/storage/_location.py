@@ -173,7 +173,8 @@ def _fsspec(uri: str, scheme: str) -> tuple[Backend, str]:
     import fsspec
     from fsspec.registry import known_implementations, registry
 
-    from shardbridge.checkpoint.storage._fsspec import FsspecBackend, client_options
+    from shardbridge.checkpoint.storage._fsspec import FsspecBackend
+    from shardbridge.checkpoint.storage._store import client_options
 
     if scheme not in known_implementations and scheme not in registry:
         close = difflib.get_close_matches(scheme, [*_INSTALL, "file"], n=1, cutoff=0.5)
