@@ -411,7 +411,8 @@ class FsspecBackend(Backend):
             return
         handlers = (
             ("before-call.s3", _drop_expect, "shardbridge-no-100-continue"),
-            ("before-parameter-build.s3", self._waits.begin, "shardbridge-wait"),
+            ("before-parameter-build.s3", self._waits.name, "shardbridge-wait-name"),
+            ("before-call.s3", self._waits.begin, "shardbridge-wait"),
             ("after-call.s3", self._waits.end, "shardbridge-waited"),
             ("after-call-error.s3", self._waits.end, "shardbridge-wait-failed"),
         )

@@ -228,8 +228,8 @@ def unanswered(exc: BaseException | None) -> bool:
 class Waits:
     """The S3 requests of one filesystem in flight: one log line for each that has waited ``NOTICE_S``.
 
-    botocore handlers (:meth:`begin` on ``before-parameter-build``, :meth:`end` after the call or its
-    error) bracket each request with its retries; one daemon thread sleeps until the next is due.
+    botocore handlers (:meth:`begin` on ``before-call``, :meth:`end` after the call or its error)
+    bracket each request with its retries; one daemon thread sleeps until the next is due.
     """
 
     def __init__(self, fs: Any) -> None:
@@ -238,13 +238,19 @@ class Waits:
         self._open: dict[object, list[Any]] = {}  # token -> [start, what, said]
         self._thread: threading.Thread | None = None
 
-    def begin(self, params: Any = None, model: Any = None, context: Any = None, **_: Any) -> None:
+    def name(self, params: Any = None, model: Any = None, context: Any = None, **_: Any) -> None:
+        """``before-parameter-build``: what the request is, for the line (the call may still be refused)."""
+        if isinstance(context, dict) and isinstance(params, dict):
+            what = f"{getattr(model, 'name', 'a request')} s3://{params.get('Bucket', '')}/{params.get('Key', '')}"
+            context["shardbridge_what"] = what.rstrip("/")
+
+    def begin(self, context: Any = None, **_: Any) -> None:
+        """``before-call``: the request is about to be sent (validated, signed next)."""
         if not isinstance(context, dict):
             return
         token = context["shardbridge_wait"] = object()
-        what = f"{getattr(model, 'name', 'a request')} s3://{(params or {}).get('Bucket', '')}/{(params or {}).get('Key', '')}"
         with self._cond:
-            self._open[token] = [time.monotonic(), what.rstrip("/"), False]
+            self._open[token] = [time.monotonic(), context.get("shardbridge_what", "a request"), False]
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="shardbridge-s3-waits", daemon=True)
                 self._thread.start()
