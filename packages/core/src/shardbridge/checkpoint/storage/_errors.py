@@ -51,7 +51,7 @@ class ObjectStoreError(OSError):
     credentials, an endpoint that cannot be reached, a missing bucket, a server that does not answer.
 
     Its message names the object, the cause and the fix ([Note: object-store errors] in
-    ``_fsspec.py``); ``cause`` is the short name of the cause. Never taken for damage: integrity
+    ``_store.py``); ``cause`` is the short name of the cause. Never taken for damage: integrity
     checks and ``latest`` raise it instead of reporting a file as unreadable or skipping a checkpoint.
     """
 

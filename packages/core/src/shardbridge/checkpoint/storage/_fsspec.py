@@ -315,7 +315,7 @@ class FsspecBackend(Backend):
         final, root = self.uri(target.final), self.uri(posixpath.dirname(target.final))
         steps = [
             (f"deleting the generation {g} it replaced", f"the next save of {final} deletes it",
-             lambda g=g: (self._delete_generation(target.final, g), self._delete(self._lock(target.final, g))))
+             lambda g=g: self._drop(target.final, g, lock=g in target.superseded))  # a dead save's: its lock too
             for g in sorted({target.replaces, *target.superseded} - {None, target.ident})
         ]  # fmt: skip
         steps.append(("deleting its lock", f"the first save under {root} after this process ended deletes it",
@@ -343,8 +343,7 @@ class FsspecBackend(Backend):
         failed = sys.exc_info()[1]  # abandon runs while the save's error is handled
         try:
             if not _store.unanswered(failed):  # else every request would wait as long again
-                self._delete_generation(target.final, target.ident)
-                self._delete(self._lock(target.final, target.ident))
+                self._drop(target.final, target.ident, lock=True)
                 return
         except Exception as exc:  # noqa: BLE001 (the save's own error is the one to raise)
             failed = exc
@@ -372,7 +371,7 @@ class FsspecBackend(Backend):
 
         s3fs raises e.g. ``PermissionError('Forbidden')`` and lets botocore's connection errors
         through; a user needs to know which object of which checkpoint failed, and why
-        ([Note: object-store errors]).
+        ([Note: object-store errors] in ``_store.py``).
         """
         try:
             yield
@@ -401,7 +400,7 @@ class FsspecBackend(Backend):
         except Exception as exc:  # noqa: BLE001 (TypeError, botocore's configuration errors ...)
             raise _store.settings_error(exc) from None
         if getattr(self.fs, "retries", None) == _store.S3FS_OWN_RETRIES:
-            self.fs.retries = 1  # botocore's attempts are the budget ([Note: object-store client settings])
+            self.fs.retries = 1  # botocore's attempts are the budget ([Note: object-store client settings] in _store.py)
         self._hook()
 
     def _hook(self) -> None:
@@ -504,13 +503,18 @@ class FsspecBackend(Backend):
         with contextlib.suppress(FileNotFoundError), self._naming(path):
             self.fs.rm(path, recursive=True)
 
+    def _drop(self, final: str, generation: str, *, lock: bool) -> None:
+        self._delete_generation(final, generation)
+        if lock:
+            self._delete(self._lock(final, generation))
+
     def _delete(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError), self._naming(path):
             self.fs.rm_file(path)
 
     def _recover(self, final: str) -> list[str]:
         """Settle what dead saves left under ``final``'s root and ``final``; the generations of ``final``
-        kept because they may be committed ([Note: object-store commit])."""
+        kept because they may be committed ([Note: object-store cleanup])."""
         root, name = posixpath.split(final)
         self.fs.invalidate_cache(root)
         try:

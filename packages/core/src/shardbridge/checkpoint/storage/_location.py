@@ -11,7 +11,7 @@ A result names what it found in the form it was given: a ``Path`` for a plain pa
 URI for a URI. The object store is configured as any fsspec client is (credentials and endpoint
 from the environment, e.g. ``AWS_ENDPOINT_URL``, or ``fsspec.config.conf["s3"]`` / ``FSSPEC_S3``);
 shardbridge adds ``use_listings_cache=False`` (another process's commit must be seen at once) and,
-on S3, bounded retries ([Note: object-store client settings] in ``_fsspec.py``).
+on S3, bounded retries ([Note: object-store client settings] in ``_store.py``).
 
 [Note: checkpoint URIs]
 ~~~~~~~~~~~~~~~~~~~~~~~
