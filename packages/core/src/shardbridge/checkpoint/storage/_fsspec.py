@@ -98,7 +98,6 @@ import os
 import posixpath
 import re
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -107,10 +106,10 @@ from typing import Any, BinaryIO
 
 from shardbridge.checkpoint.storage import _store
 from shardbridge.checkpoint.storage._backend import Backend, Entry, Kind, Target
-from shardbridge.checkpoint.storage._errors import ObjectStoreError
+from shardbridge.checkpoint.storage._errors import ObjectStoreError, StoreConnectionError, StoreTimeoutError
 from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
 
-__all__ = ["FsspecBackend", "LOCK_STALE_S", "PART_BYTES", "is_leftover"]
+__all__ = ["FAIL_FAST_S", "FsspecBackend", "LOCK_STALE_S", "PART_BYTES", "is_leftover"]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
@@ -119,6 +118,9 @@ PART_BYTES = 32 << 20
 LOCK_STALE_S = 24 * 3600.0
 """A lock of another host older than this is taken for a dead save's; a dead save's generation
 that may be committed is deleted once older than this ([Note: object-store cleanup])."""
+FAIL_FAST_S = 10.0
+"""After a request got no answer (or the endpoint could not be reached), the next ones within this
+long fail at once with its error ([Note: object-store client settings] in ``_store.py``)."""
 _GENERATION = re.compile(r"^g-[0-9a-f]{16}$")
 _ERRNO = {PermissionError: errno.EACCES, FileNotFoundError: errno.ENOENT, FileExistsError: errno.EEXIST}
 _BUILTIN_OS_ERRORS = (
@@ -153,6 +155,7 @@ class FsspecBackend(Backend):
         self.fs = fs
         self.scheme = scheme
         self._sent: set[str] = set()  # generations whose manifest PUT was sent (abandon keeps them)
+        self._down: tuple[float, ObjectStoreError] | None = None  # when a request last got no answer, and its error
         self._waits = _store.Waits(fs)
         if scheme in ("s3", "s3a"):
             self._connect()
@@ -325,8 +328,6 @@ class FsspecBackend(Backend):
                 cleanup()
             except Exception as exc:  # noqa: BLE001
                 logger.warning("shardbridge.checkpoint: %s is committed, but %s failed (%s); %s", final, what, exc, later)
-                if _store.unanswered(exc):  # each next request would wait as long
-                    break
 
     def abandon(self, target: Target) -> None:
         """Delete the failed save's generation and lock, unless its manifest PUT was sent. Never raises.
@@ -340,15 +341,11 @@ class FsspecBackend(Backend):
             logger.warning("shardbridge.checkpoint: keeping %s after a failed save: its manifest PUT got no answer, "
                            "so it may be committed; %s", self.uri(target.data), later)  # fmt: skip
             return
-        failed = sys.exc_info()[1]  # abandon runs while the save's error is handled
-        try:
-            if not _store.unanswered(failed):  # else every request would wait as long again
-                self._drop(target.final, target.ident, lock=True)
-                return
+        try:  # after a request that got no answer, these fail at once (see _naming)
+            self._drop(target.final, target.ident, lock=True)
         except Exception as exc:  # noqa: BLE001 (the save's own error is the one to raise)
-            failed = exc
-        logger.warning("shardbridge.checkpoint: not cleaning up %s after a failed save (%s); %s",
-                       self.uri(target.data), failed, later)  # fmt: skip
+            logger.warning("shardbridge.checkpoint: not cleaning up %s after a failed save (%s); %s",
+                           self.uri(target.data), exc, later)  # fmt: skip
 
     # -- readers ----------------------------------------------------------------------------------
 
@@ -373,12 +370,17 @@ class FsspecBackend(Backend):
         through; a user needs to know which object of which checkpoint failed, and why
         ([Note: object-store errors] in ``_store.py``).
         """
+        down = self._down
+        if down is not None and time.monotonic() - down[0] < FAIL_FAST_S:  # never wait out the bound twice
+            raise down[1].again(f"{self.uri(path)}: not sent: {time.monotonic() - down[0]:.1f} s before, ")
         try:
             yield
         except (ObjectStoreError, ValueError, TypeError, AssertionError, MemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 (botocore / aiohttp: the server cannot be reached ...)
             store = _store.store_error(exc, self.fs, self.uri(path), path.split("/", 1)[0])
+            if isinstance(store, (StoreTimeoutError, StoreConnectionError)):
+                self._down = (time.monotonic(), store)
             if store is not None:
                 raise store from exc
             if not isinstance(exc, OSError):
@@ -478,9 +480,9 @@ class FsspecBackend(Backend):
         if self.scheme in ("s3", "s3a") and hasattr(self.fs, "call_s3"):
             bucket, key, _ = self.fs.split_path(path)
             condition = {"IfNoneMatch": "*"} if target.expect is None else {"IfMatch": target.expect}
-            self._sent.add(target.ident)
             try:
                 with self._naming(path):
+                    self._sent.add(target.ident)  # sent from here on: an answer lost may have committed it
                     self._hook()
                     self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
             except OSError as exc:

@@ -17,7 +17,10 @@ which the ``FSSPEC_S3`` variable fills); botocore's own ``AWS_MAX_ATTEMPTS`` / `
 and a profile's settings are honoured too. A request then takes at most ``attempts x
 (connect_timeout + read_timeout) + backoff`` (:func:`request_bound`, read from the effective
 client: 3 x 20 s + 3 s = 63 s by default; a stopped server that still accepts connections, about
-48 s). One that has waited ``NOTICE_S`` logs a line naming it and the bound (:class:`Waits`). A
+48 s). One that has waited ``NOTICE_S`` logs a line naming it and the bound (:class:`Waits`).
+For ``FAIL_FAST_S`` (10 s) after a request got no answer (or no connection), the backend's next
+requests fail at once with that error: a command never waits out the bound twice (a load reads
+the manifest twice before its first round; a failed save's cleanup would wait per object). A
 setting that cannot take effect is refused by name: a key botocore's ``Config`` does not take, a
 timeout that is not a positive number, a client setting s3fs does not know (at the client's
 creation), an ``FSSPEC_S3`` that is not a JSON object (fsspec only warns and drops it).
@@ -214,15 +217,6 @@ def store_error(exc: BaseException, fs: Any, uri: str, bucket: str) -> Exception
     found.errno = {StoreAccessError: errno.EACCES, StoreTimeoutError: errno.ETIMEDOUT}.get(kind, errno.EIO)
     found.cause = cause
     return found
-
-
-def unanswered(exc: BaseException | None) -> bool:
-    """Whether the server did not answer (or could not be reached) somewhere in ``exc``'s chain."""
-    for _ in range(8):
-        if exc is None or isinstance(exc, (StoreTimeoutError, StoreConnectionError)):
-            return exc is not None
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 class Waits:
