@@ -158,6 +158,16 @@ def _exit_after(label: str) -> None:
     AIOHTTPSession.send = send
 
 
+def _fresh_clients() -> None:
+    """Forget every fsspec filesystem and backend of this process (a backend fails fast for a while after a
+    request got no answer: [Note: object-store client settings])."""
+    from shardbridge.checkpoint.storage import _location
+
+    _location._BACKENDS.clear()
+    if sys.modules.get("s3fs") is not None:
+        sys.modules["s3fs"].S3FileSystem.clear_instance_cache()
+
+
 def verbs(paths: dict[str, str], model: nn.Module) -> dict[str, Any]:
     """Every verb a user runs on a checkpoint (the API's and the CLI's) on ``paths``: ``root`` holding
     ``ckpt``, ``new`` a checkpoint to save, ``out`` an export folder (test_s3_errors.py)."""
@@ -231,6 +241,7 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
                 sys.modules[name] = None
             table, result["verbs"] = verbs(ARGS["paths"], model), {}
             for name in ARGS["verbs"]:
+                _fresh_clients()  # as in a process of its own: no backend remembers the last verb's unanswered request
                 _FAULTS.update(count=0, stop_at=1 if ARGS.get("stop_server") else -1, stopped=None)
                 result["verbs"][name] = done = outcome(name, table[name])
                 if _FAULTS["stopped"] is not None:

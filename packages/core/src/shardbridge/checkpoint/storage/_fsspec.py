@@ -372,7 +372,7 @@ class FsspecBackend(Backend):
         """
         down = self._down
         if down is not None and time.monotonic() - down[0] < FAIL_FAST_S:  # never wait out the bound twice
-            raise down[1].again(f"{self.uri(path)}: not sent: {time.monotonic() - down[0]:.1f} s before, ")
+            raise down[1].again(f"{self.uri(path)}: not sent, the store failed {time.monotonic() - down[0]:.1f} s ago: ")
         try:
             yield
         except (ObjectStoreError, ValueError, TypeError, AssertionError, MemoryError):
