@@ -1,7 +1,7 @@
 """Object-store errors against a real S3 server (moto's): each cause named by every verb with its fix, never
 taken for damage, and a server that stops answering ends every verb within the documented bound.
 
-[Note: object-store errors] and [Note: object-store client settings] in ``storage/_fsspec.py``. Generated:
+[Note: object-store errors] and [Note: object-store client settings] in ``storage/_store.py``. Generated:
 each cause x each verb (``fault_child.verbs``: the API's save, load, load_latest, latest, verify, inspect,
 export and the CLI's ckpt verify / inspect / export). The default suite runs every cause on 3 verbs (a
 different 3 per cause, every verb covered; the missing extra in a child) and the stopped server for one verb
