@@ -156,12 +156,12 @@ def trust(session):
 @nox.session(python="3.11")
 def s3(session):
     """Checkpoints on S3 against moto's real server: the default slice plus the whole fault matrix
-    (kill -9 mid-upload, the server stopped before each request of a save and at random points;
-    docs/checkpoints.md, Reliability)."""
+    (kill -9 mid-upload, the server stopped before each request of a save and at random points, and
+    at each verb's first request, also under the default timeouts; docs/checkpoints.md, Reliability)."""
     _install(session, "test,s3")
     env = {**ENV, "SHARDBRIDGE_S3_FAULTS": "all", "SHARDBRIDGE_DEMO_ALL": "1"}
     tests = ["packages/core/tests/checkpoint/test_s3.py", "packages/core/tests/checkpoint/test_s3_faults.py",
-             "integration_tests/test_demo_s3.py"]  # fmt: skip
+             "packages/core/tests/checkpoint/test_s3_errors.py", "integration_tests/test_demo_s3.py"]  # fmt: skip
     session.run("python", "-m", "pytest", *tests, "-s", *session.posargs, env=env)
 
 

@@ -19,10 +19,17 @@ Modes (``ARGS["mode"]``):
   directory, else each into its own ``step_dir``. ``async``: each save is
   ``save(..., async_=True)``, the model is changed at once, then the save is waited for.
 - ``once``: one save of ``value``; optional faults: ``stop_server_at`` = k (SIGSTOP the S3
-  server ``server_pid`` just before this process's k-th request; 0 = count only), ``crash_at`` = k (the k-th call of an
+  server ``server_pid`` just before this process's k-th request; 0 = count only), ``exit_after`` =
+  "METHOD name" (exit with code 9, as if killed, once that S3 request was answered: e.g. "PUT
+  shardbridge.json", the commit), ``crash_at`` = k (the k-th call of an
   instrumented file-system function, counted from the start of the save, exits the
   process with ``how="exit"`` or raises ``OSError`` with ``how="raise"``; 0 = count only),
   ``fsize`` (RLIMIT_FSIZE in bytes), ``pause`` (wait for the file ``go`` before committing).
+
+- ``verbs``: each of ``verbs`` (:func:`verbs`: the API's and the CLI's) on ``paths``, its
+  :func:`outcome` in ``result["verbs"]``; ``stop_server``: the S3 server stopped (SIGSTOP) at the
+  verb's first request, resumed after it (``seconds`` counted from the stop); ``block``: modules
+  made uninstalled (a missing extra).
 
 A model's every parameter equals the saved ``value`` (also in ``extra``), so the parent can
 tell which save it loaded and that the bytes are right.
@@ -31,6 +38,7 @@ tell which save it loaded and that the bytes are right.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import faulthandler
 import io
@@ -42,6 +50,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,11 +135,72 @@ def _stop_server_at(k: int, server_pid: int) -> None:
         name = re.sub(r"g-[0-9a-f]{16}", "g-*", request.url.split("?")[0].rsplit("/", 1)[-1])  # one per save
         expect = " Expect" if "expect" in {k.lower() for k in request.headers} else ""
         _FAULTS["trace"].append(f"{request.method} {name}{expect}")
-        if _FAULTS["count"] == k:
+        if _FAULTS["count"] == _FAULTS.get("stop_at", k):
+            _FAULTS["stopped"] = time.monotonic()
             os.kill(server_pid, signal.SIGSTOP)
         return await real(self, request)
 
     AIOHTTPSession.send = send
+
+
+def _exit_after(label: str) -> None:
+    """Exit at once (code 9, no cleanup: as if killed) when the S3 request ``label`` was answered."""
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    real = AIOHTTPSession.send
+
+    async def send(self, request):
+        response = await real(self, request)
+        if f"{request.method} {request.url.split('?')[0].rsplit('/', 1)[-1]}" == label:
+            os._exit(9)
+        return response
+
+    AIOHTTPSession.send = send
+
+
+def _fresh_clients() -> None:
+    """Forget every fsspec filesystem and backend of this process (a backend fails fast for a while after a
+    request got no answer: [Note: object-store client settings])."""
+    from shardbridge.checkpoint.storage import _location
+
+    _location._BACKENDS.clear()
+    if sys.modules.get("s3fs") is not None:
+        sys.modules["s3fs"].S3FileSystem.clear_instance_cache()
+
+
+def verbs(paths: dict[str, str], model: nn.Module) -> dict[str, Any]:
+    """Every verb a user runs on a checkpoint (the API's and the CLI's) on ``paths``: ``root`` holding
+    ``ckpt``, ``new`` a checkpoint to save, ``out`` an export folder (test_s3_errors.py)."""
+    from shardbridge import checkpoint as ck
+    from shardbridge.cli._main import main
+
+    return {
+        "save": lambda: ck.save(paths["new"], model=model, step=9),
+        "load": lambda: ck.load(paths["ckpt"], model=model),
+        "load_latest": lambda: ck.load_latest(paths["root"], model=model),
+        "latest": lambda: ck.latest(paths["root"]),
+        "verify": lambda: ck.verify(paths["ckpt"]),
+        "inspect": lambda: ck.inspect(paths["ckpt"]),
+        "export": lambda: ck.export_safetensors(paths["ckpt"], paths["out"], progress=False),
+        "cli verify": lambda: main(["ckpt", "verify", paths["root"]]),
+        "cli inspect": lambda: main(["ckpt", "inspect", paths["root"]]),
+        "cli export": lambda: main(["ckpt", "export", paths["root"], paths["out"], "--no-progress"]),
+    }
+
+
+def outcome(name: str, call: Any) -> dict[str, Any]:
+    """Run one verb: ``error`` (its one line: the exception's, or the CLI's last line on stderr) or
+    ``returned``, what it wrote on stderr, and its seconds."""
+    err, start = io.StringIO(), time.monotonic()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            value = call()
+        result = {"returned": repr(value)}
+        if name.startswith("cli ") and value != 0:
+            result = {"error": (err.getvalue().strip().splitlines() or [f"exit code {value}"])[-1]}
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        result = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
+    return {**result, "stderr": err.getvalue(), "seconds": time.monotonic() - start}
 
 
 def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
@@ -156,6 +226,8 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
         use_server(ARGS["s3_env"])
         if ARGS.get("stop_server_at") is not None:
             _stop_server_at(ARGS["stop_server_at"], ARGS["server_pid"])
+        if ARGS.get("exit_after"):
+            _exit_after(ARGS["exit_after"])
 
     root = ARGS["root"]
     model = build(ARGS.get("value", 1.0), world, ARGS.get("width", 16))
@@ -164,7 +236,19 @@ def main(ARGS: dict) -> None:  # noqa: N803 (the name runpy gives it)
     if rank == 0:
         open(os.path.join(out, "ready"), "w").close()
     try:
-        if ARGS["mode"] == "destroy":
+        if ARGS["mode"] == "verbs":  # each verb; ``stop_server``: the server stopped at its first request
+            for name in ARGS.get("block", []):  # a module "not installed" (a missing extra)
+                sys.modules[name] = None
+            table, result["verbs"] = verbs(ARGS["paths"], model), {}
+            for name in ARGS["verbs"]:
+                _fresh_clients()  # as in a process of its own: no backend remembers the last verb's unanswered request
+                _FAULTS.update(count=0, stop_at=1 if ARGS.get("stop_server") else -1, stopped=None)
+                result["verbs"][name] = done = outcome(name, table[name])
+                if _FAULTS["stopped"] is not None:
+                    done["seconds"] = time.monotonic() - _FAULTS["stopped"]  # since the server stopped
+                    os.kill(ARGS["server_pid"], signal.SIGCONT)
+            result["ok"] = True
+        elif ARGS["mode"] == "destroy":
             # An async save in flight when the script destroys the process group (without wait()).
             ck.save(ck.step_dir(root, 1), model=model, step=1, extra={"value": 1.0})
             set_value(model, 2.0)

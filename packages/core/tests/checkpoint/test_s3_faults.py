@@ -15,8 +15,10 @@ Each test prints its outcome counts (``pytest -s``); docs/checkpoints.md (Reliab
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import re
 import time
 
 import pytest
@@ -28,13 +30,22 @@ FULL = os.environ.get("SHARDBRIDGE_S3_FAULTS") == "all"
 __all__ = ["_stop_zygote"]  # the zygote of test_faults.py, stopped after this module too
 
 
-def _leftovers(root: str) -> list[str]:
-    """Objects under ``root`` that no committed checkpoint's manifest accounts for."""
+_LOCK = re.compile(r"^\.(?P<name>[^/]+)\.lock-(?P<generation>g-[0-9a-f]{16})$")
+
+
+def _leftovers(root: str) -> tuple[list[str], list[str]]:
+    """Objects under ``root`` that no committed checkpoint's manifest accounts for; and the generations
+    of dead saves recovery keeps with their locks because they may be committed (they hold
+    ``.metadata``: [Note: object-store commit] in ``storage/_fsspec.py``)."""
     where = locate(root)
-    backend = where.backend
+    listed = where.backend.listing(where.path)
+    locks = {name: "/".join(m.groups()) for name in listed if (m := _LOCK.match(name))}
+    kept = sorted(g for g in locks.values() if f"{g}/.metadata" in listed)
     stray = []
-    for name in sorted(backend.listing(where.path)):
+    for name in sorted(listed):
         parts = name.split("/")
+        if locks.get(name) in kept or "/".join(parts[:2]) in kept:
+            continue
         if len(parts) >= 2 and parts[1] == "shardbridge.json":
             continue
         if len(parts) >= 3:
@@ -46,7 +57,7 @@ def _leftovers(root: str) -> list[str]:
             if stored.prefix == parts[1] + "/":
                 continue
         stray.append(name)
-    return stray
+    return stray, kept
 
 
 def _check_root(root: str, allowed: dict[str, set[float]], *, at_least: float | None, overwrite_name: str | None) -> str:
@@ -63,17 +74,22 @@ def _check_root(root: str, allowed: dict[str, set[float]], *, at_least: float | 
         if at_least is not None:
             assert value >= at_least, f"a save that returned (value {at_least}) was lost: latest has {value}"
         label = "latest is the last save" if at_least is None or value == max(allowed[name]) else "latest is an older save"
-    left = _leftovers(root)
+    left = _leftovers(root)[0]
     # The next saves succeed and clean every leftover (the next save of an overwritten checkpoint
-    # deletes its own dead generations; any save deletes those of dead saves' locks).
+    # deletes its own dead generations; any save deletes those of dead saves' locks), but a dead
+    # save's generation that may be committed (kept with its lock, until its checkpoint commits again).
     if overwrite_name is not None:
         _save_uri(f"{root}/{overwrite_name}", 98.0, overwrite=True)
     _save_uri(ck.step_dir(root, NEXT_STEP), 99.0)
-    assert _leftovers(root) == [], _leftovers(root)
+    stray, kept = _leftovers(root)
+    assert stray == [], stray
     assert ck.latest(root) == ck.step_dir(root, NEXT_STEP)
+    listed = _leftovers_listing(root)
     for child in locate(root).backend.children(locate(root).path):
-        assert ck.verify(f"{root}/{child}").ok, child
-    return label + ("; leftovers cleaned by the next save" if left else "; nothing left over")
+        if f"{child}/shardbridge.json" in listed or child not in {g.split("/")[0] for g in kept}:
+            assert ck.verify(f"{root}/{child}").ok, child  # a kept generation alone is no checkpoint
+    label += "; leftovers cleaned by the next save" if left else "; nothing left over"
+    return label + (f"; {len(kept)} generation(s) kept: may be committed" if kept else "")
 
 
 def _save_uri(uri: str, value: float, **kwargs) -> None:
@@ -241,3 +257,77 @@ def test_the_server_stopped_mid_save(s3_server, s3_root):
                             overwrite_name=name if overwrite else None)  # fmt: skip
         _record(test, f"{'overwrite' if overwrite else 'new step'}: {outcome} -> {label}")
     _report(test)
+
+
+@contextlib.contextmanager
+def _stale_manifest(path: str, previous: bytes | None):
+    """Every GET / HEAD of ``path``'s manifest answers ``previous`` (None: 404), as a lagging replica or a
+    caching proxy would after a commit: at aiobotocore's HTTP session, where every S3 client sends."""
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    where = locate(path)
+    bucket, key = f"{where.path}/shardbridge.json".split("/", 1)
+    copy = f"stale-copies/{key}"
+    if previous is not None:
+        where.backend.fs.pipe_file(f"{bucket}/{copy}", previous)
+    real, served = AIOHTTPSession.send, []
+
+    async def send(self, request):
+        url, _, query = request.url.partition("?")
+        if request.method in ("GET", "HEAD") and url.endswith(f"/{bucket}/{key}"):
+            request.url = url[: -len(key)] + (copy if previous is not None else "no-such/" + key) + ("?" + query if query else "")
+            served.append(request.method)
+        return await real(self, request)
+
+    AIOHTTPSession.send = send
+    try:
+        yield served
+    finally:
+        AIOHTTPSession.send = real
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new step", "overwrite"])
+def test_a_stale_manifest_read_never_deletes_a_committed_checkpoint(s3_server, s3_root, overwrite):
+    """Issue 42: a save killed right after its manifest PUT is committed (it loads) and leaves its lock.
+    The next save's recovery reads that manifest while the store still answers the previous version
+    (404 for a new step): the committed generation is kept (it holds .metadata: it may be committed),
+    the checkpoint still loads bit-exact, and once reads are fresh it is cleaned: its lock goes, and an
+    overwrite's replaced generation with the next commit of it. Before, recovery deleted the committed
+    generation "unless the manifest names it", on that one stale read."""
+    root = f"{s3_root}/stale"
+    first = ck.step_dir(root, 1)
+    _save_uri(first, 1.0)
+    path = ck.step_dir(root, 1 if overwrite else 2)
+    fs = locate(root).backend.fs
+    previous = fs.cat_file(f"{locate(path).path}/shardbridge.json") if overwrite else None
+    result = _run({"mode": "once", "root": root, "path": path, "step": 2, "value": 2.0, "overwrite": overwrite,
+                   "s3_env": s3_server.client_env(), "exit_after": "PUT shardbridge.json"})[0]  # fmt: skip
+    assert result["exitcode"] == 9 and "error" not in result, result  # killed right after its commit point
+    committed = open_checkpoint(locate(path))[0].data
+    assert _lock_of(root, committed), _leftovers(root)  # the dead save's lock is left
+    with _stale_manifest(path, previous) as served:
+        _save_uri(ck.step_dir(root, 3), 3.0)  # the next save: its recovery meets the dead lock
+        assert served, "the recovery did not read the manifest"
+        if overwrite:
+            assert _loaded_value(path) == 1.0  # the stale replica: readers see the old checkpoint meanwhile
+    assert _loaded_value(path) == 2.0  # bit-exact: every element is the saved value
+    assert fs.ls(committed.split("://")[-1]), "the committed generation was deleted"
+    _save_uri(ck.step_dir(root, 4), 4.0)  # reads are fresh now: the lock of the committed save goes
+    assert not _lock_of(root, committed) and _loaded_value(path) == 2.0
+    if overwrite:  # the generation it replaced goes with the next commit of that checkpoint
+        _save_uri(path, 5.0, overwrite=True)
+    assert _leftovers(root) == ([], []), _leftovers(root)
+    assert _loaded_value(path) == (5.0 if overwrite else 2.0) and ck.verify(path).ok
+    test = "S3: a stale manifest read after a save killed at its commit"
+    _record(test, f"{'overwrite' if overwrite else 'new step'}: committed step kept, loads bit-exact; cleaned once reads are fresh")
+    _report(test)
+
+
+def _lock_of(root: str, generation_uri: str) -> bool:
+    name, generation = generation_uri.rsplit("/", 2)[-2:]
+    return f".{name}.lock-{generation}" in _leftovers_listing(root)
+
+
+def _leftovers_listing(root: str) -> dict:
+    where = locate(root)
+    return where.backend.listing(where.path)

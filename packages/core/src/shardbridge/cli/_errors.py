@@ -6,7 +6,7 @@ A command never ends in a traceback (``--debug`` shows one). :func:`describe` tu
 exception into one line, by class:
 
 - bad input (``ValueError``, ``NotImplementedError``): the library's own message, which
-  names the flag or file and the fix;
+  names the flag or file and the fix; a missing extra (``ImportError``): its install hint;
 - files (``OSError``): missing path, permission denied, not a directory, no space left;
   "the path and what to do";
 - a damaged checkpoint (anything else raised while ``ckpt`` reads one: unpickling errors,
@@ -39,6 +39,8 @@ def describe(err: BaseException, args: argparse.Namespace | None = None) -> str:
     from torch.distributed.checkpoint.api import CheckpointException
 
     checkpoint = _checkpoint_arg(args)
+    if isinstance(err, ImportError):  # a missing extra (its install hint), never a damaged checkpoint
+        return one_line(str(err))
     if isinstance(err, (ValueError, NotImplementedError)):
         message = one_line(str(err))
         verifying = getattr(args, "ckpt_command", None) == "verify"

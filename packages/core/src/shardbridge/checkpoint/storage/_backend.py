@@ -71,6 +71,8 @@ class Target:
     """Object stores: the entity tag of the manifest this save replaces (None: there is none)."""
     replaces: str | None = None
     """Object stores: the generation of the checkpoint this save replaces (deleted after the commit)."""
+    superseded: tuple[str, ...] = ()
+    """Object stores: dead saves' generations of ``final`` kept because one may be committed (deleted after the commit)."""
 
 
 class Backend(abc.ABC):

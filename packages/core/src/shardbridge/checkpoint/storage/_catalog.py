@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from shardbridge.checkpoint.storage._integrity import check_files, describe_problem
-from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
+from shardbridge.checkpoint.storage._location import Location, check_uri, locate, open_checkpoint
 
 __all__ = ["latest", "newest", "step_dir"]
 
@@ -28,8 +28,8 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path | str:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0")
     name = _STEP_DIR.format(step=step)
-    if isinstance(root, str) and "://" in root:
-        return root.rstrip("/") + "/" + name
+    if check_uri(os.fspath(root), what="root") is not None:  # a typo refused, not made a local folder
+        return os.fspath(root).rstrip("/") + "/" + name
     return Path(root) / name
 
 

@@ -17,7 +17,10 @@ protocol raises it on every rank ([Note: save protocols] in ``_protocol.py``).
   writing FILE: No space left on device ..." and the fix;
 - load: ``PermissionError`` for unreadable files, else ``ValueError`` naming the damaged file
   (a data file shorter than ``.metadata`` says, a missing one, garbage) and suggesting
-  ``shardbridge ckpt verify``.
+  ``shardbridge ckpt verify``;
+- either: an :class:`ObjectStoreError` (the store failed, not a file: credentials, the endpoint,
+  the bucket, a server that does not answer) keeps its cause and fix; "damaged" is said only
+  of damage.
 """
 
 from __future__ import annotations
@@ -34,13 +37,43 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shardbridge.checkpoint.storage._backend import Stored
 
-__all__ = ["dcp_errors", "describe_checkpoint_exception", "save_failure"]
+__all__ = ["ObjectStoreError", "dcp_errors", "describe_checkpoint_exception", "save_failure"]
 
 # The zip writer's message when a write came up short (the OSError itself is lost in C++).
 _SHORT_WRITE = "unexpected pos"
 # Below this much free space a short write is taken for a full filesystem.
 _NEARLY_FULL_BYTES = 1 << 20
 _ZIP_MAGIC = b"PK\x03\x04"
+
+
+class ObjectStoreError(OSError):
+    """An object store failed a request for a cause that is not the object's: wrong or missing
+    credentials, an endpoint that cannot be reached, a missing bucket, a server that does not answer.
+
+    Its message names the object, the cause and the fix ([Note: object-store errors] in
+    ``_store.py``); ``cause`` is the short name of the cause. Never taken for damage: integrity
+    checks and ``latest`` raise it instead of reporting a file as unreadable or skipping a checkpoint.
+    """
+
+    cause = "store"
+
+    def again(self, prefix: str, suffix: str = "") -> ObjectStoreError:
+        """The same error (class, errno, cause) with ``prefix`` before its message (``suffix`` after)."""
+        error = type(self)(f"{prefix}{self}{suffix}")
+        error.errno, error.cause = self.errno, self.cause
+        return error
+
+
+class StoreAccessError(ObjectStoreError, PermissionError):
+    """Credentials refused or missing (also a ``PermissionError``)."""
+
+
+class StoreConnectionError(ObjectStoreError, ConnectionError):
+    """The endpoint cannot be reached (also a ``ConnectionError``)."""
+
+
+class StoreTimeoutError(ObjectStoreError, TimeoutError):
+    """The server did not answer within the client's timeouts and retries (also a ``TimeoutError``)."""
 
 
 @contextmanager
@@ -107,6 +140,8 @@ def _first_line(cause: BaseException) -> str:
 def _save_error(where: str, rank: int, cause: BaseException, data_dir: Path | None, file: str | None) -> Exception:
     """``data_dir``: the local directory written into (None on an object store); ``file``: the file written."""
     files = repr(file) if file is not None else f"its data files {str((data_dir or Path('.')) / f'__{rank}_*.distcp')!r}"
+    if isinstance(cause, ObjectStoreError):  # the store failed: its cause and fix, not a filesystem's
+        return cause.again(f"{where} writing {files}: ", " Nothing was committed")
     code = getattr(cause, "errno", None) if isinstance(cause, OSError) else None
     if code is None and _SHORT_WRITE in str(cause):
         # torch.save's zip writer lost the OSError: ask the filesystem why the write came up short.
@@ -131,6 +166,8 @@ def _save_error(where: str, rank: int, cause: BaseException, data_dir: Path | No
 
 def _load_error(where: str, cause: BaseException, stored: Stored) -> Exception:
     verify = f"run `shardbridge ckpt verify {stored}` to find every damaged file"
+    if isinstance(cause, ObjectStoreError):  # the store failed, not a file: nothing to verify
+        return cause.again(f"{where}: ")
     if isinstance(cause, PermissionError):
         name = cause.filename or str(stored)
         error = PermissionError(f"{where}: permission denied reading {str(name)!r}; make it readable by this user")

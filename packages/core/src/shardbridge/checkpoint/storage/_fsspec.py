@@ -9,7 +9,8 @@ writes where a committed checkpoint's files are::
     <root>/.<name>.lock-g-<16 hex>    0. rank 0 writes it (host, pid, time): this save is alive
     <ckpt>/g-<16 hex>/__0_0.distcp    1. every rank uploads its files under a NEW generation
     <ckpt>/g-<16 hex>/rng/...            (one per save: the job/attempt id in every object name);
-    <ckpt>/g-<16 hex>/.metadata          an object is durable once its upload completed
+    <ckpt>/g-<16 hex>/.metadata          an object is durable once its upload completed;
+                                         ``.metadata`` last, once every rank's files landed
                                       2. rank 0 lists the generation: every recorded object is
                                          there with its recorded size, and nothing else (another
                                          writer's object, a failed upload) -- else no commit
@@ -18,9 +19,9 @@ writes where a committed checkpoint's files are::
                                          for a new checkpoint, If-Match (the old manifest's entity
                                          tag) for an overwrite, so a job that committed meanwhile
                                          is never silently replaced
-                                      4. the previous generation (overwrite) and the lock are
-                                         deleted: best effort, the save is committed (a failure
-                                         here is a warning, not an error of the save)
+                                      4. the generations it replaced (the previous one, and dead
+                                         saves' ones recovery kept) and the lock are deleted: best
+                                         effort, the save is committed (a failure is a warning)
 
 - Nothing without a valid manifest is visible: ``latest`` reads manifests only, and a manifest
   names exactly one generation. A killed upload leaves a generation no manifest names.
@@ -30,15 +31,38 @@ writes where a committed checkpoint's files are::
   refuses objects it did not record, step 3 refuses a manifest that changed since the save
   began, and ``verify`` / ``load`` check the manifest's generation only (its every object's size
   and checksum; an object in it that is not recorded is a problem).
-- Leftovers: rank 0, at the start of each save, lists the root (one level: the locks sit there,
-  as local disk's do) and deletes the generation of every lock whose save is gone (a dead
-  process on this host, or a lock of another host older than ``LOCK_STALE_S``: it cannot be
-  probed), unless that checkpoint's manifest names it; then the lock. It also deletes every
-  generation of ``<ckpt>`` itself that no manifest and no live lock names. A failed save deletes
-  its own generation, unless the manifest names it (a manifest PUT whose answer was lost may
-  have committed it: then it is kept).
 - Other fsspec filesystems (GCS, Azure, memory) have no conditional PUT here: step 3 checks the
   manifest's generation just before writing it (a narrow race, last writer wins; still never a mix).
+
+Leftovers: at the start of each save rank 0 lists the root (one level: the locks sit there, as
+local disk's do) and settles the generations of every lock whose save is gone (a dead process on
+this host, or a lock of another host older than ``LOCK_STALE_S``: it cannot be probed), and every
+generation of ``<ckpt>`` itself no live lock names ([Note: object-store cleanup]). A failed save
+deletes its own generation, unless its manifest PUT was sent (an answer lost may have committed
+it): then it is kept for the next save to settle.
+
+[Note: object-store cleanup]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Cleanup never deletes on one read what a committed manifest may name. A save killed right after
+its manifest PUT is committed and leaves its lock; a store that is not read-after-write consistent
+(multi-site Ceph RGW, a caching proxy) may answer the next read of that manifest with the previous
+version or 404, and deleting "what the manifest does not name" then deleted the committed
+checkpoint (issue 42). A dead save's generation is settled (``_settle``) by what no stale read
+can take back::
+
+    the generation                              settled            why
+    is the one the manifest read names          kept (lock goes)   committed
+    holds no .metadata (listing, then HEAD)     deleted            never reached step 3: no manifest
+                                                                   can name it (.metadata is last)
+    .metadata older than the named one's        deleted            a later commit replaced it
+                                                                   (commits are ordered: step 3)
+    .metadata older than LOCK_STALE_S           deleted            the store's stated bound
+    otherwise                                   kept, with lock    it may be committed
+
+A kept generation is deleted by the next commit of its checkpoint (step 4: once a conditional
+PUT succeeded, no dead save can be named) or a save after ``LOCK_STALE_S``; it costs its storage
+meanwhile. The store must show a PUT to every reader within ``LOCK_STALE_S`` (AWS S3, GCS, Azure:
+at once); a reader shown an older manifest meanwhile loads the older checkpoint.
 
 [Note: no 100-continue]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -80,17 +104,23 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from shardbridge.checkpoint.storage import _store
 from shardbridge.checkpoint.storage._backend import Backend, Entry, Kind, Target
-from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, Manifest
+from shardbridge.checkpoint.storage._errors import ObjectStoreError, StoreConnectionError, StoreTimeoutError
+from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
 
-__all__ = ["FsspecBackend", "LOCK_STALE_S", "PART_BYTES", "is_leftover"]
+__all__ = ["FAIL_FAST_S", "FsspecBackend", "LOCK_STALE_S", "PART_BYTES", "is_leftover"]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
 PART_BYTES = 32 << 20
 """Multipart upload part size (S3's minimum is 5 MiB; see docs/benchmarks.md, object store)."""
 LOCK_STALE_S = 24 * 3600.0
-"""A lock of another host older than this is taken for a dead save's."""
+"""A lock of another host older than this is taken for a dead save's; a dead save's generation
+that may be committed is deleted once older than this ([Note: object-store cleanup])."""
+FAIL_FAST_S = 10.0
+"""After a request got no answer (or the endpoint could not be reached), the next ones within this
+long fail at once with its error ([Note: object-store client settings] in ``_store.py``)."""
 _GENERATION = re.compile(r"^g-[0-9a-f]{16}$")
 _ERRNO = {PermissionError: errno.EACCES, FileNotFoundError: errno.ENOENT, FileExistsError: errno.EEXIST}
 _BUILTIN_OS_ERRORS = (
@@ -103,7 +133,6 @@ _BUILTIN_OS_ERRORS = (
     ConnectionError,
     OSError,
 )
-_HOOK_ID = "shardbridge-no-100-continue"
 _HOOK_LOCK = threading.Lock()
 _LOCK = re.compile(r"^\.(?P<name>.+)\.lock-(?P<generation>g-[0-9a-f]{16})$")
 
@@ -125,7 +154,11 @@ class FsspecBackend(Backend):
     def __init__(self, fs: Any, scheme: str) -> None:
         self.fs = fs
         self.scheme = scheme
-        self._no_continue()  # before any client of this filesystem sends (a refreshed or per-region one too)
+        self._sent: set[str] = set()  # generations whose manifest PUT was sent (abandon keeps them)
+        self._down: tuple[float, ObjectStoreError] | None = None  # when a request last got no answer, and its error
+        self._waits = _store.Waits(fs)
+        if scheme in ("s3", "s3a"):
+            self._connect()
 
     def uri(self, path: str) -> str:
         """``scheme://path``."""
@@ -201,7 +234,7 @@ class FsspecBackend(Backend):
         On an error the upload is aborted: no object, and no parts left billed.
         """
         with self._naming(path):
-            self._no_continue()
+            self._hook()
             f = self.fs.open(path, "wb", block_size=PART_BYTES)
         try:
             with self._naming(path):
@@ -223,7 +256,7 @@ class FsspecBackend(Backend):
     def write_bytes(self, path: str, data: bytes) -> None:
         """One PUT."""
         with self._naming(path):
-            self._no_continue()
+            self._hook()
             self.fs.pipe_file(path, data)
 
     def remove(self, path: str) -> None:
@@ -233,9 +266,14 @@ class FsspecBackend(Backend):
     # -- the commit (rank 0) ----------------------------------------------------------------------
 
     def begin(self, final: str, *, overwrite: bool) -> Target:
-        """Steps 0 of [Note: object-store commit]: leftovers deleted, ``final`` checked, the lock written."""
+        """Steps 0 of [Note: object-store commit]: leftovers settled, ``final`` checked, the lock written."""
+        if "/" not in final.strip("/"):
+            raise ValueError(
+                f"checkpoint path {self.uri(final)!r} is a bucket, not a prefix in one; save below it, e.g. "
+                f"{self.uri(final.strip('/'))}/step-00000001 (step_dir(root, step))"
+            )
         manifest_path = self.join(final, MANIFEST_NAME)
-        self._recover(final)
+        kept = self._recover(final)
         try:
             with self._naming(manifest_path):
                 info = self.fs.info(manifest_path)
@@ -266,6 +304,7 @@ class FsspecBackend(Backend):
             overwrite=overwrite,
             expect=_etag(info) if info is not None else None,
             replaces=replaces,
+            superseded=tuple(kept),
         )
 
     def commit(self, target: Target, manifest: Manifest) -> None:
@@ -273,48 +312,40 @@ class FsspecBackend(Backend):
         self._check_landed(target, manifest)
         data = _with_generation(manifest, target.ident).to_json().encode("ascii")
         self._put_manifest(target, data)
+        self._sent.discard(target.ident)
         # Committed: what follows is cleanup, and its failure (the server stopped answering ...) must
-        # not turn a durable save into an error.
-        if target.replaces is not None and target.replaces != target.ident:
-            self._after_commit(
-                target,
-                lambda: self._delete_generation(target.final, target.replaces),
-                "deleting the generation it replaced",
-                f"the next save of {self.uri(target.final)} deletes it",
-            )
-        self._after_commit(
-            target,
-            lambda: self._delete(self._lock(target.final, target.ident)),
-            "deleting its lock",
-            f"the first save under {self.uri(posixpath.dirname(target.final))} after this process ended deletes it",
-        )
-
-    def _after_commit(self, target: Target, cleanup: Any, what: str, later: str) -> None:
-        """Best-effort cleanup of a committed save: a failure is a warning."""
-        try:
-            cleanup()
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("shardbridge.checkpoint: %s is committed, but %s failed (%s); %s",
-                           self.uri(target.final), what, exc, later)  # fmt: skip
+        # not turn a durable save into an error. No dead save can be named any more: ours is.
+        final, root = self.uri(target.final), self.uri(posixpath.dirname(target.final))
+        steps = [
+            (f"deleting the generation {g} it replaced", f"the next save of {final} deletes it",
+             lambda g=g: self._drop(target.final, g, lock=g in target.superseded))  # a dead save's: its lock too
+            for g in sorted({target.replaces, *target.superseded} - {None, target.ident})
+        ]  # fmt: skip
+        steps.append(("deleting its lock", f"the first save under {root} after this process ended deletes it",
+                      lambda: self._delete(self._lock(target.final, target.ident))))  # fmt: skip
+        for what, later, cleanup in steps:
+            try:
+                cleanup()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("shardbridge.checkpoint: %s is committed, but %s failed (%s); %s", final, what, exc, later)
 
     def abandon(self, target: Target) -> None:
-        """Delete the failed save's generation, unless the manifest names it (or cannot be read). Never raises."""
-        try:
-            current = self._generation(target.final)
-        except Exception as exc:  # noqa: BLE001 (unreachable or damaged: delete nothing now; recovery later)
-            logger.warning(
-                "shardbridge.checkpoint: not cleaning up %s after a failed save: its manifest cannot be read (%s); "
-                "the next save of it deletes what is left",
-                self.uri(target.data),
-                exc,
-            )
+        """Delete the failed save's generation and lock, unless its manifest PUT was sent. Never raises.
+
+        A PUT sent but not answered may have committed it: kept, for the next save's recovery
+        to judge ([Note: object-store commit]). Nothing of it can be named otherwise.
+        """
+        later = f"the next save under {self.uri(posixpath.dirname(target.final))} decides"
+        if target.ident in self._sent:
+            self._sent.discard(target.ident)
+            logger.warning("shardbridge.checkpoint: keeping %s after a failed save: its manifest PUT got no answer, "
+                           "so it may be committed; %s", self.uri(target.data), later)  # fmt: skip
             return
-        try:
-            if current != target.ident:
-                self._delete_generation(target.final, target.ident)
-            self._delete(self._lock(target.final, target.ident))
+        try:  # after a request that got no answer, these fail at once (see _naming)
+            self._drop(target.final, target.ident, lock=True)
         except Exception as exc:  # noqa: BLE001 (the save's own error is the one to raise)
-            logger.warning("shardbridge.checkpoint: cleaning up %s failed too: %s", self.uri(target.data), exc)
+            logger.warning("shardbridge.checkpoint: not cleaning up %s after a failed save (%s); %s",
+                           self.uri(target.data), exc, later)  # fmt: skip
 
     # -- readers ----------------------------------------------------------------------------------
 
@@ -336,11 +367,25 @@ class FsspecBackend(Backend):
         """Errors of the client name the object: an ``OSError`` with the object's URI as its filename.
 
         s3fs raises e.g. ``PermissionError('Forbidden')`` and lets botocore's connection errors
-        through; a user needs to know which object of which checkpoint failed.
+        through; a user needs to know which object of which checkpoint failed, and why
+        ([Note: object-store errors] in ``_store.py``).
         """
+        down = self._down
+        if down is not None and time.monotonic() - down[0] < FAIL_FAST_S:  # never wait out the bound twice
+            raise down[1].again(f"{self.uri(path)}: not sent, the store failed {time.monotonic() - down[0]:.1f} s ago: ")
         try:
             yield
-        except OSError as exc:
+        except (ObjectStoreError, ValueError, TypeError, AssertionError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 (botocore / aiohttp: the server cannot be reached ...)
+            store = _store.store_error(exc, self.fs, self.uri(path), path.split("/", 1)[0])
+            if isinstance(store, (StoreTimeoutError, StoreConnectionError)):
+                self._down = (time.monotonic(), store)
+            if store is not None:
+                raise store from exc
+            if not isinstance(exc, OSError):
+                text = (str(exc).strip().splitlines() or [""])[0]
+                raise OSError(errno.EIO, f"{type(exc).__name__}: {text}", self.uri(path)) from exc
             if exc.filename:
                 raise
             text = (str(exc.strerror or exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -349,31 +394,41 @@ class FsspecBackend(Backend):
             kind = next(k for k in _BUILTIN_OS_ERRORS if isinstance(exc, k))
             code = exc.errno if isinstance(exc.errno, int) else _ERRNO.get(kind, errno.EIO)
             raise kind(code, text, self.uri(path)) from exc
-        except (ValueError, TypeError, AssertionError, KeyboardInterrupt, MemoryError):
-            raise
-        except Exception as exc:  # noqa: BLE001 (botocore / aiohttp: the server cannot be reached ...)
-            text = (str(exc).strip().splitlines() or [""])[0]
-            raise OSError(errno.EIO, f"{type(exc).__name__}: {text}", self.uri(path)) from exc
 
-    def _no_continue(self) -> None:
-        """This filesystem's S3 PUTs go without ``Expect: 100-continue`` ([Note: no 100-continue])."""
+    def _connect(self) -> None:
+        """Make the S3 client now (no request): a setting it cannot take is named here, not as damage."""
+        try:
+            self.fs.s3  # noqa: B018 (s3fs: creates the aiobotocore client)
+        except Exception as exc:  # noqa: BLE001 (TypeError, botocore's configuration errors ...)
+            raise _store.settings_error(exc) from None
+        if getattr(self.fs, "retries", None) == _store.S3FS_OWN_RETRIES:
+            self.fs.retries = 1  # botocore's attempts are the budget ([Note: object-store client settings] in _store.py)
+        self._hook()
+
+    def _hook(self) -> None:
+        """This filesystem's S3 requests go without ``Expect: 100-continue`` ([Note: no 100-continue]) and are
+        watched (``_store.Waits``): handlers on the filesystem's session (clients made later copy them) and client."""
         if self.scheme not in ("s3", "s3a"):
             return
+        handlers = (
+            ("before-call.s3", _drop_expect, "shardbridge-no-100-continue"),
+            ("before-parameter-build.s3", self._waits.name, "shardbridge-wait-name"),
+            ("before-call.s3", self._waits.begin, "shardbridge-wait"),
+            ("after-call.s3", self._waits.end, "shardbridge-waited"),
+            ("after-call-error.s3", self._waits.end, "shardbridge-wait-failed"),
+        )
         with _HOOK_LOCK:  # botocore marks a unique_id registered before it clears its lookup cache
-            hooked = []
             try:
                 client = self.fs.s3  # s3fs: the aiobotocore client (connects it if needed; no request)
             except Exception:  # noqa: BLE001 (an asynchronous fs not set up yet: its session below, or later)
                 client = None
-            events = getattr(getattr(client, "meta", None), "events", None)
-            if events is not None:
-                events.register_last("before-call.s3", _drop_expect, unique_id=_HOOK_ID)
-                hooked.append("client")
-            session = getattr(self.fs, "session", None)
-            if callable(getattr(session, "register", None)):  # clients made later copy its handlers
-                session.register("before-call.s3", _drop_expect, unique_id=_HOOK_ID)
-                hooked.append("session")
-            if not hooked:
+            events, session = getattr(getattr(client, "meta", None), "events", None), getattr(self.fs, "session", None)
+            for event, handler, unique_id in handlers:
+                if events is not None:
+                    events.register_last(event, handler, unique_id=unique_id)
+                if callable(getattr(session, "register", None)):  # clients made later copy its handlers
+                    session.register(event, handler, unique_id=unique_id)
+            if events is None and session is None:
                 logger.debug("shardbridge.checkpoint: %s has no botocore client to take Expect off", type(self.fs))
 
     def _lock(self, final: str, generation: str) -> str:
@@ -427,11 +482,13 @@ class FsspecBackend(Backend):
             condition = {"IfNoneMatch": "*"} if target.expect is None else {"IfMatch": target.expect}
             try:
                 with self._naming(path):
-                    self._no_continue()
+                    self._sent.add(target.ident)  # sent from here on: an answer lost may have committed it
+                    self._hook()
                     self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
             except OSError as exc:
                 text = str(exc).lower()
                 if isinstance(exc, FileExistsError) or "pre-condition" in text or "precondition" in text:
+                    self._sent.discard(target.ident)  # refused: not committed
                     raise raced from None  # s3fs: 412 PreconditionFailed -> FileExistsError
                 raise
             finally:
@@ -439,6 +496,7 @@ class FsspecBackend(Backend):
             return
         if self._generation(target.final) != target.replaces:
             raise raced
+        self._sent.add(target.ident)
         self.write_bytes(path, data)
 
     def _delete_generation(self, final: str, generation: str) -> None:
@@ -447,57 +505,77 @@ class FsspecBackend(Backend):
         with contextlib.suppress(FileNotFoundError), self._naming(path):
             self.fs.rm(path, recursive=True)
 
+    def _drop(self, final: str, generation: str, *, lock: bool) -> None:
+        self._delete_generation(final, generation)
+        if lock:
+            self._delete(self._lock(final, generation))
+
     def _delete(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError), self._naming(path):
             self.fs.rm_file(path)
 
-    def _recover(self, final: str) -> None:
-        """Delete what dead saves left under ``final``'s root and ``final`` ([Note: object-store commit])."""
-        root = posixpath.dirname(final)
+    def _recover(self, final: str) -> list[str]:
+        """Settle what dead saves left under ``final``'s root and ``final``; the generations of ``final``
+        kept because they may be committed ([Note: object-store cleanup])."""
+        root, name = posixpath.split(final)
         self.fs.invalidate_cache(root)
         try:
             with self._naming(root):
                 found = self.fs.ls(root, detail=True)
         except FileNotFoundError:
             found = []
-        locks: dict[tuple[str, str], float] = {}
+        dead: dict[str, set[str]] = {name: set()}
+        live: dict[str, set[str]] = {}
         for info in found:
             lock = _LOCK.match(posixpath.basename(info["name"])) if info.get("type") != "directory" else None
             if lock is not None:
-                locks[(lock["name"], lock["generation"])] = _mtime(info)
-        for (name, generation), mtime in sorted(locks.items()):
-            if self._alive(self.join(root, name), generation, mtime):
-                continue
-            self._drop(self.join(root, name), generation)
-        current = self._current(final)
-        if current is False:
-            return
-        live = {g for (name, g) in locks if name == posixpath.basename(final)} - {current}
-        gens = {n.split("/", 1)[0] for n in self.listing(final) if is_leftover(n)}
-        for generation in sorted(gens - live - {current}):
-            self._drop(final, generation)
+                alive = self._alive(self.join(root, lock["name"]), lock["generation"], _mtime(info))
+                (live if alive else dead).setdefault(lock["name"], set()).add(lock["generation"])
+        for other, gens in sorted(dead.items()):  # another checkpoint: its dead saves' generations only
+            if other != name:
+                self._settle(self.join(root, other), gens, set(), listed_too=False)
+        return self._settle(final, dead[name], live.get(name, set()), listed_too=True)
 
-    def _current(self, final: str) -> str | None | bool:
-        """The generation ``final``'s manifest names (None: no manifest; False: damaged, so unknown)."""
+    def _settle(self, final: str, locked: set[str], live: set[str], *, listed_too: bool) -> list[str]:
+        """Delete the generations of ``final`` no commit can name: those of ``locked`` (dead saves: their
+        locks go with them) and, ``listed_too``, every other one listed but ``live`` saves'. The kept ones
+        are returned."""
         try:
-            return self._generation(final)
+            current = self._generation(final)
         except ValueError as exc:  # a damaged manifest: which generation is live is unknown
             logger.warning("shardbridge.checkpoint: not cleaning up %s: %s", self.uri(final), exc)
-            return False
+            return []
+        listed = self.listing(final)
+        named = listed.get(f"{current}/{DCP_METADATA_NAME}") if current else None
+        kept = []
+        listed_gens = {n.split("/", 1)[0] for n in listed if is_leftover(n)} if listed_too else set()
+        for generation in sorted((listed_gens | locked) - live):
+            if generation != current:
+                sealed = self._sealed(final, generation, listed)
+                if sealed is not None and not (named is not None and named.mtime > sealed.mtime) and not (
+                    sealed.mtime and time.time() - sealed.mtime > LOCK_STALE_S
+                ):
+                    kept.append(generation)  # may be committed: one read of the manifest may be stale
+                    continue
+                if any(n.startswith(generation + "/") for n in listed):
+                    logger.warning("shardbridge.checkpoint: deleting %s, left by an interrupted save",
+                                   self.uri(self.join(final, generation)))  # fmt: skip
+                self._delete_generation(final, generation)
+            if generation in locked:
+                self._delete(self._lock(final, generation))
+        if kept:
+            logger.warning(
+                "shardbridge.checkpoint: keeping %s: left by a save that ended after writing it, so it may be "
+                "committed (a manifest read can be stale); the next commit of %s deletes it, or a save after %.0f h",
+                ", ".join(self.uri(self.join(final, g)) for g in kept), self.uri(final), LOCK_STALE_S / 3600,
+            )  # fmt: skip
+        return kept
 
-    def _drop(self, final: str, generation: str) -> None:
-        """A dead save's generation (unless the manifest names it: committed), then its lock."""
-        current = self._current(final)
-        if current is False:
-            return
-        if current != generation:
-            if self.listing(self.join(final, generation)):
-                logger.warning(
-                    "shardbridge.checkpoint: deleting %s, left by an interrupted save",
-                    self.uri(self.join(final, generation)),
-                )
-            self._delete_generation(final, generation)
-        self._delete(self._lock(final, generation))
+    def _sealed(self, final: str, generation: str, listed: dict[str, Entry]) -> Entry | None:
+        """The generation's ``.metadata`` (written once every rank's files landed: the save reached its
+        commit), from the listing or, if the listing lacks it (a stale one), a HEAD; None if it has none."""
+        name = f"{generation}/{DCP_METADATA_NAME}"
+        return listed.get(name) or self.stat(self.join(final, name))
 
     def _alive(self, final: str, generation: str, mtime: float) -> bool:
         """Whether the save that wrote this lock may still be running."""

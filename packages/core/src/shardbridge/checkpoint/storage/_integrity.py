@@ -49,6 +49,7 @@ from typing import Any
 import xxhash
 
 from shardbridge.checkpoint.storage._backend import Backend, Entry, Stored
+from shardbridge.checkpoint.storage._errors import ObjectStoreError
 from shardbridge.checkpoint.storage._manifest import (
     CHECKSUM_KEY,
     FILES_SINCE_VERSION,
@@ -283,6 +284,8 @@ def check_files(
     problems: list[FileProblem] = []
     try:
         entries = files_below(stored) if listing else None
+    except ObjectStoreError:  # the store failed, not the checkpoint: never reported as damage
+        raise
     except OSError as exc:
         return [FileProblem(prefix or ".", f"cannot be listed ({type(exc).__name__}: {exc})")]
     for name in sorted(recorded):
@@ -290,6 +293,8 @@ def check_files(
         shown = prefix + name
         try:
             entry = entries.get(shown) if entries is not None else backend.stat(stored.file(name))
+        except ObjectStoreError:
+            raise
         except OSError as exc:
             problems.append(FileProblem(shown, f"cannot be read ({type(exc).__name__}: {exc})"))
             continue
@@ -304,6 +309,8 @@ def check_files(
         elif name in to_hash:
             try:
                 size, digest = checksum(backend, stored.file(name), entry.size)
+            except ObjectStoreError:
+                raise
             except OSError as exc:
                 problems.append(FileProblem(shown, f"cannot be read ({type(exc).__name__}: {exc})"))
                 continue

@@ -9,13 +9,31 @@ Every public verb takes a checkpoint location as a path (``str`` or ``os.PathLik
 
 A result names what it found in the form it was given: a ``Path`` for a plain path, a ``str``
 URI for a URI. The object store is configured as any fsspec client is (credentials and endpoint
-from the environment, e.g. ``AWS_ENDPOINT_URL``, or ``fsspec.config.conf["s3"]`` / ``FSSPEC_S3_*``:
-timeouts, retries); shardbridge adds one setting of its own, ``use_listings_cache=False``
-(another process's commit must be seen at once).
+from the environment, e.g. ``AWS_ENDPOINT_URL``, or ``fsspec.config.conf["s3"]`` / ``FSSPEC_S3``);
+shardbridge adds ``use_listings_cache=False`` (another process's commit must be seen at once) and,
+on S3, bounded retries ([Note: object-store client settings] in ``_store.py``).
+
+[Note: checkpoint URIs]
+~~~~~~~~~~~~~~~~~~~~~~~
+A typo in a URI must not become a local path: ``s3:/bucket/run`` or ``s3//bucket/run`` would
+otherwise be a relative folder (``save`` creates ``./s3:/bucket/run``; ``latest`` finds nothing
+there and returns None, so training silently starts from scratch). Refused by name, with the
+URI the user probably meant:
+
+    s3:/b/run  s3:b/run  s3//b/run    an object-store (or file) scheme without "://"
+    S3://b/run                        upper case: fsspec's schemes are case-sensitive (it knows
+                                      no "S3"), so it is refused, not guessed
+    s4://b/run                        a scheme fsspec does not know (the closest known one named)
+    s3://  s3:///run                  no bucket
+    " s3://b/run", "s3://b/run "      surrounding white space
+
+A local path with a colon elsewhere (``runs/exp:1``, ``/data/a:b``) is a local path; one that
+starts like an object-store URI is refused: pass the absolute path of a local folder of that name.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import urllib.parse
@@ -28,9 +46,11 @@ from shardbridge.checkpoint.storage._backend import Backend, Stored
 from shardbridge.checkpoint.storage._local import LOCAL
 from shardbridge.checkpoint.storage._manifest import Manifest, read_manifest
 
-__all__ = ["Location", "is_uri", "locate", "open_checkpoint"]
+__all__ = ["Location", "check_uri", "is_uri", "locate", "open_checkpoint"]
 
 _URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$")
+_MALFORMED = re.compile(r"^\s*(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+)(?::(?!//)|//)(?P<rest>.*)$")
+"""``s3:/b``, ``s3:b``, ``s3//b``: a scheme (two letters or more: ``C:/`` is a drive) without "://"."""
 _INSTALL = {
     "s3": install_hint("s3"),
     "s3a": install_hint("s3"),
@@ -105,31 +125,69 @@ def locate(value: str | os.PathLike[str] | Location, *, what: str = "path") -> L
         raise ValueError(
             f"{what}={value!r} must be a path (str or os.PathLike) or a URI such as 's3://bucket/ckpt'"
         )
-    match = _URI.match(value)
-    if match is None:
+    scheme = check_uri(value, what=what)
+    if scheme is None:
         return Location(LOCAL, value, None)
-    scheme = match["scheme"].lower()
     if scheme == "file":
         path = urllib.parse.unquote(urllib.parse.urlparse(value).path)
         return Location(LOCAL, path, "file")
     return Location(*_fsspec(value, scheme), scheme)
 
 
+def check_uri(value: str, *, what: str = "path") -> str | None:
+    """The scheme of the URI ``value``, None for a local path; a malformed URI is refused.
+
+    See [Note: checkpoint URIs]; no filesystem is made (``step_dir`` names paths with it).
+
+    Raises:
+        ValueError: naming the value and the URI meant.
+    """
+    match = _URI.match(value.strip())
+    if match is None:
+        _refuse_malformed(value, what)
+        return None
+    scheme = match["scheme"]
+    if value != value.strip() or scheme != scheme.lower():
+        fixed = f"{scheme.lower()}://{match['rest']}"
+        why = "has white space around it" if value != value.strip() else "has an upper-case scheme (fsspec knows no " \
+            f"{scheme!r}: schemes are case-sensitive)"
+        raise ValueError(f"{what}={value!r} {why}; write {fixed!r}")
+    if scheme in _INSTALL and not match["rest"].split("/", 1)[0]:
+        raise ValueError(f"{what}={value!r} names no bucket; write {scheme}://BUCKET/PREFIX (e.g. {scheme}://my-bucket/run-7)")
+    return scheme
+
+
+def _refuse_malformed(value: str, what: str) -> None:
+    """A local path that starts like an object-store URI missing its "://" ([Note: checkpoint URIs])."""
+    bad = _MALFORMED.match(value)
+    if bad is not None and bad["scheme"].lower() in (*_INSTALL, "file"):
+        scheme = bad["scheme"].lower()
+        meant = f"{scheme}://{'/' if scheme == 'file' else ''}{bad['rest'].lstrip('/')}"
+        raise ValueError(
+            f"{what}={value!r} is not a URI (a scheme needs '://'): did you mean {meant!r}? "
+            "(for a local folder of that name, pass its absolute path)"
+        )
+
+
 def _fsspec(uri: str, scheme: str) -> tuple[Backend, str]:
     import fsspec
+    from fsspec.registry import known_implementations, registry
 
     from shardbridge.checkpoint.storage._fsspec import FsspecBackend
+    from shardbridge.checkpoint.storage._store import client_options
 
-    hint = _INSTALL.get(scheme, "install the fsspec implementation for it")
-    try:
-        fs, path = fsspec.core.url_to_fs(uri, use_listings_cache=False)
-    except ImportError as exc:
-        raise ImportError(f"checkpoint path {uri!r} needs fsspec's {scheme!r} filesystem: {hint} ({exc})") from None
-    except ValueError as exc:
+    if scheme not in known_implementations and scheme not in registry:
+        close = difflib.get_close_matches(scheme, [*_INSTALL, "file"], n=1, cutoff=0.5)
+        mean = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(
-            f"checkpoint path {uri!r}: fsspec knows no filesystem for {scheme!r}:// ({exc}); use a local path, "
+            f"checkpoint path {uri!r}: fsspec knows no filesystem for the scheme {scheme!r}; {mean}use a local path, "
             "file://, s3://, gs:// or az://"
-        ) from None
+        )
+    try:  # the options' own checks name a bad setting (ValueError)
+        fs, path = fsspec.core.url_to_fs(uri, **client_options(scheme))
+    except ImportError as exc:
+        hint = _INSTALL.get(scheme, "install the fsspec implementation for it")
+        raise ImportError(f"checkpoint path {uri!r} needs fsspec's {scheme!r} filesystem: {hint} ({exc})") from None
     backend = _BACKENDS.get(fs)
     if backend is None or getattr(backend, "fs", None) is not fs:
         backend = _BACKENDS[fs] = FsspecBackend(fs, scheme)
