@@ -49,7 +49,8 @@ from shardbridge import (
 )
 from torch import nn
 
-from shardbridge_hf import _checkpoint, _patches
+from shardbridge_hf import _checkpoint, _patches, _trainer
+from shardbridge_hf._arguments import check_accelerator_args, check_compile
 from shardbridge_hf._compat import accelerator_models, accelerator_schedulers, require_accelerate
 from shardbridge_hf._config import ENV_VAR, HFConfig
 from shardbridge_hf._launch import quiet_upstream_noise
@@ -119,16 +120,13 @@ class ShardbridgeAccelerator(Accelerator):
             import dataclasses
 
             config = dataclasses.replace(config, tp_plan=tp_plan)
-        if kwargs.get("fsdp_plugin") is not None:
-            raise ValueError(
-                "ShardbridgeAccelerator(fsdp_plugin=...): wrapping is configured by fsdp_config.shardbridge; "
-                "drop the fsdp_plugin argument"
-            )
         if kwargs.get("mixed_precision") == "fp8":
             raise ValueError(
                 "mixed_precision='fp8': set fsdp_config.shardbridge.fp8.backend (torchao or te) instead and "
                 "mixed_precision to 'no' or 'bf16'"
             )
+        # See [Note: arguments under shardbridge]: honoured (fsdp_plugin fields), accepted, or refused by name.
+        config = check_accelerator_args(kwargs, config)
         accelerate_pc = kwargs.pop("parallelism_config", None)
         if cpu is None:
             cpu = config.use_cpu if config.use_cpu is not None else not torch.cuda.is_available()
@@ -136,6 +134,7 @@ class ShardbridgeAccelerator(Accelerator):
         kwargs["mixed_precision"] = "no"
         with _without_env(_ACCELERATE_ENV):
             super().__init__(*args, cpu=cpu, **kwargs)
+        check_compile(self.state)
         self.shardbridge_config = config
         self._sb_cpu = cpu
         dims = config.parallel_dims(parallel_dims or config.dims or _dims_from_accelerate(accelerate_pc))
@@ -148,6 +147,8 @@ class ShardbridgeAccelerator(Accelerator):
 
         See [Note: the step a checkpoint records]."""
         self._sb_step_hook: Any = None
+        # A Trainer builds this accelerator in its __init__: adapt what it does through Accelerate's FSDP helpers.
+        self._sb_undo.extend(_trainer.adapt_trainer())  # [Note: Trainer under shardbridge]; nothing without a Trainer
 
     # -- state: FSDP2 everywhere, one mesh ----------------------------------------------------
 
@@ -164,7 +165,14 @@ class ShardbridgeAccelerator(Accelerator):
         # The core mesh names every axis (degree-1 ones too) as Accelerate does, so its data
         # loader computes the same dp rank: rank // (cp * tp) over dp_replicate * dp_shard.
         pc.device_mesh = self.parallel_mesh.mesh
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        # Built from this config alone: the FSDP_* env that `accelerate launch` exports says what the launcher
+        # already merged into the block (and the Trainer reads activation_checkpointing off this plugin).
+        with _without_env(tuple(name for name in os.environ if name.startswith("FSDP_"))):
+            plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=2,
+                state_dict_type="SHARDED_STATE_DICT",
+                activation_checkpointing=self.shardbridge_config.activation_checkpointing,
+            )
         self.state.distributed_type = DistributedType.FSDP
         # AcceleratorState() re-copies PartialState's dict on every construction (e.g. inside
         # AcceleratedOptimizer), which would silently turn FSDP back into MULTI_CPU / DDP.
@@ -179,28 +187,37 @@ class ShardbridgeAccelerator(Accelerator):
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare the model (TP + FSDP2 via shardbridge) and its optimizer; the rest via Accelerate.
 
-        Pass the model and its optimizer in the same call (as FSDP2 requires). Objects may
-        come in any order; the results come back in the same order.
+        Pass the model and the optimizer built over its unsharded parameters in the same call (the
+        optimizer is rebound to the sharded ones, by name). The model may also come alone (for
+        evaluation, or to build the optimizer from its sharded parameters, as the Trainer does
+        after ``evaluate()``), and be passed again later with that optimizer. Objects may come in
+        any order; the results come back in the same order.
         """
         models = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)]
         optimizers = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)]
         if len(models) > 1:
             raise ValueError("ShardbridgeAccelerator.prepare: pass one model (FSDP2 prepares one model per run)")
-        if bool(models) != bool(optimizers):
+        if optimizers and not models and self._sb_model is None:
             raise ValueError(
-                "ShardbridgeAccelerator.prepare: pass the model and its optimizer together, "
-                "e.g. prepare(model, optimizer, dataloader); the optimizer is rebuilt over the sharded parameters"
+                "ShardbridgeAccelerator.prepare(optimizer): prepare the model first, or with it, e.g. "
+                "prepare(model, optimizer, dataloader); the optimizer is rebound to the sharded parameters"
             )
         placement = _check_device_placement(args, device_placement, models + optimizers)
         result = list(args)
-        if models:
-            model = args[models[0]]
-            self._sb_model = self._prepare_sb_model(model, [args[i] for i in optimizers])
-            result[models[0]] = self._sb_model
+        if models or optimizers:
+            model = args[models[0]] if models else self._sb_model
+            opts = [args[i] for i in optimizers]
+            if model is self._sb_model:
+                self._rebind_to_prepared(model, opts)
+            else:
+                self._sb_model = self._prepare_sb_model(model, opts)
+            if models:
+                result[models[0]] = self._sb_model
             for i in optimizers:
                 result[i] = self.prepare_optimizer(args[i], device_placement=False)
                 self._sb_optimizer = result[i]
-            self._count_optimizer_steps(self._sb_optimizer)
+            if optimizers:
+                self._count_optimizer_steps(self._sb_optimizer)
             if fp8.recipe_of(self._sb_model) is not None:
                 for i in optimizers:
                     # On the torch optimizer inside AcceleratedOptimizer (upstream bug 6).
@@ -250,6 +267,14 @@ class ShardbridgeAccelerator(Accelerator):
             rebind_param_groups(opt, groups, new)  # See [Note: param groups by FQN] in the core
         accelerator_models(self).append(model)
         return model
+
+    def _rebind_to_prepared(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """An already prepared model again (``free_memory`` forgot it), with optimizers over its sharded parameters."""
+        for opt in optimizers:
+            groups = _tied_groups(model, param_group_fqns(model, opt, when="prepare()"))
+            rebind_param_groups(opt, groups, dict(model.named_parameters()))
+        if not any(m is model for m in accelerator_models(self)):
+            accelerator_models(self).append(model)
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """Accelerate's scheduler wrapper, stepping ``dp`` times per optimizer step (not ``num_processes``).
@@ -314,6 +339,63 @@ class ShardbridgeAccelerator(Accelerator):
         out = loss.detach().clone()
         dist.all_reduce(out, group=self.parallel_mesh["dp_cp"].get_group())
         return out / self.parallel_mesh.dims.degree("dp_cp")
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Accelerate's ``gather_for_metrics``, over the data-parallel ranks only.
+
+        [Note: metrics over dp]: the ranks of a tp (and cp) group read the same batch, so gathering
+        from every process would count each sample tp * cp times, and Accelerate's trimming of the
+        last batch (``gradient_state.remainder``, counted in dp batches by the data loader) would
+        cut the wrong samples. The gather here keeps one rank per dp coordinate (tp and cp
+        coordinate 0), in dp order: what a dp-only run of the same global batch gathers.
+
+        Raises:
+            NotImplementedError: ``use_gather_object=True`` (or non-tensor data) with tp or cp > 1.
+        """
+        dims = self.parallel_mesh.dims
+        if dims.tp * dims.cp == 1:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        self._sb_dp_gather = True
+        try:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        finally:
+            self._sb_dp_gather = False
+
+    def gather(self, tensor: Any) -> Any:
+        """Accelerate's ``gather``; inside :meth:`gather_for_metrics`, one rank per dp coordinate ([Note: metrics over dp])."""
+        if not getattr(self, "_sb_dp_gather", False):
+            return super().gather(tensor)
+        from accelerate.utils import recursively_apply
+
+        keep = _dp_leaders(self.parallel_mesh)
+        world = self.num_processes
+
+        def select(t: torch.Tensor) -> torch.Tensor:
+            if t.ndim == 0:
+                t = t[None]  # Accelerate's gather turns scalars into one row per process
+            rows = super(ShardbridgeAccelerator, self).gather(t)
+            return torch.cat([chunk for rank, chunk in enumerate(rows.chunk(world)) if rank in keep])
+
+        return recursively_apply(select, tensor, error_on_other_type=True)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's full (unsharded, plain) state dict on the main process; ``{}`` on the others.
+
+        Every rank must call it (each tensor is all-gathered over its mesh; the main process keeps
+        it on CPU). What ``save_pretrained(dir, state_dict=...)`` takes, as under Accelerate's FSDP
+        (``Trainer.save_model`` uses it). FP8 parameters come out as plain tensors.
+        """
+        if model is not self._sb_model:
+            return super().get_state_dict(model, unwrap=unwrap)
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for name, value in model.state_dict().items():
+            value = fp8.to_plain(value, key=name)
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if self.is_main_process:
+                out[name] = full.detach().to("cpu", copy=True)
+        return out
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Clip gradients to a total norm of ``max_norm``; returns the norm before clipping.
@@ -509,6 +591,12 @@ class _DataParallelScheduler(AcceleratedScheduler):
             # OneCycleLR raises past total_steps (``drop_last=False`` leaves a partial last batch).
             if not hasattr(self.scheduler, "total_steps") or self.scheduler._step_count <= self.scheduler.total_steps:
                 self.scheduler.step(*args, **kwargs)
+
+
+def _dp_leaders(pm: ParallelMesh) -> set[int]:
+    """The global ranks at cp and tp coordinate 0: one per dp coordinate ([Note: metrics over dp])."""
+    assert tuple(pm.mesh.mesh_dim_names) == ("dp_replicate", "dp_shard", "cp", "tp"), pm.mesh.mesh_dim_names
+    return {int(r) for r in pm.mesh.mesh[:, :, 0, 0].flatten().tolist()}
 
 
 def _tied_groups(model: nn.Module, fqn_groups: list[list[str]]) -> list[list[str]]:

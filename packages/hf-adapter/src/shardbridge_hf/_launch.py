@@ -560,8 +560,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"shardbridge-launch: {e}", file=sys.stderr)
         return 2
+    try:
+        _run_under_plugin(args)
+    except ValueError as e:
+        print(f"shardbridge-launch: {e}", file=sys.stderr)
+        return 2
     os.environ[ENV_VAR] = plan.config.to_json()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if plan.config.use_cpu:
+        # transformers' TrainingArguments sets up its process state from this (Accelerate's CPU launcher
+        # exports it; its FSDP launcher, which starts these workers, does not): without it a Trainer's
+        # arguments would say "one process, not distributed" on every rank.
+        os.environ["ACCELERATE_USE_CPU"] = "true"
     if not plan.config.sync_module_states:
         # accelerate launch exports FSDP_CPU_RAM_EFFICIENT_LOADING=true by default, and transformers'
         # from_pretrained then loads real weights on rank 0 only; without the rank-0 broadcast the
@@ -580,6 +590,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def _run_under_plugin(args: Any) -> None:
+    """Start the workers through the plugin's bootstrap. See [Note: the Accelerate plugin] in ``_plugin.py``.
+
+    ``SCRIPT ARGS`` becomes ``-m shardbridge_hf._plugin SCRIPT ARGS`` (``-m MODULE ARGS`` becomes
+    ``-m shardbridge_hf._plugin --run-module MODULE ARGS``).
+
+    Raises:
+        ValueError: ``--no_python`` (nothing Python runs before the program, so no plugin).
+    """
+    from shardbridge_hf._plugin import RUN_MODULE, WORKER_MODULE
+
+    if getattr(args, "no_python", False):
+        raise ValueError(
+            "--no_python: shardbridge launch starts each worker as `python -m shardbridge_hf._plugin SCRIPT`, which "
+            "installs the Accelerate plugin before the script runs; launch a Python script (or -m MODULE) instead"
+        )
+    target = [RUN_MODULE, args.training_script] if getattr(args, "module", False) else [args.training_script]
+    args.training_script_args = [*target, *args.training_script_args]
+    args.training_script = WORKER_MODULE
+    args.module = True
 
 
 def shardbridge_help() -> str:

@@ -1,0 +1,147 @@
+"""The Accelerate plugin: in a ``shardbridge launch`` worker, ``accelerate.Accelerator`` is shardbridge's.
+
+::
+
+    shardbridge launch --config_file cfg.yaml train.py ARGS       # each worker runs:
+    python -m shardbridge_hf._plugin train.py ARGS                # install(), then train.py as __main__
+
+[Note: the Accelerate plugin]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Accelerate has no plugin entry points: its launcher and its workers run no third-party code, and
+``transformers.Trainer`` (so TRL's trainers, its subclasses) builds its own
+``accelerate.Accelerator(**args)`` in ``create_accelerator_and_postprocess``. The only way an
+unmodified script trains under shardbridge is that the name ``accelerate.Accelerator`` means
+:class:`~shardbridge_hf.ShardbridgeAccelerator` in its process before the script imports it. So
+``shardbridge launch`` starts each worker as ``python -m shardbridge_hf._plugin SCRIPT ARGS``
+(``--run-module MODULE ARGS`` for ``shardbridge launch -m MODULE``), which
+
+1. installs the plugin (:func:`install`): ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator``
+   (and ``transformers.trainer.Accelerator``, where transformers' trainer module was imported
+   already) are replaced by ``ShardbridgeAccelerator`` (patch ``accelerator_class``, [Note: hf
+   patch plan]); the returned :class:`Plugin` undoes exactly that;
+2. runs the script as ``python SCRIPT ARGS`` would (``__name__ == "__main__"``, ``sys.argv``,
+   ``sys.path[0]`` = the script's folder) or the module as ``python -m MODULE ARGS`` would.
+
+A script that imports ``ShardbridgeAccelerator`` itself runs unchanged (the class is the same
+one). What a ``Trainer`` needs beyond the accelerator (its checkpoints, ``save_model``, its
+arguments) is adapted where the Trainer meets it, see [Note: Trainer under shardbridge] in
+``_trainer.py``.
+
+Plain ``accelerate launch`` cannot do this: it starts ``python SCRIPT`` itself and copies the
+``fsdp_config.shardbridge`` block to an argument nothing reads. See [Note: a file for shardbridge
+launch only] in ``_launch.py`` for how such a launch is refused by name instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+from collections.abc import Callable, Sequence
+
+from shardbridge_hf import _patches
+
+__all__ = ["RUN_MODULE", "WORKER_MODULE", "Plugin", "install", "installed", "main"]
+
+WORKER_MODULE = "shardbridge_hf._plugin"
+"""What ``shardbridge launch`` runs in each worker (``python -m`` this)."""
+
+RUN_MODULE = "--run-module"
+"""The worker's first argument when the target is a module (``shardbridge launch -m MODULE``)."""
+
+# Where the name Accelerator is bound for code that runs after install(): a script's own
+# ``import accelerate`` / ``from accelerate import Accelerator``, accelerate's module, and
+# transformers' trainer module (only rebound when it was imported before install(); imported later,
+# it binds the plugin's class by itself).
+_BINDINGS = (("accelerate", "Accelerator"), ("accelerate.accelerator", "Accelerator"), ("transformers.trainer", "Accelerator"))
+_IMPORT_IF_ABSENT = ("accelerate", "accelerate.accelerator")
+
+
+class Plugin:
+    """The installed plugin: :meth:`uninstall` puts back the identical previous objects."""
+
+    def __init__(self, undo: list[Callable[[], None]]) -> None:
+        self._undo = undo
+
+    def uninstall(self) -> None:
+        """Undo :func:`install` (idempotent)."""
+        while self._undo:
+            self._undo.pop()()
+
+
+def install() -> Plugin:
+    """Make ``accelerate.Accelerator`` resolve to ``ShardbridgeAccelerator`` in this process.
+
+    See [Note: the Accelerate plugin]. Idempotent: bindings that already hold the class are left
+    alone (and not undone by this call's :class:`Plugin`).
+
+    Raises:
+        RuntimeError: the installed accelerate lies outside the checked range (patch
+            ``accelerator_class``).
+
+    Example:
+        >>> plugin = install()  # doctest: +SKIP
+        >>> import accelerate; accelerate.Accelerator.__name__  # doctest: +SKIP
+        'ShardbridgeAccelerator'
+        >>> plugin.uninstall()  # doctest: +SKIP
+    """
+    _patches.gate("accelerator_class")
+    from shardbridge_hf._accelerator import ShardbridgeAccelerator
+
+    undo = []
+    for module_name, attr in _BINDINGS:
+        if module_name in _IMPORT_IF_ABSENT:
+            module = importlib.import_module(module_name)
+        else:
+            module = sys.modules.get(module_name)
+        if module is None or getattr(module, attr, None) is ShardbridgeAccelerator:
+            continue
+        undo.append(_patches.patch_attr(module, attr, ShardbridgeAccelerator))
+    return Plugin(undo)
+
+
+def installed() -> bool:
+    """Whether ``accelerate.Accelerator`` is ``ShardbridgeAccelerator`` (or a subclass of it) here."""
+    accelerate = sys.modules.get("accelerate")
+    if accelerate is None:
+        return False
+    from shardbridge_hf._accelerator import ShardbridgeAccelerator
+
+    cls = getattr(accelerate, "Accelerator", None)
+    return isinstance(cls, type) and issubclass(cls, ShardbridgeAccelerator)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The worker bootstrap: :func:`install`, then run the target as Python would. See [Note: the Accelerate plugin].
+
+    Args:
+        argv: ``[SCRIPT, *ARGS]`` or ``[RUN_MODULE, MODULE, *ARGS]``; None = ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: (status 2) no target given. The script's own exceptions and exit status
+            pass through unchanged.
+    """
+    from shardbridge_hf._launch import quiet_upstream_noise
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_module = bool(argv) and argv[0] == RUN_MODULE
+    if as_module:
+        argv = argv[1:]
+    if not argv:
+        print(f"{WORKER_MODULE}: error: no script to run; usage: python -m {WORKER_MODULE} SCRIPT [ARGS]", file=sys.stderr)
+        raise SystemExit(2)
+    quiet_upstream_noise()  # before transformers imports torchao: [Note: upstream noise in a launch]
+    install()  # for the life of the worker
+    target, args = argv[0], argv[1:]
+    if as_module:
+        sys.argv = [target, *args]  # run_module(alter_sys=True) puts the module's file in argv[0]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [target, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(target))  # `python SCRIPT` puts the script's folder first
+    runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
