@@ -53,7 +53,7 @@ from shardbridge_hf import _checkpoint, _patches, _trainer
 from shardbridge_hf._arguments import check_accelerator_args, check_compile
 from shardbridge_hf._compat import accelerator_models, accelerator_schedulers, require_accelerate
 from shardbridge_hf._config import ENV_VAR, HFConfig
-from shardbridge_hf._launch import quiet_upstream_noise
+from shardbridge_hf._launch import quiet_sequential_all_gather, quiet_upstream_noise
 from shardbridge_hf._parallelize import parallelize
 
 require_accelerate()
@@ -341,42 +341,48 @@ class ShardbridgeAccelerator(Accelerator):
         return out / self.parallel_mesh.dims.degree("dp_cp")
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Accelerate's ``gather_for_metrics``, over the data-parallel ranks only.
+        """Accelerate's ``gather_for_metrics``, with the last batch trimmed per data-parallel rank.
 
-        [Note: metrics over dp]: the ranks of a tp (and cp) group read the same batch, so gathering
-        from every process would count each sample tp * cp times, and Accelerate's trimming of the
-        last batch (``gradient_state.remainder``, counted in dp batches by the data loader) would
-        cut the wrong samples. The gather here keeps one rank per dp coordinate (tp and cp
-        coordinate 0), in dp order: what a dp-only run of the same global batch gathers.
+        [Note: metrics over dp]: the ranks of a tp (and cp) group read the same batch, so the
+        gathered rows hold each sample tp * cp times, one chunk per process in rank order, as
+        under Accelerate's own TP (TRL divides its token counts by tp for that reason). At the end
+        of a data loader whose dataset does not fill the last global batch, Accelerate keeps the
+        first ``gradient_state.remainder`` rows -- a count of dp rows -- which cuts the wrong
+        samples when chunks repeat. Here each process's chunk keeps the rows its dp coordinate
+        contributes to the first ``remainder`` samples, so every sample is counted tp * cp times,
+        the padding samples never.
 
         Raises:
             NotImplementedError: ``use_gather_object=True`` (or non-tensor data) with tp or cp > 1.
         """
+        from accelerate.utils import recursively_apply
+
         dims = self.parallel_mesh.dims
         if dims.tp * dims.cp == 1:
             return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
-        self._sb_dp_gather = True
         try:
-            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
-        finally:
-            self._sb_dp_gather = False
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        if use_gather_object:
+            raise NotImplementedError(
+                "gather_for_metrics of Python objects (use_gather_object=True; TrainingArguments(eval_use_gather_object"
+                "=True)) with tp or cp > 1 is not supported; gather tensors"
+            )
+        data = self.gather(input_data)
+        state = self.gradient_state
+        if not state.end_of_dataloader or state.remainder <= 0:
+            return data
+        world, per_dp_rank = self.num_processes, dims.tp * dims.cp
+        remainder = state.remainder
 
-    def gather(self, tensor: Any) -> Any:
-        """Accelerate's ``gather``; inside :meth:`gather_for_metrics`, one rank per dp coordinate ([Note: metrics over dp])."""
-        if not getattr(self, "_sb_dp_gather", False):
-            return super().gather(tensor)
-        from accelerate.utils import recursively_apply
+        def trim(rows: torch.Tensor) -> torch.Tensor:
+            chunks = rows.chunk(world)
+            size = chunks[0].shape[0]
+            kept = [c[: max(0, min(size, remainder - (rank // per_dp_rank) * size))] for rank, c in enumerate(chunks)]
+            return torch.cat(kept)
 
-        keep = _dp_leaders(self.parallel_mesh)
-        world = self.num_processes
-
-        def select(t: torch.Tensor) -> torch.Tensor:
-            if t.ndim == 0:
-                t = t[None]  # Accelerate's gather turns scalars into one row per process
-            rows = super(ShardbridgeAccelerator, self).gather(t)
-            return torch.cat([chunk for rank, chunk in enumerate(rows.chunk(world)) if rank in keep])
-
-        return recursively_apply(select, tensor, error_on_other_type=True)
+        return recursively_apply(trim, data)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The model's full (unsharded, plain) state dict on the main process; ``{}`` on the others.
@@ -390,11 +396,12 @@ class ShardbridgeAccelerator(Accelerator):
         from torch.distributed.tensor import DTensor
 
         out = {}
-        for name, value in model.state_dict().items():
-            value = fp8.to_plain(value, key=name)
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            if self.is_main_process:
-                out[name] = full.detach().to("cpu", copy=True)
+        with quiet_sequential_all_gather():  # [Note: upstream noise in a launch]
+            for name, value in model.state_dict().items():
+                value = fp8.to_plain(value, key=name)
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                if self.is_main_process:
+                    out[name] = full.detach().to("cpu", copy=True)
         return out
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
@@ -591,12 +598,6 @@ class _DataParallelScheduler(AcceleratedScheduler):
             # OneCycleLR raises past total_steps (``drop_last=False`` leaves a partial last batch).
             if not hasattr(self.scheduler, "total_steps") or self.scheduler._step_count <= self.scheduler.total_steps:
                 self.scheduler.step(*args, **kwargs)
-
-
-def _dp_leaders(pm: ParallelMesh) -> set[int]:
-    """The global ranks at cp and tp coordinate 0: one per dp coordinate ([Note: metrics over dp])."""
-    assert tuple(pm.mesh.mesh_dim_names) == ("dp_replicate", "dp_shard", "cp", "tp"), pm.mesh.mesh_dim_names
-    return {int(r) for r in pm.mesh.mesh[:, :, 0, 0].flatten().tolist()}
 
 
 def _tied_groups(model: nn.Module, fqn_groups: list[list[str]]) -> list[list[str]]:

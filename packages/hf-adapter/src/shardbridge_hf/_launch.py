@@ -57,7 +57,7 @@ from shardbridge_hf._compat import require_accelerate
 from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig
 from shardbridge_hf._keys import config_file_keys_problem, sections_problem, unknown_fsdp_key
 
-__all__ = ["LaunchPlan", "cli_verb", "main", "quiet_upstream_noise", "read_config_file"]
+__all__ = ["LaunchPlan", "cli_verb", "main", "quiet_sequential_all_gather", "quiet_upstream_noise", "read_config_file"]
 
 # Accelerate exports fp8_config keys as ACCELERATE_FP8_<KEY>; TERecipeKwargs reads other names
 # for these two (upstream bug 7). We translate them into the block instead.
@@ -467,6 +467,13 @@ def _merge_accelerate_fp8(fp8_config: dict[str, Any], block: dict[str, Any], whe
 # torch's pytree; torch deprecated that for Enums). Each is dropped by a logging filter matching
 # its message, only where it cannot concern the run (the kernels: only without CUDA; the pytree
 # line: only for torchao's own enums). Every other record of those loggers still prints.
+#
+# ``ShardbridgeAccelerator.get_state_dict`` (``Trainer.save_model``) gathers every parameter with
+# ``full_tensor()``; for a packed ``[gate; up]`` weight (``_StridedShard`` x ``Shard``) torch 2.13
+# logs once per mesh "While redistributing ... 2 sequential all_gather operations ... may give
+# inconsistent results between ranks due to different reduction orders": an all-gather reduces
+# nothing, and the order cannot be merged (torch says so in the same line). It is dropped there
+# only (:func:`quiet_sequential_all_gather`), for all_gather records only.
 
 
 class _DropKnownNoise(logging.Filter):
@@ -503,6 +510,25 @@ def _torchao_enum_registration(record: logging.LogRecord) -> bool:
     return "register_constant() on Enum subclasses is deprecated" in record.msg and str(
         getattr(cls, "__module__", "")
     ).startswith("torchao")
+
+
+def _sequential_all_gather(record: logging.LogRecord) -> bool:
+    # torch/distributed/tensor/_redistribute.py (2.13): logger.warning(common_warning, src, dst, num_ops,
+    # comm_type, reason): only when the operations are all-gathers.
+    args = record.args if isinstance(record.args, tuple) else ()
+    return "sequential" in str(record.msg) and len(args) >= 4 and args[3] == "all_gather"
+
+
+@contextlib.contextmanager
+def quiet_sequential_all_gather() -> Iterator[None]:
+    """Drop torch's "sequential all_gather operations" record while gathering full tensors ([Note: upstream noise in a launch])."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    noise = _DropKnownNoise(_sequential_all_gather)
+    logger.addFilter(noise)
+    try:
+        yield
+    finally:
+        logger.removeFilter(noise)
 
 
 _NOISE_FILTERS = {  # logger name -> filter (see [Note: upstream noise in a launch])
