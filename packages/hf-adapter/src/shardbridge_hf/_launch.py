@@ -33,6 +33,22 @@ none of them would take effect. Each key is therefore honoured, accepted, or ref
 
 On CPU (``use_cpu: true``) Accelerate still starts the workers with torchrun (its FSDP
 launcher); each worker's ``ShardbridgeAccelerator`` then initialises gloo.
+
+[Note: a file for shardbridge launch only]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Plain ``accelerate launch`` cannot run a file's shardbridge block: it runs no third-party code
+(no plugin entry points) and copies ``fsdp_config.shardbridge`` to an argument nothing reads, so
+a script would train with Accelerate's own FSDP2 (GPUs) or die in ``ParallelismConfig``'s check
+(CPU), the block dropped without a word. A file can refuse such a launch by name: the value of
+``fsdp_auto_wrap_policy`` that starts with ``shardbridge`` (:data:`LAUNCH_GUARD`, in every example
+file) is exported by ``accelerate launch`` as ``FSDP_AUTO_WRAP_POLICY``, and Accelerate's own
+``FullyShardedDataParallelPlugin`` refuses it in every worker's ``Accelerator()``, printing it::
+
+    ValueError: Invalid auto wrap policy: shardbridge: launch this file with `shardbridge launch`;
+    accelerate launch drops fsdp_config.shardbridge. Must be one of [...]
+
+``shardbridge launch`` accepts the value (it says what shardbridge does: wrap each decoder layer)
+and does not export it (``_run_under_plugin``).
 """
 
 from __future__ import annotations
@@ -57,7 +73,15 @@ from shardbridge_hf._compat import require_accelerate
 from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig
 from shardbridge_hf._keys import config_file_keys_problem, sections_problem, unknown_fsdp_key
 
-__all__ = ["LaunchPlan", "cli_verb", "main", "quiet_sequential_all_gather", "quiet_upstream_noise", "read_config_file"]
+__all__ = [
+    "LAUNCH_GUARD",
+    "LaunchPlan",
+    "cli_verb",
+    "main",
+    "quiet_sequential_all_gather",
+    "quiet_upstream_noise",
+    "read_config_file",
+]
 
 # Accelerate exports fp8_config keys as ACCELERATE_FP8_<KEY>; TERecipeKwargs reads other names
 # for these two (upstream bug 7). We translate them into the block instead.
@@ -82,6 +106,15 @@ _FSDP_HONOURED = {
     "fsdp_sync_module_states": "sync_module_states",
     "fsdp_offload_params": "cpu_offload",
 }
+LAUNCH_GUARD = "shardbridge: launch this file with `shardbridge launch`; accelerate launch drops fsdp_config.shardbridge"
+"""The ``fsdp_auto_wrap_policy`` value that makes plain ``accelerate launch`` refuse a file by name. See
+[Note: a file for shardbridge launch only]; any value starting with ``shardbridge`` works the same."""
+
+
+def _is_launch_guard(key: str, value: Any) -> bool:
+    return key == "fsdp_auto_wrap_policy" and isinstance(value, str) and value.lower().startswith("shardbridge")
+
+
 _FSDP_ACCEPTED = {  # key -> the values that say what shardbridge does anyway
     "fsdp_version": ("2",),  # checked first, with its own message
     "fsdp_state_dict_type": ("SHARDED_STATE_DICT",),
@@ -411,6 +444,8 @@ def _merge_accelerate_fsdp(fsdp: Mapping[str, Any], block: dict[str, Any], where
             block[ours] = flag
         elif key in _FSDP_ACCEPTED and text.upper() in {v.upper() for v in _FSDP_ACCEPTED[key]}:
             continue
+        elif _is_launch_guard(key, value):  # [Note: a file for shardbridge launch only]
+            continue
         elif unknown_fsdp_key(raw_key):
             raise ValueError(f"{where}: {unknown_fsdp_key(raw_key)}")
         else:
@@ -634,6 +669,12 @@ def _run_under_plugin(args: Any) -> None:
             "--no_python: shardbridge launch starts each worker as `python -m shardbridge_hf._plugin SCRIPT`, which "
             "installs the Accelerate plugin before the script runs; launch a Python script (or -m MODULE) instead"
         )
+    # No wrap policy reaches the workers (ShardbridgeAccelerator wraps by itself), the launch guard
+    # included. Accelerate copies the file's fsdp_config into the arguments it was not given on the
+    # command line, so record this one as given (and empty).
+    args.fsdp_auto_wrap_policy = None
+    if isinstance(getattr(args, "nondefault", None), set):
+        args.nondefault.add("fsdp_auto_wrap_policy")
     target = [RUN_MODULE, args.training_script] if getattr(args, "module", False) else [args.training_script]
     args.training_script_args = [*target, *args.training_script_args]
     args.training_script = WORKER_MODULE

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 
 from shardbridge_hf import _patches
 
-__all__ = ["RUN_MODULE", "WORKER_MODULE", "Plugin", "install", "installed", "main"]
+__all__ = ["RUN_MODULE", "WORKER_MODULE", "Plugin", "install", "installed", "main", "run_target"]
 
 WORKER_MODULE = "shardbridge_hf._plugin"
 """What ``shardbridge launch`` runs in each worker (``python -m`` this)."""
@@ -113,7 +113,7 @@ def installed() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """The worker bootstrap: :func:`install`, then run the target as Python would. See [Note: the Accelerate plugin].
+    """The worker bootstrap: :func:`install`, then :func:`run_target`. See [Note: the Accelerate plugin].
 
     Args:
         argv: ``[SCRIPT, *ARGS]`` or ``[RUN_MODULE, MODULE, *ARGS]``; None = ``sys.argv[1:]``.
@@ -125,21 +125,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     from shardbridge_hf._launch import quiet_upstream_noise
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    as_module = bool(argv) and argv[0] == RUN_MODULE
-    if as_module:
-        argv = argv[1:]
-    if not argv:
+    if not argv or argv == [RUN_MODULE]:
         print(f"{WORKER_MODULE}: error: no script to run; usage: python -m {WORKER_MODULE} SCRIPT [ARGS]", file=sys.stderr)
         raise SystemExit(2)
     quiet_upstream_noise()  # before transformers imports torchao: [Note: upstream noise in a launch]
     install()  # for the life of the worker
-    target, args = argv[0], argv[1:]
+    run_target(argv)
+
+
+def run_target(argv: Sequence[str]) -> None:
+    """Run ``[SCRIPT, *ARGS]`` as ``python SCRIPT ARGS`` would, or ``[RUN_MODULE, MODULE, *ARGS]`` as ``python -m``.
+
+    ``sys.argv`` becomes the target's; for a script ``sys.path[0]`` is its folder (what ``python
+    SCRIPT`` puts first), for a module the current folder (what ``python -m`` puts first).
+    """
+    argv = list(argv)
+    as_module = argv[0] == RUN_MODULE
     if as_module:
-        sys.argv = [target, *args]  # run_module(alter_sys=True) puts the module's file in argv[0]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-        return
+        argv = argv[1:]
+    target, args = argv[0], argv[1:]
     sys.argv = [target, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(target))  # `python SCRIPT` puts the script's folder first
+    if as_module:
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)  # puts the module's file in argv[0]
+        return
+    sys.path[0] = os.path.dirname(os.path.abspath(target))
     runpy.run_path(target, run_name="__main__")
 
 
