@@ -125,8 +125,8 @@ def _check_mixed_precision(value: Any, config: HFConfig) -> None:
     if value == "bf16":
         if config.policy().param_dtype != torch.bfloat16:
             raise ValueError(
-                f"Accelerator(mixed_precision='bf16') (TrainingArguments(bf16=True) passes it) but {BLOCK_KEY}.precision "
-                f"computes in {config.policy().param_dtype}; set precision: bf16 (or bf16_comm) in the block (FSDP2 "
+                f"Accelerator(mixed_precision='bf16') (TrainingArguments(bf16=True) passes it) but {BLOCK_KEY}.precision="
+                f"{config.precision!r} does not compute in bf16; set precision: bf16 (or bf16_comm) in the block (FSDP2 "
                 "casts the parameters, no autocast), or drop bf16"
             )
         return
