@@ -23,6 +23,12 @@
     save_state: pickles, layout-bound            shardbridge.checkpoint: portable, reshardable
     clip_grad_norm_: torch's, which refuses      shardbridge.clip_grad_norm_: local norms, one
       params on two meshes (accelerate < 1.11)     all-reduce (any accelerate)
+    gather_for_metrics: keeps the first          each process keeps the rows of its dp coordinate
+      `remainder` rows (tp ranks repeat)           ([Note: metrics over dp])
+    get_state_dict (FSDP2): torch's              full tensors on rank 0 (FP8 made plain), what
+      get_model_state_dict                         Trainer.save_model hands save_pretrained
+    fsdp_plugin, deepspeed_plugin,               honoured or refused by name ([Note: arguments
+      mixed_precision, dynamo (Trainer args)       under shardbridge] in _arguments.py)
 
 The model and its optimizer are prepared here; dataloaders and schedulers go through
 Accelerate's own ``prepare`` (which then sees the core mesh).
@@ -72,9 +78,10 @@ _ACCELERATE_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
 class ShardbridgeAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` that trains with shardbridge's FSDP2 x TP (and HSDP).
 
-    Change one line of an Accelerate script (the import and the class); launch with
-    ``shardbridge launch --config_file cfg.yaml train.py``. ``prepare(model, optimizer,
-    dataloader, scheduler)``, ``backward``, ``save_state``/``load_state`` keep their meaning.
+    Launch with ``shardbridge launch --config_file cfg.yaml train.py``: there the plugin makes
+    ``accelerate.Accelerator`` this class, so a script (a ``transformers.Trainer``, a TRL trainer)
+    needs no change; or import it by name. ``prepare(model, optimizer, dataloader, scheduler)``,
+    ``backward``, ``save_state``/``load_state`` keep their meaning.
 
     Args:
         config: the shardbridge config; None = the one ``shardbridge-launch`` passed in the
@@ -86,8 +93,10 @@ class ShardbridgeAccelerator(Accelerator):
         tp_plan: overrides ``config.tp_plan`` ("auto" or ``{pattern: style}``).
         cpu: train on CPU with gloo; None = ``config.use_cpu``, else when no GPU.
         **kwargs: passed to ``accelerate.Accelerator`` (``gradient_accumulation_steps``,
-            ``project_dir``, ...). ``fsdp_plugin`` and ``mixed_precision="fp8"`` are refused:
-            the shardbridge block owns wrapping and precision.
+            ``project_dir``, ...). The block owns wrapping and precision: ``fsdp_plugin``'s
+            fields are honoured or refused, ``deepspeed_plugin``, ``mixed_precision`` other than
+            "no" / the block's bf16, and torch.compile are refused ([Note: arguments under
+            shardbridge] in ``_arguments.py``).
 
     Attributes:
         num_optimizer_steps: optimizer steps taken; ``save_state`` records it as the checkpoint's

@@ -48,7 +48,7 @@ file) is exported by ``accelerate launch`` as ``FSDP_AUTO_WRAP_POLICY``, and Acc
     accelerate launch drops fsdp_config.shardbridge. Must be one of [...]
 
 ``shardbridge launch`` accepts the value (it says what shardbridge does: wrap each decoder layer)
-and does not export it (``_run_under_plugin``).
+and does not export it (``_plugin.route_workers``).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ from shardbridge.extras import install_hint
 from shardbridge_hf._compat import require_accelerate
 from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig
 from shardbridge_hf._keys import config_file_keys_problem, sections_problem, unknown_fsdp_key
+from shardbridge_hf._plugin import route_workers
 
 __all__ = [
     "LAUNCH_GUARD",
@@ -622,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardbridge-launch: {e}", file=sys.stderr)
         return 2
     try:
-        _run_under_plugin(args)
+        route_workers(args)  # [Note: the Accelerate plugin]
     except ValueError as e:
         print(f"shardbridge-launch: {e}", file=sys.stderr)
         return 2
@@ -651,34 +652,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
-
-
-def _run_under_plugin(args: Any) -> None:
-    """Start the workers through the plugin's bootstrap. See [Note: the Accelerate plugin] in ``_plugin.py``.
-
-    ``SCRIPT ARGS`` becomes ``-m shardbridge_hf._plugin SCRIPT ARGS`` (``-m MODULE ARGS`` becomes
-    ``-m shardbridge_hf._plugin --run-module MODULE ARGS``).
-
-    Raises:
-        ValueError: ``--no_python`` (nothing Python runs before the program, so no plugin).
-    """
-    from shardbridge_hf._plugin import RUN_MODULE, WORKER_MODULE
-
-    if getattr(args, "no_python", False):
-        raise ValueError(
-            "--no_python: shardbridge launch starts each worker as `python -m shardbridge_hf._plugin SCRIPT`, which "
-            "installs the Accelerate plugin before the script runs; launch a Python script (or -m MODULE) instead"
-        )
-    # No wrap policy reaches the workers (ShardbridgeAccelerator wraps by itself), the launch guard
-    # included. Accelerate copies the file's fsdp_config into the arguments it was not given on the
-    # command line, so record this one as given (and empty).
-    args.fsdp_auto_wrap_policy = None
-    if isinstance(getattr(args, "nondefault", None), set):
-        args.nondefault.add("fsdp_auto_wrap_policy")
-    target = [RUN_MODULE, args.training_script] if getattr(args, "module", False) else [args.training_script]
-    args.training_script_args = [*target, *args.training_script_args]
-    args.training_script = WORKER_MODULE
-    args.module = True
 
 
 def shardbridge_help() -> str:

@@ -39,10 +39,11 @@ import os
 import runpy
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from shardbridge_hf import _patches
 
-__all__ = ["RUN_MODULE", "WORKER_MODULE", "Plugin", "install", "installed", "main", "run_target"]
+__all__ = ["RUN_MODULE", "WORKER_MODULE", "Plugin", "install", "installed", "main", "route_workers", "run_target"]
 
 WORKER_MODULE = "shardbridge_hf._plugin"
 """What ``shardbridge launch`` runs in each worker (``python -m`` this)."""
@@ -99,6 +100,33 @@ def install() -> Plugin:
             continue
         undo.append(_patches.patch_attr(module, attr, ShardbridgeAccelerator))
     return Plugin(undo)
+
+
+def route_workers(args: Any) -> None:
+    """Make ``accelerate launch``'s arguments start each worker through :func:`main`. See [Note: the Accelerate plugin].
+
+    ``SCRIPT ARGS`` becomes ``-m shardbridge_hf._plugin SCRIPT ARGS`` (``-m MODULE ARGS`` becomes
+    ``-m shardbridge_hf._plugin --run-module MODULE ARGS``). No wrap policy reaches the workers
+    (``ShardbridgeAccelerator`` wraps by itself), the launch guard included ([Note: a file for
+    shardbridge launch only] in ``_launch.py``).
+
+    Raises:
+        ValueError: ``--no_python`` (nothing Python runs before the program, so no plugin).
+    """
+    if getattr(args, "no_python", False):
+        raise ValueError(
+            "--no_python: shardbridge launch starts each worker as `python -m shardbridge_hf._plugin SCRIPT`, which "
+            "installs the Accelerate plugin before the script runs; launch a Python script (or -m MODULE) instead"
+        )
+    # Accelerate copies the file's fsdp_config into the arguments it was not given on the command
+    # line, so the emptied wrap policy is recorded as given.
+    args.fsdp_auto_wrap_policy = None
+    if isinstance(getattr(args, "nondefault", None), set):
+        args.nondefault.add("fsdp_auto_wrap_policy")
+    target = [RUN_MODULE, args.training_script] if getattr(args, "module", False) else [args.training_script]
+    args.training_script_args = [*target, *args.training_script_args]
+    args.training_script = WORKER_MODULE
+    args.module = True
 
 
 def installed() -> bool:
