@@ -58,6 +58,7 @@ import torch
 from shardbridge import checkpoint
 
 from shardbridge_hf import _patches
+from shardbridge_hf._compat import trainer_save
 
 __all__ = ["CHECKPOINT_SUBDIR", "adapt_trainer", "is_adapted"]
 
@@ -116,8 +117,7 @@ def _save_model(original: Callable[..., Any], self: Any, output_dir: str | None 
         return  # checkpoint-N: _save_optimizer_and_scheduler writes the shardbridge checkpoint
     output_dir = output_dir if output_dir is not None else self.args.output_dir
     # Every rank joins the gather; the Trainer's _save writes on rank 0 (args.should_save).
-    state_dict = self.accelerator.get_state_dict(self.model)
-    self._save(output_dir, state_dict=state_dict)
+    trainer_save(self, output_dir, self.accelerator.get_state_dict(self.model))
     if self.args.push_to_hub:
         self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
 
