@@ -47,11 +47,17 @@ def test_adaptations_wrap_each_method_and_undo_restores_the_identical_originals(
         assert trainer.__dict__[name] is original, name
 
 
-def test_adaptations_refuse_an_unchecked_transformers(trainer_module, monkeypatch):
-    monkeypatch.setattr(_compat, "transformers_version", lambda: (5, 25, 0))
-    with pytest.raises(RuntimeError, match=r"'trainer.train'.*transformers 5.0 to 5.24.x; this is transformers 5.25.0"):
-        _trainer.adapt_trainer()
-    assert not _trainer.is_adapted()
+def test_an_adapted_method_refuses_an_unchecked_transformers_when_a_shardbridge_trainer_calls_it(trainer_module, monkeypatch):
+    """Installing touches no version (a script without a Trainer runs anywhere); calling does."""
+    monkeypatch.setattr(_compat, "transformers_version", lambda: (5, 12, 0))
+    undo = _trainer.adapt_trainer()
+    try:
+        monkeypatch.setattr(_trainer, "_ours", lambda trainer: True)
+        with pytest.raises(RuntimeError, match=r"'trainer.train'.*transformers 5.13 to 5.24.x; this is transformers 5.12.0"):
+            trainer_module.Trainer.train(object())
+    finally:
+        for u in reversed(undo):
+            u()
 
 
 def test_a_trainer_with_accelerates_own_accelerator_runs_the_originals(trainer_module, tmp_path):
@@ -101,7 +107,7 @@ def _refusals(out: str) -> dict[str, str]:
                 trainer.accelerator._sb_undo = []
                 trainer.train()  # options only the Trainer sees are checked here, before any step
                 got[name] = "trained"
-            except (ValueError, NotImplementedError) as e:
+            except (ValueError, NotImplementedError, RuntimeError) as e:  # RuntimeError: the gate, before 5.13
                 got[name] = f"{type(e).__name__}: {e}"
     finally:
         for u in reversed(undo):
@@ -118,5 +124,8 @@ def test_trainer_options_that_cannot_be_honoured_are_refused_by_name_before_trai
     got = results[0]
     assert got["torch_compile"].startswith("NotImplementedError: torch.compile") and "torch_compile=True" in got["torch_compile"]
     assert "TrainingArguments(bf16=True)" in got["bf16"] and "precision='fp32' does not compute in bf16" in got["bf16"]
-    assert got["auto_find_batch_size"].startswith("NotImplementedError: TrainingArguments(auto_find_batch_size=True)")
+    if _compat.transformers_version() >= (5, 13):
+        assert got["auto_find_batch_size"].startswith("NotImplementedError: TrainingArguments(auto_find_batch_size=True)")
+    else:  # the Trainer scales its loss by num_processes: refused as a whole at train()
+        assert got["auto_find_batch_size"].startswith("RuntimeError: shardbridge_hf's patch 'trainer.train'")
     assert "fsdp_config=...) passes it): auto_wrap_policy" in got["fsdp size-based wrap"]

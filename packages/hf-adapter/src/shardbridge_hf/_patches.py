@@ -31,11 +31,13 @@ adapter (``shardbridge_te._fp8.TEBackend.after_fsdp``, undone by ``remove_autoca
                                   Accelerator (the plugin, in launched workers:
                                   [Note: the Accelerate plugin] in _plugin.py)
 
-The Trainer's plan (:func:`trainer_plan`, gated on transformers 5.0 .. 5.24) holds one patch per
+The Trainer's plan (:func:`trainer_plan`, gated on transformers 5.13 .. 5.24) holds one patch per
 ``transformers.Trainer`` method adapted under a ShardbridgeAccelerator ([Note: Trainer under
 shardbridge] in ``_trainer.py``), ``trainer.<method>``, each ``outside="error"``: an unadapted
-Trainer would silently write Accelerate's checkpoints and no model. Undone by the accelerator that
-installed them (``ShardbridgeAccelerator.unpatch()``).
+Trainer would silently write Accelerate's checkpoints and no model, and before 5.13 the Trainer
+scales its loss by ``num_processes`` (tp times too much under TP). Each is asked when a Trainer
+whose accelerator is shardbridge's calls the method (a script without a Trainer never is). Undone
+by the accelerator that installed them (``ShardbridgeAccelerator.unpatch()``).
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ PATCHES: tuple[Patch, ...] = (
 )
 """Every run-time patch of Accelerate."""
 
-_TRAINER_CHECKED = ((5, 0), (5, 24))  # the hf matrix's transformers (noxfile.py HF_MATRIX), as TRANSFORMERS_CHECKED
+# From 5.13 the Trainer scales the loss by num_processes // tp (its tp ranks read one batch); 5.0 .. 5.12 scale by
+# num_processes, tp times too much under TP. Run: 5.24 (CI, nox -s trainer); read: 5.13 .. 5.23 (the same methods).
+_TRAINER_CHECKED = ((5, 13), (5, 24))
 
 # (method, what it does upstream that cannot stay): see [Note: Trainer under shardbridge] in _trainer.py.
 _TRAINER_METHODS = (

@@ -41,8 +41,10 @@ Each adapted method calls the original unless the trainer's accelerator is a
 when the first ``ShardbridgeAccelerator`` is built in a process that imported transformers'
 trainer module (the Trainer builds it in ``__init__``, before any of them runs); the accelerator
 keeps the undo (``unpatch()``). Every patch is gated on the transformers versions it was checked
-against (``_patches.TRAINER_PATCHES``): outside them a RuntimeError, because an unadapted
-Trainer would silently write Accelerate's checkpoints and no model.
+against (``_patches.TRAINER_PATCHES``, 5.13 .. 5.24), asked when such a Trainer calls the method:
+outside them a RuntimeError, because an unadapted Trainer would silently write Accelerate's
+checkpoints and no model, and before 5.13 the Trainer scales its loss by ``num_processes``
+(tp times too large under TP).
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ def _adapted(name: str, replacement: Callable[..., Any], original: Callable[...,
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _ours(self):
+            _patches.trainer_gate(f"trainer.{name}")  # RuntimeError on a transformers this was not checked with
             return replacement(original, self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
@@ -175,11 +178,8 @@ def adapt_trainer() -> list[Callable[[], None]]:
     """Adapt ``transformers.Trainer``'s methods of [Note: Trainer under shardbridge]; returns their undos.
 
     Does nothing (returns ``[]``) when transformers' trainer module was never imported, or when the
-    methods are adapted already.
-
-    Raises:
-        RuntimeError: the installed transformers lies outside the range the adaptations were
-            checked against (each patch's gate).
+    methods are adapted already. Each adapted method asks its patch's gate when a Trainer whose
+    accelerator is shardbridge's calls it: a RuntimeError on a transformers outside the checked range.
     """
     module = sys.modules.get("transformers.trainer")
     trainer = getattr(module, "Trainer", None)
@@ -187,7 +187,6 @@ def adapt_trainer() -> list[Callable[[], None]]:
         return []
     undo = []
     for name, replacement in _ADAPTATIONS.items():
-        _patches.trainer_gate(f"trainer.{name}")
         original = trainer.__dict__.get(name)
         if original is None:  # a transformers without the method: the gate's range excludes it
             raise RuntimeError(f"transformers.Trainer has no method {name!r}; shardbridge_hf adapts it (see docs/hf.md)")
