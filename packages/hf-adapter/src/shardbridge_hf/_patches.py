@@ -42,7 +42,7 @@ by the accelerator that installed them (``ShardbridgeAccelerator.unpatch()``).
 
 from __future__ import annotations
 
-from shardbridge.patching import Patch, PatchPlan, fmt_version, patch_attr, patch_item
+from shardbridge.adapters import Patch, PatchPlan, fmt_version, patch_attr, patch_item
 
 from shardbridge_hf import _compat
 
@@ -137,7 +137,7 @@ TRAINER_PATCHES: tuple[Patch, ...] = tuple(
 
 
 def plan() -> PatchPlan:
-    """The hf adapter's patch plan (the rules: [Note: patch plans] in ``shardbridge.patching``).
+    """The hf adapter's patch plan (the rules: [Note: patch plans] in ``shardbridge._patching``).
 
     Built from the module's current :data:`PATCHES` and version probe on each call (tests
     replace them), so it is cheap and never stale.
