@@ -552,7 +552,7 @@ def test_plain_accelerate_launch_of_an_example_file_is_refused_naming_shardbridg
     for key, value in env.items():
         if key.startswith("FSDP_"):
             monkeypatch.setenv(key, value)
-    with pytest.raises(ValueError, match=r"auto wrap policy: shardbridge: launch this file with `shardbridge launch`"):
+    with pytest.raises(ValueError, match=r"auto wrap policy: shardbridge: launch this file with `shardbridge launch`; accelerate launch drops fsdp_config\.shardbridge"):
         FullyShardedDataParallelPlugin()  # what a worker's Accelerator() builds from that env
 
 
