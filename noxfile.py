@@ -114,10 +114,11 @@ HF_MATRIX = [
 @nox.parametrize("transformers,accelerate", HF_MATRIX)
 def hf_matrix(session, transformers, accelerate):
     """The hf-adapter tests and its launcher integration tests against pinned transformers x accelerate."""
-    _install(session, "hf,fp8,test")
+    _install(session, "hf,trl,fp8,test")
     session.install(TORCH, f"transformers=={transformers}", f"accelerate=={accelerate}")
     session.run(
         "python", "-m", "pytest", "packages/hf-adapter/tests", "integration_tests/test_launch_e2e.py",
+        "integration_tests/test_trainer.py",
         *session.posargs, env={**ENV, "SHARDBRIDGE_LAUNCH_ALL": "1"},
     )  # fmt: skip
 
@@ -228,6 +229,22 @@ def hf_sweep(session):
     _install(session, "hf,test")
     env = {**ENV, "SHARDBRIDGE_HF_SWEEP": "all"}
     session.run("python", "-m", "pytest", "packages/hf-adapter/tests/test_hf_sweep.py", *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
+def trainer(session):
+    """transformers.Trainer and TRL's SFTTrainer under `shardbridge launch`, unmodified scripts (docs/hf.md,
+    "Trainer and TRL"): every case of integration_tests/test_trainer.py (SFTTrainer, a MoE at dp2 x tp2 with
+    ep_size 2, HSDP x tp2, dp2 x cp2; CI runs the Trainer at dp2 x tp2) and the hf adapter's Trainer tests."""
+    _install(session, "hf,trl,test")
+    env = {**ENV, "SHARDBRIDGE_TRAINER": "all"}
+    tests = [
+        "integration_tests/test_trainer.py",
+        "packages/hf-adapter/tests/test_hf_trainer.py",
+        "packages/hf-adapter/tests/test_hf_arguments.py",
+        "packages/hf-adapter/tests/test_hf_plugin.py",
+    ]
+    session.run("python", "-m", "pytest", *tests, *session.posargs, env=env)
 
 
 @nox.session(python="3.11")

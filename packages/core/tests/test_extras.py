@@ -20,7 +20,7 @@ EXTRAS = importlib.metadata.metadata("shardbridge").get_all("Provides-Extra") or
 
 
 def test_the_metadata_declares_the_extras_the_docs_name():
-    assert {"te", "megatron", "megatron-core", "hf", "fp8", "plot", "test", "all"} <= set(EXTRAS), EXTRAS
+    assert {"te", "megatron", "megatron-core", "hf", "trl", "fp8", "plot", "test", "all"} <= set(EXTRAS), EXTRAS
 
 
 @pytest.mark.parametrize("extra", EXTRAS)
@@ -36,7 +36,7 @@ def test_every_hint_names_the_packages_of_its_extra(extra):
 
 
 def test_all_expands_to_the_union_of_its_extras():
-    union = {r for e in ("megatron", "hf", "fp8", "plot", "test") for r in extra_requirements(e)}
+    union = {r for e in ("megatron", "hf", "trl", "fp8", "plot", "test") for r in extra_requirements(e)}
     assert set(extra_requirements("all")) == union
 
 

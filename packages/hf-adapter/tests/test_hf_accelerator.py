@@ -447,3 +447,35 @@ def test_cpu_offload_is_honoured_and_keeps_the_numerics():
         assert r[True]["units"] == r[False]["units"] > 0
         assert r[True]["offloaded"] and not r[False]["offloaded"]
         assert r[True]["losses"] == r[False]["losses"]
+
+
+# -- what a Trainer asks of the accelerator (docs/hf.md, "Trainer and TRL") ---------------------
+
+
+def _trainer_paths() -> dict:
+    """prepare(model) alone then with its optimizer; gather_for_metrics' last batch; get_state_dict."""
+    acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
+    model = H.tiny_model("llama")
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    prepared = acc.prepare(model)  # evaluation before training
+    opt = torch.optim.AdamW(prepared.parameters(), lr=1e-3)  # what Trainer.create_optimizer builds next
+    again, opt = acc.prepare(prepared, opt)
+    state = acc.get_state_dict(again)  # every rank joins; rank 0 keeps
+    loss = H.train_steps(acc, again, opt, 1)
+    # 7 rows, 1 per dp rank per step: the last global batch holds 1 real row and 1 Accelerate pads with.
+    rows = torch.arange(7).unsqueeze(1)
+    loader = acc.prepare(torch.utils.data.DataLoader(rows, batch_size=1))
+    gathered = torch.cat([acc.gather_for_metrics(batch) for batch in loader]).flatten().tolist()
+    acc.unpatch()
+    return {"same": again is prepared, "loss": loss, "state": state, "expected": expected, "gathered": gathered}
+
+
+def test_the_paths_a_trainer_takes_through_the_accelerator():
+    results = run_distributed(_trainer_paths, world_size=4, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["same"] and len(r["loss"]) == 1
+        # every sample tp times (as under Accelerate's own TP: TRL divides its counts by tp), the padding never
+        assert sorted(r["gathered"]) == sorted(list(range(7)) * 2), r["gathered"]
+        assert r["state"] == {} if rank else r["state"].keys() == r["expected"].keys()
+    for key, value in results[0]["expected"].items():  # rank 0's weights (sync_module_states) as full tensors
+        assert torch.equal(results[0]["state"][key], value), key

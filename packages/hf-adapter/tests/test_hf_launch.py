@@ -147,12 +147,20 @@ def test_launcher_prints_one_line_for_a_bad_file(tmp_path, capsys):
 @pytest.fixture
 def no_launch(monkeypatch):
     """Accelerate's launch_command replaced by a recorder: main validates, nothing starts."""
+    import os
+
     import accelerate.commands.launch as launch
 
     calls = []
     monkeypatch.setattr(launch, "launch_command", lambda args: calls.append(args))
     monkeypatch.delenv(ENV_VAR, raising=False)
-    return calls
+    saved = {k: os.environ.get(k) for k in (ENV_VAR, "ACCELERATE_USE_CPU")}  # main sets them for the workers
+    yield calls
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _plain(tmp_path, precision="fp32"):
@@ -499,3 +507,59 @@ def test_a_list_or_mapping_for_any_one_value_field_is_refused_by_name(tmp_path):
             assert "unhashable" not in message and "unexpected" not in message, message
             tried += 1
     print(f"\n[launch yaml] {tried} list/mapping values for {len(fields)} one-value fields: all refused by name")
+
+
+# -- the workers run the script through the plugin (docs/hf.md, "Trainer and TRL") -----------------
+
+
+def test_workers_run_the_script_through_the_plugin_bootstrap(tmp_path, no_launch):
+    from shardbridge_hf._plugin import RUN_MODULE, WORKER_MODULE
+
+    cfg = str(_write(tmp_path, BASE))
+    assert main(["--config_file", cfg, "train.py", "--lr", "1e-3"]) == 0
+    args = no_launch[0]
+    assert (args.training_script, args.module) == (WORKER_MODULE, True)
+    assert args.training_script_args == ["train.py", "--lr", "1e-3"]
+    # transformers' TrainingArguments read it: without it every CPU worker thinks it is alone
+    import os
+
+    assert os.environ["ACCELERATE_USE_CPU"] == "true"
+    assert main(["--config_file", cfg, "-m", "pkg.train", "x"]) == 0
+    assert no_launch[1].training_script_args == [RUN_MODULE, "pkg.train", "x"] and no_launch[1].module is True
+
+
+def test_no_python_is_refused_by_name(tmp_path, no_launch, capsys):
+    assert main(["--config_file", str(_write(tmp_path, BASE)), "--no_python", "train.sh"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--no_python" in err[0] and "installs the Accelerate plugin" in err[0], err
+    assert no_launch == []
+
+
+@pytest.mark.parametrize("name", ["cpu_fsdp2_tp2.yaml", "cpu_hsdp_tp2.yaml", "cpu_fp8_torchao.yaml"])
+def test_plain_accelerate_launch_of_an_example_file_is_refused_naming_shardbridge_launch(name, monkeypatch):
+    """[Note: a file for shardbridge launch only]: Accelerate's own launcher and plugin, no process started."""
+    from pathlib import Path
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "hf" / name
+    args, *_ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
+    env = prepare_multi_gpu_env(args)  # what `accelerate launch` hands each worker
+    for key in [k for k in list(__import__("os").environ) if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        if key.startswith("FSDP_"):
+            monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"auto wrap policy: shardbridge: launch this file with `shardbridge launch`; accelerate launch drops fsdp_config\.shardbridge"):
+        FullyShardedDataParallelPlugin()  # what a worker's Accelerator() builds from that env
+
+
+def test_shardbridge_launch_accepts_the_guard_and_exports_no_wrap_policy(tmp_path, no_launch):
+    from shardbridge_hf._launch import LAUNCH_GUARD
+
+    cfg = _write(tmp_path, BASE.replace("  fsdp_version: 2\n", f'  fsdp_version: 2\n  fsdp_auto_wrap_policy: "{LAUNCH_GUARD}"\n'))
+    assert main(["--config_file", str(cfg), "train.py"]) == 0
+    args = no_launch[0]
+    assert args.fsdp_auto_wrap_policy is None and "fsdp_auto_wrap_policy" in args.nondefault

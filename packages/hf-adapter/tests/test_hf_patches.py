@@ -32,6 +32,22 @@ def test_each_patch_is_gated_by_its_checked_range(patch, monkeypatch):
                 assert _patches.gate(patch.name) is False
 
 
+@pytest.mark.parametrize("patch", _patches.TRAINER_PATCHES, ids=[p.name for p in _patches.TRAINER_PATCHES])
+def test_each_trainer_patch_is_gated_by_its_checked_transformers(patch, monkeypatch):
+    assert patch.target and patch.covers and patch.undo and patch.outside == "error"
+    for inside in ((5, 13, 0), (5, 24, 0), (5, 24, 3)):
+        assert _patches.trainer_gate(patch.name, inside) is True
+    for outside in ((5, 12, 0), (5, 25, 0)):  # 5.12 scales the loss by num_processes (tp times too much)
+        with pytest.raises(RuntimeError, match=rf"'{patch.name}'.*transformers 5\.13 to 5\.24\.x"):
+            _patches.trainer_gate(patch.name, outside)
+
+
+def test_the_trainer_plan_adapts_exactly_the_methods_the_trainer_module_replaces():
+    from shardbridge_hf import _trainer
+
+    assert [p.name for p in _patches.TRAINER_PATCHES] == [f"trainer.{m}" for m in _trainer._ADAPTATIONS]
+
+
 def test_an_untested_transformers_is_named_in_one_warning(monkeypatch):
     """[Note: version policy]: transformers has no upper bound; outside TRANSFORMERS_CHECKED one warning names it."""
     from shardbridge import UntestedVersionWarning

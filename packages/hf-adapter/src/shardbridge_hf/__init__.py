@@ -1,11 +1,12 @@
 """shardbridge_hf: Hugging Face transformers + Accelerate under shardbridge's FSDP2 x TP.
 
-One line changes in an Accelerate script::
+A run is launched with ``shardbridge launch --config_file cfg.yaml train.py`` (an ordinary
+Accelerate config with a ``fsdp_config.shardbridge`` block; see docs/hf.md). The launcher's
+workers install the Accelerate plugin: there ``accelerate.Accelerator`` is
+:class:`ShardbridgeAccelerator`, so unmodified scripts, ``transformers.Trainer`` and TRL's
+trainers train under it; a script may also name the class itself::
 
     from shardbridge_hf import ShardbridgeAccelerator as Accelerator
-
-and the run is launched with ``shardbridge launch --config_file cfg.yaml train.py`` (an
-ordinary Accelerate config with a ``fsdp_config.shardbridge`` block; see docs/hf.md).
 
 Public: the names in ``__all__``. The ``_``-prefixed modules are not public. FP8 (torchao, TE)
 runs through the core's ``shardbridge.fp8`` backends, chosen by the config's fp8 block.

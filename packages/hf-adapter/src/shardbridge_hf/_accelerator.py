@@ -23,6 +23,12 @@
     save_state: pickles, layout-bound            shardbridge.checkpoint: portable, reshardable
     clip_grad_norm_: torch's, which refuses      shardbridge.clip_grad_norm_: local norms, one
       params on two meshes (accelerate < 1.11)     all-reduce (any accelerate)
+    gather_for_metrics: keeps the first          each process keeps the rows of its dp coordinate
+      `remainder` rows (tp ranks repeat)           ([Note: metrics over dp])
+    get_state_dict (FSDP2): torch's              full tensors on rank 0 (FP8 made plain), what
+      get_model_state_dict                         Trainer.save_model hands save_pretrained
+    fsdp_plugin, deepspeed_plugin,               honoured or refused by name ([Note: arguments
+      mixed_precision, dynamo (Trainer args)       under shardbridge] in _arguments.py)
 
 The model and its optimizer are prepared here; dataloaders and schedulers go through
 Accelerate's own ``prepare`` (which then sees the core mesh).
@@ -49,10 +55,11 @@ from shardbridge import (
 )
 from torch import nn
 
-from shardbridge_hf import _checkpoint, _patches
+from shardbridge_hf import _checkpoint, _patches, _trainer
+from shardbridge_hf._arguments import check_accelerator_args, check_compile
 from shardbridge_hf._compat import accelerator_models, accelerator_schedulers, require_accelerate
 from shardbridge_hf._config import ENV_VAR, HFConfig
-from shardbridge_hf._launch import quiet_upstream_noise
+from shardbridge_hf._launch import quiet_sequential_all_gather, quiet_upstream_noise
 from shardbridge_hf._parallelize import parallelize
 
 require_accelerate()
@@ -71,9 +78,10 @@ _ACCELERATE_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
 class ShardbridgeAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` that trains with shardbridge's FSDP2 x TP (and HSDP).
 
-    Change one line of an Accelerate script (the import and the class); launch with
-    ``shardbridge launch --config_file cfg.yaml train.py``. ``prepare(model, optimizer,
-    dataloader, scheduler)``, ``backward``, ``save_state``/``load_state`` keep their meaning.
+    Launch with ``shardbridge launch --config_file cfg.yaml train.py``: there the plugin makes
+    ``accelerate.Accelerator`` this class, so a script (a ``transformers.Trainer``, a TRL trainer)
+    needs no change; or import it by name. ``prepare(model, optimizer, dataloader, scheduler)``,
+    ``backward``, ``save_state``/``load_state`` keep their meaning.
 
     Args:
         config: the shardbridge config; None = the one ``shardbridge-launch`` passed in the
@@ -85,8 +93,10 @@ class ShardbridgeAccelerator(Accelerator):
         tp_plan: overrides ``config.tp_plan`` ("auto" or ``{pattern: style}``).
         cpu: train on CPU with gloo; None = ``config.use_cpu``, else when no GPU.
         **kwargs: passed to ``accelerate.Accelerator`` (``gradient_accumulation_steps``,
-            ``project_dir``, ...). ``fsdp_plugin`` and ``mixed_precision="fp8"`` are refused:
-            the shardbridge block owns wrapping and precision.
+            ``project_dir``, ...). The block owns wrapping and precision: ``fsdp_plugin``'s
+            fields are honoured or refused, ``deepspeed_plugin``, ``mixed_precision`` other than
+            "no" / the block's bf16, and torch.compile are refused ([Note: arguments under
+            shardbridge] in ``_arguments.py``).
 
     Attributes:
         num_optimizer_steps: optimizer steps taken; ``save_state`` records it as the checkpoint's
@@ -119,16 +129,13 @@ class ShardbridgeAccelerator(Accelerator):
             import dataclasses
 
             config = dataclasses.replace(config, tp_plan=tp_plan)
-        if kwargs.get("fsdp_plugin") is not None:
-            raise ValueError(
-                "ShardbridgeAccelerator(fsdp_plugin=...): wrapping is configured by fsdp_config.shardbridge; "
-                "drop the fsdp_plugin argument"
-            )
         if kwargs.get("mixed_precision") == "fp8":
             raise ValueError(
                 "mixed_precision='fp8': set fsdp_config.shardbridge.fp8.backend (torchao or te) instead and "
                 "mixed_precision to 'no' or 'bf16'"
             )
+        # See [Note: arguments under shardbridge]: honoured (fsdp_plugin fields), accepted, or refused by name.
+        config = check_accelerator_args(kwargs, config)
         accelerate_pc = kwargs.pop("parallelism_config", None)
         if cpu is None:
             cpu = config.use_cpu if config.use_cpu is not None else not torch.cuda.is_available()
@@ -136,6 +143,7 @@ class ShardbridgeAccelerator(Accelerator):
         kwargs["mixed_precision"] = "no"
         with _without_env(_ACCELERATE_ENV):
             super().__init__(*args, cpu=cpu, **kwargs)
+        check_compile(self.state)
         self.shardbridge_config = config
         self._sb_cpu = cpu
         dims = config.parallel_dims(parallel_dims or config.dims or _dims_from_accelerate(accelerate_pc))
@@ -148,6 +156,8 @@ class ShardbridgeAccelerator(Accelerator):
 
         See [Note: the step a checkpoint records]."""
         self._sb_step_hook: Any = None
+        # A Trainer builds this accelerator in its __init__: adapt what it does through Accelerate's FSDP helpers.
+        self._sb_undo.extend(_trainer.adapt_trainer())  # [Note: Trainer under shardbridge]; nothing without a Trainer
 
     # -- state: FSDP2 everywhere, one mesh ----------------------------------------------------
 
@@ -164,7 +174,14 @@ class ShardbridgeAccelerator(Accelerator):
         # The core mesh names every axis (degree-1 ones too) as Accelerate does, so its data
         # loader computes the same dp rank: rank // (cp * tp) over dp_replicate * dp_shard.
         pc.device_mesh = self.parallel_mesh.mesh
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        # Built from this config alone: the FSDP_* env that `accelerate launch` exports says what the launcher
+        # already merged into the block (and the Trainer reads activation_checkpointing off this plugin).
+        with _without_env(tuple(name for name in os.environ if name.startswith("FSDP_"))):
+            plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=2,
+                state_dict_type="SHARDED_STATE_DICT",
+                activation_checkpointing=self.shardbridge_config.activation_checkpointing,
+            )
         self.state.distributed_type = DistributedType.FSDP
         # AcceleratorState() re-copies PartialState's dict on every construction (e.g. inside
         # AcceleratedOptimizer), which would silently turn FSDP back into MULTI_CPU / DDP.
@@ -179,28 +196,37 @@ class ShardbridgeAccelerator(Accelerator):
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare the model (TP + FSDP2 via shardbridge) and its optimizer; the rest via Accelerate.
 
-        Pass the model and its optimizer in the same call (as FSDP2 requires). Objects may
-        come in any order; the results come back in the same order.
+        Pass the model and the optimizer built over its unsharded parameters in the same call (the
+        optimizer is rebound to the sharded ones, by name). The model may also come alone (for
+        evaluation, or to build the optimizer from its sharded parameters, as the Trainer does
+        after ``evaluate()``), and be passed again later with that optimizer. Objects may come in
+        any order; the results come back in the same order.
         """
         models = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)]
         optimizers = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)]
         if len(models) > 1:
             raise ValueError("ShardbridgeAccelerator.prepare: pass one model (FSDP2 prepares one model per run)")
-        if bool(models) != bool(optimizers):
+        if optimizers and not models and self._sb_model is None:
             raise ValueError(
-                "ShardbridgeAccelerator.prepare: pass the model and its optimizer together, "
-                "e.g. prepare(model, optimizer, dataloader); the optimizer is rebuilt over the sharded parameters"
+                "ShardbridgeAccelerator.prepare(optimizer): prepare the model first, or with it, e.g. "
+                "prepare(model, optimizer, dataloader); the optimizer is rebound to the sharded parameters"
             )
         placement = _check_device_placement(args, device_placement, models + optimizers)
         result = list(args)
-        if models:
-            model = args[models[0]]
-            self._sb_model = self._prepare_sb_model(model, [args[i] for i in optimizers])
-            result[models[0]] = self._sb_model
+        if models or optimizers:
+            model = args[models[0]] if models else self._sb_model
+            opts = [args[i] for i in optimizers]
+            if model is self._sb_model:
+                self._rebind_to_prepared(model, opts)
+            else:
+                self._sb_model = self._prepare_sb_model(model, opts)
+            if models:
+                result[models[0]] = self._sb_model
             for i in optimizers:
                 result[i] = self.prepare_optimizer(args[i], device_placement=False)
                 self._sb_optimizer = result[i]
-            self._count_optimizer_steps(self._sb_optimizer)
+            if optimizers:
+                self._count_optimizer_steps(self._sb_optimizer)
             if fp8.recipe_of(self._sb_model) is not None:
                 for i in optimizers:
                     # On the torch optimizer inside AcceleratedOptimizer (upstream bug 6).
@@ -250,6 +276,14 @@ class ShardbridgeAccelerator(Accelerator):
             rebind_param_groups(opt, groups, new)  # See [Note: param groups by FQN] in the core
         accelerator_models(self).append(model)
         return model
+
+    def _rebind_to_prepared(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """An already prepared model again (``free_memory`` forgot it), with optimizers over its sharded parameters."""
+        for opt in optimizers:
+            groups = _tied_groups(model, param_group_fqns(model, opt, when="prepare()"))
+            rebind_param_groups(opt, groups, dict(model.named_parameters()))
+        if not any(m is model for m in accelerator_models(self)):
+            accelerator_models(self).append(model)
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """Accelerate's scheduler wrapper, stepping ``dp`` times per optimizer step (not ``num_processes``).
@@ -314,6 +348,70 @@ class ShardbridgeAccelerator(Accelerator):
         out = loss.detach().clone()
         dist.all_reduce(out, group=self.parallel_mesh["dp_cp"].get_group())
         return out / self.parallel_mesh.dims.degree("dp_cp")
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Accelerate's ``gather_for_metrics``, with the last batch trimmed per data-parallel rank.
+
+        [Note: metrics over dp]: the ranks of a tp (and cp) group read the same batch, so the
+        gathered rows hold each sample tp * cp times, one chunk per process in rank order, as
+        under Accelerate's own TP (TRL divides its token counts by tp for that reason). At the end
+        of a data loader whose dataset does not fill the last global batch, Accelerate keeps the
+        first ``gradient_state.remainder`` rows -- a count of dp rows -- which cuts the wrong
+        samples when chunks repeat. Here each process's chunk keeps the rows its dp coordinate
+        contributes to the first ``remainder`` samples, so every sample is counted tp * cp times,
+        the padding samples never.
+
+        Raises:
+            NotImplementedError: ``use_gather_object=True`` (or non-tensor data) with tp or cp > 1.
+        """
+        from accelerate.utils import recursively_apply
+
+        dims = self.parallel_mesh.dims
+        if dims.tp * dims.cp == 1:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        if use_gather_object:
+            raise NotImplementedError(
+                "gather_for_metrics of Python objects (use_gather_object=True; TrainingArguments(eval_use_gather_object"
+                "=True)) with tp or cp > 1 is not supported; gather tensors"
+            )
+        data = self.gather(input_data)
+        state = self.gradient_state
+        if not state.end_of_dataloader or state.remainder <= 0:
+            return data
+        world, per_dp_rank = self.num_processes, dims.tp * dims.cp
+        remainder = state.remainder
+
+        def trim(rows: torch.Tensor) -> torch.Tensor:
+            chunks = rows.chunk(world)
+            size = chunks[0].shape[0]
+            kept = [c[: max(0, min(size, remainder - (rank // per_dp_rank) * size))] for rank, c in enumerate(chunks)]
+            return torch.cat(kept)
+
+        return recursively_apply(trim, data)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's full (unsharded, plain) state dict on the main process; ``{}`` on the others.
+
+        Every rank must call it (each tensor is all-gathered over its mesh; the main process keeps
+        it on CPU). What ``save_pretrained(dir, state_dict=...)`` takes, as under Accelerate's FSDP
+        (``Trainer.save_model`` uses it). FP8 parameters come out as plain tensors.
+        """
+        if model is not self._sb_model:
+            return super().get_state_dict(model, unwrap=unwrap)
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        with quiet_sequential_all_gather():  # [Note: upstream noise in a launch]
+            for name, value in model.state_dict().items():
+                value = fp8.to_plain(value, key=name)
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                if self.is_main_process:
+                    out[name] = full.detach().to("cpu", copy=True)
+        return out
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Clip gradients to a total norm of ``max_norm``; returns the norm before clipping.

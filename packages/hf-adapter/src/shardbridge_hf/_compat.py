@@ -24,6 +24,7 @@ __all__ = [
     "no_split_modules",
     "rename_checkpoint_keys",
     "require_accelerate",
+    "trainer_save",
     "transformers_version",
 ]
 
@@ -104,6 +105,15 @@ def accelerator_models(accelerator: Any) -> list:
 def accelerator_schedulers(accelerator: Any) -> list:
     """``Accelerator._schedulers``: the prepared LR schedulers, in prepare order."""
     return accelerator._schedulers
+
+
+def trainer_save(trainer: Any, output_dir: str, state_dict: dict[str, Any]) -> None:
+    """``Trainer._save``: what ``save_model`` writes (checked: transformers 5.0 .. 5.24).
+
+    ``save_pretrained(output_dir, state_dict=...)`` on the saving ranks, then the tokenizer /
+    processor and ``training_args.bin``.
+    """
+    trainer._save(output_dir, state_dict=state_dict)
 
 
 def init_module_buffers(model: Any, module: Any) -> None:

@@ -33,6 +33,22 @@ none of them would take effect. Each key is therefore honoured, accepted, or ref
 
 On CPU (``use_cpu: true``) Accelerate still starts the workers with torchrun (its FSDP
 launcher); each worker's ``ShardbridgeAccelerator`` then initialises gloo.
+
+[Note: a file for shardbridge launch only]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Plain ``accelerate launch`` cannot run a file's shardbridge block: it runs no third-party code
+(no plugin entry points) and copies ``fsdp_config.shardbridge`` to an argument nothing reads, so
+a script would train with Accelerate's own FSDP2 (GPUs) or die in ``ParallelismConfig``'s check
+(CPU), the block dropped without a word. A file can refuse such a launch by name: the value of
+``fsdp_auto_wrap_policy`` that starts with ``shardbridge`` (:data:`LAUNCH_GUARD`, in every example
+file) is exported by ``accelerate launch`` as ``FSDP_AUTO_WRAP_POLICY``, and Accelerate's own
+``FullyShardedDataParallelPlugin`` refuses it in every worker's ``Accelerator()``, printing it::
+
+    ValueError: Invalid auto wrap policy: shardbridge: launch this file with `shardbridge launch`;
+    accelerate launch drops fsdp_config.shardbridge. Must be one of [...]
+
+``shardbridge launch`` accepts the value (it says what shardbridge does: wrap each decoder layer)
+and does not export it (``_plugin.route_workers``).
 """
 
 from __future__ import annotations
@@ -55,8 +71,17 @@ from shardbridge.adapters import Verb, install_hint
 from shardbridge_hf._compat import require_accelerate
 from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig
 from shardbridge_hf._keys import config_file_keys_problem, sections_problem, unknown_fsdp_key
+from shardbridge_hf._plugin import route_workers
 
-__all__ = ["LaunchPlan", "cli_verb", "main", "quiet_upstream_noise", "read_config_file"]
+__all__ = [
+    "LAUNCH_GUARD",
+    "LaunchPlan",
+    "cli_verb",
+    "main",
+    "quiet_sequential_all_gather",
+    "quiet_upstream_noise",
+    "read_config_file",
+]
 
 # Accelerate exports fp8_config keys as ACCELERATE_FP8_<KEY>; TERecipeKwargs reads other names
 # for these two (upstream bug 7). We translate them into the block instead.
@@ -81,6 +106,15 @@ _FSDP_HONOURED = {
     "fsdp_sync_module_states": "sync_module_states",
     "fsdp_offload_params": "cpu_offload",
 }
+LAUNCH_GUARD = "shardbridge: launch this file with `shardbridge launch`; accelerate launch drops fsdp_config.shardbridge"
+"""The ``fsdp_auto_wrap_policy`` value that makes plain ``accelerate launch`` refuse a file by name. See
+[Note: a file for shardbridge launch only]; any value starting with ``shardbridge`` works the same."""
+
+
+def _is_launch_guard(key: str, value: Any) -> bool:
+    return key == "fsdp_auto_wrap_policy" and isinstance(value, str) and value.lower().startswith("shardbridge")
+
+
 _FSDP_ACCEPTED = {  # key -> the values that say what shardbridge does anyway
     "fsdp_version": ("2",),  # checked first, with its own message
     "fsdp_state_dict_type": ("SHARDED_STATE_DICT",),
@@ -410,6 +444,8 @@ def _merge_accelerate_fsdp(fsdp: Mapping[str, Any], block: dict[str, Any], where
             block[ours] = flag
         elif key in _FSDP_ACCEPTED and text.upper() in {v.upper() for v in _FSDP_ACCEPTED[key]}:
             continue
+        elif _is_launch_guard(key, value):  # [Note: a file for shardbridge launch only]
+            continue
         elif unknown_fsdp_key(raw_key):
             raise ValueError(f"{where}: {unknown_fsdp_key(raw_key)}")
         else:
@@ -466,6 +502,13 @@ def _merge_accelerate_fp8(fp8_config: dict[str, Any], block: dict[str, Any], whe
 # torch's pytree; torch deprecated that for Enums). Each is dropped by a logging filter matching
 # its message, only where it cannot concern the run (the kernels: only without CUDA; the pytree
 # line: only for torchao's own enums). Every other record of those loggers still prints.
+#
+# ``ShardbridgeAccelerator.get_state_dict`` (``Trainer.save_model``) gathers every parameter with
+# ``full_tensor()``; for a packed ``[gate; up]`` weight (``_StridedShard`` x ``Shard``) torch 2.13
+# logs once per mesh "While redistributing ... 2 sequential all_gather operations ... may give
+# inconsistent results between ranks due to different reduction orders": an all-gather reduces
+# nothing, and the order cannot be merged (torch says so in the same line). It is dropped there
+# only (:func:`quiet_sequential_all_gather`), for all_gather records only.
 
 
 class _DropKnownNoise(logging.Filter):
@@ -502,6 +545,25 @@ def _torchao_enum_registration(record: logging.LogRecord) -> bool:
     return "register_constant() on Enum subclasses is deprecated" in record.msg and str(
         getattr(cls, "__module__", "")
     ).startswith("torchao")
+
+
+def _sequential_all_gather(record: logging.LogRecord) -> bool:
+    # torch/distributed/tensor/_redistribute.py (2.13): logger.warning(common_warning, src, dst, num_ops,
+    # comm_type, reason): only when the operations are all-gathers.
+    args = record.args if isinstance(record.args, tuple) else ()
+    return "sequential" in str(record.msg) and len(args) >= 4 and args[3] == "all_gather"
+
+
+@contextlib.contextmanager
+def quiet_sequential_all_gather() -> Iterator[None]:
+    """Drop torch's "sequential all_gather operations" record while gathering full tensors ([Note: upstream noise in a launch])."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    noise = _DropKnownNoise(_sequential_all_gather)
+    logger.addFilter(noise)
+    try:
+        yield
+    finally:
+        logger.removeFilter(noise)
 
 
 _NOISE_FILTERS = {  # logger name -> filter (see [Note: upstream noise in a launch])
@@ -559,8 +621,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"shardbridge-launch: {e}", file=sys.stderr)
         return 2
+    try:
+        route_workers(args)  # [Note: the Accelerate plugin]
+    except ValueError as e:
+        print(f"shardbridge-launch: {e}", file=sys.stderr)
+        return 2
     os.environ[ENV_VAR] = plan.config.to_json()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if plan.config.use_cpu:
+        # transformers' TrainingArguments sets up its process state from this (Accelerate's CPU launcher
+        # exports it; its FSDP launcher, which starts these workers, does not): without it a Trainer's
+        # arguments would say "one process, not distributed" on every rank.
+        os.environ["ACCELERATE_USE_CPU"] = "true"
     if not plan.config.sync_module_states:
         # accelerate launch exports FSDP_CPU_RAM_EFFICIENT_LOADING=true by default, and transformers'
         # from_pretrained then loads real weights on rank 0 only; without the rank-0 broadcast the

@@ -27,6 +27,17 @@ adapter (``shardbridge_te._fp8.TEBackend.after_fsdp``, undone by ``remove_autoca
                                   AcceleratedScheduler.step (subclass; steps dp,
                                   not num_processes, times: [Note: LR schedule
                                   under TP] in _accelerator.py)
+    accelerator_class           accelerate.Accelerator, accelerate.accelerator.      error
+                                  Accelerator (the plugin, in launched workers:
+                                  [Note: the Accelerate plugin] in _plugin.py)
+
+The Trainer's plan (:func:`trainer_plan`, gated on transformers 5.13 .. 5.24) holds one patch per
+``transformers.Trainer`` method adapted under a ShardbridgeAccelerator ([Note: Trainer under
+shardbridge] in ``_trainer.py``), ``trainer.<method>``, each ``outside="error"``: an unadapted
+Trainer would silently write Accelerate's checkpoints and no model, and before 5.13 the Trainer
+scales its loss by ``num_processes`` (tp times too much under TP). Each is asked when a Trainer
+whose accelerator is shardbridge's calls the method (a script without a Trainer never is). Undone
+by the accelerator that installed them (``ShardbridgeAccelerator.unpatch()``).
 """
 
 from __future__ import annotations
@@ -35,7 +46,17 @@ from shardbridge.adapters import Patch, PatchPlan, fmt_version, patch_attr, patc
 
 from shardbridge_hf import _compat
 
-__all__ = ["PATCHES", "Patch", "gate", "patch_attr", "patch_item", "plan"]
+__all__ = [
+    "PATCHES",
+    "TRAINER_PATCHES",
+    "Patch",
+    "gate",
+    "patch_attr",
+    "patch_item",
+    "plan",
+    "trainer_gate",
+    "trainer_plan",
+]
 
 _CHECKED = ((1, 10), (1, 15))  # the hf matrix: accelerate 1.10.1 and 1.15.0 (noxfile.py HF_MATRIX)
 
@@ -70,8 +91,49 @@ PATCHES: tuple[Patch, ...] = (
         outside="error",
         undo="nothing to undo: subclass overrides, Accelerate's classes are unchanged",
     ),
+    Patch(
+        name="accelerator_class",
+        target="accelerate.Accelerator and accelerate.accelerator.Accelerator (transformers.trainer.Accelerator "
+        "when imported first)",
+        covers="Accelerate has no plugin entry points and transformers.Trainer builds accelerate.Accelerator itself: "
+        "the name is the only seam for an unmodified script (no upstream issue filed)",
+        what="in a `shardbridge launch` worker, the name accelerate.Accelerator means ShardbridgeAccelerator",
+        checked=_CHECKED,
+        outside="error",
+        undo="the Plugin that install() returns puts back the identical classes",
+    ),
 )
-"""Every run-time patch of shardbridge_hf."""
+"""Every run-time patch of Accelerate."""
+
+# From 5.13 the Trainer scales the loss by num_processes // tp (its tp ranks read one batch); 5.0 .. 5.12 scale by
+# num_processes, tp times too much under TP. Run: 5.24 (CI, nox -s trainer); read: 5.13 .. 5.23 (the same methods).
+_TRAINER_CHECKED = ((5, 13), (5, 24))
+
+# (method, what it does upstream that cannot stay): see [Note: Trainer under shardbridge] in _trainer.py.
+_TRAINER_METHODS = (
+    ("train", "TrainingArguments the accelerator never sees (auto_find_batch_size, ...) would go unchecked"),
+    ("_save_optimizer_and_scheduler", "writes Accelerate's layout-bound DCP dirs (save_fsdp_model/optimizer)"),
+    ("_load_from_checkpoint", "finds no checkpoint in a shardbridge checkpoint-N folder and raises"),
+    ("_load_optimizer_and_scheduler", "skips the optimizer and scheduler silently when it finds no Accelerate files"),
+    ("_load_best_model", "loads Accelerate's DCP model dir"),
+    ("save_model", "writes nothing under FSDP2 with SHARDED_STATE_DICT"),
+    ("_prepare_context_parallel_inputs", "splits batches with torch's CP, for SDPA only"),
+)
+
+TRAINER_PATCHES: tuple[Patch, ...] = tuple(
+    Patch(
+        name=f"trainer.{method}",
+        target=f"transformers.Trainer.{method}",
+        covers=f"under a ShardbridgeAccelerator the Trainer's own {method} {why}",
+        what=f"Trainer.{method} calls shardbridge_hf._trainer's replacement when the trainer's accelerator is a "
+        "ShardbridgeAccelerator, the original otherwise",
+        checked=_TRAINER_CHECKED,
+        outside="error",
+        undo="ShardbridgeAccelerator.unpatch() puts back the identical original method",
+    )
+    for method, why in _TRAINER_METHODS
+)
+"""Every run-time patch of transformers' Trainer."""
 
 
 def plan() -> PatchPlan:
@@ -90,6 +152,35 @@ def plan() -> PatchPlan:
         "shardbridge_hf/_patches.py",
         newest_suffix=".x",
     )
+
+
+def trainer_plan() -> PatchPlan:
+    """The Trainer adaptations' patch plan, gated on the installed transformers. See [Note: hf patch plan]."""
+    return PatchPlan(
+        owner="shardbridge_hf",
+        framework="transformers",
+        patches=TRAINER_PATCHES,
+        installed=_compat.transformers_version,
+        install_hint=lambda low, high: f"pip install 'transformers>={fmt_version(low)},<{high[0]}.{high[1] + 1}'",
+        widen_hint="run the hf matrix (nox -s hf_matrix) and nox -s trainer against this one and widen "
+        "_TRAINER_CHECKED in shardbridge_hf/_patches.py",
+        newest_suffix=".x",
+        kind="shardbridge_hf Trainer patch",
+    )
+
+
+def trainer_gate(name: str, version: tuple[int, ...] | None = None) -> bool:
+    """Whether to apply the Trainer patch ``name`` on transformers ``version`` (None = the installed one).
+
+    Raises:
+        RuntimeError: outside the checked range.
+        KeyError: no Trainer patch is named ``name``.
+
+    Example:
+        >>> trainer_gate("trainer.save_model", (5, 24, 0))
+        True
+    """
+    return trainer_plan().gate(name, version)
 
 
 def gate(name: str, version: tuple[int, ...] | None = None) -> bool:
