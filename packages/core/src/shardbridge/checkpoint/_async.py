@@ -201,11 +201,12 @@ def _writer_group() -> Any:
         _STATE["group"], _STATE["group_of"] = None, world
         what = "creating the checkpoint writer's gloo group (every rank joins it at its first save(async_=True))"
         try:
-            _STATE["group"] = bounded(
-                lambda: dist.new_group(backend="gloo", timeout=timeout),
-                seconds=(timeout.total_seconds() if timeout is not None else 1800.0) + _GROUP_MARGIN_S,
-                what=what,
-            )
+            with _dist.foreign():  # a rendezvous of every rank, behind a gate ([Note: collective entry points])
+                _STATE["group"] = bounded(
+                    lambda: dist.new_group(backend="gloo", timeout=timeout),
+                    seconds=(timeout.total_seconds() if timeout is not None else 1800.0) + _GROUP_MARGIN_S,
+                    what=what,
+                )
         except RuntimeError as exc:
             if what in str(exc):
                 raise
@@ -269,13 +270,14 @@ def bounded(fn: Callable[[], Any], *, seconds: float, what: str) -> Any:
 def start_async(job: Any, write: Callable[[Any], None]) -> AsyncSave:
     """Start ``write(job)`` in the writer thread, on the writer group; the handle."""
     group = _writer_group()
+    _dist.barrier(last=True)  # no writer starts unless every rank got here: [Note: collective entry points]
     handle = AsyncSave(job.final)
     rank, world_size = _dist.rank(), _dist.world_size()
 
     def run() -> None:
         try:
             # Rank and world fixed now: see using_group (a destroyed group fails, never shrinks to one rank).
-            with _dist.using_group(group, rank=rank, world_size=world_size):
+            with _dist.using_group(group, rank=rank, world_size=world_size), _dist.entry():
                 write(job)
         except BaseException as exc:  # noqa: BLE001 (kept for wait(), logged now)
             handle._error = _explained(exc, job.final, world_size)

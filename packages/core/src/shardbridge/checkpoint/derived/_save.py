@@ -283,7 +283,7 @@ class DerivedSave:
                 recipe = describe(entries, local.digest, state["bytes_lengths"], threads, min_file_bytes, derivation)
             writer.finish_stream(head, names, groups, [part[0] for part in parts], derived=recipe)
 
-        _dist.gather_reduce(write, finish, small=True)
+        _dist.gather_reduce(write, finish, small=True, last=True)  # the save's last round
 
 
 def _writes(item: Any, entries: dict[str, Entry], rank: int) -> bool:
