@@ -247,13 +247,14 @@ def test_an_unreachable_endpoint_on_one_rank_raises_on_every_rank(s3_server, s3_
     assert ck.latest(root) == ck.step_dir(root, 1)  # nothing committed, nothing lost
 
 
-def test_a_listing_the_store_refuses_raises_on_every_rank_and_is_not_skipped(s3_server, s3_root):
-    """An error of the root (the bucket policy denies the listing) is raised, never taken for
-    "no checkpoint" (training would restart from scratch) nor for one damaged checkpoint."""
+def test_a_manifest_the_store_refuses_to_read_raises_on_every_rank_and_is_not_skipped(s3_server, s3_root):
+    """An error of the store (the bucket policy denies reading the manifests) is raised on every
+    rank, never taken for one damaged checkpoint (an older step would load) nor for "no
+    checkpoint" (training would restart from scratch): [Note: one damaged checkpoint]."""
     env = s3_server.client_env()
     run_distributed(_setup, s3_root, env, world_size=4)
     bucket = s3_root.removeprefix("s3://").split("/")[0]
-    deny = {"Effect": "Deny", "Principal": "*", "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}"}
+    deny = {"Effect": "Deny", "Principal": "*", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{bucket}/*/shardbridge.json"}
     _set_policy(s3_server, bucket, {"Version": "2012-10-17", "Statement": [deny]})
     results = run_distributed(_on_s3, f"{s3_root}/base", env, None, "load_latest", world_size=4, timeout=90)
     for rank, (outcome, elapsed, after) in enumerate(results):
@@ -262,7 +263,7 @@ def test_a_listing_the_store_refuses_raises_on_every_rank_and_is_not_skipped(s3_
         assert elapsed < BOUND_S and after == 7
     with pytest.raises(PermissionError):
         ck.latest(f"{s3_root}/base")
-    COUNTS["s3 load_latest, listing denied: every rank raised"] += 1
+    COUNTS["s3 load_latest, reading the manifest denied: every rank raised"] += 1
 
 
 def _set_policy(server, bucket: str, policy: dict) -> None:

@@ -53,7 +53,6 @@ __all__ = [
     "foreign",
     "gather_reduce",
     "broadcast_from_rank0",
-    "check_same_on_all_ranks",
     "group",
     "is_distributed",
     "on_all_ranks",
@@ -350,8 +349,8 @@ def one_round(
         only_rank0: run ``fn`` on rank 0 only.
         result: "own" (this rank's result; None where ``fn`` did not run), "rank0" (rank 0's
             result, picklable, on every rank) or "all" (every rank's, in rank order).
-        same: ``(where, values)``: also raise on every rank, as :func:`check_same_on_all_ranks`
-            does, if these values differ between ranks (checked after ``fn``'s errors).
+        same: ``(where, values)``: also raise on every rank, naming both values, if these values
+            differ between ranks (checked after ``fn``'s errors).
         share: with ``result="own"``: return ``(own result, share(rank 0's result))``, the
             second picklable, on every rank; with ``result="all"``: return ``(own result,
             [share(each rank's result)])`` (a part of every rank's result, in rank order).
@@ -548,18 +547,6 @@ def _replay_name(error: BaseException) -> str:
     if type(error) in _REPLAYED:
         return type(error).__name__
     return next((t.__name__ for t in _REPLAYED if isinstance(error, t)), type(error).__name__)
-
-
-def check_same_on_all_ranks(where: str, values: dict[str, Any]) -> None:
-    """ValueError on every rank if any argument in ``values`` differs between ranks.
-
-    ``save(path=...)`` with a rank-dependent path (or step, extra ...) would otherwise commit
-    rank 0's value for everyone without a word. One ``all_gather_object`` of the values'
-    reprs; a no-op in one process.
-    """
-    if not is_distributed():
-        return
-    _raise_if_different(where, all_gather({k: repr(v) for k, v in values.items()}))
 
 
 def _raise_if_different(where: str, gathered: list[dict[str, str]]) -> None:

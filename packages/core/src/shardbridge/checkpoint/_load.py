@@ -370,16 +370,8 @@ def load_latest(
             if path is None:
                 return None
             # One load: a checkpoint that fails verification is skipped by every rank together.
-            state = _load(
-                path,
-                model=model,
-                optimizer=optimizer,
-                strict=strict,
-                rng=rng,
-                state_dicts=state_dicts,
-                verify=verify,
-                skip_damaged=verify,
-            )
+            state = _load(path, model=model, optimizer=optimizer, strict=strict, rng=rng, state_dicts=state_dicts,
+                          verify=verify, skip_damaged=verify)  # fmt: skip
             if state is not None:
                 return state
             skip.add(str(path))
