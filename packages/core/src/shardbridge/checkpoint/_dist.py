@@ -60,6 +60,7 @@ __all__ = [
     "rank",
     "replay",
     "summary",
+    "tell",
     "using_group",
     "world_size",
 ]
@@ -233,16 +234,26 @@ def entry() -> Iterator[None]:
         if _THREAD.meet:  # the verb's last collective was not its last round: leave together
             barrier()
     except Exception as exc:
-        if _THREAD.meet:  # raised outside a round: the others are (or will be) in the next gate
-            _THREAD.meet = False
-            try:
-                _gate(exc)
-            except Exception as told:  # noqa: BLE001 (the rank's own error is what it raises)
-                if told is not exc:
-                    exc.add_note(f"(telling the other ranks failed too: {type(told).__name__}: {told})")
+        tell(exc)
         raise
     finally:
         _THREAD.meet = None
+
+
+def tell(error: BaseException) -> None:
+    """Take this rank, failed with ``error`` outside a round, into the next gate now (once).
+
+    For cleanup that must wait until every rank knows (rank 0 deleting the files the others
+    may still be writing); :func:`entry` does it at the latest. See [Note: collective entry points].
+    """
+    if not getattr(_THREAD, "meet", None) or not isinstance(error, Exception):
+        return
+    _THREAD.meet = False  # the others are (or will be) in the next gate
+    try:
+        _gate(error)
+    except Exception as told:  # noqa: BLE001 (the rank's own error is what it raises)
+        if told is not error:
+            error.add_note(f"(telling the other ranks failed too: {type(told).__name__}: {told})")
 
 
 @contextmanager

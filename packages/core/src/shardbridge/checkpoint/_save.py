@@ -202,7 +202,8 @@ def save(
                 share=lambda mine: mine.target,  # rank 0's
                 agree=lambda mine: protocol.digest(mine.local),  # see [Note: the derived protocol]
             )
-        except BaseException:
+        except BaseException as exc:
+            _dist.tell(exc)
             for target in begun:
                 where.backend.abandon(target)  # see [Note: atomic commit]
             raise
@@ -223,7 +224,8 @@ def save(
             return where.user
         try:
             return start_async(job, write_and_commit)
-        except BaseException:
+        except BaseException as exc:
+            _dist.tell(exc)
             if rank == 0:
                 where.backend.abandon(job.target)
             raise
@@ -285,7 +287,8 @@ def write_and_commit(job: SaveJob) -> None:
     )
     try:
         job.protocol.save(job.dcp_state, writer, job.local, job.derived)
-    except BaseException:
+    except BaseException as exc:
+        _dist.tell(exc)  # every rank knows before rank 0 deletes what the others may still be writing
         if rank == 0:
             backend.abandon(target)  # see [Note: atomic commit], [Note: object-store commit]
         raise
