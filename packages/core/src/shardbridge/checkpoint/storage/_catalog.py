@@ -73,9 +73,9 @@ _CONTENT_ERRORS = (ValueError, LookupError, TypeError, AttributeError, Arithmeti
 def about_the_store(error: BaseException) -> bool:
     """Whether reading one checkpoint's manifest failed because of the store, not of that checkpoint.
 
-    [Note: one damaged checkpoint]: ``latest`` and the verbs on a root skip a checkpoint whose
-    manifest cannot be read (any error its content causes) and fall back to the previous one,
-    but an error of the store itself (permission, credentials, an unreachable endpoint, a
+    [Note: one damaged checkpoint]
+    ``latest`` and the verbs on a root skip a checkpoint whose manifest cannot be read (any
+    error its content causes) and fall back to the previous one, but an error of the store itself (permission, credentials, an unreachable endpoint, a
     timeout: an ``OSError``, or a client's own exception) is raised: skipping it would load an
     older checkpoint, or none, without a word. A manifest that vanished meanwhile
     (``FileNotFoundError``) is skipped.
