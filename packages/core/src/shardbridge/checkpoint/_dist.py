@@ -25,8 +25,9 @@ collectives in the same order, and ``entry`` joins one only while the ranks will
 again: not after an error every rank raises, nor after a collective that itself failed, nor
 inside another library's collectives (:func:`foreign`: DCP's, behind a gate of their own), nor
 after a verb's last round (``last=True``). A verb that ends otherwise passes one closing gate,
-so no rank returns while another raises. Bound: every rank raises once the failing rank's
-step has failed, plus one gate (milliseconds), never the process group's timeout.
+so no rank returns while another raises. Bound: every rank raises at its next gate after the
+failure (once its own current step ends), plus one gate (milliseconds), never the process
+group's timeout.
 
 The collectives run on the default group, or on the group :func:`using_group` sets for the
 calling thread: an asynchronous save's writer thread uses its own gloo group, so that its

@@ -75,9 +75,10 @@ def about_the_store(error: BaseException) -> bool:
 
     [Note: one damaged checkpoint]
     ``latest`` and the verbs on a root skip a checkpoint whose manifest cannot be read (any
-    error its content causes) and fall back to the previous one, but an error of the store itself (permission, credentials, an unreachable endpoint, a
-    timeout: an ``OSError``, or a client's own exception) is raised: skipping it would load an
-    older checkpoint, or none, without a word. A manifest that vanished meanwhile
+    error its content causes) and fall back to the previous one, but an error of the store
+    itself (permission, credentials, an unreachable endpoint, a timeout: an ``OSError``, or a
+    client's own exception) is raised: skipping it would load an older checkpoint, or none,
+    without a word. A manifest that vanished meanwhile
     (``FileNotFoundError``) is skipped.
     """
     if isinstance(error, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
