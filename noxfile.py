@@ -132,10 +132,12 @@ def lint(session):
 
 @nox.session(python="3.11")
 def faults(session):
-    """The checkpoint fault-injection suite with 10x the random-kill trials (docs/checkpoints.md, Reliability)."""
+    """The checkpoint fault-injection suite with 10x the random-kill trials, and a failure before every collective of
+    every entry point on every rank, local and S3 (docs/checkpoints.md, Reliability and Symmetric errors)."""
     _install(session)
-    env = {**ENV, "SHARDBRIDGE_FAULT_TRIALS": "10"}
-    session.run("python", "-m", "pytest", "packages/core/tests/checkpoint/test_faults.py", "-s", *session.posargs, env=env)
+    env = {**ENV, "SHARDBRIDGE_FAULT_TRIALS": "10", "SHARDBRIDGE_ENTRY_FAULTS": "all"}
+    tests = ["packages/core/tests/checkpoint/test_faults.py", "packages/core/tests/checkpoint/test_entry_faults.py"]
+    session.run("python", "-m", "pytest", *tests, "-s", *session.posargs, env=env)
 
 
 @nox.session(python="3.11")

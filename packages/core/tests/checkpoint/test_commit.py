@@ -51,6 +51,57 @@ def test_latest_picks_highest_step_and_skips_incomplete(tmp_path, caplog):
         ck.load(tmp_path / "step-00000012", model=Mlp())
 
 
+def nest(manifest, depth: int = 100_000) -> None:
+    """Issue 42: a manifest of JSON arrays nested ``depth`` deep (Python's json raises RecursionError)."""
+    manifest.write_text("[" * depth + "]" * depth)
+
+
+def test_latest_skips_a_manifest_that_cannot_be_read_but_raises_what_the_store_raises(tmp_path, caplog, monkeypatch):
+    """[Note: one damaged checkpoint]: before, the nested manifest's RecursionError ended latest()
+    (and load_latest, ckpt verify / export ROOT) for the whole root."""
+    for step in (1, 2):
+        ck.save(ck.step_dir(tmp_path, step), model=Mlp(), step=step)
+    nest(ck.step_dir(tmp_path, 2) / MANIFEST_NAME)
+    with caplog.at_level("WARNING", logger="shardbridge.checkpoint"):
+        assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 1)
+    assert "skipping" in caplog.text and "step-00000002" in caplog.text
+    # An error of the store (here: reading a manifest is refused) is not a damaged checkpoint:
+    # skipping it would silently resume from an older step, or from scratch.
+    real = _commit.LocalBackend.read_bytes
+
+    def refused(self, path):
+        if path.endswith(MANIFEST_NAME):
+            raise PermissionError(13, "Permission denied", path)
+        return real(self, path)
+
+    monkeypatch.setattr(_commit.LocalBackend, "read_bytes", refused)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        ck.latest(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("error", "store"),
+    [
+        (PermissionError(13, "Forbidden"), True),
+        (OSError(5, "EndpointConnectionError: Could not connect"), True),
+        (TimeoutError("read timeout"), True),
+        (type("NoCredentialsError", (Exception,), {})("Unable to locate credentials"), True),  # a client's own
+        (ImportError("no s3fs"), True),
+        (FileNotFoundError(2, "gone meanwhile"), False),
+        (RecursionError("maximum recursion depth exceeded while decoding a JSON array"), False),
+        (ValueError("not valid JSON"), False),
+        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), False),
+        (KeyError("format"), False),
+        (TypeError("list indices must be integers"), False),
+        (MemoryError(), False),
+    ],
+)
+def test_which_errors_concern_the_store_and_which_one_checkpoint(error, store):
+    from shardbridge.checkpoint.storage._catalog import about_the_store
+
+    assert about_the_store(error) is store
+
+
 def test_existing_checkpoint_needs_overwrite(tmp_path):
     path = ck.step_dir(tmp_path, 1)
     ck.save(path, model=Mlp(), step=1)

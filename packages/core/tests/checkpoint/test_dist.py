@@ -121,27 +121,30 @@ def _bad_arg_on_rank2(root: str, what: str):
     from torch import nn
 
     model = nn.Linear(2, 2)
+    # Built before the clock starts: a process's first optimizer imports torch._dynamo (10-20 s under load)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if "swapped" in what or "optimizer" in what else None
     ck.save(f"{root}/base", model=model, step=1, overwrite=True)  # a checkpoint without optimizer state
     bad = dist.get_rank() == 2
     calls = {
         "save_extra_nan": lambda: ck.save(f"{root}/c", model=model, extra={"x": float("nan") if bad else 1.0}),
         "save_step": lambda: ck.save(f"{root}/c", model=model, step=-1 if bad else 3),
         "load_strict": lambda: ck.load(f"{root}/base", model=model, strict="yes" if bad else True),
-        "load_optimizer": lambda: ck.load(
-            f"{root}/base", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1) if bad else None
-        ),
+        "load_optimizer": lambda: ck.load(f"{root}/base", model=model, optimizer=opt if bad else None),
         # valid values that differ between ranks: rank 0's would be committed for everyone
         "save_path_differs": lambda: ck.save(f"{root}/c{'x' if bad else ''}", model=model),
         "save_step_differs": lambda: ck.save(f"{root}/c", model=model, step=4 if bad else 3),
         "save_extra_differs": lambda: ck.save(f"{root}/c", model=model, extra={"seen": 2 if bad else 1}),
         "load_rng_differs": lambda: ck.load(f"{root}/base", model=model, rng=not bad),
+        # swapped arguments: one TypeError, raised by every rank before any collective
+        "save_swapped": lambda: ck.save(f"{root}/c", model=opt if bad else model, optimizer=model if bad else opt),
+        "load_swapped": lambda: ck.load(f"{root}/base", model=opt if bad else model),
     }
     start = time.monotonic()
     try:
         calls[what]()
         outcome = "no error"
-    except ValueError as exc:  # the failing rank catches its error and goes on
-        outcome = str(exc)
+    except (ValueError, TypeError) as exc:  # the failing rank catches its error and goes on
+        outcome = f"{type(exc).__name__}: {exc}"
     elapsed = time.monotonic() - start
     # The next collective still lines up on every rank.
     return outcome, elapsed, _dist.broadcast_from_rank0(7)
@@ -158,11 +161,13 @@ def _bad_arg_on_rank2(root: str, what: str):
         ("save_step_differs", "step differs between ranks (rank 0: 3, rank 2: 4)"),
         ("save_extra_differs", "extra differs between ranks"),
         ("load_rng_differs", "rng differs between ranks (rank 0: True, rank 2: False)"),
+        ("save_swapped", "TypeError: model must be a torch.nn.Module, got torch.optim.sgd.SGD; model and optimizer look"),
+        ("load_swapped", "TypeError: model must be a torch.nn.Module, got torch.optim.sgd.SGD"),
     ],
 )
 def test_bad_argument_on_one_rank_raises_on_every_rank_within_seconds(tmp_path, what, match):
     # Before: rank 2 raised alone and the others waited in a collective (30 min by default).
-    results = run_distributed(_bad_arg_on_rank2, str(tmp_path), what, world_size=4, timeout=25)
+    results = run_distributed(_bad_arg_on_rank2, str(tmp_path), what, world_size=4, timeout=60)
     for rank, (outcome, elapsed, after) in enumerate(results):
         assert match in outcome, (rank, outcome)
         if "differs" not in what:  # a value compare raises alike on every rank, naming both values

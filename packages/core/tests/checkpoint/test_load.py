@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state
+from ckpt_helpers import step as train_step
 from shardbridge import checkpoint as ck
 from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME
 from shardbridge.testing import run_distributed
@@ -162,6 +163,25 @@ def test_incompatible_model_lists_missing_and_unexpected_keys(single_ckpt):
         ck.load(single_ckpt, model=Other())
 
 
+def test_a_model_that_does_not_fit_is_told_what_saved_the_checkpoint(tmp_path):
+    """Issue: 84 missing and 100 unexpected keys, and not a word of whose checkpoint it is. The
+    error now names what the manifest and metadata know: architecture, parameters, modules."""
+    from shardbridge.models import Llama, LlamaConfig, hf_llama_export_record
+
+    config = LlamaConfig.tiny(num_layers=2, vocab_size=64)
+    llama = Llama(config)
+    path = ck.save(tmp_path / "llama", model=llama, step=7, extra={"export": hf_llama_export_record(config)})
+    params = sum(p.numel() for p in llama.parameters())  # the oracle: the model that saved it
+    with pytest.raises(ValueError) as info:
+        ck.load(path, model=Mlp())
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"the checkpoint holds a LlamaForCausalLM of {params:,} parameters in " in message, message
+    assert "top-level modules tok_embeddings, layers (" in message and "saved at step 7 by 1 rank(s)" in message
+    mlp = sum(p.numel() for p in Mlp().parameters())
+    assert f"this model has {mlp:,} parameters in 7 tensors (top-level modules up (2 tensors), down, head (2" in message
+
+
 def test_non_strict_loads_the_common_keys(single_ckpt):
     class Smaller(nn.Module):
         def __init__(self):
@@ -202,10 +222,55 @@ def test_optimizer_requested_but_not_saved(tmp_path):
 
 
 def test_load_latest_picks_newest_and_returns_none_without_checkpoints(tmp_path):
-    assert ck.load_latest(tmp_path, model=Mlp()) is None
+    assert ck.load_latest(tmp_path, model=Mlp()) is None  # an existing, empty root: a first run
     for step in (1, 20, 3):
         ck.save(ck.step_dir(tmp_path, step), model=Mlp(), step=step)
     assert ck.load_latest(tmp_path, model=Mlp()).step == 20
+
+
+def test_load_latest_of_a_root_that_does_not_exist_says_so_unless_asked(tmp_path):
+    """Before: None, so a mistyped root silently started training from scratch."""
+    with pytest.raises(ValueError, match=r"checkpoint root '.*/cktp' does not exist.*missing_ok=True"):
+        ck.load_latest(tmp_path / "cktp", model=Mlp())
+    assert ck.load_latest(tmp_path / "cktp", model=Mlp(), missing_ok=True) is None
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="checkpoint root '.*/file' is a file"):
+        ck.load_latest(tmp_path / "file", model=Mlp(), missing_ok=True)
+    with pytest.raises(ValueError, match="missing_ok='yes' must be True or False"):
+        ck.load_latest(tmp_path, model=Mlp(), missing_ok="yes")
+
+
+def test_load_latest_loads_the_previous_step_past_a_manifest_nested_100000_deep(tmp_path):
+    """Issue 42: the newest manifest's RecursionError ended load_latest for the whole root."""
+    from test_commit import nest
+
+    model, opt = build(None, seed=1)
+    ck.save(ck.step_dir(tmp_path, 1), model=model, optimizer=opt, step=1)
+    want = full_state(model, opt)
+    train_step(model, opt, seed=5)
+    ck.save(ck.step_dir(tmp_path, 2), model=model, optimizer=opt, step=2)
+    nest(ck.step_dir(tmp_path, 2) / MANIFEST_NAME)
+    fresh, fresh_opt = build(None, seed=9, lr=0.5)
+    assert ck.load_latest(tmp_path, model=fresh, optimizer=fresh_opt).step == 1
+    assert_equal_states(full_state(fresh, fresh_opt), want)
+
+
+@pytest.mark.parametrize("verb", ["save", "load", "load_latest"])
+def test_swapped_model_and_optimizer_are_one_type_error(tmp_path, verb):
+    model = Mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    ck.save(tmp_path / "c", model=model, optimizer=opt)
+    call = {
+        "save": lambda **kw: ck.save(tmp_path / "d", **kw),
+        "load": lambda **kw: ck.load(tmp_path / "c", **kw),
+        "load_latest": lambda **kw: ck.load_latest(tmp_path, **kw),
+    }[verb]
+    with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got torch.optim.adamw.AdamW; model and "
+                       r"optimizer look swapped: pass model=<the nn.Module>, optimizer=<its optimizer>$"):  # fmt: skip
+        call(model=opt, optimizer=model)
+    with pytest.raises(TypeError, match=r"^optimizer must be a torch.optim.Optimizer or None, got dict$"):
+        call(model=model, optimizer={"lr": 0.1})
+    assert not (tmp_path / "d").exists()
 
 
 def _load_latest_all_ranks(root: str):
@@ -219,7 +284,11 @@ def _load_latest_all_ranks(root: str):
 
 def test_load_latest_on_every_rank(fused_tp2):
     path, _ = fused_tp2
+    (path.parent / "empty").mkdir(exist_ok=True)
     assert run_distributed(_load_latest_all_ranks, str(path.parent / "empty"), world_size=4) == [None] * 4
+    missing = run_distributed(_load_latest_all_ranks, str(path.parent / "missing"), world_size=4)
+    assert all("missing' does not exist" in e for e in missing), missing  # every rank, rank 0's words
+    assert all(("[raised on rank 0;" in e) == (r > 0) for r, e in enumerate(missing)), missing
     # The fused checkpoint has gate_proj / up_proj keys the unfused model lacks: strict load
     # fails on every rank alike (no hang), naming the keys.
     errors = run_distributed(_load_latest_all_ranks, str(path.parent), world_size=4)

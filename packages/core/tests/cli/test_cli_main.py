@@ -243,6 +243,31 @@ def test_export_of_a_root_takes_the_newest_checkpoint_that_verifies(capsys, tmp_
     assert not (tmp_path / "hf2").exists()
 
 
+def test_verbs_on_a_root_pass_over_a_manifest_nested_100000_deep(capsys, tmp_path):
+    """Issue 42: the newest checkpoint's manifest nests JSON arrays 100,000 deep; every verb on the
+    root raised RecursionError for the whole root. Now: inspect and export take the previous
+    checkpoint, verify names the damaged one (exit 2) and still checks the others."""
+    import json
+
+    root = tmp_path / "root"
+    model = nn.Linear(8, 8)
+    ck.save(ck.step_dir(root, 1), model=model, step=1)
+    ck.save(ck.step_dir(root, 2), model=model, step=2)
+    newest = ck.step_dir(root, 2) / "shardbridge.json"
+    newest.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["ckpt", "inspect", str(root)]) == 0
+    assert "step-00000001" in capsys.readouterr().out
+    assert main(["ckpt", "export", str(root), str(tmp_path / "hf"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    capsys.readouterr()
+    assert main(["ckpt", "verify", str(root)]) == 2
+    captured = capsys.readouterr()
+    assert f"{ck.step_dir(root, 1)}: 3 files, " in captured.out and ": ok" in captured.out
+    assert f"{ck.step_dir(root, 2)}: shardbridge.json cannot be read" in captured.out
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"shardbridge ckpt verify: error: checkpoint '{ck.step_dir(root, 2)}' is damaged"), line
+
+
 def test_export_refuses_a_non_empty_out_dir_unless_overwrite(capsys, saved, tmp_path):
     """Before: a user's config.json, index and shards were replaced silently (old shards left)."""
     out = tmp_path / "hf"

@@ -244,11 +244,12 @@ def _writer_group() -> Any:
         _STATE["group"], _STATE["group_of"] = None, world
         what = "creating the checkpoint writer's gloo group (every rank joins it at its first save(async_=True))"
         try:
-            _STATE["group"] = bounded(
-                lambda: dist.new_group(backend="gloo", timeout=timeout),
-                seconds=(timeout.total_seconds() if timeout is not None else 1800.0) + _GROUP_MARGIN_S,
-                what=what,
-            )
+            with _dist.foreign():  # a rendezvous of every rank, behind a gate ([Note: collective entry points])
+                _STATE["group"] = bounded(
+                    lambda: dist.new_group(backend="gloo", timeout=timeout),
+                    seconds=(timeout.total_seconds() if timeout is not None else 1800.0) + _GROUP_MARGIN_S,
+                    what=what,
+                )
         except RuntimeError as exc:
             if what in str(exc):
                 raise
@@ -315,6 +316,7 @@ def start_async(job: Any, write: Callable[[Any], None], optimizer: Any = None) -
     ``write`` runs ``job.pending`` first; ``optimizer.step()`` waits for it ([Note: background staging]).
     """
     group = _writer_group()
+    _dist.barrier(last=True)  # no writer starts unless every rank got here: [Note: collective entry points]
     handle = AsyncSave(job.final)
     handle._staged = job.pending.done
     rank, world_size = _dist.rank(), _dist.world_size()
@@ -329,7 +331,7 @@ def start_async(job: Any, write: Callable[[Any], None], optimizer: Any = None) -
     def run() -> None:
         try:
             # Rank and world fixed now: see using_group (a destroyed group fails, never shrinks to one rank).
-            with _dist.using_group(group, rank=rank, world_size=world_size):
+            with _dist.using_group(group, rank=rank, world_size=world_size), _dist.entry():
                 write(job)
         except BaseException as exc:  # noqa: BLE001 (kept for wait(), logged now)
             handle._error = _explained(exc, job.final, world_size)

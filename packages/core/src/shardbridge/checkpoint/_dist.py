@@ -10,6 +10,25 @@ if any rank failed, EVERY rank raises (the failing rank its own exception, the o
 naming the failing rank). DCP's own save/load do the same internally (``_DistWrapper``).
 Without an initialised process group (one process) these helpers are plain calls.
 
+[Note: collective entry points]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A step inside a round fails symmetrically; a rank that raises BETWEEN two collectives would
+still leave the others waiting in the next one until the process group times out (30 min by
+default; issue 38: rank 0 listed an unreachable S3 endpoint before ``load_latest``'s
+broadcast). So every verb that several ranks enter together runs inside :func:`entry`, and
+every collective of this module begins with a *gate*: the all-reduce of [Note: constant-size
+rounds] that asks "did any rank fail?" (a round's own all-reduce; one more before a plain
+transfer). A rank whose verb raises outside a round is taken by ``entry`` into the next gate
+as failed: the others learn it there and raise a copy naming it, the failing rank its own
+error. That gate is the others' next collective because every rank runs this module's
+collectives in the same order, and ``entry`` joins one only while the ranks will meet at one
+again: not after an error every rank raises, nor after a collective that itself failed, nor
+inside another library's collectives (:func:`foreign`: DCP's, behind a gate of their own), nor
+after a verb's last round (``last=True``). A verb that ends otherwise passes one closing gate,
+so no rank returns while another raises. Bound: every rank raises at its next gate after the
+failure (once its own current step ends), plus one gate (milliseconds), never the process
+group's timeout.
+
 The collectives run on the default group, or on the group :func:`using_group` sets for the
 calling thread: an asynchronous save's writer thread uses its own gloo group, so that its
 collectives never interleave with the training thread's (see [Note: async save] in
@@ -31,9 +50,10 @@ import torch.distributed as dist
 __all__ = [
     "all_gather",
     "barrier",
+    "entry",
+    "foreign",
     "gather_reduce",
     "broadcast_from_rank0",
-    "check_same_on_all_ranks",
     "group",
     "is_distributed",
     "on_all_ranks",
@@ -41,6 +61,7 @@ __all__ = [
     "rank",
     "replay",
     "summary",
+    "tell",
     "using_group",
     "world_size",
 ]
@@ -118,12 +139,19 @@ def _unpack(buf: torch.Tensor) -> Any:
 
 
 def all_gather(obj: Any, *, small: bool = False) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order (``[obj]`` in one process).
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` in one process), behind a gate.
 
     ``small``: the payloads are usually a few KB: one collective ([Note: one-collective rounds]).
     """
     if not is_distributed():
         return [obj]
+    with _round():
+        _gate(None)
+        return _all_gather(obj, small=small)
+
+
+def _all_gather(obj: Any, *, small: bool = False) -> list[Any]:
+    """:func:`all_gather` without its gate (inside a round, after the gate)."""
     if small and _cpu_collectives():
         buf = _pack(obj, _SMALL_GATHER_BYTES)
         bufs = [torch.empty_like(buf) for _ in range(world_size())]
@@ -155,7 +183,7 @@ def _broadcast(obj: Any) -> Any:
 
 
 # Exception types re-raised as themselves on the ranks that did not fail.
-_REPLAYED = (ValueError, NotImplementedError, FileExistsError, FileNotFoundError, PermissionError, OSError)
+_REPLAYED = (ValueError, TypeError, NotImplementedError, FileExistsError, FileNotFoundError, PermissionError, OSError)
 
 
 def is_distributed() -> bool:
@@ -182,10 +210,102 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def barrier() -> None:
-    """Barrier on the default group; a no-op in one process."""
+def barrier(*, last: bool = False) -> None:
+    """A gate on the checkpoint group (a barrier that raises on every rank if one joins it failed).
+
+    ``last``: as :func:`one_round`'s.
+    """
     if is_distributed():
-        dist.barrier(group=group())
+        with _round(last):
+            _gate(None)
+
+
+@contextmanager
+def entry() -> Iterator[None]:
+    """Run a verb several ranks enter together: an error on one rank raises on every rank.
+
+    See [Note: collective entry points]. Nested uses and one process: plain.
+    """
+    if getattr(_THREAD, "meet", None) is not None or not is_distributed():
+        yield
+        return
+    _THREAD.meet = True
+    try:
+        yield
+        if _THREAD.meet:  # the verb's last collective was not its last round: leave together
+            barrier()
+    except Exception as exc:
+        tell(exc)
+        raise
+    finally:
+        _THREAD.meet = None
+
+
+def tell(error: BaseException) -> None:
+    """Take this rank, failed with ``error`` outside a round, into the next gate now (once).
+
+    For cleanup that must wait until every rank knows (rank 0 deleting the files the others
+    may still be writing); :func:`entry` does it at the latest. See [Note: collective entry points].
+    """
+    if not getattr(_THREAD, "meet", None) or not isinstance(error, Exception):
+        return
+    _THREAD.meet = False  # the others are (or will be) in the next gate
+    try:
+        _gate(error)
+    except Exception as told:  # noqa: BLE001 (the rank's own error is what it raises)
+        if told is not error:
+            error.add_note(f"(telling the other ranks failed too: {type(told).__name__}: {told})")
+
+
+@contextmanager
+def foreign() -> Iterator[None]:
+    """Another library's collectives (DCP's) run inside the block, behind a gate; :func:`entry`
+    never joins a gate while they run (their own steps must be symmetric)."""
+    barrier()
+    meet = getattr(_THREAD, "meet", None)
+    if meet:
+        _THREAD.meet = False
+    yield
+    if meet:
+        _THREAD.meet = True
+
+
+@contextmanager
+def _round(last: bool = False) -> Iterator[None]:
+    """One collective of this module, for :func:`entry`: after an error (every rank raises, or the
+    collective itself failed), or after a verb's ``last`` round, the ranks meet at no gate again."""
+    try:
+        yield
+    except BaseException:
+        if getattr(_THREAD, "meet", None):
+            _THREAD.meet = False
+        raise
+    if last and getattr(_THREAD, "meet", None):
+        _THREAD.meet = False
+
+
+def _gate(error: BaseException | None) -> None:
+    """Every rank: raise on every rank if any rank failed (``error``: this rank's, raised again)."""
+    if _cpu_collectives():
+        if _status(error is not None, None, True)[0]:
+            _raise_failed(error)
+        return
+    # The first collective of one_round on such a group: (failure, shared, same, flag, accord)
+    _raise_any(error, [g[0] for g in _all_gather((None if error is None else summary(error), None, None, True, 0))])
+
+
+def _raise_failed(error: BaseException | None) -> None:
+    """After a gate that saw a failure: every rank's failure gathered, raised on every rank."""
+    _raise_any(error, _all_gather(None if error is None else summary(error), small=True))
+
+
+def _raise_any(error: BaseException | None, failures: list[Any]) -> None:
+    """Raise this rank's ``error``, else a copy of the failed ranks' (``failures``: a summary or None per rank)."""
+    if error is not None:
+        raise error
+    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
+    if failed:
+        raise replay(failed)
 
 
 def broadcast_from_rank0(obj: T, *, large: bool = False) -> T:
@@ -197,11 +317,13 @@ def broadcast_from_rank0(obj: T, *, large: bool = False) -> T:
     """
     if not is_distributed():
         return obj
-    if large:
-        box = [obj]
-        dist.broadcast_object_list(box, src=_rank0(), group=group())
-        return box[0]
-    return _broadcast(obj)
+    with _round():
+        _gate(None)
+        if large:
+            box = [obj]
+            dist.broadcast_object_list(box, src=_rank0(), group=group())
+            return box[0]
+        return _broadcast(obj)
 
 
 def on_all_ranks(fn: Callable[..., T], *args: Any, only_rank0: bool = False, **kwargs: Any) -> T | None:
@@ -225,6 +347,7 @@ def one_round(
     small: bool | None = None,
     all_of: Callable[[Any], bool] | None = None,
     agree: Callable[[Any], int] | None = None,
+    last: bool = False,
 ) -> Any:
     """:func:`on_all_ranks` with more riding on its one round.
 
@@ -238,8 +361,8 @@ def one_round(
         only_rank0: run ``fn`` on rank 0 only.
         result: "own" (this rank's result; None where ``fn`` did not run), "rank0" (rank 0's
             result, picklable, on every rank) or "all" (every rank's, in rank order).
-        same: ``(where, values)``: also raise on every rank, as :func:`check_same_on_all_ranks`
-            does, if these values differ between ranks (checked after ``fn``'s errors).
+        same: ``(where, values)``: also raise on every rank, naming both values, if these values
+            differ between ranks (checked after ``fn``'s errors).
         share: with ``result="own"``: return ``(own result, share(rank 0's result))``, the
             second picklable, on every rank; with ``result="all"``: return ``(own result,
             [share(each rank's result)])`` (a part of every rank's result, in rank order).
@@ -250,6 +373,7 @@ def one_round(
         agree: also return whether ``agree(result)`` (an int in [0, 2**62)) is the same on every
             rank: the return value becomes ``(what it would be, every_true, agreed)`` (every_true
             is True without ``all_of``).
+        last: the verb's last round ([Note: collective entry points]): nothing after it may fail.
 
     With ``result`` "own" or "rank0" on a gloo group the round is one all-reduce of a fixed
     few bytes (plus a broadcast of rank 0's shared value), whatever the world size; only when
@@ -257,17 +381,18 @@ def one_round(
     name them. See [Note: constant-size rounds].
     """
     assert result in ("own", "rank0", "all"), result
-    value: Any = None
-    error: BaseException | None = None
-    if not only_rank0 or rank() == 0:
-        try:
-            value = fn(*args, **(kwargs or {}))
-        except Exception as exc:  # noqa: BLE001 (re-raised below, on every rank)
-            if not is_distributed():
-                raise
-            error = exc
-    flag = error is None and (all_of is None or bool(all_of(value)))
-    accord = 0 if error is not None or agree is None else int(agree(value))
+
+    def step() -> tuple[Any, bool, int, Any]:  # everything this rank computes, under one try
+        value = fn(*args, **(kwargs or {})) if not only_rank0 or rank() == 0 else None
+        shared = None
+        if result == "all" or rank() == 0:
+            shared = share(value) if share is not None else value if result != "own" else None
+        return value, all_of is None or bool(all_of(value)), 0 if agree is None else int(agree(value)), shared
+
+    mine, error = _attempt(step)
+    if error is not None and not is_distributed():
+        raise error
+    value, flag, accord, shared = (None, False, 0, None) if mine is None else mine
 
     def out(answer: Any, every_true: bool, agreed: bool = True) -> Any:
         if agree is not None:
@@ -276,39 +401,34 @@ def one_round(
 
     if not is_distributed():
         if share is not None:
-            return out((value, ([share(value)] if result == "all" else share(value))), flag)
+            return out((value, [shared] if result == "all" else shared), flag)
         return out([value] if result == "all" else value, flag)
-    mine = None if same is None else {k: repr(v) for k, v in same[1].items()}
-    if result != "all" and _cpu_collectives():
-        ok, every_true, agreed = _status(error is not None, mine, flag, accord)
-        if ok:  # nobody failed, same arguments: rank 0's shared value is all that travels
-            if result == "rank0" or share is not None:
-                shared = _broadcast((value if result == "rank0" else share(value)) if rank() == 0 else None)
-                return out(shared if result == "rank0" else (value, shared), every_true, agreed)
-            return out(value, every_true, agreed)
-    # The replayed type: the error's own if listed, else the first listed base it has.
-    failure = None if error is None else summary(error)
-    shared = value if error is None and (result == "all" or (result == "rank0" and rank() == 0)) else None
-    if share is not None and error is None and (rank() == 0 or result == "all"):
-        shared = share(value)
-    if small is None:
-        small = result == "own" and share is None
-    gathered = all_gather((failure, shared, mine, flag, accord), small=small)
-    if error is not None:
-        raise error
-    failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
-    if failed:
-        raise replay(failed)
-    if same is not None:
-        _raise_if_different(same[0], [g[2] for g in gathered])
-    every_true = all(g[3] for g in gathered)
-    agreed = len({g[4] for g in gathered}) == 1
-    if result == "all":
-        every = [g[1] for g in gathered]
-        return out(every if share is None else (value, every), every_true, agreed)
-    if share is not None:
-        return out((value, gathered[0][1]), every_true, agreed)
-    return out(gathered[0][1] if result == "rank0" else value, every_true, agreed)
+    same_values = None if same is None else {k: repr(v) for k, v in same[1].items()}
+    with _round(last):
+        if _cpu_collectives():  # the gate: see [Note: collective entry points]
+            failed, same_ok, every_true, agreed = _status(error is not None, same_values, flag, accord)
+            if failed:
+                _raise_failed(error)
+            if same_ok and result != "all":  # nobody failed, same arguments: rank 0's shared value is all that travels
+                if result == "rank0" or share is not None:
+                    got = _broadcast(shared if rank() == 0 else None)
+                    return out(got if result == "rank0" else (value, got), every_true, agreed)
+                return out(value, every_true, agreed)
+        if small is None:
+            small = result == "own" and share is None
+        failure = None if error is None else summary(error)
+        gathered = _all_gather((failure, shared, same_values, flag, accord), small=small)
+        _raise_any(error, [g[0] for g in gathered])
+        if same is not None:
+            _raise_if_different(same[0], [g[2] for g in gathered])
+        every_true = all(g[3] for g in gathered)
+        agreed = len({g[4] for g in gathered}) == 1
+        if result == "all":
+            every = [g[1] for g in gathered]
+            return out(every if share is None else (value, every), every_true, agreed)
+        if share is not None:
+            return out((value, gathered[0][1]), every_true, agreed)
+        return out(gathered[0][1] if result == "rank0" else value, every_true, agreed)
 
 
 # [Note: constant-size rounds]
@@ -318,8 +438,8 @@ def one_round(
 # rank at 16,384 ranks). Only when a rank failed or the arguments differ, which every rank
 # then knows alike, do the ranks gather every rank's error or arguments, to name them: the
 # slow path is the error path. Measured by tools/bench/bench_scale.py (docs/benchmarks.md, "Scale").
-def _status(failed: bool, same: dict[str, str] | None, flag: bool, accord: int = 0) -> tuple[bool, bool, bool]:
-    """(nobody failed and ``same`` agrees everywhere, ``flag`` is true on every rank, ``accord``
+def _status(failed: bool, same: dict[str, str] | None, flag: bool, accord: int = 0) -> tuple[bool, bool, bool, bool]:
+    """(some rank failed, ``same`` agrees everywhere, ``flag`` is true on every rank, ``accord``
     is the same on every rank): one all-reduce."""
     digest = hashlib.blake2b(repr(sorted((same or {}).items())).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little") & ((1 << 62) - 1)
@@ -327,7 +447,7 @@ def _status(failed: bool, same: dict[str, str] | None, flag: bool, accord: int =
     status = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(status, op=dist.ReduceOp.MIN, group=group())
     first_failed, low, minus_high, every, low2, minus_high2 = (int(x) for x in status)
-    return first_failed == world_size() and low == -minus_high, every == 1, low2 == -minus_high2
+    return first_failed != world_size(), low == -minus_high, every == 1, low2 == -minus_high2
 
 
 def summary(error: BaseException) -> tuple[str, str, int | None]:
@@ -346,22 +466,30 @@ def replay(failed: list[tuple[int, tuple[str, str, int | None]]]) -> Exception:
     return error
 
 
-def gather_reduce(local: Callable[[], Any], reduce: Callable[[list[Any]], Any], *, small: bool = False) -> Any:
+def gather_reduce(
+    local: Callable[[], Any], reduce: Callable[[list[Any]], Any], *, small: bool = False, last: bool = False
+) -> Any:
     """``local()`` on every rank, ``reduce(every rank's value)`` on rank 0, its result on every rank.
 
-    DCP's "write" round, with [Note: symmetric errors]: two collectives whose payload grows
-    with the world size on rank 0 only (a gather, then a broadcast of the outcome), where
+    DCP's "write" round, with [Note: symmetric errors]: a gate (every rank's ``local`` failed or
+    not), then two collectives whose payload grows with the world size on rank 0 only (a
+    gather, then a broadcast of the outcome), where
     :func:`one_round`'s all-gather would send every rank's value to every rank. ``reduce``
     runs only when every ``local`` succeeded; any error is raised on every rank (its own on
     the rank that raised it). Without a process group: ``reduce([local()])``.
 
     ``small``: the values are usually under ``_SMALL_RECORDS_BYTES``: one fixed-size gather
-    ([Note: fixed-size gather]).
+    ([Note: fixed-size gather]). ``last``: as :func:`one_round`'s.
     """
     if not is_distributed():
         return reduce([local()])
     value, error = _attempt(local)
-    mine = (None if error is None else summary(error), value)
+    with _round(last):
+        _gate(error)  # see [Note: collective entry points]
+        return _gather_reduce((None, value), reduce, small=small)
+
+
+def _gather_reduce(mine: tuple[None, Any], reduce: Callable[[list[Any]], Any], *, small: bool) -> Any:
     parts: list[Any] | None = [None] * world_size() if rank() == 0 else None
     if small and _cpu_collectives():
         buf = _pack(mine, _SMALL_RECORDS_BYTES)
@@ -390,24 +518,17 @@ def gather_reduce(local: Callable[[], Any], reduce: Callable[[list[Any]], Any], 
     else:
         dist.gather_object(mine, parts, dst=_rank0(), group=group())
         kind, payload = _broadcast(_outcome(parts, reduce))
-    if error is not None:
-        raise error
     if kind == "failed":
         raise replay(payload)
     return payload
 
 
 def _outcome(parts: list[Any] | None, reduce: Callable[[list[Any]], Any]) -> Any:
-    """Rank 0: ("failed", [(rank, summary)]) or ("ok", reduce(values)); None on the other ranks."""
+    """Rank 0: ("failed", [(0, summary)]) or ("ok", reduce(values)); None on the other ranks."""
     if parts is None:
         return None
-    failed = [(r, p[0]) for r, p in enumerate(parts) if p[0] is not None]
-    if not failed:
-        result, error = _attempt(lambda: reduce([p[1] for p in parts]))
-        if error is None:
-            return ("ok", result)
-        failed = [(0, summary(error))]
-    return ("failed", failed)
+    result, error = _attempt(lambda: reduce([p[1] for p in parts]))
+    return ("ok", result) if error is None else ("failed", [(0, summary(error))])
 
 
 # [Note: fixed-size gather]
@@ -438,18 +559,6 @@ def _replay_name(error: BaseException) -> str:
     if type(error) in _REPLAYED:
         return type(error).__name__
     return next((t.__name__ for t in _REPLAYED if isinstance(error, t)), type(error).__name__)
-
-
-def check_same_on_all_ranks(where: str, values: dict[str, Any]) -> None:
-    """ValueError on every rank if any argument in ``values`` differs between ranks.
-
-    ``save(path=...)`` with a rank-dependent path (or step, extra ...) would otherwise commit
-    rank 0's value for everyone without a word. One ``all_gather_object`` of the values'
-    reprs; a no-op in one process.
-    """
-    if not is_distributed():
-        return
-    _raise_if_different(where, all_gather({k: repr(v) for k, v in values.items()}))
 
 
 def _raise_if_different(where: str, gathered: list[dict[str, str]]) -> None:

@@ -17,9 +17,13 @@ Memory stays near ONE tensor, whatever the model size:
   reader, which ``torch.load``s every box whole before copying it, is the fallback), then
   cast and written 8 MB at a time. The peak is the full tensor plus a few MB, whatever the
   shard size or the number of ranks that saved (``tools/bench/bench_export.py``).
-- A tied alias (see [Note: tied tensors] in ``_state.py``) is written only if the name map
-  gives it a name (``name_map=None`` keeps every name, so both are written); its bytes are
-  read from the entry it is stored under.
+- A tied tensor (see [Note: tied tensors] in ``_state.py``) is written once, under the name
+  it is stored under (the first in ``named_parameters`` order: ``model.embed_tokens.weight``,
+  not ``lm_head.weight``), as transformers' ``save_pretrained`` and safetensors' ``save_model``
+  write a tied model; ``from_pretrained`` of a config with ``tie_word_embeddings`` ties
+  ``lm_head.weight`` to it again (transformers 5.24: no missing key, the same logits). The
+  alias is written instead, read from the stored entry, only where the name map drops the
+  stored name and names the alias.
 
 Files are written under temporary names and renamed when complete; the index last.
 
@@ -311,7 +315,15 @@ def export_safetensors(
         for alias, record in manifest.layout.get("tensors", {}).items()
         if record.get("stored_as") == "tied" and f"{prefix}{record.get('tied_to')}" in keys
     }
-    tied = {alias: source for alias, source in tied.items() if alias not in metadata.state_dict_metadata}
+    # Once, under the stored name, or under the first alias the name map keeps: [Note: streaming export].
+    written = {k for k in keys if _resolve_name(name_map, k[len(prefix) :]) is not None}
+    once = {}
+    for alias, source in sorted(tied.items(), key=lambda item: natural_key(item[0])):
+        if alias not in metadata.state_dict_metadata and source not in written:
+            if _resolve_name(name_map, alias[len(prefix) :]) is not None:
+                once[alias] = source
+                written.add(source)
+    tied = once
     for key in sorted([*keys, *tied], key=natural_key):
         source = tied.get(key, key)
         md = metadata.state_dict_metadata[source]

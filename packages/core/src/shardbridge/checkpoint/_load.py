@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from shardbridge._compat import flatten_state_dict
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import settle
+from shardbridge.checkpoint._save import check_model_and_optimizer
 from shardbridge.checkpoint._verify import local_problems, merge_problems
 from shardbridge.checkpoint.derived import DerivedRecords, derive_load
 from shardbridge.checkpoint.state._chunks import LoadPlanner
@@ -117,9 +119,10 @@ def load(
         >>> state.step  # doctest: +SKIP
         100
     """
-    state = _load(
-        path, model=model, optimizer=optimizer, strict=strict, rng=rng, state_dicts=state_dicts, verify=verify
-    )
+    with _dist.entry():  # see [Note: collective entry points] in _dist.py
+        state = _load(
+            path, model=model, optimizer=optimizer, strict=strict, rng=rng, state_dicts=state_dicts, verify=verify
+        )
     assert state is not None
     return state
 
@@ -153,6 +156,7 @@ def _load(
         _open,
         (where if where is not None else path,),
         {
+            "model": model,
             "optimizer": optimizer,
             "strict": strict,
             "rng": rng,
@@ -199,9 +203,9 @@ def _load(
         _finish, stored, model=model, optimizer=optimizer, manifest=manifest, strict=strict, rng=rng, provider=state_dicts
     )
     if state_dicts is None:  # torch's set_state_dict of a sharded state dict: local copies only
-        _dist.on_all_ranks(lambda: finish(read()))
+        _dist.one_round(lambda: finish(read()), last=True)
     else:
-        _dist.on_all_ranks(finish, _dist.on_all_ranks(read))
+        _dist.one_round(finish, (_dist.on_all_ranks(read),), last=True)
     assert where is not None
     return TrainState(step=manifest.step, extra=manifest.extra, path=where.user, world_size=manifest.world_size)
 
@@ -225,6 +229,7 @@ def _where(path: Any) -> Location | None:
 def _open(
     path: Location | Any,
     *,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     strict: bool,
     rng: bool,
@@ -239,7 +244,7 @@ def _open(
     """
     _check_verify(verify)
     try:
-        checked, manifest = _check_args(path, optimizer=optimizer, strict=strict, rng=rng, provider=provider)
+        checked, manifest = _check_args(path, model=model, optimizer=optimizer, strict=strict, rng=rng, provider=provider)
     except _DamagedManifest as exc:
         if not skip_damaged:
             raise exc.error from None
@@ -282,7 +287,7 @@ def _read_state(
     elif metadata is None:  # rank 0 could not read it: every rank reads it, to raise the error
         metadata = read_metadata(path)
     _skip_absent_optim_state(state, metadata, manifest)
-    _check_compatible(path, state, metadata, strict=strict)
+    _check_compatible(path, state, metadata, strict=strict, manifest=manifest)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
@@ -325,53 +330,89 @@ def load_latest(
     rng: bool = True,
     state_dicts: StateDictProvider | None = None,
     verify: bool = True,
+    missing_ok: bool = False,
 ) -> TrainState | None:
-    """:func:`load` the newest intact checkpoint under ``root``; None (nothing loaded) if none.
+    """:func:`load` the newest intact checkpoint under ``root``; None (nothing loaded) if it holds none.
 
-    Rank 0 picks the directory (:func:`latest`: sizes checked) and every rank verifies its
-    checksums (``verify=True``); a checkpoint that fails is skipped with a warning and the
-    next older one is tried, then loaded.
+    Rank 0 picks the directory (:func:`latest`: sizes checked, damaged manifests skipped) and
+    every rank verifies its checksums (``verify=True``); a checkpoint that fails is skipped with
+    a warning and the next older one is tried, then loaded. An error on any rank (listing the
+    root, credentials, an unreachable endpoint) is raised on every rank
+    ([Note: collective entry points] in ``_dist.py``).
+
+    Args:
+        missing_ok: a ``root`` that does not exist returns None (a first run, e.g. on an object
+            store, where a root exists once something is saved under it); False (default) raises,
+            since a mistyped root would otherwise silently start training from scratch. An
+            existing root without checkpoints returns None either way.
 
     Raises:
-        ValueError: ``root`` holds checkpoints but every one is damaged (returning None
-            would silently restart training from scratch); the message says how to see why.
+        ValueError: ``root`` does not exist (without ``missing_ok``), is a file, or holds
+            checkpoints but every one is damaged (returning None would silently restart training
+            from scratch); the message says how to see why.
 
     Example:
-        >>> state = load_latest("/shared/ckpt", model=model, optimizer=opt)  # doctest: +SKIP
+        >>> state = load_latest("/shared/ckpt", model=model, optimizer=opt, missing_ok=True)  # doctest: +SKIP
         >>> start_step = 0 if state is None or state.step is None else state.step + 1  # doctest: +SKIP
     """
+    with _dist.entry():  # see [Note: collective entry points] in _dist.py
+        settle()  # see load
+        skip: set[str] = set()
+        while True:
+            # Arguments on every rank; rank 0 picks (a root's error raised on every rank), in one round.
+            path = _dist.one_round(
+                _pick,
+                (root, frozenset(skip)),
+                {"model": model, "optimizer": optimizer, "verify": verify, "missing_ok": missing_ok},
+                result="rank0",
+                same=("shardbridge.checkpoint.load_latest", {"root": str(root), "missing_ok": missing_ok}),
+            )
+            if path is None:
+                return None
+            # One load: a checkpoint that fails verification is skipped by every rank together.
+            state = _load(path, model=model, optimizer=optimizer, strict=strict, rng=rng, state_dicts=state_dicts,
+                          verify=verify, skip_damaged=verify)  # fmt: skip
+            if state is not None:
+                return state
+            skip.add(str(path))
+
+
+def _pick(
+    root: Any, skip: frozenset[str], *, model: Any, optimizer: Any, verify: Any, missing_ok: Any
+) -> Path | str | None:
+    """One round of :func:`load_latest`: the arguments checked; on rank 0, the checkpoint to try."""
+    check_model_and_optimizer(model, optimizer)
     _check_verify(verify)
-    settle()  # see load
-    skip: set[str] = set()
-    while True:
-        path = _dist.broadcast_from_rank0(newest(root, skip=frozenset(skip)) if _dist.rank() == 0 else None)
-        if path is None:
-            _dist.on_all_ranks(_refuse_all_damaged, root, only_rank0=True)
-            return None
-        # One load: a checkpoint that fails verification is skipped by every rank together.
-        state = _load(
-            path,
-            model=model,
-            optimizer=optimizer,
-            strict=strict,
-            rng=rng,
-            state_dicts=state_dicts,
-            verify=verify,
-            skip_damaged=verify,
-        )
-        if state is not None:
-            return state
-        skip.add(str(path))
-
-
-def _refuse_all_damaged(root: str | os.PathLike[str]) -> None:
-    """No intact checkpoint under ``root``: fine if there is none at all, an error if all are damaged.
-
-    Returning None would restart training from scratch (and later saves would bury the damaged
-    checkpoints) although the user has checkpoints: that is data loss, so it is refused.
-    """
+    if not isinstance(missing_ok, bool):
+        raise ValueError(f"missing_ok={missing_ok!r} must be True or False")
+    if _dist.rank() != 0:
+        return None
     where = locate(root, what="root")
+    path = newest(where, skip=skip)
+    if path is None:
+        _nothing_to_load(where, missing_ok=missing_ok)
+    return path
+
+
+def _nothing_to_load(where: Location, *, missing_ok: bool) -> None:
+    """No intact checkpoint under the root: fine for an existing root without any, else an error.
+
+    A root that does not exist is refused unless ``missing_ok`` (a mistyped root must not start
+    training from scratch); one whose checkpoints are all damaged is refused (returning None
+    would restart training from scratch, and later saves would bury the damaged checkpoints).
+    """
     backend = where.backend
+    kind = backend.kind(where.path)
+    if kind == "file":
+        raise ValueError(f"checkpoint root {str(where)!r} is a file; pass the folder holding the step-* checkpoints")
+    if kind == "missing":
+        if missing_ok:
+            return
+        raise ValueError(
+            f"checkpoint root {str(where)!r} does not exist, so there is nothing to resume from; check the path (a "
+            "mistyped root would start training from scratch), or pass missing_ok=True where a first run may start "
+            "without checkpoints"
+        )
     saved = sorted(
         backend.display_name(c)
         for c in backend.candidates(where.path)
@@ -380,8 +421,8 @@ def _refuse_all_damaged(root: str | os.PathLike[str]) -> None:
     if saved:
         shown = ", ".join(saved[-5:]) + (f" and {len(saved) - 5} more" if len(saved) > 5 else "")
         raise ValueError(
-            f"every checkpoint under {str(root)!r} is damaged ({shown}); nothing was loaded. See what is wrong with "
-            f"`shardbridge ckpt verify {root}`; restore the files, or move the checkpoints away to start from scratch"
+            f"every checkpoint under {str(where)!r} is damaged ({shown}); nothing was loaded. See what is wrong with "
+            f"`shardbridge ckpt verify {where}`; restore the files, or move the checkpoints away to start from scratch"
         )
 
 
@@ -393,12 +434,14 @@ def _check_verify(verify: bool) -> None:
 def _check_args(
     path: Location | Any,
     *,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     strict: bool,
     rng: bool,
     provider: StateDictProvider | None,
 ) -> tuple[Stored, Manifest]:
-    """ValueError for a bad argument of :func:`load`; the checkpoint and its validated manifest."""
+    """TypeError / ValueError for a bad argument of :func:`load`; the checkpoint and its validated manifest."""
+    check_model_and_optimizer(model, optimizer)
     if not isinstance(path, (str, os.PathLike, Location)):
         raise ValueError(f"path={path!r} must be a checkpoint directory (str or os.PathLike) or URI")
     for name, value in (("strict", strict), ("rng", rng)):
@@ -416,6 +459,26 @@ def _check_args(
             "pass optimizer=None to load the model only"
         )
     return path, manifest
+
+
+def _describe_model(sizes: dict[str, Any], manifest: Manifest | None = None) -> str:
+    """A model told by its tensors (and, for a checkpoint, what its manifest records): whose checkpoint it is."""
+    modules: dict[str, int] = {}
+    for key in sizes:
+        top = key.split(".")[1] if key.count(".") > 1 else key.partition(".")[2]
+        modules[top] = modules.get(top, 0) + 1
+    shown = ", ".join(f"{m} ({n} tensors)" if n > 1 else m for m, n in list(modules.items())[:_MAX_NAMES])
+    more = f" and {len(modules) - _MAX_NAMES} more" if len(modules) > _MAX_NAMES else ""
+    text = f"{sum(math.prod(s) for s in sizes.values()):,} parameters in {len(sizes)} tensors (top-level modules {shown}{more})"
+    if manifest is None:
+        return text
+    export = manifest.extra.get("export")
+    files = export.get("files") if isinstance(export, dict) else None
+    config = files.get("config.json") if isinstance(files, dict) else None
+    architecture = config.get("architectures") if isinstance(config, dict) else None
+    if isinstance(architecture, list) and architecture:
+        text = f"a {architecture[0]} of {text}"
+    return f"{text}, saved at step {manifest.step} by {manifest.world_size} rank(s)"
 
 
 def _names(keys: list[str]) -> str:
@@ -440,8 +503,10 @@ def _skip_absent_optim_state(state: PortableState, metadata: Metadata, manifest:
     drop_optim_entries(state, sorted(o for o in owners if o not in saved and o in recorded))
 
 
-def _check_compatible(path: Path, state: PortableState, metadata: Metadata, *, strict: bool) -> None:
-    """ValueError naming missing / unexpected keys and shape mismatches before DCP runs."""
+def _check_compatible(
+    path: Path, state: PortableState, metadata: Metadata, *, strict: bool, manifest: Manifest | None = None
+) -> None:
+    """ValueError naming missing / unexpected keys (and what saved the checkpoint) and shape mismatches before DCP runs."""
     saved = metadata.state_dict_metadata
     ours, _ = flatten_state_dict(state.dcp_state)
     tops = tuple(f"{top}." for top in state.dcp_state)
@@ -462,6 +527,9 @@ def _check_compatible(path: Path, state: PortableState, metadata: Metadata, *, s
                 "the checkpoint's manifest records as saved without state (layout.optim_state_absent); otherwise "
                 "the state was lost after the save"
             )
+        saved_model = {k: md.size for k, md in saved.items() if k.startswith(f"{MODEL_KEY}.") and hasattr(md, "size")}
+        this_model = {k: v.size() for k, v in ours.items() if k.startswith(f"{MODEL_KEY}.") and callable(getattr(v, "size", None))}
+        parts.append(f"the checkpoint holds {_describe_model(saved_model, manifest)}; this model has {_describe_model(this_model)}")
         raise ValueError(
             f"checkpoint {str(path)!r} does not fit this model: {'; '.join(parts)}. Build the model the "
             "checkpoint was saved from (same architecture, module names and fused specs; "

@@ -79,13 +79,14 @@ class DCPSave:
         planner = SavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = f"shardbridge:{_key()}"  # DCP caches plans per key, process-wide
         try:
-            dcp.save(
-                dcp_state,
-                storage_writer=writer,
-                planner=planner,
-                process_group=_dist.group(),
-                no_dist=not _dist.is_distributed(),
-            )
+            with _dist.foreign():  # DCP's own rounds: see [Note: collective entry points] in _dist.py
+                dcp.save(
+                    dcp_state,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=_dist.group(),
+                    no_dist=not _dist.is_distributed(),
+                )
         except CheckpointException as exc:
             raise _symmetric(exc) from None
 

@@ -164,70 +164,73 @@ def save(
         ...                async_=True)  # doctest: +SKIP
         >>> pending.wait()  # doctest: +SKIP
     """
-    where = locate(path)
-    if not isinstance(async_, bool):
-        raise ValueError(f"async_={async_!r} must be True (write in the background) or False")
-    if if_busy not in ("wait", "error"):
-        raise ValueError(f"if_busy={if_busy!r} must be 'wait' (for the save in flight) or 'error'")
-    # 0. At most one save in flight; the previous one's error surfaces here.
-    finish_previous(if_busy)
-    rank, world_size = _dist.rank(), _dist.world_size()
-    protocol = _protocol_of(protocol)
-    # 1. Arguments checked, the portable state built (layouts checked, fused params split,
-    # FP8 made plain) and, for async_, staged to host memory: one round in which every rank
-    # also compares its arguments. See [Note: symmetric errors] in _dist.py.
-    same = {"path": str(path), "step": step, "extra": {} if extra is None else extra, "overwrite": overwrite,
-            "on_bad_layout": on_bad_layout, "optimizer": optimizer is not None, "parallel_dims": parallel_dims,
-            "async_": async_, "protocol": protocol.name}  # fmt: skip
-    # 2. In the same round, rank 0 begins the save on the backend (recovery, checks, the
-    # temporary location: undone below if another rank failed) and every rank learns where to
-    # write; the protocol's local step rides along ([Note: save protocols] in _protocol.py).
-    begun: list[Target] = []
-    try:
-        (prepared, target), _, agreed = _dist.one_round(
-            _prepare,
-            (model, optimizer),
-            {
-                "step": step,
-                "extra": extra,
-                "parallel_dims": parallel_dims,
-                "provider": state_dicts,
-                "on_bad_layout": on_bad_layout,
-                "log": rank == 0,
-                "stage": async_,
-                "protocol": protocol,
-                "begin": (where, overwrite, begun) if rank == 0 else None,
-            },
-            same=("shardbridge.checkpoint.save", same),
-            share=lambda mine: mine.target,  # rank 0's
-            agree=lambda mine: protocol.digest(mine.local),  # see [Note: the derived protocol]
+    with _dist.entry():  # an error on any rank, anywhere, raises on every rank: [Note: collective entry points]
+        where = locate(path)
+        if not isinstance(async_, bool):
+            raise ValueError(f"async_={async_!r} must be True (write in the background) or False")
+        if if_busy not in ("wait", "error"):
+            raise ValueError(f"if_busy={if_busy!r} must be 'wait' (for the save in flight) or 'error'")
+        # 0. At most one save in flight; the previous one's error surfaces here.
+        finish_previous(if_busy)
+        rank = _dist.rank()
+        protocol = _protocol_of(protocol)
+        # 1. Arguments checked, the portable state built (layouts checked, fused params split,
+        # FP8 made plain) and, for async_, staged to host memory: one round in which every rank
+        # also compares its arguments. See [Note: symmetric errors] in _dist.py.
+        same = {"path": str(path), "step": step, "extra": {} if extra is None else extra, "overwrite": overwrite,
+                "on_bad_layout": on_bad_layout, "optimizer": optimizer is not None, "parallel_dims": parallel_dims,
+                "async_": async_, "protocol": protocol.name}  # fmt: skip
+        # 2. In the same round, rank 0 begins the save on the backend (recovery, checks, the
+        # temporary location: undone below if another rank failed) and every rank learns where to
+        # write; the protocol's local step rides along ([Note: save protocols] in _protocol.py).
+        begun: list[Target] = []
+        try:
+            (prepared, target), _, agreed = _dist.one_round(
+                _prepare,
+                (model, optimizer),
+                {
+                    "step": step,
+                    "extra": extra,
+                    "parallel_dims": parallel_dims,
+                    "provider": state_dicts,
+                    "on_bad_layout": on_bad_layout,
+                    "log": rank == 0,
+                    "stage": async_,
+                    "protocol": protocol,
+                    "begin": (where, overwrite, begun) if rank == 0 else None,
+                },
+                same=("shardbridge.checkpoint.save", same),
+                share=lambda mine: mine.target,  # rank 0's
+                agree=lambda mine: protocol.digest(mine.local),  # see [Note: the derived protocol]
+            )
+        except BaseException as exc:
+            _dist.tell(exc)
+            for target in begun:
+                where.backend.abandon(target)  # see [Note: atomic commit]
+            raise
+        state, snapshot = prepared.state, prepared.snapshot
+        job = SaveJob(
+            where=where,
+            target=target,
+            dcp_state=state.dcp_state if snapshot is None else snapshot,
+            rng=prepared.rng,
+            manifest=prepared.manifest,
+            protocol=protocol,
+            local=prepared.local,
+            derived=agreed and protocol.digest(prepared.local) != 0,
+            pending=prepared.pending,
         )
-    except BaseException:
-        for target in begun:
-            where.backend.abandon(target)  # see [Note: atomic commit]
-        raise
-    state, snapshot = prepared.state, prepared.snapshot
-    job = SaveJob(
-        where=where,
-        target=target,
-        dcp_state=state.dcp_state if snapshot is None else snapshot,
-        rng=rng_bytes(rng_states()),
-        manifest=_manifest(state, step=step, extra=prepared.extra, world_size=world_size, parallel_dims=parallel_dims),
-        protocol=protocol,
-        local=prepared.local,
-        derived=agreed and protocol.digest(prepared.local) != 0,
-        pending=prepared.pending,
-    )
-    del state, snapshot, prepared
-    if not async_:
-        write_and_commit(job)
-        return where.user
-    try:
-        return start_async(job, write_and_commit, optimizer)
-    except BaseException:
-        if rank == 0:
-            where.backend.abandon(job.target)
-        raise
+        del state, snapshot, prepared
+        if not async_:
+            write_and_commit(job)
+            return where.user
+        try:
+            return start_async(job, write_and_commit, optimizer)
+        except BaseException as exc:
+            _dist.tell(exc)
+            if rank == 0:
+                where.backend.abandon(job.target)
+            raise
 
 
 @dataclass
@@ -288,25 +291,13 @@ def write_and_commit(job: SaveJob) -> None:
     )
     try:
         if job.pending is not None:
-            _finish_staging(job.pending)
+            job.pending.run()  # a failure reaches every rank as any other: [Note: collective entry points]
         job.protocol.save(job.dcp_state, writer, job.local, job.derived)
-    except BaseException:
+    except BaseException as exc:
+        _dist.tell(exc)  # every rank knows before rank 0 deletes what the others may still be writing
         if rank == 0:
             backend.abandon(target)  # see [Note: atomic commit], [Note: object-store commit]
         raise
-
-
-def _finish_staging(pending: Pending) -> None:
-    """The copies left to the writer, then one round: a rank whose copy failed fails every rank."""
-    problem = None
-    try:
-        pending.run()
-    except RuntimeError as exc:
-        problem = str(exc)
-    failed = [(r, p) for r, p in enumerate(_dist.all_gather(problem)) if p is not None]
-    if failed:
-        rank, problem = failed[0]
-        raise RuntimeError(f"rank {rank}: {problem}")
 
 
 def _prepare(
@@ -324,24 +315,29 @@ def _prepare(
     begin: tuple[Location, bool, list[Target]] | None,
 ) -> _Prepared:
     """Steps 1-2 of :func:`save` on one rank; rank 0 (``begin``) also begins the save on the backend."""
-    extra = _check_args(step=step, extra=extra, parallel_dims=parallel_dims, provider=provider)
+    extra = _check_args(
+        model=model, optimizer=optimizer, step=step, extra=extra, parallel_dims=parallel_dims, provider=provider
+    )
     state = build_portable_state(model, optimizer, on_bad_layout=on_bad_layout, log=log, provider=provider)
     snapshot, pending = stage_state(state.dcp_state, optimizer) if stage else (None, None)
     local = protocol.local(state.dcp_state if snapshot is None else snapshot)
+    manifest = _manifest(state, step=step, extra=extra, world_size=_dist.world_size(), parallel_dims=parallel_dims)
+    rng = rng_bytes(rng_states())
     target = None
     if begin is not None:
         where, overwrite, begun = begin
         target = where.backend.begin(where.path, overwrite=overwrite)
         begun.append(target)
-    return _Prepared(extra, state, snapshot, local, target, pending)
+    return _Prepared(state, snapshot, local, manifest, rng, target, pending)
 
 
 @dataclass
 class _Prepared:
-    extra: dict[str, Any]
     state: PortableState
     snapshot: dict[str, Any] | None
     local: Any
+    manifest: Manifest
+    rng: bytes
     target: Target | None
     pending: Pending | None
 
@@ -357,14 +353,35 @@ def _protocol_of(protocol: str | SaveProtocol) -> SaveProtocol:
     return protocol
 
 
+def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    """TypeError naming the parameter unless ``model`` is a module and ``optimizer`` an optimizer or None.
+
+    Checked before anything uses them (torch's ``get_state_dict`` would raise an AttributeError
+    from deep inside for swapped arguments)."""
+    swapped = isinstance(model, torch.optim.Optimizer) and isinstance(optimizer, nn.Module)
+    hint = "; model and optimizer look swapped: pass model=<the nn.Module>, optimizer=<its optimizer>" if swapped else ""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {_type_name(model)}{hint}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {_type_name(optimizer)}{hint}")
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _check_args(
     *,
+    model: Any,
+    optimizer: Any,
     step: int | None,
     extra: dict[str, Any] | None,
     parallel_dims: ParallelDims | None,
     provider: StateDictProvider | None,
 ) -> dict[str, Any]:
-    """ValueError for a bad argument of :func:`save`; returns ``extra`` ({} for None)."""
+    """TypeError / ValueError for a bad argument of :func:`save`; returns ``extra`` ({} for None)."""
+    check_model_and_optimizer(model, optimizer)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step={step!r} must be an int >= 0 or None")
     extra = {} if extra is None else extra

@@ -283,6 +283,8 @@ def _run_ckpt_inspect(args: argparse.Namespace) -> int:
 def _run_ckpt_verify(args: argparse.Namespace) -> int:
     """Exit 0 when every file matches; else ValueError (exit 2) naming the first bad file."""
     from shardbridge import checkpoint
+    from shardbridge.checkpoint.storage._catalog import about_the_store
+    from shardbridge.cli._errors import one_line
 
     path = args.path
     is_checkpoint, found = _checkpoints_in(path)
@@ -292,15 +294,23 @@ def _run_ckpt_verify(args: argparse.Namespace) -> int:
         paths = [path]  # verify names what is wrong with it (missing, a file, no manifest ...)
     else:
         raise ValueError(f"{path} is neither a shardbridge checkpoint nor a folder holding committed ones")
-    bad = []
+    bad: list[tuple[str, str]] = []  # (checkpoint, its first problem)
     for one in paths:
-        report = checkpoint.verify(one, checksums=not args.sizes_only)
+        try:
+            report = checkpoint.verify(one, checksums=not args.sizes_only)
+        except Exception as exc:  # a root's checkpoint: one damaged manifest must not hide the others
+            if paths is not found or about_the_store(exc):
+                raise
+            problem = f"shardbridge.json cannot be read: {one_line(exc if isinstance(exc, ValueError) else repr(exc))}"
+            print(f"{one}: {problem}")
+            bad.append((one, problem))
+            continue
         print(report)
         if not report.ok:
-            bad.append(report)
+            bad.append((str(report.path), report.describe(report.problems[0])))
     if bad:
         more = f" ({len(bad) - 1} more damaged checkpoint(s) listed above)" if len(bad) > 1 else ""
-        raise ValueError(f"checkpoint {str(bad[0].path)!r} is damaged: {bad[0].describe(bad[0].problems[0])}{more}")
+        raise ValueError(f"checkpoint {bad[0][0]!r} is damaged: {bad[0][1]}{more}")
     return 0
 
 

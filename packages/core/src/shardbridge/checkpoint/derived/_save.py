@@ -15,7 +15,8 @@ The default save protocol ([Note: save protocols] in ``checkpoint/_protocol.py``
    every rank's storage records, checks every file's size against them, writes ``.metadata``
    as a stream ([Note: streamed .metadata]) and commits; the outcome is broadcast.
 
-Rounds per save: 4 collectives whatever the world size; bytes received per rank other than 0:
+Rounds per save: 5 collectives whatever the world size (the write round opens with a gate:
+[Note: collective entry points] in ``checkpoint/_dist.py``); bytes received per rank other than 0:
 constant; rank 0 receives world x (one fixed-size message). Rank 0's work is the distinct boxes
 ``.metadata`` must list (tensor operations per entry, no Python object per box).
 
@@ -283,7 +284,7 @@ class DerivedSave:
                 recipe = describe(entries, local.digest, state["bytes_lengths"], threads, min_file_bytes, derivation)
             writer.finish_stream(head, names, groups, [part[0] for part in parts], derived=recipe)
 
-        _dist.gather_reduce(write, finish, small=True)
+        _dist.gather_reduce(write, finish, small=True, last=True)  # the save's last round
 
 
 def _writes(item: Any, entries: dict[str, Entry], rank: int) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 from shardbridge.checkpoint.storage._integrity import check_files, describe_problem
 from shardbridge.checkpoint.storage._location import Location, check_uri, locate, open_checkpoint
 
-__all__ = ["latest", "newest", "step_dir"]
+__all__ = ["about_the_store", "latest", "newest", "step_dir"]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
@@ -37,12 +37,15 @@ def newest(root: str | os.PathLike[str] | Location, *, skip: frozenset[str] = fr
     """:func:`latest`, passing over the checkpoints in ``skip`` (as :func:`latest` names them)."""
     where = locate(root, what="root")
     found = []
-    for path in where.backend.candidates(where.path):
+    for path in where.backend.candidates(where.path):  # an error listing the root is raised
         try:
             stored, manifest = open_checkpoint(where.at(path))
-        except ValueError as exc:
-            if "no shardbridge.json" not in str(exc) and "does not exist" not in str(exc):
-                logger.warning("shardbridge.checkpoint: skipping %s: %s", where.named(path), exc)
+        except Exception as exc:  # noqa: BLE001 (one damaged checkpoint must not hide the others)
+            if about_the_store(exc):
+                raise
+            text = str(exc) if isinstance(exc, ValueError) else f"damaged manifest: {type(exc).__name__}: {exc!s:.200}"
+            if "no shardbridge.json" not in text and "does not exist" not in text:
+                logger.warning("shardbridge.checkpoint: skipping %s: %s", where.named(path), text)
             continue
         step = manifest.step if manifest.step is not None else -1
         found.append(((step, where.backend.display_name(path)), stored, manifest))
@@ -63,13 +66,34 @@ def newest(root: str | os.PathLike[str] | Location, *, skip: frozenset[str] = fr
     return None
 
 
+_CONTENT_ERRORS = (ValueError, LookupError, TypeError, AttributeError, ArithmeticError, RecursionError, MemoryError)
+"""What a manifest's content can make its reader raise (JSON nested 100,000 deep: RecursionError)."""
+
+
+def about_the_store(error: BaseException) -> bool:
+    """Whether reading one checkpoint's manifest failed because of the store, not of that checkpoint.
+
+    [Note: one damaged checkpoint]
+    ``latest`` and the verbs on a root skip a checkpoint whose manifest cannot be read (any
+    error its content causes) and fall back to the previous one, but an error of the store
+    itself (permission, credentials, an unreachable endpoint, a timeout: an ``OSError``, or a
+    client's own exception) is raised: skipping it would load an older checkpoint, or none,
+    without a word. A manifest that vanished meanwhile
+    (``FileNotFoundError``) is skipped.
+    """
+    if isinstance(error, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return False
+    return isinstance(error, OSError) or not isinstance(error, _CONTENT_ERRORS)
+
+
 def latest(root: str | os.PathLike[str]) -> Path | str | None:
     """The newest complete checkpoint under ``root`` (a directory or a URI), or None.
 
     Considers the immediate subdirectories (prefixes) of ``root`` whose name does not start
     with "." and whose ``shardbridge.json`` is complete and valid; picks the highest recorded
     step (checkpoints saved with ``step=None`` count as -1), then the greatest name. Skipped with
-    a warning: a damaged manifest, a recorded file that is missing or has another size, a
+    a warning: a manifest that cannot be read for what it holds (any error but the store's,
+    [Note: one damaged checkpoint]), a recorded file that is missing or has another size, a
     file the manifest does not record. Checksums are not read here (that would read every
     byte of every candidate); ``load`` verifies them and ``load_latest`` falls back to the next
     older checkpoint. On local disk a checkpoint left hidden by a crash is restored first

@@ -150,6 +150,8 @@ def _save_error(where: str, rank: int, cause: BaseException, data_dir: Path | No
         reason = os.strerror(code) if code == errno.ENOSPC else "a write came up short (disk quota or file size limit?)"
     elif code is not None:
         reason = os.strerror(code)
+        if code == errno.EIO and getattr(cause, "strerror", None):  # a client's own cause (botocore's, ...)
+            reason = str(cause.strerror).strip().splitlines()[0]
     else:
         return RuntimeError(f"{where} writing {files}: {_first_line(cause)}")
     filename = getattr(cause, "filename", None)
