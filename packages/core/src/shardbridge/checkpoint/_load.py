@@ -14,13 +14,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
-from shardbridge._compat import flatten_state_dict
+from shardbridge._compat import dcp_set_element, flatten_state_dict
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import settle
-from shardbridge.checkpoint._verify import local_problems, merge_problems
+from shardbridge.checkpoint._verify import hash_share, local_problems, merge_problems
 from shardbridge.checkpoint.derived import DerivedRecords, derive_load
-from shardbridge.checkpoint.state._chunks import LoadPlanner
+from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint.state._rng import restore_rng
 from shardbridge.checkpoint.state._state import (
@@ -38,7 +39,7 @@ from shardbridge.checkpoint.storage._catalog import newest
 from shardbridge.checkpoint.storage._errors import dcp_errors
 from shardbridge.checkpoint.storage._integrity import FileProblem, damage_message
 from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
-from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
+from shardbridge.checkpoint.storage._manifest import FILES_SINCE_VERSION, MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
 from shardbridge.checkpoint.storage._reader import TrustedReader
 from shardbridge.checkpoint.storage._trust import raise_untrusted, read_metadata
 
@@ -191,19 +192,53 @@ def _load(
     # (a load plan needs no coordination), and hands the state to the model; errors are made
     # symmetric by on_all_ranks. A provider's hand-over may hold collectives: it gets a round
     # of its own, so that no rank enters it while another failed reading.
+    # With verify, the checksums are computed while the files are read ([Note: verifying while
+    # reading] in storage/_reader.py): the ranks agree on them before any value reaches the model.
+    hashes = verify and manifest.format_version >= FILES_SINCE_VERSION
     read = functools.partial(
         _read_state, stored, manifest, metadata, model, optimizer,
-        strict=strict, provider=state_dicts, identity=identity, records=records,
+        strict=strict, provider=state_dicts, identity=identity, records=records, verify=hashes,
     )  # fmt: skip
     finish = functools.partial(
         _finish, stored, model=model, optimizer=optimizer, manifest=manifest, strict=strict, rng=rng, provider=state_dicts
     )
-    if state_dicts is None:  # torch's set_state_dict of a sharded state dict: local copies only
-        _dist.on_all_ranks(lambda: finish(read()))
+    if not hashes and state_dicts is None:  # torch's set_state_dict of a sharded state dict: local copies only
+        _dist.on_all_ranks(lambda: finish(read()[0]))
     else:
-        _dist.on_all_ranks(finish, _dist.on_all_ranks(read))
+        (state, problems, error), clean = _dist.one_round(read, all_of=lambda out: not out[1] and out[2] is None)
+        if not clean and _refused(stored, problems, error, skip_damaged=skip_damaged):
+            return None
+        _dist.on_all_ranks(finish, state)
     assert where is not None
     return TrainState(step=manifest.step, extra=manifest.extra, path=where.user, world_size=manifest.world_size)
+
+
+_OVERWRITTEN = (
+    " Its bytes were read into the model's and optimizer's tensors in place while the checksums were computed: "
+    "load an intact checkpoint into them before using them"
+)
+
+
+def _refused(stored: Stored, problems: list[FileProblem], error: BaseException | None, *, skip_damaged: bool) -> bool:
+    """After a read round that was not clean on every rank: True to skip a damaged checkpoint, else raise.
+
+    Damage found by any rank's checksums wins over a read error (a damaged record may fail to parse
+    on a rank that does not hash its file); else the read error is raised on every rank."""
+    gathered = _dist.all_gather((problems, None if error is None else _dist.summary(error)), small=True)
+    problems = merge_problems([g[0] for g in gathered])
+    if problems and skip_damaged:
+        if _dist.rank() == 0:
+            logger.warning(
+                "shardbridge.checkpoint: skipping %s: %s; trying the next older checkpoint",
+                stored,
+                f"{stored.where(problems[0].name)}: {problems[0].problem}",
+            )
+        return True
+    if problems:
+        raise ValueError(damage_message(stored, problems) + "." + _OVERWRITTEN)
+    if error is not None:
+        raise error
+    raise _dist.replay([(r, g[1]) for r, g in enumerate(gathered) if g[1] is not None])
 
 
 def _read_metadata_or_none(stored: Stored) -> Metadata | None:
@@ -246,7 +281,7 @@ def _open(
         return exc.stored, None, ([FileProblem(MANIFEST_NAME, str(exc.error))], None), None
     derived = derive_load(manifest.layout, manifest.world_size, manifest.files) if manifest.files else None
     rank0 = None if derived is not None else lambda: read_metadata(checked)
-    local = local_problems(checked, manifest, checksums=verify, rank0=rank0)
+    local = local_problems(checked, manifest, rank0=rank0)
     return checked, manifest, local, derived
 
 
@@ -269,35 +304,61 @@ def _read_state(
     provider: StateDictProvider | None,
     identity: Any = None,
     records: DerivedRecords | None = None,
-) -> PortableState:
+    verify: bool = False,
+) -> tuple[PortableState, list[FileProblem], Exception | None]:
     """This rank's part of :func:`load`: build the portable state, check it fits, read into it.
 
-    ``records``: every storage record, derived ([Note: derived loads]); ``metadata`` is then unused."""
+    ``records``: every storage record, derived ([Note: derived loads]); ``metadata`` is then unused.
+    ``verify``: hash this rank's share of the files while reading ([Note: verifying while reading]);
+    returns ``(state, the files whose checksum failed, the read's error)``, the error left to the
+    caller (a damaged file another rank hashes may be what it comes from). Without ``verify`` a
+    read error is raised."""
     state = build_portable_state(model, optimizer, on_bad_layout="repair", log=False, provider=provider, for_load=True)
     if manifest.format_version < 2:
         unpack_param_groups(state)  # format 1 stored each param_groups entry alone
+    # Each DTensor's box computed once, for the narrowing below and for DCP's planner alike.
+    flat, mapping = flatten_state_dict(state.dcp_state)
+    local = {key: _boxed(value) for key, value in flat.items()}
     # No code runs from the checkpoint's files: see [Note: untrusted checkpoints] in _trust.py.
     if records is not None:  # the saved boxes this rank's boxes overlap, and their records
-        metadata = records.metadata(local=flatten_state_dict(state.dcp_state)[0])
+        metadata = records.metadata(local=local)
     elif metadata is None:  # rank 0 could not read it: every rank reads it, to raise the error
         metadata = read_metadata(path)
     _skip_absent_optim_state(state, metadata, manifest)
     _check_compatible(path, state, metadata, strict=strict)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
-            dcp.load(
-                state.dcp_state,
-                storage_reader=TrustedReader(path, metadata),
-                planner=LoadPlanner(allow_partial_load=not strict),
-                no_dist=True,
-            )
+    flat = flatten_state_dict(state.dcp_state)[0]  # without the entries skipped above
+    local = {key: local[key] for key in flat}
+    share = hash_share(manifest.files, _dist.rank(), _dist.world_size()) if verify else None
+    reader = TrustedReader(path, metadata, verify=share)
+    error = None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
+                dcp.load(local, storage_reader=reader, planner=LoadPlanner(allow_partial_load=not strict), no_dist=True)
+    except Exception as exc:  # noqa: BLE001 (raised by the caller once the checksums are agreed on)
+        if not verify:
+            raise
+        error = exc
+    for key, value in local.items():  # bytes items: DCP replaced them in ``local``
+        if value is not flat[key] and not isinstance(value, LocalChunks):
+            dcp_set_element(state.dcp_state, mapping[key], value)
     if identity is not None and path.backend.identity(path.path) != identity:
         raise ValueError(
             f"checkpoint {str(path)!r} was replaced while it was being loaded (a save with overwrite=True, by "
             "this job or another, committed a new version); what was read may mix both versions: load it again"
         )
-    return state
+    return state, reader.problems, error
+
+
+def _boxed(value: Any) -> Any:
+    """A DTensor on this rank's mesh as :class:`LocalChunks` of its one box (DCP's own description of it)."""
+    if not isinstance(value, DTensor) or value.device_mesh.get_coordinate() is None:
+        return value
+    (chunk,) = value.__create_chunk_list__()
+    if chunk.sizes.numel() == 0:  # nothing to read; DCP's planner and the narrowing treat it as before
+        return value
+    return LocalChunks(value.shape, [(chunk.offsets, value.to_local())])
 
 
 def _finish(
