@@ -318,16 +318,18 @@ def _read_state(
         unpack_param_groups(state)  # format 1 stored each param_groups entry alone
     # Each DTensor's box computed once, for the narrowing below and for DCP's planner alike.
     flat, mapping = flatten_state_dict(state.dcp_state)
-    local = {key: _boxed(value) for key, value in flat.items()}
+    boxed = {key: _boxed(value) for key, value in flat.items()}
     # No code runs from the checkpoint's files: see [Note: untrusted checkpoints] in _trust.py.
     if records is not None:  # the saved boxes this rank's boxes overlap, and their records
-        metadata = records.metadata(local=local)
+        metadata = records.metadata(local=boxed)
     elif metadata is None:  # rank 0 could not read it: every rank reads it, to raise the error
         metadata = read_metadata(path)
     _skip_absent_optim_state(state, metadata, manifest)
     _check_compatible(path, state, metadata, strict=strict)
-    flat = flatten_state_dict(state.dcp_state)[0]  # without the entries skipped above
-    local = {key: local[key] for key in flat}
+    # DCP's planner sees each DTensor as its box; the state hands the DTensors on afterwards.
+    swapped = [k for k, v in boxed.items() if v is not flat[k] and _present(state.dcp_state, mapping[k])]
+    for key in swapped:
+        dcp_set_element(state.dcp_state, mapping[key], boxed[key])
     share = hash_share(manifest.files, _dist.rank(), _dist.world_size()) if verify else None
     reader = TrustedReader(path, metadata, verify=share)
     error = None
@@ -335,20 +337,37 @@ def _read_state(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
-                dcp.load(local, storage_reader=reader, planner=LoadPlanner(allow_partial_load=not strict), no_dist=True)
+                dcp.load(
+                    state.dcp_state,
+                    storage_reader=reader,
+                    planner=LoadPlanner(allow_partial_load=not strict),
+                    no_dist=True,
+                )
     except Exception as exc:  # noqa: BLE001 (raised by the caller once the checksums are agreed on)
         if not verify:
             raise
         error = exc
-    for key, value in local.items():  # bytes items: DCP replaced them in ``local``
-        if value is not flat[key] and not isinstance(value, LocalChunks):
-            dcp_set_element(state.dcp_state, mapping[key], value)
+    finally:
+        for key in swapped:
+            dcp_set_element(state.dcp_state, mapping[key], flat[key])
     if identity is not None and path.backend.identity(path.path) != identity:
         raise ValueError(
             f"checkpoint {str(path)!r} was replaced while it was being loaded (a save with overwrite=True, by "
             "this job or another, committed a new version); what was read may mix both versions: load it again"
         )
     return state, reader.problems, error
+
+
+def _present(root: Any, path: tuple[Any, ...]) -> bool:
+    """Whether ``path`` (a flattened key's) is still in the nested state ``root``."""
+    for part in path:
+        if isinstance(root, dict) and part in root:
+            root = root[part]
+        elif isinstance(root, list) and isinstance(part, int) and part < len(root):
+            root = root[part]
+        else:
+            return False
+    return True
 
 
 def _boxed(value: Any) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -110,6 +111,11 @@ class S3Server:
         if policy is not None:
             client.put_bucket_policy(Bucket=name, Policy=json.dumps(policy))
         return f"s3://{name}"
+
+    def requests(self) -> list[str]:
+        """Every HTTP request the server answered so far, as its log shows it: ``"GET /bucket/key"``."""
+        with open(self._log.name, encoding="utf-8", errors="replace") as log:
+            return re.findall(r'"([A-Z]+ /[^ ?"]*)', log.read())
 
     def pause(self) -> None:
         """SIGSTOP: the server keeps its connections and state but answers nothing."""

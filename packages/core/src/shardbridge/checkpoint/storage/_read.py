@@ -232,9 +232,9 @@ def plan_ranges(records: list[Record], gap: int) -> list[tuple[int, int]]:
 
     A record of the template ([Note: reading records in one pass]) needs its head, the rows of its
     data that some target wants, and its tail; any other record all of it. Those spans merge into
-    one range where less than ``gap`` bytes lie between them (read and dropped: cheaper than a
+    one range where at most ``gap`` bytes lie between them (read and dropped: cheaper than a
     request), so a file whose wanted records lie together is one request, and a range of its own
-    is only ever asked for where it saves at least ``gap`` bytes. A tail that would be a request
+    is only ever asked for where it saves more than ``gap`` bytes. A tail that would be a request
     of its own is left out (``record.tail`` = False: not checked; its head was).
     """
     spans: list[tuple[int, int, Record | None]] = []
@@ -255,10 +255,10 @@ def plan_ranges(records: list[Record], gap: int) -> list[tuple[int, int]]:
         spans.append((end - len(template.tail), end, record))
     ranges: list[list[int]] = []
     for i, (start, end, tail_of) in enumerate(spans):
-        joins = bool(ranges) and start - ranges[-1][1] < gap
+        joins = bool(ranges) and start - ranges[-1][1] <= gap
         if tail_of is not None and not joins:
             following = spans[i + 1][0] if i + 1 < len(spans) else None
-            if following is None or following - end >= gap:
+            if following is None or following - end > gap:
                 tail_of.tail = False  # a request for the tail alone: not worth it
                 continue
         if joins:
