@@ -143,9 +143,18 @@ class FsspecBackend(Backend):
         return "dir" if info.get("type") == "directory" else "file"
 
     def read_bytes(self, path: str) -> bytes:
-        """One GET."""
-        with self._naming(path):
-            return self.fs.cat_file(path)
+        """One GET (s3fs's ``cat_file`` sends a HEAD first, for its size)."""
+        if not self._s3:
+            with self._naming(path):
+                return self.fs.cat_file(path)
+        from fsspec.asyn import sync
+
+        body = self._get(path)
+        try:
+            with self._naming(path):
+                return sync(self.fs.loop, body.read)
+        finally:
+            body.close()
 
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
         """One ranged GET of ``len(out)`` bytes at ``offset``."""
@@ -162,18 +171,28 @@ class FsspecBackend(Backend):
 
         See [Note: reading records in one pass] in ``_read.py``: a file's records cost one request,
         not one per record."""
-        if end <= start or self.scheme not in ("s3", "s3a") or not hasattr(self.fs, "call_s3"):
+        if end <= start or not self._s3:
             with super().stream(path, start, end) as ranged:
                 yield ranged
             return
-        bucket, key, version = self.fs.split_path(path)
-        kwargs = {"VersionId": version} if version else {}
-        with self._naming(path):
-            body = self.fs.call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kwargs)["Body"]
+        body = self._get(path, Range=f"bytes={start}-{end - 1}")
         try:
             yield _S3Body(self, path, body)
         finally:
             body.close()
+
+    @property
+    def _s3(self) -> bool:
+        """S3 through s3fs: GETs sent and read here (one request each, read as they arrive)."""
+        return self.scheme in ("s3", "s3a") and hasattr(self.fs, "call_s3")
+
+    def _get(self, path: str, **kwargs: Any) -> Any:
+        """The body of one GET of ``path`` (S3)."""
+        bucket, key, version = self.fs.split_path(path)
+        if version:
+            kwargs["VersionId"] = version
+        with self._naming(path):
+            return self.fs.call_s3("get_object", Bucket=bucket, Key=key, **kwargs)["Body"]
 
     def listing(self, path: str) -> dict[str, Entry]:
         """Every object below ``path`` (LIST, paginated)."""
