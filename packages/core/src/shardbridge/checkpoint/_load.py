@@ -98,19 +98,21 @@ def load(
             else rank 0's on every rank, with a warning).
         state_dicts: a framework's :class:`StateDictProvider`, as in :func:`save`; its
             ``load_state_dicts`` runs after DCP instead of torch's ``set_state_dict``.
-        verify: before anything is read, compare every file's xxh3_128 checksum with the
-            manifest (the ranks split the files; 2-5% of the load time of a 253 MB
-            checkpoint, see docs/checkpoints.md, Integrity). False checks existence and sizes only
-            (always done). Checkpoints of format 1 and 2 record nothing and load unverified.
-            See [Note: checkpoint integrity] in ``_integrity.py``.
+        verify: compare every file's xxh3_128 checksum with the manifest, computed in the pass
+            that reads it into the tensors (one rank per file), and agreed on by every rank
+            before any value is handed to the model ([Note: verifying while reading] in
+            ``storage/_reader.py``: a refused load has read into the tensors in place). False
+            checks existence and sizes only (always done). Checkpoints of format 1 and 2
+            record nothing and load unverified. See [Note: checkpoint integrity] in
+            ``_integrity.py``.
 
     Returns:
         The :class:`TrainState` (step, extra).
 
     Raises:
         ValueError: missing path, not a shardbridge checkpoint, damaged manifest, a file
-            missing, truncated, corrupted, foreign or extra (the first is named), keys that
-            do not match (the first few are named), a shape mismatch, or a rank-local tensor
+            missing, truncated, corrupted (the model's tensors then hold what was read), foreign
+            or extra (the first is named), keys that do not match (the first few are named), a shape mismatch, or a rank-local tensor
             (:func:`mark_rank_local`) no ``state_dicts`` provider took over. Raised on every rank.
 
     Example:
@@ -144,8 +146,8 @@ def _load(
     settle()  # this process's save in flight may be replacing the directory: let it finish first
     where = _where(path)
     identity = where.backend.identity(where.path) if where is not None else None
-    # Two rounds in all (each ~10 ms on 4 processes sharing 2 cores; plain DCP's load has two):
-    # 1. arguments, the manifest and this rank's share of the checksums, before DCP reads
+    # Three rounds in all, two without verify (each ~10 ms on 4 processes sharing 2 cores; plain
+    # DCP's load has two): 1. arguments, the manifest and the files' sizes, before DCP reads
     # anything; each rank derives every storage record from the manifest, and the round agrees
     # that all did ([Note: derived loads] in derived/_records.py). Where one could not, rank 0 reads
     # .metadata (restricted unpickler) and broadcasts the validated object after the round,
@@ -189,11 +191,11 @@ def _load(
             mine = opened[1] if derived is None else _read_metadata_or_none(stored)
         metadata = _dist.broadcast_from_rank0(mine, large=True)
     # 2. Each rank plans and reads only the boxes it needs, without DCP's planning collectives
-    # (a load plan needs no coordination), and hands the state to the model; errors are made
-    # symmetric by on_all_ranks. A provider's hand-over may hold collectives: it gets a round
-    # of its own, so that no rank enters it while another failed reading.
-    # With verify, the checksums are computed while the files are read ([Note: verifying while
-    # reading] in storage/_reader.py): the ranks agree on them before any value reaches the model.
+    # (a load plan needs no coordination); with verify it hashes its share of the files in the
+    # same pass ([Note: verifying while reading] in storage/_reader.py), and the round agrees on
+    # every rank's checksums. 3. The state is handed to the model. Without verify and without a
+    # provider, 2 and 3 are one round; a provider's hand-over may hold collectives: it gets a
+    # round of its own, so that no rank enters it while another failed reading.
     hashes = verify and manifest.format_version >= FILES_SINCE_VERSION
     read = functools.partial(
         _read_state, stored, manifest, metadata, model, optimizer,
