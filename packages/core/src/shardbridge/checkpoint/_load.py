@@ -328,10 +328,10 @@ def _read_state(
         metadata = read_metadata(path)
     _skip_absent_optim_state(state, metadata, manifest)
     _check_compatible(path, state, metadata, strict=strict)
-    # DCP's planner sees each DTensor as its box; the state hands the DTensors on afterwards.
-    swapped = [k for k, v in boxed.items() if v is not flat[k] and _present(state.dcp_state, mapping[k])]
-    for key in swapped:
-        dcp_set_element(state.dcp_state, mapping[key], boxed[key])
+    # DCP gets the state flat (flattened once, above), each DTensor as its box; the bytes items
+    # it loads land in ``local`` and are put back into the nested state.
+    local = {key: value for key, value in boxed.items() if _present(state.dcp_state, mapping[key])}
+    planner = LoadPlanner(allow_partial_load=not strict, flatten_state_dict=False, flatten_sharded_tensors=False)
     share = hash_share(manifest.files, _dist.rank(), _dist.world_size()) if verify else None
     reader = TrustedReader(path, metadata, verify=share)
     error = None
@@ -339,19 +339,14 @@ def _read_state(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
-                dcp.load(
-                    state.dcp_state,
-                    storage_reader=reader,
-                    planner=LoadPlanner(allow_partial_load=not strict),
-                    no_dist=True,
-                )
+                dcp.load(local, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as exc:  # noqa: BLE001 (raised by the caller once the checksums are agreed on)
         if not verify:
             raise
         error = exc
-    finally:
-        for key in swapped:
-            dcp_set_element(state.dcp_state, mapping[key], flat[key])
+    for key, value in local.items():
+        if value is not boxed[key]:
+            dcp_set_element(state.dcp_state, mapping[key], value)
     if identity is not None and path.backend.identity(path.path) != identity:
         raise ValueError(
             f"checkpoint {str(path)!r} was replaced while it was being loaded (a save with overwrite=True, by "
