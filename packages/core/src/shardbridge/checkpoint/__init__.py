@@ -34,7 +34,7 @@ Below the verbs (all private; the modules by layer: docs/checkpoints.md, generat
   a half-written one is never taken for good ([Note: atomic commit] in ``_local.py``, [Note:
   object-store commit] in ``_fsspec.py``); damaged, missing or foreign files ([Note: checkpoint
   integrity] in ``_integrity.py``); no code runs from a checkpoint ([Note: untrusted
-  checkpoints] in ``_trust.py``); boxes read in place ([Note: reading boxes in place] in
+  checkpoints] in ``_trust.py``); records read in one pass per file ([Note: reading records in one pass] in
   ``_read.py``).
 
 Between them, ``_protocol.py`` decides how the ranks of a save coordinate ([Note: save

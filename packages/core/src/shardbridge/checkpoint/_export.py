@@ -13,7 +13,7 @@ Memory stays near ONE tensor, whatever the model size:
   memory; the format (8-byte little-endian header length, JSON header padded with spaces
   to 8 bytes, raw little-endian data) does not.
 - Each tensor is read alone into a zeroed full tensor, each stored box straight from its
-  file into its place (see [Note: reading boxes in place] in ``_read.py``; DCP's own
+  file into its place (see [Note: reading records in one pass] in ``_read.py``; DCP's own
   reader, which ``torch.load``s every box whole before copying it, is the fallback), then
   cast and written 8 MB at a time. The peak is the full tensor plus a few MB, whatever the
   shard size or the number of ranks that saved (``tools/bench/bench_export.py``).
@@ -170,7 +170,7 @@ def read_tensor(reader: StorageReader, metadata: Metadata, key: str, arena: torc
     """The full tensor ``key`` of a DCP checkpoint, read alone (no process group).
 
     ``reader`` must have been set up with ``reader.set_up_storage_reader(metadata, True)``.
-    Each stored box is read straight into the result (see [Note: reading boxes in place]
+    Each stored box is read straight into the result (see [Note: reading records in one pass]
     in ``_read.py``); if one cannot be, the whole tensor is read by DCP's reader instead.
     ``arena``: a uint8 buffer at least as large as the tensor, which the result then views
     (one allocation reused for every tensor of an export); None allocates.

@@ -15,14 +15,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
-from shardbridge._compat import flatten_state_dict
+from shardbridge._compat import dcp_set_element, flatten_state_dict
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import settle
 from shardbridge.checkpoint._save import check_model_and_optimizer
-from shardbridge.checkpoint._verify import local_problems, merge_problems
+from shardbridge.checkpoint._verify import hash_share, local_problems, merge_problems
 from shardbridge.checkpoint.derived import DerivedRecords, derive_load
-from shardbridge.checkpoint.state._chunks import LoadPlanner
+from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint.state._rng import restore_rng
 from shardbridge.checkpoint.state._state import (
@@ -40,7 +41,7 @@ from shardbridge.checkpoint.storage._catalog import newest
 from shardbridge.checkpoint.storage._errors import dcp_errors
 from shardbridge.checkpoint.storage._integrity import FileProblem, damage_message
 from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
-from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
+from shardbridge.checkpoint.storage._manifest import FILES_SINCE_VERSION, MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
 from shardbridge.checkpoint.storage._reader import TrustedReader
 from shardbridge.checkpoint.storage._trust import raise_untrusted, read_metadata
 
@@ -99,19 +100,21 @@ def load(
             else rank 0's on every rank, with a warning).
         state_dicts: a framework's :class:`StateDictProvider`, as in :func:`save`; its
             ``load_state_dicts`` runs after DCP instead of torch's ``set_state_dict``.
-        verify: before anything is read, compare every file's xxh3_128 checksum with the
-            manifest (the ranks split the files; 2-5% of the load time of a 253 MB
-            checkpoint, see docs/checkpoints.md, Integrity). False checks existence and sizes only
-            (always done). Checkpoints of format 1 and 2 record nothing and load unverified.
-            See [Note: checkpoint integrity] in ``_integrity.py``.
+        verify: compare every file's xxh3_128 checksum with the manifest, computed in the pass
+            that reads it into the tensors (one rank per file), and agreed on by every rank
+            before any value is handed to the model ([Note: verifying while reading] in
+            ``storage/_reader.py``: a refused load has read into the tensors in place). False
+            checks existence and sizes only (always done). Checkpoints of format 1 and 2
+            record nothing and load unverified. See [Note: checkpoint integrity] in
+            ``_integrity.py``.
 
     Returns:
         The :class:`TrainState` (step, extra).
 
     Raises:
         ValueError: missing path, not a shardbridge checkpoint, damaged manifest, a file
-            missing, truncated, corrupted, foreign or extra (the first is named), keys that
-            do not match (the first few are named), a shape mismatch, or a rank-local tensor
+            missing, truncated, corrupted (the model's tensors then hold what was read), foreign
+            or extra (the first is named), keys that do not match (the first few are named), a shape mismatch, or a rank-local tensor
             (:func:`mark_rank_local`) no ``state_dicts`` provider took over. Raised on every rank.
 
     Example:
@@ -146,8 +149,8 @@ def _load(
     settle()  # this process's save in flight may be replacing the directory: let it finish first
     where = _where(path)
     identity = where.backend.identity(where.path) if where is not None else None
-    # Two rounds in all (each ~10 ms on 4 processes sharing 2 cores; plain DCP's load has two):
-    # 1. arguments, the manifest and this rank's share of the checksums, before DCP reads
+    # Three rounds in all, two without verify (each ~10 ms on 4 processes sharing 2 cores; plain
+    # DCP's load has two): 1. arguments, the manifest and the files' sizes, before DCP reads
     # anything; each rank derives every storage record from the manifest, and the round agrees
     # that all did ([Note: derived loads] in derived/_records.py). Where one could not, rank 0 reads
     # .metadata (restricted unpickler) and broadcasts the validated object after the round,
@@ -192,22 +195,56 @@ def _load(
             mine = opened[1] if derived is None else _read_metadata_or_none(stored)
         metadata = _dist.broadcast_from_rank0(mine, large=True)
     # 2. Each rank plans and reads only the boxes it needs, without DCP's planning collectives
-    # (a load plan needs no coordination), and hands the state to the model; errors are made
-    # symmetric by on_all_ranks. A provider's hand-over may hold collectives: it gets a round
-    # of its own, so that no rank enters it while another failed reading.
+    # (a load plan needs no coordination); with verify it hashes its share of the files in the
+    # same pass ([Note: verifying while reading] in storage/_reader.py), and the round agrees on
+    # every rank's checksums. 3. The state is handed to the model. Without verify and without a
+    # provider, 2 and 3 are one round; a provider's hand-over may hold collectives: it gets a
+    # round of its own, so that no rank enters it while another failed reading.
+    hashes = verify and manifest.format_version >= FILES_SINCE_VERSION
     read = functools.partial(
         _read_state, stored, manifest, metadata, model, optimizer,
-        strict=strict, provider=state_dicts, identity=identity, records=records,
+        strict=strict, provider=state_dicts, identity=identity, records=records, verify=hashes,
     )  # fmt: skip
     finish = functools.partial(
         _finish, stored, model=model, optimizer=optimizer, manifest=manifest, strict=strict, rng=rng, provider=state_dicts
     )
-    if state_dicts is None:  # torch's set_state_dict of a sharded state dict: local copies only
-        _dist.one_round(lambda: finish(read()), last=True)
+    if not hashes and state_dicts is None:  # torch's set_state_dict of a sharded state dict: local copies only
+        _dist.one_round(lambda: finish(read()[0]), last=True)
     else:
-        _dist.one_round(finish, (_dist.on_all_ranks(read),), last=True)
+        (state, problems, error), clean = _dist.one_round(read, all_of=lambda out: not out[1] and out[2] is None)
+        if not clean and _refused(stored, problems, error, skip_damaged=skip_damaged):
+            return None
+        _dist.one_round(finish, (state,), last=True)
     assert where is not None
     return TrainState(step=manifest.step, extra=manifest.extra, path=where.user, world_size=manifest.world_size)
+
+
+_OVERWRITTEN = (
+    " Its bytes were read into the model's and optimizer's tensors in place while the checksums were computed: "
+    "load an intact checkpoint into them before using them"
+)
+
+
+def _refused(stored: Stored, problems: list[FileProblem], error: BaseException | None, *, skip_damaged: bool) -> bool:
+    """After a read round that was not clean on every rank: True to skip a damaged checkpoint, else raise.
+
+    Damage found by any rank's checksums wins over a read error (a damaged record may fail to parse
+    on a rank that does not hash its file); else the read error is raised on every rank."""
+    gathered = _dist.all_gather((problems, None if error is None else _dist.summary(error)), small=True)
+    problems = merge_problems([g[0] for g in gathered])
+    if problems and skip_damaged:
+        if _dist.rank() == 0:
+            logger.warning(
+                "shardbridge.checkpoint: skipping %s: %s; trying the next older checkpoint",
+                stored,
+                f"{stored.where(problems[0].name)}: {problems[0].problem}",
+            )
+        return True
+    if problems:
+        raise ValueError(damage_message(stored, problems) + "." + _OVERWRITTEN)
+    if error is not None:
+        raise error
+    raise _dist.replay([(r, g[1]) for r, g in enumerate(gathered) if g[1] is not None])
 
 
 def _read_metadata_or_none(stored: Stored) -> Metadata | None:
@@ -251,7 +288,7 @@ def _open(
         return exc.stored, None, ([FileProblem(MANIFEST_NAME, str(exc.error))], None), None
     derived = derive_load(manifest.layout, manifest.world_size, manifest.files) if manifest.files else None
     rank0 = None if derived is not None else lambda: read_metadata(checked)
-    local = local_problems(checked, manifest, checksums=verify, rank0=rank0)
+    local = local_problems(checked, manifest, rank0=rank0)
     return checked, manifest, local, derived
 
 
@@ -274,35 +311,75 @@ def _read_state(
     provider: StateDictProvider | None,
     identity: Any = None,
     records: DerivedRecords | None = None,
-) -> PortableState:
+    verify: bool = False,
+) -> tuple[PortableState, list[FileProblem], Exception | None]:
     """This rank's part of :func:`load`: build the portable state, check it fits, read into it.
 
-    ``records``: every storage record, derived ([Note: derived loads]); ``metadata`` is then unused."""
+    ``records``: every storage record, derived ([Note: derived loads]); ``metadata`` is then unused.
+    ``verify``: hash this rank's share of the files while reading ([Note: verifying while reading]);
+    returns ``(state, the files whose checksum failed, the read's error)``, the error left to the
+    caller (a damaged file another rank hashes may be what it comes from). Without ``verify`` a
+    read error is raised."""
     state = build_portable_state(model, optimizer, on_bad_layout="repair", log=False, provider=provider, for_load=True)
     if manifest.format_version < 2:
         unpack_param_groups(state)  # format 1 stored each param_groups entry alone
+    # Each DTensor's box computed once, for the narrowing below and for DCP's planner alike.
+    flat, mapping = flatten_state_dict(state.dcp_state)
+    boxed = {key: _boxed(value) for key, value in flat.items()}
     # No code runs from the checkpoint's files: see [Note: untrusted checkpoints] in _trust.py.
     if records is not None:  # the saved boxes this rank's boxes overlap, and their records
-        metadata = records.metadata(local=flatten_state_dict(state.dcp_state)[0])
+        metadata = records.metadata(local=boxed)
     elif metadata is None:  # rank 0 could not read it: every rank reads it, to raise the error
         metadata = read_metadata(path)
     _skip_absent_optim_state(state, metadata, manifest)
     _check_compatible(path, state, metadata, strict=strict, manifest=manifest)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
-            dcp.load(
-                state.dcp_state,
-                storage_reader=TrustedReader(path, metadata),
-                planner=LoadPlanner(allow_partial_load=not strict),
-                no_dist=True,
-            )
+    # DCP gets the state flat (flattened once, above), each DTensor as its box; the bytes items
+    # it loads land in ``local`` and are put back into the nested state.
+    local = {key: value for key, value in boxed.items() if _present(state.dcp_state, mapping[key])}
+    planner = LoadPlanner(allow_partial_load=not strict, flatten_state_dict=False, flatten_sharded_tensors=False)
+    share = hash_share(manifest.files, _dist.rank(), _dist.world_size()) if verify else None
+    reader = TrustedReader(path, metadata, verify=share)
+    error = None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
+                dcp.load(local, storage_reader=reader, planner=planner, no_dist=True)
+    except Exception as exc:  # noqa: BLE001 (raised by the caller once the checksums are agreed on)
+        if not verify:
+            raise
+        error = exc
+    for key, value in local.items():
+        if value is not boxed[key]:
+            dcp_set_element(state.dcp_state, mapping[key], value)
     if identity is not None and path.backend.identity(path.path) != identity:
         raise ValueError(
             f"checkpoint {str(path)!r} was replaced while it was being loaded (a save with overwrite=True, by "
             "this job or another, committed a new version); what was read may mix both versions: load it again"
         )
-    return state
+    return state, reader.problems, error
+
+
+def _present(root: Any, path: tuple[Any, ...]) -> bool:
+    """Whether ``path`` (a flattened key's) is still in the nested state ``root``."""
+    for part in path:
+        if isinstance(root, dict) and part in root:
+            root = root[part]
+        elif isinstance(root, list) and isinstance(part, int) and part < len(root):
+            root = root[part]
+        else:
+            return False
+    return True
+
+
+def _boxed(value: Any) -> Any:
+    """A DTensor on this rank's mesh as :class:`LocalChunks` of its one box (DCP's own description of it)."""
+    if not isinstance(value, DTensor) or value.device_mesh.get_coordinate() is None:
+        return value
+    (chunk,) = value.__create_chunk_list__()
+    if chunk.sizes.numel() == 0:  # nothing to read; DCP's planner and the narrowing treat it as before
+        return value
+    return LocalChunks(value.shape, [(chunk.offsets, value.to_local())])
 
 
 def _finish(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +14,9 @@ from shardbridge.checkpoint.storage._integrity import FileProblem, VerifyReport,
 from shardbridge.checkpoint.storage._location import locate, open_checkpoint
 from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME, FILES_SINCE_VERSION, Manifest
 
-__all__ = ["local_problems", "merge_problems", "verify"]
+_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+__all__ = ["hash_share", "local_problems", "merge_problems", "verify"]
 
 
 def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> VerifyReport:
@@ -59,40 +61,40 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> VerifyRep
     )
 
 
-def _share(files: dict[str, dict[str, Any]], rank: int, world_size: int) -> list[str]:
-    """The files ``rank`` hashes: largest first, each to the least loaded rank (same on every rank)."""
+def hash_share(files: dict[str, dict[str, Any]], rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """The files ``rank`` hashes while a load reads them ([Note: verifying while reading] in
+    ``storage/_reader.py``): a data file ``__<w>_<n>.distcp`` rank ``w % world_size`` (in the
+    same layout it reads all of it anyway); every other file the least loaded rank, largest
+    first. The same on every rank."""
     load = [0] * world_size
-    mine = []
-    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
-        target = min(range(world_size), key=lambda r: (load[r], r))
-        load[target] += files[name]["size"]
-        if target == rank:
-            mine.append(name)
-    return mine
+    owner: dict[str, int] = {}
+    for name, record in files.items():
+        match = _DATA_FILE.fullmatch(name)
+        if match is not None:
+            owner[name] = int(match.group(1)) % world_size
+            load[owner[name]] += record["size"]
+    for name in sorted((n for n in files if n not in owner), key=lambda n: (-files[n]["size"], n)):
+        owner[name] = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner[name]] += files[name]["size"]
+    return {name: files[name] for name in sorted(files) if owner[name] == rank}
 
 
 def local_problems(
-    stored: Stored, manifest: Manifest, *, checksums: bool, rank0: Callable[[], Any] | None = None
+    stored: Stored, manifest: Manifest, rank0: Callable[[], Any] | None = None
 ) -> tuple[list[FileProblem], Any]:
-    """This rank's share of a load's verification: (its problems, ``rank0()`` on rank 0 or None).
+    """A load's checks before it reads: (this rank's problems, ``rank0()`` on rank 0 or None).
 
-    Rank 0 checks existence, sizes and extra files; checksums are split across the ranks.
+    Rank 0 checks existence, sizes and extra files (one directory walk / LIST); checksums are
+    compared while the files are read ([Note: verifying while reading] in ``storage/_reader.py``).
     Formats 1 and 2 (no record) give [] after a one-time log line."""
-    rank, world_size = _dist.rank(), _dist.world_size()
-    if manifest.format_version < FILES_SINCE_VERSION:
-        if rank == 0:
+    problems: list[FileProblem] = []
+    if _dist.rank() == 0:
+        if manifest.format_version < FILES_SINCE_VERSION:
             log_unverified(stored, manifest.format_version)
-        problems: list[FileProblem] = []
-    else:
-        mine = _share(manifest.files, rank, world_size) if checksums else []
-        if rank == 0:
-            problems = check_files(stored, manifest, checksums=mine, listing=True)
         else:
-            # The other ranks stat and hash their share only: one rank walks the directory.
-            subset = {n: manifest.files[n] for n in mine}
-            problems = check_files(stored, dataclasses.replace(manifest, files=subset), listing=False)
+            problems = check_files(stored, manifest, checksums=False, listing=True)
     extra = None
-    if rank0 is not None and rank == 0 and not problems:
+    if rank0 is not None and _dist.rank() == 0 and not problems:
         try:
             extra = rank0()
         except Exception:  # noqa: BLE001 (the caller redoes it where the error is raised on every rank)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,7 +26,7 @@ import time
 import urllib.request
 from typing import Any
 
-__all__ = ["S3Server", "use_server"]
+__all__ = ["S3Server", "served", "use_server"]
 
 _READY_S = 60.0
 
@@ -111,6 +112,15 @@ class S3Server:
             client.put_bucket_policy(Bucket=name, Policy=json.dumps(policy))
         return f"s3://{name}"
 
+    @property
+    def log(self) -> str:
+        """The server's log file: a line per request it answered (:func:`served` reads them)."""
+        return self._log.name
+
+    def requests(self) -> list[str]:
+        """Every HTTP request the server answered so far: ``served(self.log)``."""
+        return served(self.log)
+
     def pause(self) -> None:
         """SIGSTOP: the server keeps its connections and state but answers nothing."""
         self.proc.send_signal(signal.SIGSTOP)
@@ -150,3 +160,9 @@ def use_server(env: dict[str, str]) -> None:
         return
     s3fs.S3FileSystem.clear_instance_cache()
     s3fs.S3FileSystem.retries = 1
+
+
+def served(log: str) -> list[str]:
+    """Every HTTP request a server's log (:attr:`S3Server.log`) shows answered: ``"GET /bucket/key"``."""
+    with open(log, encoding="utf-8", errors="replace") as f:
+        return re.findall(r'"([A-Z]+ /[^ ?"]*)', f.read())

@@ -14,7 +14,8 @@ Two implementations::
                        (s3://, gs://, az://)    generation per save)    last, naming its generation
 
 A backend offers four groups of operations: names (``join``, ``uri``), reads (``kind``,
-``read_bytes``, ``read_into`` = a ranged read, ``listing``, ``stat``, ``children``), writes
+``read_bytes``, ``read_into`` = a ranged read, ``stream`` = a range read in order as one
+request, ``listing``, ``stat``, ``children``), writes
 (``writing`` = a stream made durable when the block ends, ``write_bytes``, ``mkdirs``), and the
 commit protocol run by rank 0 (``begin`` -> a :class:`Target` every rank writes into,
 ``commit``, ``abandon``; ``candidates`` and ``data_path`` for readers). Nothing here knows about
@@ -106,6 +107,13 @@ class Backend(abc.ABC):
     def read_into(self, path: str, offset: int, out: memoryview) -> int:
         """Fill ``out`` from ``path`` at ``offset`` (one ranged read); bytes read (short at the end)."""
 
+    @contextlib.contextmanager
+    def stream(self, path: str, start: int, end: int) -> Iterator[Any]:
+        """Bytes ``[start, end)`` of ``path``, read in order: a reader whose ``readinto`` fills what
+        arrives (0 at the end). One request where the backend can stream (one GET on S3); here,
+        ranged reads of ``STREAM_READ`` bytes. See [Note: reading records in one pass] in ``_read.py``."""
+        yield _RangedReads(self, path, start, end)
+
     @abc.abstractmethod
     def listing(self, path: str) -> dict[str, Entry]:
         """Every file below ``path`` by relative POSIX name, links listed and not followed ({} if none)."""
@@ -176,6 +184,23 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def identity(self, path: str) -> Any:
         """Something that changes when a commit replaces the checkpoint at ``path`` (None if unknown)."""
+
+
+STREAM_READ = 32 << 20
+"""Bytes of one ranged read of a backend that cannot stream a range."""
+
+
+class _RangedReads:
+    """``Backend.stream`` by ranged reads: ``readinto`` reads at most ``STREAM_READ`` bytes at a time."""
+
+    def __init__(self, backend: Backend, path: str, start: int, end: int) -> None:
+        self._backend, self._path, self._pos, self._end = backend, path, start, end
+
+    def readinto(self, out: Any) -> int:
+        view = memoryview(out).cast("B")[: min(STREAM_READ, self._end - self._pos)]
+        n = self._backend.read_into(self._path, self._pos, view) if len(view) else 0
+        self._pos += n
+        return n
 
 
 @dataclass(frozen=True)

@@ -1,300 +1,532 @@
-"""Read one stored box of a DCP checkpoint straight into the tensor it belongs to.
+"""Read a checkpoint's records in one sequential pass: every stored box straight into its targets.
 
-[Note: reading boxes in place]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-DCP stores each box (one rank's piece of one tensor) as a ``torch.save`` record: a zip
-archive whose entry ``<archive>/data/0`` holds the raw bytes of the tensor's storage, not
-compressed. DCP's own reader ``torch.load``s the record whole and copies it into the
-target, so the box exists twice in memory. :func:`read_box_into` instead:
+[Note: reading records in one pass]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+DCP stores each box (one rank's piece of one tensor) as a ``torch.save`` record: a zip archive
+whose entry ``<archive>/data/0`` holds the raw bytes of the tensor's storage, uncompressed. DCP's
+reader ``torch.load``s each record whole and copies it into the target, so the box exists twice
+in memory, and on an object store each record is a request of its own. This module reads a
+file, or a run of its records, as ONE sequential stream (:class:`Stream`: one open on local
+disk, one GET on an object store) and puts each record's tensor bytes straight into the tensors
+that want them (:func:`read_records`):
 
-1. finds the byte ranges of the pickle entry (``data.pkl``) and of the storage entry in the
-   file from the zip headers;
-2. reads the record's tensor metadata (shape, dtype, strides, storage offset) from its
-   pickle with ``torch.load(weights_only=True)`` under ``torch.serialization.skip_data`` (no
-   bytes read). That costs ~0.2 ms a record, so the result is kept per distinct pickle
-   (``_META``): the metadata is a function of the pickle's bytes alone, and the boxes of one
-   checkpoint share few pickles (a parameter and its two AdamW states, every layer's copy of
-   a weight: 150 records of a 5-layer Llama with AdamW had 12 distinct pickles);
-3. reads the storage bytes into the target: directly when the target region is contiguous,
-   else through a buffer of at most ``_BUFFER_BYTES`` (a few rows at a time).
+- where a record lies and how long it is, ``.metadata`` (or the manifest's derived records)
+  says; where its tensor bytes start inside it is predicted, not fetched: ``torch.save`` writes
+  the same zip structure around any data of one shape and dtype, so the record of a contiguous
+  box is ``head + raw bytes + tail``, with ``head`` and ``tail`` a function of (shape, dtype)
+  (:func:`_template`: written once per distinct pair under ``torch.serialization.skip_data``,
+  no bytes touched; shardbridge's writer leaves the zip CRC32 fields at 0, as the template does);
+- the prediction is checked, never trusted: the record's own head, streamed before its data,
+  must equal the template byte for byte (its pickle then IS the template's: nothing of the
+  file is unpickled at all), and its tail, streamed after the data, too. A record that
+  differs (another torch's or writer's format, a non-contiguous or offset storage, a CRC32
+  written, damage) is read whole from the stream and ``torch.load``-ed with
+  ``weights_only=True``, DCP's own way (:func:`_whole`); one whose tail alone differs is read
+  again whole (its bytes already went to the targets and are overwritten);
+- the raw bytes go into a target directly when it is a contiguous host tensor of the record's
+  dtype that takes whole rows, else through a bounded buffer (``_BUFFER_BYTES``) of rows copied
+  into the strided, narrower, other-dtype or device targets: a load into another layout takes
+  the parts of a box it needs; the rows nobody wants are skipped (a seek on local disk unless
+  the stream hashes, else read and dropped);
+- on an object store, a rank that does not hash the file asks only for what it wants: each
+  record's head, the rows it needs and its tail, one ranged GET per run of them with gaps of at
+  most a few MB read through (:func:`plan_ranges`, :class:`Ranges`); requests grow with the files
+  and the bytes skipped, never with the records;
+- a :class:`Stream` given a digest hashes every byte that passes, in the order of the file, in
+  pieces of ``_PIECE`` bytes right after they land (still in the cache): with the whole file
+  streamed, that is its xxh3_128 checksum, computed in the pass that fills the tensors
+  ([Note: verifying while reading] in ``_reader.py``).
 
-On an object store every read is a ranged GET: the zip headers of a record (its first and
-last few KB) are fetched in two blocks of ``_REMOTE_BLOCK`` bytes (``_Window``'s cache), the
-storage bytes in reads of at most ``_REMOTE_READ`` bytes straight into the target (so memory
-stays bounded, and a load into another layout fetches only the rows it needs).
-
-Anything unusual (a target not in host memory, e.g. a CUDA parameter; a transform such as
-compression, a non-contiguous or offset storage, a big-endian record, several storages) returns
-False and the caller falls back to the reader's whole-record path for that box. Export and ``load`` read every whole box so (export: its peak memory is
-the point; load: one pass over the bytes, and no per-record ``torch.load``). Only
-``weights_only`` unpickling runs (see [Note: untrusted checkpoints] in ``_trust.py``); byte
-ranges are checked to lie inside the record.
+Only ``weights_only`` unpickling runs, and only for records that differ from the template (see
+[Note: untrusted checkpoints] in ``_trust.py``); every read is bounded by the record's length.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import math
 import os
-import struct
-import sys
-import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
+from shardbridge._compat import torch_save_without_crc
+
 if TYPE_CHECKING:
     from shardbridge.checkpoint.storage._backend import Backend
 
-__all__ = ["EXPORT_IN_PLACE_MIN_BYTES", "IN_PLACE_MIN_BYTES", "BoxSource", "read_box_into"]
+__all__ = [
+    "EXPORT_IN_PLACE_MIN_BYTES",
+    "BoxSource",
+    "Ranges",
+    "Record",
+    "RecordError",
+    "Stream",
+    "plan_ranges",
+    "read_box_into",
+    "read_records",
+]
 
 BoxSource = Union[str, "os.PathLike[str]", "tuple[Backend, str]"]
 """Where a record lives: a local file, or ``(backend, path)`` (an object on an object store)."""
-_BUFFER_BYTES = 8 << 20
-_REMOTE_BLOCK = 64 << 10
-"""Bytes fetched for a small read of a record on an object store (its zip headers)."""
-_REMOTE_READ = 16 << 20
-"""Most bytes of one ranged GET into a target."""
-IN_PLACE_MIN_BYTES = 0
-"""Smallest record ``load`` reads in place (every one: with the metadata kept per distinct
-pickle, parsing a record costs less than DCP's ``torch.load`` of it)."""
-_META: dict[bytes, tuple[Any, ...] | None] = {}
-"""pickle bytes of a record -> (dtype, shape, contiguous, storage offset, bytes) or None (unusual)."""
-_META_MAX = 4096
 EXPORT_IN_PLACE_MIN_BYTES = 0
-"""Smallest record export reads in place: every one (memory, not speed, is what export bounds;
-with 1 MB here a 4-rank export peaked 1.0x the largest tensor + 16 MB instead of + 6 MB)."""
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
-_LOCAL_MAGIC = 0x04034B50
+"""Smallest record export reads with :func:`read_box_into`: every one (memory, not speed, is what
+export bounds; with 1 MB here a 4-rank export peaked 1.0x the largest tensor + 16 MB instead of + 6 MB)."""
+_BUFFER_BYTES = 8 << 20
+"""Rows buffered at a time for targets the bytes cannot land in directly."""
+_PIECE = 4 << 20
+"""Bytes read into a target before they are hashed (still in the cache when hashed)."""
 
 
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``[start, start + length)`` of an open binary file.
+class Stream:
+    """Sequential reads of ``[start, end)`` of one file or object, each byte hashed on the way.
 
-    ``cached``: small reads are served from blocks of ``_REMOTE_BLOCK`` bytes (at most three kept:
-    a record's head and tail, and one more), each fetched with one read of ``f``.
+    Args:
+        raw: a binary reader positioned at ``start`` (``readinto`` -> bytes read, 0 at the end),
+            e.g. from :meth:`Backend.stream`.
+        start: where ``raw`` starts, in the file.
+        end: where the stream ends.
+        digest: an ``xxhash`` object fed every byte (None: nothing hashed).
+        seek: ``raw`` seeks cheaply (a local file): bytes skipped without a digest are not read.
     """
 
-    def __init__(self, f: Any, start: int, length: int, *, cached: bool = False) -> None:
-        super().__init__()
-        self._f, self._start, self._length, self._pos = f, start, length, 0
-        self._blocks: list[tuple[int, bytes]] | None = [] if cached else None
+    def __init__(self, raw: Any, start: int, end: int, *, digest: Any = None, seek: bool = False) -> None:
+        self._raw, self.pos, self.end, self._digest = raw, start, end, digest
+        self._seek = seek and digest is None
+        self._at = start  # where ``raw`` is: a skip by seeking moves ``pos`` only, ``raw`` at the next read
+        self._scratch: memoryview | None = None
 
-    def readable(self) -> bool:
-        return True
+    @property
+    def hashing(self) -> bool:
+        """Whether every byte passing is hashed."""
+        return self._digest is not None
 
-    def seekable(self) -> bool:
-        return True
+    def covers(self, n: int) -> bool:
+        """Whether the next ``n`` bytes can be read (a :class:`Ranges` reader leaves holes)."""
+        covers = getattr(self._raw, "covers", None)
+        return self.pos + n <= self.end and (covers is None or covers(self.pos, self.pos + n))
 
-    def tell(self) -> int:
-        return self._pos
+    def readinto(self, out: Any) -> None:
+        """Fill ``out`` (a writable buffer) exactly; ValueError if the stream ends first."""
+        view = memoryview(out).cast("B")
+        if self.pos + len(view) > self.end:
+            raise ValueError(f"read of {len(view)} bytes at {self.pos} runs past the end of the stream ({self.end})")
+        if self._at != self.pos:
+            self._raw.seek(self.pos)
+        for first in range(0, len(view), _PIECE):
+            piece = view[first : first + _PIECE]
+            done = 0
+            while done < len(piece):
+                n = self._raw.readinto(piece[done:])
+                if not n:
+                    raise ValueError(f"the file ends at {self.pos + first + done}, before byte {self.end} (truncated?)")
+                done += n
+            if self._digest is not None:
+                self._digest.update(piece)
+        self.pos += len(view)
+        self._at = self.pos
 
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, min(self._length, base + offset))
-        return self._pos
+    def read(self, n: int) -> bytes:
+        """The next ``n`` bytes."""
+        out = bytearray(n)
+        self.readinto(out)
+        return bytes(out)
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self._length - self._pos)
+    def skip(self, n: int) -> None:
+        """Pass over ``n`` bytes (read and hashed when there is a digest or ``raw`` cannot seek)."""
         if n <= 0:
-            return 0
-        if self._blocks is not None and n < _REMOTE_BLOCK:
-            block = self._block(self._pos, n)
-            view[:n] = block
-            self._pos += n
-            return n
-        self._f.seek(self._start + self._pos)
-        got = self._f.readinto(view[:n])
-        self._pos += got or 0
-        return got or 0
-
-    def _block(self, pos: int, n: int) -> memoryview:
-        """``n`` bytes at ``pos`` from a cached block (fetching one when none holds them)."""
-        assert self._blocks is not None
-        for start, data in self._blocks:
-            if start <= pos and pos + n <= start + len(data):
-                return memoryview(data)[pos - start : pos - start + n]
-        # The head (local headers, the pickle) and the tail (central directory) of a record are
-        # each one block; anything else starts a block where it is read.
-        start = 0 if pos + n <= _REMOTE_BLOCK else max(0, min(pos, self._length - _REMOTE_BLOCK))
-        size = min(_REMOTE_BLOCK, self._length - start)
-        data = bytearray(size)
-        self._f.seek(self._start + start)
-        got = _read_exact(self._f, data)
-        if not got:
-            raise OSError(f"short read of {size} bytes at {self._start + start}")
-        self._blocks = [*self._blocks[-2:], (start, bytes(data))]
-        return memoryview(data)[pos - start : pos - start + n]
+            return
+        if self._seek:
+            self.pos += n
+            return
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(min(_BUFFER_BYTES, max(n, 1 << 16))))
+        while n > 0:
+            step = min(n, len(self._scratch))
+            self.readinto(self._scratch[:step])
+            n -= step
 
 
-def _entry_range(window: _Window, info: zipfile.ZipInfo) -> tuple[int, int] | None:
-    """(offset within the record, size) of a stored entry's bytes; None if unusual."""
-    if info.compress_type != zipfile.ZIP_STORED:
+class Ranges:
+    """One reader over several ranges of an object, each read as a stream of its own (one request).
+
+    ``open_range(start, end)``: a context manager giving a reader of that range (e.g.
+    :meth:`Backend.stream`). ``seek`` moves forward only: inside a range by reading and dropping
+    the bytes between (a gap the plan found cheaper to read than to ask for again), to a later
+    range by closing this one and opening that. See :func:`plan_ranges`.
+    """
+
+    def __init__(self, open_range: Callable[[int, int], Any], ranges: list[tuple[int, int]]) -> None:
+        self._open, self._ranges = open_range, ranges
+        self._at = -1
+        self._pos = ranges[0][0] if ranges else 0
+        self._body: Any = None
+        self._stack = contextlib.ExitStack()
+        self._scratch = memoryview(bytearray(1 << 16))
+
+    def __enter__(self) -> Ranges:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def covers(self, start: int, end: int) -> bool:
+        """Whether ``[start, end)`` lies inside one range."""
+        return any(a <= start and end <= b for a, b in self._ranges)
+
+    def readinto(self, out: Any) -> int:
+        if self._body is None or self._pos >= self._ranges[self._at][1]:
+            following = self._at + 1
+            if following >= len(self._ranges) or self._ranges[following][0] != self._pos:
+                return 0  # a hole: the plan did not ask for these bytes
+            self._switch(following, self._pos)
+        view = memoryview(out).cast("B")[: self._ranges[self._at][1] - self._pos]
+        n = self._body.readinto(view)
+        self._pos += n
+        return n
+
+    def seek(self, pos: int) -> None:
+        if self._body is not None and self._pos <= pos < self._ranges[self._at][1]:
+            while self._pos < pos:  # a gap inside the range: read through it
+                if not self.readinto(self._scratch[: min(len(self._scratch), pos - self._pos)]):
+                    raise ValueError(f"the object ends at {self._pos}, before byte {pos}")
+            return
+        at = next((i for i, (a, b) in enumerate(self._ranges) if a <= pos < b and i > self._at), None)
+        if at is None:
+            raise AssertionError(f"byte {pos} is in no range of the plan {self._ranges}")
+        self._switch(at, pos)
+
+    def _switch(self, at: int, pos: int) -> None:
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
+        self._at, self._pos = at, pos
+        self._body = self._stack.enter_context(self._open(pos, self._ranges[at][1]))
+
+
+@dataclass
+class Record:
+    """One stored record of a file and what to do with it (see [Note: reading records in one pass]).
+
+    A tensor record names its box (``sizes``, ``dtype``) and the targets that want it: ``wants``,
+    ``(target, starts)`` each, ``target`` a view (of any strides, dtype or device) that receives
+    the part of the box starting at ``starts`` with ``target``'s shape. A bytes item (no
+    ``sizes``) is handed its bytes (``whole``). ``done`` runs once the targets are filled.
+    """
+
+    offset: int
+    length: int
+    sizes: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    wants: list[tuple[torch.Tensor, tuple[int, ...]]] = field(default_factory=list)
+    whole: Callable[[bytes], None] | None = None
+    done: Callable[[], None] | None = None
+    key: Any = None
+    """What the caller names the record by in errors (its item)."""
+    tail: bool = True
+    """Read and check the record's tail (False: :func:`plan_ranges` left it out of every range)."""
+
+
+class RecordError(Exception):
+    """A record that could not be read into its targets (:attr:`record`; the cause is chained)."""
+
+    def __init__(self, record: Record, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.record, self.cause = record, cause
+
+
+def plan_ranges(records: list[Record], gap: int) -> list[tuple[int, int]]:
+    """The byte ranges of one file to fetch for ``records`` (sorted by offset), one request each.
+
+    A record of the template ([Note: reading records in one pass]) needs its head, the rows of its
+    data that some target wants, and its tail; any other record all of it. Those spans merge into
+    one range where at most ``gap`` bytes lie between them (read and dropped: cheaper than a
+    request), so a file whose wanted records lie together is one request, and a range of its own
+    is only ever asked for where it saves more than ``gap`` bytes. A tail that would be a request
+    of its own is left out (``record.tail`` = False: not checked; its head was).
+    """
+    spans: list[tuple[int, int, Record | None]] = []
+    for record in records:
+        template = _layout(record)
+        end = record.offset + record.length
+        if template is None or not record.wants:
+            spans.append((record.offset, end, None))
+            continue
+        head_end = record.offset + len(template.head)
+        rows = record.sizes[0] if record.sizes else 1
+        row_bytes = template.nbytes // rows if rows else 0
+        first = min((s[0] if s else 0) for _, s in record.wants)
+        last = max((s[0] + t.shape[0]) if s else 1 for t, s in record.wants)
+        spans.append((record.offset, head_end, None))
+        if last > first and row_bytes:
+            spans.append((head_end + first * row_bytes, head_end + last * row_bytes, None))
+        spans.append((end - len(template.tail), end, record))
+    ranges: list[list[int]] = []
+    for i, (start, end, tail_of) in enumerate(spans):
+        joins = bool(ranges) and start - ranges[-1][1] <= gap
+        if tail_of is not None and not joins:
+            following = spans[i + 1][0] if i + 1 < len(spans) else None
+            if following is None or following - end > gap:
+                tail_of.tail = False  # a request for the tail alone: not worth it
+                continue
+        if joins:
+            ranges[-1][1] = max(ranges[-1][1], end)
+        else:
+            ranges.append([start, end])
+    return [(a, b) for a, b in ranges]
+
+
+def _layout(record: Record) -> _Template | None:
+    """The template of a tensor record whose length is the template's; else None (read it whole)."""
+    if record.sizes is None or record.dtype is None or record.whole is not None or _misfit(record) is not None:
         return None
-    window.seek(info.header_offset)
-    head = window.read(_LOCAL_HEADER.size)
-    if len(head) != _LOCAL_HEADER.size:
+    template = _template(record.sizes, record.dtype)
+    if template is None or len(template.head) + template.nbytes + len(template.tail) != record.length:
         return None
-    fields = _LOCAL_HEADER.unpack(head)
-    if fields[0] != _LOCAL_MAGIC:
+    return template
+
+
+def read_records(
+    stream: Stream, records: list[Record], *, reread: Callable[[int, int], bytes] | None = None
+) -> list[RecordError]:
+    """Every record (sorted by offset, inside the stream) into its targets, in one pass of ``stream``.
+
+    ``reread(offset, length)``: a record's bytes read again (for one whose tail differs from the
+    template after its data went to the targets); None reads nothing again (the record fails).
+    Returns the records that failed (their stream bytes consumed: the pass goes on, so that a
+    digest still sees the whole file) when the stream hashes; otherwise the first failure is
+    raised. I/O errors and a stream that ends early are raised at once.
+    """
+    failed: list[RecordError] = []
+    for record in records:
+        stream.skip(record.offset - stream.pos)
+        if stream.pos != record.offset:
+            raise AssertionError(f"records overlap at {record.offset} (stream at {stream.pos})")
+        try:
+            _read_record(stream, record, reread)
+        except RecordError as exc:
+            if not stream.hashing:
+                raise
+            failed.append(exc)
+    return failed
+
+
+def _read_record(stream: Stream, record: Record, reread: Callable[[int, int], bytes] | None) -> None:
+    misfit = _misfit(record)
+    if misfit is not None:
+        stream.skip(record.length)
+        _settle(record, lambda: _raise(ValueError(misfit)))
+        return
+    template = _layout(record)
+    if template is None:
+        data = stream.read(record.length)
+        _settle(record, lambda: _whole(data, record))
+        return
+    head = stream.read(len(template.head))
+    if head != template.head:  # not the template's record: torch.load it whole
+        rest = record.length - len(head)
+        if stream.covers(rest):
+            data = head + stream.read(rest)
+            _settle(record, lambda: _whole(data, record))
+        else:  # the plan fetched only parts of it
+            _settle(record, lambda: _whole(_again(record, reread), record))
+        return
+    _fill(stream, template.nbytes, record)
+    if not record.tail or stream.read(len(template.tail)) == template.tail:
+        _settle(record, lambda: None)
+        return
+    # The head was torch's but the tail is not: the central directory torch.load would follow may
+    # place the data elsewhere. Read the record again and take what torch.load takes.
+    _settle(record, lambda: _whole(_again(record, reread), record))
+
+
+def _again(record: Record, reread: Callable[[int, int], bytes] | None) -> bytes:
+    if reread is None:
+        raise ValueError(f"the record at {record.offset} must be read again and cannot be")
+    return reread(record.offset, record.length)
+
+
+def _misfit(record: Record) -> str | None:
+    """Why a target does not fit inside the record's box (None: every one does)."""
+    if record.sizes is None:
         return None
-    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-    if start + info.file_size > window._length:
-        return None
-    return start, info.file_size
+    for target, starts in record.wants:
+        inside = all(0 <= o and o + n <= s for o, n, s in zip(starts, target.shape, record.sizes))
+        if not (len(starts) == target.dim() == len(record.sizes) and inside):
+            return f"a part of shape {tuple(target.shape)} at {starts} is not inside the stored box {record.sizes}"
+    return None
 
 
-def _ranges(window: _Window) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """(pickle range, storage range) of a record with one storage; None if unusual."""
-    with zipfile.ZipFile(window) as archive:
-        infos = archive.infolist()
-        storages = [i for i in infos if i.filename.split("/")[-2:-1] == ["data"]]
-        pickles = [i for i in infos if i.filename.endswith("/data.pkl")]
-        order = [i for i in infos if i.filename.endswith("/byteorder")]
-        if len(storages) != 1 or len(pickles) != 1 or len(order) > 1:
-            return None
-    # Entries are read by their ranges, never with ``archive.read``: zipfile checks the CRC32,
-    # which shardbridge's writer leaves at 0 ([Note: the data file writer] in _writer.py).
-    if order:
-        order_at = _entry_range(window, order[0])
-        if order_at is None:
-            return None
-        window.seek(order_at[0])
-        if window.read(order_at[1]).decode("ascii", "replace") != sys.byteorder:
-            return None
-    pickle_at, storage_at = _entry_range(window, pickles[0]), _entry_range(window, storages[0])
-    return None if pickle_at is None or storage_at is None else (pickle_at, storage_at)
+def _settle(record: Record, fill: Callable[[], None]) -> None:
+    try:
+        fill()
+        if record.done is not None:
+            record.done()
+    except Exception as exc:  # noqa: BLE001 (the caller decides: raise now, or after the file's checksum)
+        raise RecordError(record, exc) from exc
 
 
-def _record_meta(window: _Window, pickle_bytes: bytes) -> tuple[Any, ...] | None:
-    """The record's tensor metadata, from ``_META`` or ``torch.load`` under ``skip_data``."""
-    if pickle_bytes in _META:
-        return _META[pickle_bytes]
-    window.seek(0)
-    with torch.serialization.skip_data():
-        meta = torch.load(window, map_location="cpu", weights_only=True)
-    found = None
-    if isinstance(meta, torch.Tensor) and type(meta) is torch.Tensor:
-        found = (meta.dtype, tuple(meta.shape), meta.is_contiguous(), meta.storage_offset(), meta.numel() * meta.element_size())
-    if len(_META) >= _META_MAX:
-        _META.clear()
-    _META[pickle_bytes] = found
-    return found
+def _raise(exc: Exception) -> None:
+    raise exc
 
 
-class _RemoteFile(io.RawIOBase):
-    """An object read with ranged GETs: ``seek`` + ``readinto`` (at most ``_REMOTE_READ`` bytes a GET)."""
+def _fill(stream: Stream, nbytes: int, record: Record) -> None:
+    """The record's raw tensor bytes (the stream at their start) into its targets."""
+    assert record.sizes is not None and record.dtype is not None
+    sizes, dtype = record.sizes, record.dtype
+    wants = record.wants
+    if not sizes:  # a 0-d tensor: one row of one element
+        sizes, wants = (1,), [(t.reshape(1), (0,)) for t, _ in wants]
+    rows = sizes[0]
+    if rows == 0 or nbytes == 0:
+        stream.skip(nbytes)
+        return
+    row_bytes = nbytes // rows
+    cuts = {0, rows}
+    for target, starts in wants:
+        cuts.update((starts[0], starts[0] + target.shape[0]))
+    cuts_sorted = sorted(c for c in cuts if 0 <= c <= rows)
+    buffer: torch.Tensor | None = None
+    for a, b in zip(cuts_sorted, cuts_sorted[1:]):
+        covering = [(t, s) for t, s in wants if s[0] <= a and b <= s[0] + t.shape[0]]
+        if not covering:
+            stream.skip((b - a) * row_bytes)
+            continue
+        target, starts = covering[0]
+        if len(covering) == 1 and _direct(target, starts, sizes, dtype):
+            stream.readinto(_bytes(target[a - starts[0] : b - starts[0]]))
+            continue
+        step = max(1, _BUFFER_BYTES // row_bytes)
+        for first in range(a, b, step):
+            count = min(step, b - first)
+            if buffer is None or buffer.shape[0] < count:
+                buffer = torch.empty((min(step, b - a), *sizes[1:]), dtype=dtype)
+            rows_in = buffer[:count]
+            stream.readinto(_bytes(rows_in))
+            for target, starts in covering:
+                inner = tuple(slice(o, o + n) for o, n in zip(starts[1:], target.shape[1:]))
+                target[first - starts[0] : first - starts[0] + count].copy_(rows_in[(slice(None), *inner)])
 
-    def __init__(self, backend: Backend, path: str) -> None:
+
+def _direct(target: torch.Tensor, starts: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether rows of the record land in ``target`` as they are: whole rows, same dtype, contiguous host memory."""
+    return (
+        target.dtype == dtype
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and tuple(target.shape[1:]) == tuple(sizes[1:])
+        and not any(starts[1:])
+    )
+
+
+def _bytes(tensor: torch.Tensor) -> Any:
+    """The bytes of a contiguous host tensor, writable."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _whole(data: bytes, record: Record) -> None:
+    """A record that is not the template's: ``torch.load(weights_only=True)``, then into its targets."""
+    if record.whole is not None:
+        record.whole(data)
+        return
+    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if type(tensor) is not torch.Tensor:
+        raise ValueError(f"the record holds a {type(tensor).__name__}, not a tensor")
+    if record.sizes is not None and tuple(tensor.shape) != tuple(record.sizes):
+        raise ValueError(f"the record holds a tensor of shape {tuple(tensor.shape)}, not {record.sizes}")
+    for target, starts in record.wants:
+        if tensor.dim() != target.dim() or any(o + n > s for o, n, s in zip(starts, target.shape, tensor.shape)):
+            raise ValueError(f"the record's tensor of shape {tuple(tensor.shape)} does not hold the box asked for")
+        target.copy_(tensor[tuple(slice(o, o + n) for o, n in zip(starts, target.shape))])
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A ``torch.save`` record of one shape and dtype, around its raw bytes."""
+
+    head: bytes
+    nbytes: int
+    tail: bytes
+
+
+class _Capture(io.RawIOBase):
+    """A seekable sink keeping what is written as runs of bytes (``skip_data`` seeks over the data:
+    nothing is kept, or allocated, for it)."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self._backend, self._path, self._pos = backend, path, 0
+        self.runs: list[tuple[int, bytearray]] = []
+        self.pos = self.end = 0
 
-    def readable(self) -> bool:
+    def writable(self) -> bool:
         return True
 
     def seekable(self) -> bool:
         return True
 
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last[0] + len(last[1]) == self.pos:
+            last[1].extend(view)
+        else:
+            assert self.pos >= self.end, "torch's writer wrote back into what it wrote"
+            self.runs.append((self.pos, bytearray(view)))
+        self.pos += len(view)
+        self.end = max(self.end, self.pos)
+        return len(view)
+
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        assert whence == io.SEEK_SET, whence
-        self._pos = offset
-        return offset
+        self.pos = offset if whence == io.SEEK_SET else self.pos + offset if whence == io.SEEK_CUR else self.end + offset
+        return self.pos
 
     def tell(self) -> int:
-        return self._pos
+        return self.pos
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")[:_REMOTE_READ]
-        got = self._backend.read_into(self._path, self._pos, view)
-        self._pos += got
-        return got
+
+@functools.lru_cache(maxsize=4096)
+def _template(sizes: tuple[int, ...], dtype: torch.dtype) -> _Template | None:
+    """What shardbridge's writer puts around the raw bytes of a contiguous box (None: not predictable)."""
+    sink = _Capture()
+    with torch.serialization.skip_data():
+        torch_save_without_crc(torch.empty(sizes, dtype=dtype), sink)
+    nbytes = math.prod(sizes) * dtype.itemsize
+    if nbytes and len(sink.runs) == 2 and sink.runs[1][0] - len(sink.runs[0][1]) == nbytes:
+        return _Template(bytes(sink.runs[0][1]), nbytes, bytes(sink.runs[1][1]))  # the data: the one run skipped
+    return None  # an empty box (no data to find the start of), or not what torch writes today: read whole
 
 
 @contextlib.contextmanager
-def _opened(source: BoxSource) -> Iterator[tuple[Any, bool]]:
-    """``(raw binary file, remote)`` for a record source."""
+def _opened(source: BoxSource, start: int, end: int) -> Iterator[Stream]:
     if isinstance(source, tuple):
         backend, path = source
-        if backend.remote:
-            yield _RemoteFile(backend, path), True
-            return
-        source = path
+        with backend.stream(path, start, end) as raw:
+            yield Stream(raw, start, end, seek=not backend.remote)
+        return
     with open(source, "rb", buffering=0) as f:
-        yield f, False
+        f.seek(start)
+        yield Stream(f, start, end, seek=True)
 
 
 def read_box_into(
     source: BoxSource, offset: int, length: int, target: torch.Tensor, box_offsets: tuple[int, ...] | None = None
 ) -> bool:
-    """Fill ``target`` from the record at ``source[offset:offset+length]``.
+    """Fill ``target`` from the record at ``source[offset:offset+length]`` (one stream).
 
-    ``target`` is a view into the destination tensor; it receives the part of the stored box
-    that starts at ``box_offsets`` (None: the whole box, which must then have ``target``'s
-    shape) and has ``target``'s shape: a load into another layout reads only the rows of the
-    box it needs. Returns False (``target`` untouched or to be overwritten by the caller's
-    fallback) when the record is not the plain case. See [Note: reading boxes in place].
+    ``target`` receives the part of the stored box that starts at ``box_offsets`` (None: the
+    whole box, which then has ``target``'s shape and dtype) and has ``target``'s shape. Returns
+    False (``target`` possibly written, to be overwritten by the caller's fallback) when the
+    record cannot fill it: a part that is not inside the box, a record that does not read.
     """
-    if target.device.type != "cpu":  # file bytes go straight into host memory only; DCP's reader copies
+    record = Record(offset, length, wants=[(target, tuple(box_offsets or (0,) * target.dim()))])
+    if box_offsets is None:
+        record.sizes, record.dtype = tuple(target.shape), target.dtype
+    try:
+        with _opened(source, offset, offset + length) as stream:
+            read_records(stream, [record])
+    except (RecordError, ValueError):
         return False
-    with _opened(source) as (f, remote):
-        window = _Window(f, offset, length, cached=remote)
-        try:
-            ranges = _ranges(window)
-            if ranges is None:
-                return False
-            (pickle_start, pickle_size), where = ranges
-            window.seek(pickle_start)
-            pickle_bytes = window.read(pickle_size)
-            meta = _record_meta(window, pickle_bytes) if len(pickle_bytes) == pickle_size else None
-        except Exception:  # noqa: BLE001 (refused or damaged: DCP's trusted reader reports it)
-            return False
-        if meta is None:
-            return False
-        dtype, shape, contiguous, storage_offset, nbytes = meta
-        want = tuple(target.shape)
-        starts = tuple(box_offsets) if box_offsets is not None else (0,) * len(shape)
-        plain = (
-            dtype == target.dtype
-            and contiguous
-            and storage_offset == 0
-            and where[1] == nbytes
-            and len(starts) == len(shape) == len(want)
-            and all(0 <= o and o + n <= size for o, n, size in zip(starts, want, shape))
-            and (box_offsets is not None or want == shape)
-        )
-        if not plain:
-            return False
-        if target.numel() == 0:
-            return True
-        if not shape:  # a 0-d tensor: its one element
-            f.seek(offset + where[0])
-            return _read_exact(f, target.reshape(-1).view(torch.uint8).numpy())
-        # The rows [starts[0], starts[0] + want[0]) of the box are one contiguous byte range.
-        row_bytes = nbytes // shape[0]
-        f.seek(offset + where[0] + starts[0] * row_bytes)
-        whole_rows = want[1:] == shape[1:]
-        if whole_rows and target.is_contiguous():
-            return _read_exact(f, target.reshape(-1).view(torch.uint8).numpy())
-        # A bounded buffer of rows at a time, the wanted columns copied into the strided target.
-        rows = max(1, _BUFFER_BYTES // max(1, row_bytes))
-        inner = tuple(slice(o, o + n) for o, n in zip(starts[1:], want[1:]))
-        for first in range(0, want[0], rows):
-            count = min(rows, want[0] - first)
-            buffer = torch.empty((count, *shape[1:]), dtype=dtype)
-            if not _read_exact(f, buffer.reshape(-1).view(torch.uint8).numpy()):
-                return False
-            target[first : first + count].copy_(buffer[(slice(None), *inner)])
-        return True
-
-
-def _read_exact(f: Any, out: Any) -> bool:
-    view = memoryview(out).cast("B")
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            return False
-        done += n
     return True
