@@ -197,7 +197,11 @@ def using_group(pg: Any, *, rank: int | None = None, world_size: int | None = No
 # group is NCCL alone checkpoints on a gloo side group: [Note: the checkpoint group]).
 _SMALL_GATHER_BYTES = 4 << 10
 """Per rank, for all-gathers (the buffer is world_size times this on every rank)."""
-_SMALL_BROADCAST_BYTES = 64 << 10
+_SMALL_BROADCAST_BYTES = 4 << 10
+"""Into every rank, per broadcast: what rank 0 shares is a save's target (two paths and an id,
+~220 bytes), a round's outcome (~20 bytes) or ``load_latest``'s path; paths of kilobytes take the
+fallback. (64 KiB until 2026-11-28: 131 KB into every rank per save, more than torch's object
+collectives move at 64 ranks.)"""
 _TOO_BIG = (1 << 64) - 1
 
 
