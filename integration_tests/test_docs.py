@@ -378,7 +378,7 @@ def _tail(text: str, lines: int = 40) -> str:
 
 
 def _missing_extras() -> list[str]:
-    from shardbridge.extras import missing_requirements
+    from shardbridge._extras import missing_requirements
 
     return missing_requirements("all")
 

@@ -24,7 +24,7 @@ import torch
 def _full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Model and AdamW state as full plain tensors, fused parameters split into their components (a
     fused tensor's item order depends on the TP degree): ``model.<fqn>`` / ``optim.<fqn>.<state>``."""
-    from shardbridge import fused_params, split_fused
+    from shardbridge.fused import fused_params, split_fused
     from torch.distributed.tensor import DTensor, Shard
 
     fused = fused_params(model)

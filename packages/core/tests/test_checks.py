@@ -1,4 +1,4 @@
-"""shardbridge.checks: argument checks of entry points and did-you-mean (tier 1)."""
+"""shardbridge._checks: argument checks of entry points and did-you-mean (tier 1)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shardbridge import PrecisionPolicy
-from shardbridge.checks import checked_args, did_you_mean, edit_distance
+from shardbridge._checks import checked_args, did_you_mean, edit_distance
 from torch import nn
 
 
@@ -81,12 +81,16 @@ def test_checked_args_passes_good_calls_and_keeps_the_function_s_face():
 def test_every_checked_entry_point_declares_real_parameters():
     """The decorator is applied where the issue asked: entry points taking modules, meshes, policies, configs."""
     import shardbridge
+    import shardbridge.cp
+    import shardbridge.ep
     import shardbridge.fp8
+    import shardbridge.fused
     import shardbridge.models
+    import shardbridge.tp
 
     checked = [
         name
-        for module in (shardbridge, shardbridge.models, shardbridge.fp8)
+        for module in (shardbridge, shardbridge.models, shardbridge.fp8, shardbridge.tp, shardbridge.cp, shardbridge.ep, shardbridge.fused)
         for name in module.__all__
         if getattr(getattr(module, name), "__wrapped__", None) is not None
     ]

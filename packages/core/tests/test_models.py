@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from shardbridge import ParallelDims, fsdp_unit_params, split_fused
+from shardbridge import ParallelDims, fsdp_unit_params
 from shardbridge._fused import fused_params
+from shardbridge.fused import split_fused
 from shardbridge.models import Llama, LlamaConfig, ParamTP, parallelize_llama, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -18,18 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from shardbridge import (
-    ParallelDims,
-    choose_dispatch,
-    cp_cross_entropy,
-    cp_split,
-    expert_shard_dim,
-    load_balancing_loss,
-    router_statistics,
-    run_experts,
-    split_fused,
-)
+from shardbridge import ParallelDims
 from shardbridge._fused import fused_params
+from shardbridge.cp import cp_cross_entropy, cp_split
+from shardbridge.ep import choose_dispatch, expert_shard_dim, load_balancing_loss, router_statistics, run_experts
+from shardbridge.fused import split_fused
 from shardbridge.models import MoEConfig, MoELlama, parallelize_moe, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor, Shard

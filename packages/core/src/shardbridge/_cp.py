@@ -63,9 +63,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardbridge._checks import checked_args
 from shardbridge._compat import all_gather_single, reduce_scatter_single
 from shardbridge._mesh import ParallelMesh
-from shardbridge.checks import checked_args
 
 __all__ = [
     "check_cp_seq_len",

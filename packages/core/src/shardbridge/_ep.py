@@ -96,11 +96,11 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from shardbridge._checks import checked_args
 from shardbridge._cp import _SumOverGroup
 from shardbridge._mesh import ParallelMesh
 from shardbridge._precision import PrecisionPolicy
 from shardbridge._wrap import set_gradient_divide_factor
-from shardbridge.checks import checked_args
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -55,7 +55,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from shardbridge.checks import checked_args
+from shardbridge._checks import checked_args
 
 __all__ = [
     "FUSED_SPECS_ATTR",

@@ -322,7 +322,7 @@ def _check_device_type(device_type: object) -> None:
 
     ``init_device_mesh`` itself takes any string: ``"gpu"`` built a mesh and trained on CPU.
     """
-    from shardbridge.checks import did_you_mean
+    from shardbridge._checks import did_you_mean
 
     known = _mesh_device_types()
     if not isinstance(device_type, str):

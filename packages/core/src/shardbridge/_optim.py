@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from shardbridge.checks import checked_args
+from shardbridge._checks import checked_args
 
 __all__ = ["param_group_fqns", "rebind_param_groups"]
 

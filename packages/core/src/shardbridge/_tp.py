@@ -56,8 +56,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from shardbridge._checks import checked_args
 from shardbridge._compat import dtensor_to_local, unview
-from shardbridge.checks import checked_args
 
 __all__ = [
     "TPMode",

@@ -68,6 +68,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
+from shardbridge._checks import checked_args
 from shardbridge._compat import (
     AllGather,
     all_gather_single,
@@ -78,7 +79,6 @@ from shardbridge._compat import (
 )
 from shardbridge._mesh import ParallelMesh
 from shardbridge._precision import PrecisionPolicy
-from shardbridge.checks import checked_args
 
 __all__ = [
     "FP8_DTYPES",
@@ -127,7 +127,7 @@ def apply_fsdp(
     The FSDP mesh is ``mesh.fsdp_mesh``: ``dp_shard_cp``, or ``(dp_replicate, dp_shard_cp)``
     for HSDP. With cp > 1 the cp axis is folded into the FLATTENED shard axis (a 2-D
     ``(dp_shard, cp)`` mesh would mean HSDP to ``fully_shard``), so FSDP's default gradient
-    average divides by ``dp_replicate * dp_shard * cp``, as ``shardbridge.cp_cross_entropy``
+    average divides by ``dp_replicate * dp_shard * cp``, as ``shardbridge.cp.cp_cross_entropy``
     expects (see [Note: loss over dp_cp] in ``shardbridge._cp``). Parameters already tensor-parallel (DTensors on ``mesh["tp"]``) become 2-D/3-D
     DTensors, e.g. ``(_StridedShard(0, sf=tp), Shard(0))``. See [Note: FSDP units] and
     [Note: FSDP over a degree-1 data-parallel axis].

@@ -38,8 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 from shardbridge import ParallelDims, PrecisionPolicy, fp8
-from shardbridge.checkpoint import parse_size
-from shardbridge.checks import did_you_mean
+from shardbridge.adapters import did_you_mean, parse_size
 from shardbridge.fp8 import FP8Recipe
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -274,7 +273,7 @@ class HFConfig:
 
     ep_implementation: str = "auto"
     """How tokens reach their experts (transformers' name): "all_to_all", "all_gather" or "auto"
-    (``shardbridge.choose_dispatch``: all_gather when top_k >= ep). "all_reduce", transformers'
+    (``shardbridge.ep.choose_dispatch``: all_gather when top_k >= ep). "all_reduce", transformers'
     variant for ep groups sharing one batch, is the same computation here and runs as "all_gather"."""
 
     reshard_after_forward: bool | str = "default"
@@ -375,7 +374,7 @@ class HFConfig:
 
     @property
     def ep_dispatch(self) -> str:
-        """:attr:`ep_implementation` as ``shardbridge.run_experts``' dispatch ("all_reduce" -> "all_gather")."""
+        """:attr:`ep_implementation` as ``shardbridge.ep.run_experts``' dispatch ("all_reduce" -> "all_gather")."""
         return "all_gather" if self.ep_implementation == "all_reduce" else self.ep_implementation
 
     def policy(self) -> PrecisionPolicy:

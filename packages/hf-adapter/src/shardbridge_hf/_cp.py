@@ -7,7 +7,7 @@ Public (via ``shardbridge_hf``): :func:`enable_cp`, :func:`cp_batch`, :data:`CP_
 transformers 5 attention layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
 with ``(module, query, key, value, attention_mask, dropout=, scaling=, **kwargs)``, RoPE
 already applied, and ``position_ids`` among the kwargs. :func:`enable_cp` registers the
-core's all-gather-KV attention (``shardbridge.cp_attention``, [Note: all-gather-KV attention]
+core's all-gather-KV attention (``shardbridge.cp.cp_attention``, [Note: all-gather-KV attention]
 in ``shardbridge._cp``) under the name ``"shardbridge_cp"`` and switches the model to it, so
 every architecture that dispatches through the interface (Llama, Qwen2/3, Mistral, Gemma,
 ...) runs context-parallel; a model that does not is refused by name. With a custom name
@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import ParallelMesh, check_cp_seq_len, cp_attention, cp_split
-from shardbridge.checks import checked_args
+from shardbridge import ParallelMesh
+from shardbridge.adapters import checked_args
+from shardbridge.cp import check_cp_seq_len, cp_attention, cp_split
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 

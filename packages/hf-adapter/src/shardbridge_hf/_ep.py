@@ -14,9 +14,9 @@ ep_size=...))``. Here the same plan runs on the core mesh, with ``fsdp_config.sh
 
     HF EP style            what it becomes
     grouped_gemm           the parameter is Shard(0) on pm["ep"], then FSDP2 over pm["efsdp"]
-                           (shardbridge.shard_experts; every parameter of the experts module must
+                           (shardbridge.ep.shard_experts; every parameter of the experts module must
                            be planned so: each must split by expert)
-    ep_dispatch_experts    the module's forward goes through shardbridge.run_experts: tokens split
+    ep_dispatch_experts    the module's forward goes through shardbridge.ep.run_experts: tokens split
                            over tp, dispatched over ep (all-to-all or all-gather), the module's own
                            forward runs this rank's experts (its local expert ids, unit weights),
                            outputs weighted, summed, gathered over tp
@@ -39,7 +39,8 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from shardbridge import local_view, run_experts, shard_experts
+from shardbridge.ep import run_experts, shard_experts
+from shardbridge.tp import local_view
 from torch import nn
 from torch.distributed.tensor import DTensor
 

@@ -41,7 +41,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from shardbridge.checks import did_you_mean
+from shardbridge.adapters import did_you_mean
 
 from shardbridge_hf._config import BLOCK_KEY, HFConfig
 
@@ -55,7 +55,7 @@ _PARALLELISM_OTHER: dict[str, tuple[tuple[Any, ...], str]] = {
     "parallelism_config_cp_backend": (("torch",), "shardbridge's context parallel is its own (torch) implementation"),
     "parallelism_config_cp_comm_strategy": (
         ("allgather",),
-        "shardbridge's context-parallel attention all-gathers K/V (shardbridge.cp_attention)",
+        "shardbridge's context-parallel attention all-gathers K/V (shardbridge.cp.cp_attention)",
     ),
     "parallelism_config_sp_backend": (("deepspeed",), "sequence parallelism (sp) is not run by shardbridge"),
     "parallelism_config_sp_seq_length": ((None,), "sequence parallelism (sp) is not run by shardbridge"),

@@ -50,8 +50,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from shardbridge import ParallelDims, fp8
-from shardbridge.cli import Verb
-from shardbridge.extras import install_hint
+from shardbridge.adapters import Verb, install_hint
 
 from shardbridge_hf._compat import require_accelerate
 from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig

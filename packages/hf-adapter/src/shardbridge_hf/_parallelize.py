@@ -60,8 +60,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import ParallelMesh, apply_fsdp, fp8, unview_tp_output
-from shardbridge.checks import checked_args
+from shardbridge import ParallelMesh, apply_fsdp, fp8
+from shardbridge.adapters import checked_args
+from shardbridge.tp import unview_tp_output
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 

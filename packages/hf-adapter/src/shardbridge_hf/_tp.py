@@ -64,9 +64,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardbridge import check_tp_divides as check_sizes_divide
 from shardbridge import fp8
-from shardbridge.checks import checked_args
+from shardbridge.adapters import checked_args
+from shardbridge.tp import check_tp_divides as check_sizes_divide
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from shardbridge.checks import did_you_mean
+from shardbridge.adapters import did_you_mean
 from shardbridge.fp8 import Converted, FP8BackendBase, FP8Recipe
 from torch import nn
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardbridge._checks import checked_args
 from shardbridge._mesh import ParallelMesh
-from shardbridge.checks import checked_args
 from shardbridge.fp8._recipe import Converted, FP8Recipe, get_backend
 
 __all__ = ["convert", "converted", "converted_fqn", "install_step_hook", "recipe_of", "refresh"]

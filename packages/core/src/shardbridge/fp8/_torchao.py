@@ -41,7 +41,7 @@ Which modules take ``Converted.tp_styles``: exactly those :func:`shardbridge.fp8
 converted (``shardbridge.fp8.converted_fqn``), in the core's Llama plan and the hf adapter alike.
 
 Checkpoints: the two wrapper subclasses hold the high-precision weight (``__tensor_flatten__``
-names it), which is what :func:`shardbridge.register_fp8_tensor_type` saves (``convert`` registers
+names it), which is what :func:`shardbridge.fp8.register_fp8_tensor_type` saves (``convert`` registers
 both): a view, so loads write the live weight in place, bit-exact, and any torch reads the checkpoint.
 """
 
@@ -57,9 +57,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardbridge._checks import did_you_mean
 from shardbridge._compat import require_module
-from shardbridge.checks import did_you_mean
-from shardbridge.extras import install_hint
+from shardbridge._extras import install_hint
 from shardbridge.fp8._convert import converted_fqn
 from shardbridge.fp8._recipe import Converted, FP8BackendBase
 from shardbridge.fp8._tensors import register_fp8_tensor_type

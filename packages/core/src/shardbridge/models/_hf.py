@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from shardbridge._checks import checked_args
 from shardbridge.checkpoint import export_safetensors
-from shardbridge.checks import checked_args
 from shardbridge.models._llama import LlamaConfig
 
 __all__ = ["export_hf_llama", "hf_llama_config", "hf_llama_export_record", "hf_llama_name"]

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from shardbridge._checks import checked_args
 from shardbridge.checkpoint import export_safetensors
-from shardbridge.checks import checked_args
 from shardbridge.models._hf import hf_llama_config, hf_llama_name
 from shardbridge.models._moe import MoEConfig
 

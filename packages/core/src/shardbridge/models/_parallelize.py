@@ -30,12 +30,12 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from shardbridge import fp8
+from shardbridge._checks import checked_args
 from shardbridge._fused import FUSED_SPECS_ATTR, shard_fused
 from shardbridge._mesh import ParallelMesh
 from shardbridge._precision import PrecisionPolicy
 from shardbridge._tp import TPMode, check_tp_divides, unview_tp_output
 from shardbridge._wrap import apply_fsdp
-from shardbridge.checks import checked_args
 from shardbridge.models._llama import Llama
 
 __all__ = ["apply_llama_tp", "parallelize_llama"]
@@ -55,8 +55,8 @@ def parallelize_llama(
     A model converted for FP8 (``shardbridge.fp8.convert``, before this call) gets its backend's
     TP styles for the converted Linears and, at the end, ``fp8.refresh``. Call on an initialised model (``init_weights`` done) whose parameters are identical on
     every rank; call with the same arguments on every rank. With cp > 1, feed each rank its
-    part of the batch (``shardbridge.cp_split`` of tokens and labels over ``mesh["cp"]``) and
-    reduce the loss with ``shardbridge.cp_cross_entropy``.
+    part of the batch (``shardbridge.cp.cp_split`` of tokens and labels over ``mesh["cp"]``) and
+    reduce the loss with ``shardbridge.cp.cp_cross_entropy``.
 
     Args:
         model: the model, in ``policy.main_params_dtype``.
@@ -64,7 +64,7 @@ def parallelize_llama(
         policy: mixed precision for FSDP2; None = no casting.
         compile: ``torch.compile`` each transformer block (before FSDP, as torchtitan).
         cp_comm: with cp > 1, how attention spans cp: "all_gather" (K/V all-gathered) or
-            "ring" (K/V passed around the cp ring; CPU). See ``shardbridge.cp_attention``.
+            "ring" (K/V passed around the cp ring; CPU). See ``shardbridge.cp.cp_attention``.
 
     Returns:
         ``model``, parallelized in place.

@@ -1,7 +1,7 @@
 """Input checks shared by the core and the adapters: argument types of entry points, and did-you-mean.
 
-Public for adapters (as ``shardbridge.patching`` and ``shardbridge.extras`` are); training code
-does not need it. Two helpers, so that every entry point and every config reader words a
+Private: adapters reach :func:`checked_args` and :func:`did_you_mean` through
+:mod:`shardbridge.adapters`; training code does not need them. Two helpers, so that every entry point and every config reader words a
 mistake the same way:
 
 - :func:`checked_args`: a decorator that turns API misuse (swapped arguments, an uncalled
