@@ -1060,15 +1060,22 @@ def project(cfg: Config, ref: Config, measured: dict[tuple[str, str], Result]) -
         world = cfg.target.layout.world if key[0] == "load reshard" else cfg.world
         # shardbridge's load reads .metadata and plans its own boxes: it grows with the distinct boxes
         by = meta_scale if key[1] == "shardbridge" else scale
+        # DCP's cached save: every rank's plan travels empty (its measured width), the results in full
+        kinds = {k: v for k, v in widths.items() if "plan" not in k} if key == ("save again", "DCP") else widths
         out[key] = Result(
-            r.seconds * by, int(r.peak_bytes * by), r.counts.at(world, widths),
+            r.seconds * by, int(r.peak_bytes * by), r.counts.at(world, kinds),
             int(r.metadata_bytes * meta_scale), int(r.manifest_bytes * cfg.world / ref.world), projected=True,
         )  # fmt: skip
     return out
 
 
-def table(models: list[str], worlds: list[int], budget: float, log: Callable[[str], None] = print) -> list[tuple[str, ...]]:
-    """The rows: every (model, world), run when its cost fits ``budget``, else projected."""
+def table(
+    models: list[str], worlds: list[int], budget: float, log: Callable[[str], None] = print, *, check: bool = False
+) -> list[tuple[str, ...]]:
+    """The rows: every (model, world), run when its cost fits ``budget``, else projected.
+
+    ``check``: beside each run configuration after a model's first, what the projection from the
+    previous run would have said for plain DCP (rows "DCP projected"), to check the ``~`` numbers."""
     rows: list[tuple[str, ...]] = []
     # in memory where there is a tmpfs: every contender's files (shardbridge's fsynced ``.metadata``
     # and manifest, DCP's ``.metadata``) land at memory speed, so the table times planning, not the disk
@@ -1080,13 +1087,17 @@ def table(models: list[str], worlds: list[int], budget: float, log: Callable[[st
                 cfg = config(name, world)
                 if cfg.cost <= budget or ref is None:
                     results = run(cfg, Path(tmp) / f"{name}-{world}")
-                    ref = (cfg, results)
+                    if check and ref is not None:
+                        guess = project(cfg, *ref).items()
+                        results.update({(op, "DCP projected"): r for (op, who), r in guess if who == "DCP"})
+                    ref = (cfg, {k: r for k, r in results.items() if k[1] != "DCP projected"})
                 else:  # shardbridge's saves and loads still run; the gathering contenders are projected
                     results = {**project(cfg, *ref), **run(cfg, Path(tmp) / f"{name}-{world}", heavy=False)}
                 log(f"... {name} at {world} ranks: {'projected' if results['save', 'DCP'].projected else 'run'}")
                 for (op, who), r in results.items():
                     layout = cfg.model.layout if op != "load reshard" else f"{cfg.model.layout}->{cfg.target.layout}"
                     rows.append(_row(name, world, str(layout), cfg.items, op, who, r))
+                    log("| " + " | ".join(rows[-1]) + " |")  # as it comes: a long run's rows survive a kill
                 shutil.rmtree(Path(tmp) / f"{name}-{world}")  # every rank's files: inodes in memory
     return rows
 
@@ -1107,13 +1118,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
     parser.add_argument("--budget", type=float, default=1e6, help="largest world x items run (else projected)")
+    parser.add_argument("--check", action="store_true", help="beside each run, plain DCP as projected from the previous run")
     args = parser.parse_args(argv)
     for name in args.models.split(","):
         shape = SHAPES[name]
         layouts = ", ".join(f"{w}: {layout_for(shape, w)}" for w in map(int, args.worlds.split(",")))
         print(f"{name}: {dataclasses.asdict(shape)}; dp_replicate x dp_shard x tp by world: {layouts}")
     rows = table(args.models.split(","), [int(w) for w in args.worlds.split(",")], args.budget,
-                 log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+                 log=lambda m: print(m, file=sys.stderr, flush=True), check=args.check)  # fmt: skip
     print(render(rows))
     print("~ = projected from the largest run of the same model (time, memory by world x items; .metadata by "
           "distinct boxes); rounds and bytes are the run's collectives with this configuration's payload sizes")
