@@ -19,27 +19,17 @@ own gloo group, so that its collectives never interleave with the training threa
 [Note: the checkpoint group]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The fixed-size rounds ([Note: one-collective rounds], [Note: constant-size rounds], [Note:
-fixed-size gather]) move CPU tensors, so they need a group with a CPU (gloo) backend. A default
-group that has one (``"gloo"``, ``"cpu:gloo,cuda:nccl"``) is the checkpoint group. One that has
-none (``init_process_group("nccl")``, the common GPU setup) would leave torch's object
-collectives, whose bytes into every rank grow with the world (the size all-gather of every
-round: 19 KB per rank per save at 64 ranks, 1.24 MB at 4,096, about 5 MB at 16,384, measured
-by tools/bench/bench_scale.py before this group existed). So the checkpoint then makes a gloo
-group of every rank, its *side group* (torch's ``dcp.async_save`` makes one too), and runs every
-collective of this module on it:
-
-- made once per default group, at the first collective of the job's first checkpoint call:
-  making a group is a rendezvous every rank must join at the same point, and every rank runs
-  this module's collectives in the same order ([Note: symmetric errors]), so every rank makes
-  it at the same collective;
-- reused by every later call; ``destroy_process_group()`` destroys it with the default group,
-  and the next default group gets its own;
-- bounded: :func:`bounded` ([Note: a bounded writer group] in ``_async.py``) turns a rendezvous
-  that never completes into an error naming it; a job whose group could not be made refuses
-  later calls at once, by name;
-- a one-time cost: each rank connects to its gloo peers (``dist.new_group``) and holds those
-  connections for the job. The asynchronous writer's group is made the same way
-  (:func:`side_group`).
+fixed-size gather]) move CPU tensors: they need a gloo backend. A default group with one
+(``"gloo"``, ``"cpu:gloo,cuda:nccl"``) is the checkpoint group. One without
+(``init_process_group("nccl")``) would leave torch's object collectives, whose bytes into every
+rank grow with the world (1.24 MB per rank per save at 4,096 ranks, tools/bench/bench_scale.py).
+So the checkpoint then makes a gloo group of every rank, its *side group*, and runs every
+collective of this module on it: made once per default group at the first collective of the
+job's first checkpoint call (every rank runs these collectives in the same order, so every rank
+joins the rendezvous at the same one), reused by later calls, destroyed with the default group;
+bounded (:func:`bounded`, [Note: a bounded writer group] in ``_async.py``): a rendezvous that
+never completes raises naming it, and later calls refuse at once. The asynchronous writer's group
+is made the same way (:func:`side_group`).
 """
 
 from __future__ import annotations
@@ -198,10 +188,8 @@ def using_group(pg: Any, *, rank: int | None = None, world_size: int | None = No
 _SMALL_GATHER_BYTES = 4 << 10
 """Per rank, for all-gathers (the buffer is world_size times this on every rank)."""
 _SMALL_BROADCAST_BYTES = 4 << 10
-"""Into every rank, per broadcast: what rank 0 shares is a save's target (two paths and an id,
-~220 bytes), a round's outcome (~20 bytes) or ``load_latest``'s path; paths of kilobytes take the
-fallback. (64 KiB until 2026-11-28: 131 KB into every rank per save, more than torch's object
-collectives move at 64 ranks.)"""
+"""Into every rank, per broadcast: a save's target (~220 bytes), a round's outcome (~20 bytes),
+``load_latest``'s path; more takes the fallback (64 KiB until 2026-11-28: 131 KB per rank per save)."""
 _TOO_BIG = (1 << 64) - 1
 
 
