@@ -223,8 +223,11 @@ def _nccl_shaped_rank(rank: int, world: int, workdir: str) -> None:
     torch.set_num_threads(1)
     new_group, made, objects = dist.new_group, [], []
     dist.new_group = lambda *a, **k: made.append(k.get("backend")) or new_group(*a, **k)
+    def counted(name, real):
+        return lambda *a, **k: objects.append(name) or real(*a, **k)
+
     for name in ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"):
-        setattr(dist, name, lambda *a, _name=name, _real=getattr(dist, name), **k: objects.append(_name) or _real(*a, **k))
+        setattr(dist, name, counted(name, getattr(dist, name)))
 
     def build(mesh, seed):
         torch.manual_seed(seed)
