@@ -45,8 +45,10 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import os
 import pickle
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -61,23 +63,33 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from shardbridge._compat import DCPStorageInfo, fake_store, flatten_state_dict
 from shardbridge._mesh import ParallelDims
-from shardbridge.checkpoint import _dist, _save
-from shardbridge.checkpoint.derived import DerivedSave, derive_load
+from shardbridge.checkpoint import _dist, _load, _save
+from shardbridge.checkpoint.derived import DerivedSave
 from shardbridge.checkpoint.derived._layouts import placement_spread
 from shardbridge.checkpoint.derived._records import derive
 from shardbridge.checkpoint.derived._save import _coordinate
 from shardbridge.checkpoint.derived._spread import Grid, Spread
 from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks, Origin
 from shardbridge.checkpoint.state._repair import _verdict
+from shardbridge.checkpoint.storage import _integrity
+from shardbridge.checkpoint.storage._catalog import newest
 from shardbridge.checkpoint.storage._files import data_file_name, record_length, split_items
 from shardbridge.checkpoint.storage._location import locate, open_checkpoint
 from shardbridge.checkpoint.storage._manifest import CHECKSUM_KEY, DCP_METADATA_NAME, MANIFEST_NAME, Manifest, rng_file
 from shardbridge.checkpoint.storage._writer import RECORDS_KEY, RankFiles, Writer
 from shardbridge.layout import chunk_box, fsdp_placements, fsdp_tp_chunk, parse_placements
 from torch import nn
+from torch.distributed.checkpoint import default_planner
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -85,6 +97,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.futures import Future
 
 WORLDS = (8, 64, 512, 4096, 16384)
+NCCL = "shardbridge NCCL"
+"""The contender: shardbridge in a job whose default group has no CPU backend (``init_process_group("nccl")``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -425,19 +439,31 @@ def _kind(obj: Any) -> str:
     return "small"
 
 
+class SideGroup:
+    """A group ``dist.new_group`` made in the simulation (the checkpoint's gloo side group of an
+    NCCL-only job, [Note: the checkpoint group] in ``checkpoint/_dist.py``): every rank, gloo."""
+
+
 class SimGroup:
     """Rank 0's view of an N-rank job: torch.distributed's collectives, intercepted.
 
     ``peer(rank, obj)`` returns what ``rank`` contributes where rank 0 contributes ``obj``
     (default: the same). ``sizes_of(obj)``: the pickled sizes torch pads object payloads to.
     Time spent in ``peer`` is generation, not rank 0's work: it is summed in ``generation_s``.
+
+    ``backend``: what the default group answers: "gloo" (it takes CPU tensors), or "nccl": it
+    takes none, as ``init_process_group("nccl")``'s (it answers "cuda:nccl", the same to the
+    checkpoint; torch's logging would ask a CPU build for NCCL's version on "nccl"): the
+    checkpoint then makes a gloo side group, :class:`SideGroup`, counted in ``groups_made``.
     """
 
     _NAMES = ("all_gather", "all_gather_object", "gather_object", "gather", "scatter_object_list", "broadcast",
-              "broadcast_object_list", "all_reduce", "barrier", "get_backend")  # fmt: skip
+              "broadcast_object_list", "all_reduce", "barrier", "get_backend", "new_group", "get_global_rank")  # fmt: skip
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, backend: str = "gloo") -> None:
         self.world = world
+        self.backend = backend
+        self.groups_made = 0
         self.counts = Counts(world)
         self.peer: Callable[[int, Any], Any] = lambda rank, obj: obj
         self.peer_buffer: Callable[[int, torch.Tensor], torch.Tensor] = lambda rank, buf: buf
@@ -468,7 +494,16 @@ class SimGroup:
         return out
 
     def get_backend(self, group: Any = None) -> str:  # noqa: D102
-        return "gloo"  # the checkpoint helpers' CPU path (one-collective rounds), as on a gloo job
+        return "gloo" if isinstance(group, SideGroup) else "cuda:nccl" if self.backend == "nccl" else self.backend
+
+    def new_group(self, *args: Any, **kw: Any) -> SideGroup:  # noqa: D102
+        assert kw.get("backend") == "gloo" and not args and kw.get("ranks") is None, (args, kw)
+        self.groups_made += 1
+        return SideGroup()
+
+    def get_global_rank(self, group: Any, group_rank: int) -> int:  # noqa: D102
+        assert isinstance(group, SideGroup)  # every rank, in order
+        return group_rank
 
     # torch's object collectives: sizes first (one int64 per rank), then padded pickles.
     def all_gather_object(self, out: list[Any] | None = None, obj: Any = None, group: Any = None, **kw: Any) -> None:  # noqa: D102
@@ -542,7 +577,7 @@ def _plan_payloads(model: Model, sim: SimGroup) -> None:
     def peer(rank: int, obj: Any) -> Any:
         wrapped = isinstance(obj, tuple) and len(obj) == 2 and obj[0] is None
         inner = obj[1] if wrapped else obj
-        if isinstance(inner, SavePlan):
+        if isinstance(inner, SavePlan) and inner.usable:  # (DCP's plan caching: an unchanged plan is sent empty)
             inner = model.local_plan(rank)
         elif isinstance(inner, list) and inner and isinstance(inner[0], WriteResult):
             inner = model.write_results(rank, model.local_plan(rank))
@@ -583,6 +618,8 @@ class Result:
     projected: bool = False
     derived: bool | None = None
     """shardbridge's save: whether it ran the derived protocol (never the gathered fallback)."""
+    hashed_bytes: int = 0
+    """shardbridge's load: the bytes of rank 0's share of the checksums (``verify=True``)."""
 
 
 _LIBC = ctypes.CDLL("libc.so.6")
@@ -617,7 +654,8 @@ def measured(sim: SimGroup) -> Iterator[None]:
 
 
 class _SimWriter(Writer):
-    """shardbridge's writer, laying rank 0's files out by the file rule without writing them."""
+    """shardbridge's writer, laying rank 0's files out by the file rule: each lands as a sparse
+    file of its size (no bytes written), so that ``check_seen`` and the commit list them."""
 
     def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
         out, files = [], {}
@@ -633,34 +671,56 @@ class _SimWriter(Writer):
                 offset += length
             files[name] = {"size": offset, CHECKSUM_KEY: "0" * 32}
         files[rng_file(self.rank)] = {"size": 9000, CHECKSUM_KEY: "0" * 32}
+        land(self.target.data, files)
         out.append(WriteResult(index=MetadataIndex(RECORDS_KEY), size_in_bytes=0,
                                storage_data=RankFiles(self.rank, "node00000", files)))  # fmt: skip
         done: Future[list[WriteResult]] = Future()
         done.set_result(out)
         return done
 
-    def check_seen(self, written: list[RankFiles], landed: Any) -> None:
-        """Not simulated: no rank's files exist (its cost is one listing of the directory on rank 0)."""
+
+def land(directory: str, files: dict[str, dict[str, Any]]) -> None:
+    """``files`` as a rank leaves them: each a sparse file of its recorded size (a tmpfs stores no
+    bytes of it), so that rank 0's listings and ``Writer.check_seen`` run on every rank's files."""
+    made: set[str] = set()
+    for name, record in files.items():
+        path = os.path.join(directory, name)
+        parent = os.path.dirname(path)
+        if parent not in made:
+            os.makedirs(parent, exist_ok=True)
+            made.add(parent)
+        with open(path, "wb") as f:
+            f.truncate(record["size"])
 
 
-def _peer_records(model: Model, protocol: Any) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """What every other rank sends in the write round: its files' records, sized by the file rule.
+def _peer_files(model: Model, protocol: Any) -> dict[int, dict[str, dict[str, Any]]]:
+    """Every other rank's files and their records, sized by the file rule.
 
     Computed once, outside the timed region, with the same derivation rank 0 runs (each rank
     checks its own records against it: [Note: the derived protocol])."""
     local = protocol.local(model.state(0))
     assert local.entries is not None, "the simulated state must be derivable"
     derivation = derive(local.entries, only=None, bytes_lengths={}, threads=1, min_file_bytes=1 << 62)
-    files: dict[int, dict[str, dict[str, Any]]] = {}
+    files: dict[int, dict[str, dict[str, Any]]] = {r: {} for r in range(1, model.layout.world)}
     for (w, f), size in derivation.sizes.items():
-        files.setdefault(w, {})[data_file_name(w, f)] = {"size": size, CHECKSUM_KEY: "0" * 32}
-
-    def peer(rank: int, buf: torch.Tensor) -> torch.Tensor:
-        mine = dict(files.get(rank, {}))
+        if w != 0:
+            files[w][data_file_name(w, f)] = {"size": size, CHECKSUM_KEY: "0" * 32}
+    for rank, mine in files.items():
         mine[rng_file(rank)] = {"size": 9000, CHECKSUM_KEY: "0" * 32}
-        return _dist._pack((None, (RankFiles(rank, f"node{rank // 8:05d}", mine), True, None)), buf.numel() - 8)
+    return files
 
-    return peer
+
+def _peer_records(files: dict[int, dict[str, dict[str, Any]]], sim: SimGroup) -> None:
+    """What every other rank sends in the write round: its files' records (in the fixed-size
+    buffer, or as an object where the round falls back to torch's object collectives)."""
+
+    def value(rank: int, obj: Any) -> Any:
+        if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], tuple) and isinstance(obj[1][0], RankFiles):
+            return obj[0], (RankFiles(rank, f"node{rank // 8:05d}", files[rank]), *obj[1][1:])
+        return obj
+
+    sim.peer = value
+    sim.peer_buffer = lambda rank, buf: _dist._pack(value(rank, (None, (RankFiles(0, "", {}), True, None))), buf.numel() - 8)
 
 
 def cold() -> None:
@@ -677,28 +737,31 @@ def cold() -> None:
         fn.cache_clear()
 
 
-def shardbridge_save(model: Model, root: Path, *, warm: bool = False) -> Result:
+def shardbridge_save(model: Model, root: Path, *, warm: bool = False, backend: str = "gloo") -> Result:
     """Rank 0 of ``save``: its argument round, then ``write_and_commit`` with the production protocol.
 
     ``warm``: an earlier save of the same state ran in this job (untimed), so the protocol's
-    tables are cached, as in training after the first save.
+    tables are cached, as in training after the first save. ``backend``: the default group's
+    (:class:`SimGroup`). Every other rank's files are on disk (sparse) before rank 0 starts:
+    its listing and ``check_seen`` run on them.
     """
     protocol = DerivedSave()
-    peer = _peer_records(model, DerivedSave())
+    files = _peer_files(model, DerivedSave())
     if warm:
-        _save_once(model, root / "first", protocol, SimGroup(model.layout.world), peer)
+        _save_once(model, root / "first", protocol, SimGroup(model.layout.world, backend), files)
     else:
         cold()  # computing the peers' records filled the caches the save would fill
-    sim = SimGroup(model.layout.world)
-    final = _save_once(model, root / "sb", protocol, sim, peer)
+    sim = SimGroup(model.layout.world, backend)
+    final = _save_once(model, root / "sb", protocol, sim, files)
     return Result(sim.seconds, sim.peak, sim.counts, (final / DCP_METADATA_NAME).stat().st_size,
                   (final / MANIFEST_NAME).stat().st_size, derived=sim.derived)  # fmt: skip
 
 
-def _save_once(model: Model, path: Path, protocol: Any, sim: SimGroup, peer: Any) -> Path:
-    sim.peer_buffer = peer
+def _save_once(model: Model, path: Path, protocol: Any, sim: SimGroup, files: dict[int, dict[str, Any]]) -> Path:
+    _peer_records(files, sim)
     where = locate(path)
     target = where.backend.begin(where.path, overwrite=False)
+    land(target.data, {name: record for mine in files.values() for name, record in mine.items()})
     manifest = Manifest(
         step=1, world_size=model.layout.world, has_optimizer=model.optimizer, extra={},
         layout={"tensors": {f: {"mesh": {"dp_shard": model.layout.dp_shard, "tp": model.layout.tp},
@@ -713,25 +776,44 @@ def _save_once(model: Model, path: Path, protocol: Any, sim: SimGroup, peer: Any
         sim.derived = agreed and protocol.digest(local) != 0
         job = _save.SaveJob(where=where, target=target, dcp_state=state, rng=b"\0" * 64, manifest=manifest,
                             protocol=protocol, local=local, derived=sim.derived)  # fmt: skip
-        original = _save.Writer
-        _save.Writer = _SimWriter  # type: ignore[misc]
-        try:
+        with patched(_save, "Writer", _SimWriter):
             _save.write_and_commit(job)
-        finally:
-            _save.Writer = original  # type: ignore[misc]
     return Path(where.path)
 
 
-class _SimPlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` whose local plan is the generated one (its global plan is DCP's own)."""
+@contextlib.contextmanager
+def patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    """``module.name`` is ``value`` inside the block."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
-    def __init__(self, plan: SavePlan) -> None:
-        super().__init__()
+
+class _SimPlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose local plan is the generated one: the rest is DCP's own (the
+    global plan; with ``caching``, ``enable_plan_caching=True``'s caches and empty plans)."""
+
+    def __init__(self, plan: SavePlan, *, caching: bool = False) -> None:
+        super().__init__(enable_plan_caching=caching)
         self._local = plan
 
-    def create_local_plan(self) -> SavePlan:
-        self.plan = self._local
-        return self._local
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # noqa: D102
+        super().set_up_planner(*args, **kwargs)
+        self.mappings = self._local.planner_data  # the generated state's paths, as flattening it gives
+
+    def create_local_plan(self) -> SavePlan:  # noqa: D102
+        with patched(default_planner, "create_default_local_save_plan", lambda *_: self._local):
+            return super().create_local_plan()
+
+
+def _forget_plans() -> None:
+    """Empty DCP's process-wide plan caches (class attributes of ``SavePlanner``)."""
+    for name, cache in vars(SavePlanner).items():
+        if name.startswith("_cached_") and isinstance(cache, dict):
+            cache.clear()
 
 
 class _DCPWriter(StorageWriter):
@@ -763,13 +845,27 @@ class _DCPWriter(StorageWriter):
         return False
 
 
-def dcp_save(model: Model, root: Path) -> Result:
-    """Rank 0 of plain ``dcp.save`` (DefaultSavePlanner) over the same local plans."""
+def dcp_save(model: Model, root: Path, *, cached: bool = False) -> Result:
+    """Rank 0 of plain ``dcp.save`` (DefaultSavePlanner) over the same local plans.
+
+    ``cached``: ``DefaultSavePlanner(enable_plan_caching=True)``, the job's second save: the first
+    (untimed) filled DCP's plan cache, so every rank sends an empty plan and rank 0 reuses the
+    cached global plan; the write results are still gathered."""
+    path = root / "dcp.metadata"
+    _forget_plans()
+    if cached:
+        first = SimGroup(model.layout.world)
+        _plan_payloads(model, first)
+        with first.active():
+            dcp.save({}, storage_writer=_DCPWriter(model, path), planner=_SimPlanner(model.local_plan(0), caching=True))
     sim = SimGroup(model.layout.world)
     _plan_payloads(model, sim)
-    path = root / "dcp.metadata"
-    with sim.active(), measured(sim):
-        dcp.save({}, storage_writer=_DCPWriter(model, path), planner=_SimPlanner(model.local_plan(0)))
+    try:
+        with sim.active(), measured(sim):
+            planner = _SimPlanner(model.local_plan(0), caching=cached)
+            dcp.save({}, storage_writer=_DCPWriter(model, path), planner=planner)
+    finally:
+        _forget_plans()  # world x items of plans: gone before the next contender
     return Result(sim.seconds, sim.peak, sim.counts, path.stat().st_size)
 
 
@@ -802,26 +898,45 @@ class _Reader(StorageReader):
         return False
 
 
-def shardbridge_load(model: Model, checkpoint: Path) -> Result:
-    """Rank 0 of ``load`` (``_load``'s rounds): every rank reads the manifest and derives every
-    storage record from its ``layout.derived`` ([Note: derived loads] in ``derived/_records.py``), round 1
-    checks arguments and files and agrees that every rank derived them (no rank reads
-    ``.metadata``, nothing is broadcast), each rank plans alone (``dcp.load(no_dist=True)``),
-    round 2 agrees that every rank read."""
+def shardbridge_load(model: Model, checkpoint: Path, *, backend: str = "gloo", latest: bool = False) -> Result:
+    """Rank 0 of ``load(checkpoint)`` with ``verify=True`` (the default), ``_load``'s rounds: round 1
+    is ``_load._open`` itself (the arguments; the manifest, which every rank reads; rank 0's
+    listing of the checkpoint and its check of every file's size; this rank's share of the
+    checksums, ``_verify._share``; every storage record derived from the manifest, [Note:
+    derived loads]), agreeing that every rank derived them (no rank reads ``.metadata``); each
+    rank plans alone (``dcp.load(no_dist=True)``); round 2 agrees that every rank read.
+
+    Not hashed: a rank hashes its share of the checkpoint's bytes at the disk's speed, the same
+    per byte at any world size; ``Result.hashed_bytes`` counts rank 0's share. ``latest``:
+    ``load_latest(checkpoint's parent)``: rank 0 finds the newest intact checkpoint first (a
+    listing of the root, every candidate's manifest read, the newest one's files listed and
+    sized) and broadcasts it."""
     cold()  # a resume: nothing the save computed is cached in this process
-    sim = SimGroup(model.layout.world)
-    with sim.active(), measured(sim):
-        _, manifest = open_checkpoint(locate(checkpoint))
-        records = derive_load(manifest.layout, manifest.world_size, manifest.files)
-        if records is None:
-            raise RuntimeError(f"{checkpoint}: the load could not derive its records (it would read .metadata)")
-        _, intact, agreed = _dist.one_round(lambda: ([], None), same=("load", {"path": "x"}),
-                                            all_of=lambda opened: not opened[0], agree=lambda _: records.digest)  # fmt: skip
-        assert intact and agreed
+    stored, manifest = open_checkpoint(locate(checkpoint))  # untimed: the records the stand-in hash answers
+    recorded = {stored.file(name): record[CHECKSUM_KEY] for name, record in manifest.files.items()}
+    hashed = [0]
+
+    def checksum(backend: Any, path: str, size: int | None = None) -> tuple[int, str]:
+        assert size is not None
+        hashed[0] += size
+        return size, recorded[path]
+
+    sim = SimGroup(model.layout.world, backend)
+    with sim.active(), patched(_integrity, "checksum", checksum), measured(sim):
+        if latest:
+            checkpoint = _dist.broadcast_from_rank0(newest(checkpoint.parent) if _dist.rank() == 0 else None)
+        where = locate(checkpoint)
+        kwargs = {"optimizer": None, "strict": True, "rng": True, "provider": None, "verify": True, "skip_damaged": latest}
+        (_, _, opened, records), intact, agreed = _dist.one_round(
+            _load._open, (where,), kwargs, same=("shardbridge.checkpoint.load", {"path": str(checkpoint)}),
+            all_of=lambda opened: not opened[2][0], agree=lambda opened: 0 if opened[3] is None else opened[3].digest,
+        )  # fmt: skip
+        if not (intact and agreed and records is not None):
+            raise RuntimeError(f"{checkpoint}: the load found {opened[0]} or could not derive its records")
         state = model.load_state(0)
         reader = _Reader(records.metadata(local=flatten_state_dict(state)[0]))  # as _load's _read_state
         _dist.on_all_ranks(lambda: dcp.load(state, storage_reader=reader, planner=LoadPlanner(), no_dist=True))
-    return Result(sim.seconds, sim.peak, sim.counts)
+    return Result(sim.seconds, sim.peak, sim.counts, hashed_bytes=hashed[0])
 
 
 class _DCPLoadPlanner(LoadPlanner):
@@ -852,7 +967,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 HEAD = ("model", "world", "layout r x s x t", "items/rank", "op", "who", "rank-0 s", "rank-0 peak", "rounds",
-        "recv rank 0", "recv other rank", ".metadata", "manifest")  # fmt: skip
+        "recv rank 0", "recv other rank", ".metadata", "manifest", "rank 0 hashes")  # fmt: skip
 
 
 def _row(name: str, world: int, where: str, items: int, op: str, who: str, r: Result) -> tuple[str, ...]:
@@ -863,6 +978,7 @@ def _row(name: str, world: int, where: str, items: int, op: str, who: str, r: Re
         _fmt_bytes(r.counts.rank0_bytes), _fmt_bytes(r.counts.other_bytes),
         f"{mark}{_fmt_bytes(r.metadata_bytes)}" if r.metadata_bytes else "-",
         f"{mark}{_fmt_bytes(r.manifest_bytes)}" if r.manifest_bytes else "-",
+        _fmt_bytes(r.hashed_bytes) if r.hashed_bytes else "-",
     )  # fmt: skip
 
 
@@ -913,12 +1029,16 @@ def run(cfg: Config, root: Path, *, heavy: bool = True) -> dict[tuple[str, str],
     with fake_world(cfg.world):
         out["save", "shardbridge"] = shardbridge_save(cfg.model, root)
         out["save again", "shardbridge"] = shardbridge_save(cfg.model, root / "again", warm=True)
-        for key in (("save", "shardbridge"), ("save again", "shardbridge")):
+        out["save", NCCL] = shardbridge_save(cfg.model, root / "nccl", backend="nccl")
+        for key in (("save", "shardbridge"), ("save again", "shardbridge"), ("save", NCCL)):
             if not out[key].derived:
                 raise RuntimeError(f"{cfg.name} at {cfg.world} ranks: the {key[0]} fell back to gathered plans")
         out["load same", "shardbridge"] = shardbridge_load(cfg.model, root / "sb")
+        out["load same", NCCL] = shardbridge_load(cfg.model, root / "nccl" / "sb", backend="nccl")
+        out["load latest", "shardbridge"] = shardbridge_load(cfg.model, root / "sb", latest=True)
         if heavy:
             out["save", "DCP"] = dcp_save(cfg.model, root)
+            out["save again", "DCP"] = dcp_save(cfg.model, root, cached=True)
             meta = (root / "sb" / DCP_METADATA_NAME).read_bytes()
             out["load same", "DCP"] = dcp_load(cfg.model, meta)
     with fake_world(cfg.target.layout.world):
@@ -940,15 +1060,22 @@ def project(cfg: Config, ref: Config, measured: dict[tuple[str, str], Result]) -
         world = cfg.target.layout.world if key[0] == "load reshard" else cfg.world
         # shardbridge's load reads .metadata and plans its own boxes: it grows with the distinct boxes
         by = meta_scale if key[1] == "shardbridge" else scale
+        # DCP's cached save: every rank's plan travels empty (its measured width), the results in full
+        kinds = {k: v for k, v in widths.items() if "plan" not in k} if key == ("save again", "DCP") else widths
         out[key] = Result(
-            r.seconds * by, int(r.peak_bytes * by), r.counts.at(world, widths),
+            r.seconds * by, int(r.peak_bytes * by), r.counts.at(world, kinds),
             int(r.metadata_bytes * meta_scale), int(r.manifest_bytes * cfg.world / ref.world), projected=True,
         )  # fmt: skip
     return out
 
 
-def table(models: list[str], worlds: list[int], budget: float, log: Callable[[str], None] = print) -> list[tuple[str, ...]]:
-    """The rows: every (model, world), run when its cost fits ``budget``, else projected."""
+def table(
+    models: list[str], worlds: list[int], budget: float, log: Callable[[str], None] = print, *, check: bool = False
+) -> list[tuple[str, ...]]:
+    """The rows: every (model, world), run when its cost fits ``budget``, else projected.
+
+    ``check``: beside each run configuration after a model's first, what the projection from the
+    previous run would have said for plain DCP (rows "DCP projected"), to check the ``~`` numbers."""
     rows: list[tuple[str, ...]] = []
     # in memory where there is a tmpfs: every contender's files (shardbridge's fsynced ``.metadata``
     # and manifest, DCP's ``.metadata``) land at memory speed, so the table times planning, not the disk
@@ -960,13 +1087,18 @@ def table(models: list[str], worlds: list[int], budget: float, log: Callable[[st
                 cfg = config(name, world)
                 if cfg.cost <= budget or ref is None:
                     results = run(cfg, Path(tmp) / f"{name}-{world}")
-                    ref = (cfg, results)
+                    if check and ref is not None:
+                        guess = project(cfg, *ref).items()
+                        results.update({(op, "DCP projected"): r for (op, who), r in guess if who == "DCP"})
+                    ref = (cfg, {k: r for k, r in results.items() if k[1] != "DCP projected"})
                 else:  # shardbridge's saves and loads still run; the gathering contenders are projected
                     results = {**project(cfg, *ref), **run(cfg, Path(tmp) / f"{name}-{world}", heavy=False)}
                 log(f"... {name} at {world} ranks: {'projected' if results['save', 'DCP'].projected else 'run'}")
                 for (op, who), r in results.items():
                     layout = cfg.model.layout if op != "load reshard" else f"{cfg.model.layout}->{cfg.target.layout}"
                     rows.append(_row(name, world, str(layout), cfg.items, op, who, r))
+                    log("| " + " | ".join(rows[-1]) + " |")  # as it comes: a long run's rows survive a kill
+                shutil.rmtree(Path(tmp) / f"{name}-{world}")  # every rank's files: inodes in memory
     return rows
 
 
@@ -986,13 +1118,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
     parser.add_argument("--budget", type=float, default=1e6, help="largest world x items run (else projected)")
+    parser.add_argument("--check", action="store_true", help="beside each run, plain DCP as projected from the previous run")
     args = parser.parse_args(argv)
     for name in args.models.split(","):
         shape = SHAPES[name]
         layouts = ", ".join(f"{w}: {layout_for(shape, w)}" for w in map(int, args.worlds.split(",")))
         print(f"{name}: {dataclasses.asdict(shape)}; dp_replicate x dp_shard x tp by world: {layouts}")
     rows = table(args.models.split(","), [int(w) for w in args.worlds.split(",")], args.budget,
-                 log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+                 log=lambda m: print(m, file=sys.stderr, flush=True), check=args.check)  # fmt: skip
     print(render(rows))
     print("~ = projected from the largest run of the same model (time, memory by world x items; .metadata by "
           "distinct boxes); rounds and bytes are the run's collectives with this configuration's payload sizes")

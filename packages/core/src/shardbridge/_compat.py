@@ -459,16 +459,18 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any 
 def group_timeout(group: Any = None) -> Any:
     """The timeout (a ``timedelta``) of ``group`` (None = the default group), or None if unknown.
 
-    The gloo backend's ``options._timeout``; used to give a checkpoint writer's own group the
-    timeout the user chose for the job. Checked: 2.13.
+    The CPU backend's ``options._timeout``, else the CUDA one's (an NCCL-only group); used to give
+    the checkpoint's own gloo groups the timeout the user chose for the job. Checked: 2.13.
     """
     import torch.distributed as dist
 
     pg = dist.group.WORLD if group is None else group
-    try:
-        return pg._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        return None
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
 
 
 # -- testing ------------------------------------------------------------------------------

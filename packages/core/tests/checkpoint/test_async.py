@@ -125,7 +125,7 @@ def test_stager_copies_dtensor_boxes_and_reuses_its_buffers():
 
 
 def test_bounded_returns_raises_and_times_out():
-    from shardbridge.checkpoint._async import bounded
+    from shardbridge.checkpoint._dist import bounded
 
     assert bounded(lambda: 7, seconds=5, what="x") == 7
     with pytest.raises(KeyError, match="inner"):
@@ -140,15 +140,15 @@ def _hung_writer_group(root: str):
     """gloo's connect never returning (a peer died mid-rendezvous: [Note: a bounded writer group])."""
     from datetime import timedelta
 
-    from shardbridge.checkpoint import _async
+    from shardbridge.checkpoint import _dist
 
     model, opt = build(LAYOUTS["fsdp2_tp2"])
     ck.save(ck.step_dir(root, 1), model=model, optimizer=opt, step=1)
     never = threading.Event()
-    real = (dist.new_group, _async.group_timeout, _async._STATE.copy())
+    real = (dist.new_group, _dist.group_timeout, _dist._SIDE.copy())
     dist.new_group = lambda *a, **k: never.wait()
-    _async.group_timeout = lambda group=None: timedelta(seconds=1)
-    _async._STATE.update(group=None, group_of=None)
+    _dist.group_timeout = lambda group=None: timedelta(seconds=1)
+    _dist._SIDE.pop("writer", None)
     try:
         errors = []
         for s in (2, 3):
@@ -159,17 +159,17 @@ def _hung_writer_group(root: str):
         ck.save(ck.step_dir(root, 4), model=model, optimizer=opt, step=4)  # a synchronous save still works
     finally:
         never.set()
-        dist.new_group, _async.group_timeout = real[:2]
-        _async._STATE.clear()
-        _async._STATE.update(real[2])
+        dist.new_group, _dist.group_timeout = real[:2]
+        _dist._SIDE.clear()
+        _dist._SIDE.update(real[2])
     return errors
 
 
 def test_a_hung_writer_group_rendezvous_fails_the_save_instead_of_hanging(tmp_path):
     for errors in run_distributed(_hung_writer_group, str(tmp_path), world_size=4):
         assert len(errors) == 2, errors
-        assert "creating the checkpoint writer's gloo group" in errors[0] and "did not finish within 11 s" in errors[0]
-        assert "cannot save asynchronously any more" in errors[1]
+        assert "creating the checkpoint's writer gloo group" in errors[0] and "did not finish within 11 s" in errors[0]
+        assert "cannot make asynchronous saves any more" in errors[1]
     assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000004"]  # no tmp dir left
 

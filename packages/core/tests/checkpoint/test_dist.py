@@ -208,3 +208,94 @@ def test_one_collective_rounds_only_on_groups_that_take_cpu_tensors(monkeypatch,
     # NCCL alone keeps torch's object collectives (they move the bytes to the GPU).
     monkeypatch.setattr(_dist.dist, "get_backend", lambda group=None: backend)
     assert _dist._cpu_collectives() is cpu
+
+
+def _nccl_shaped_rank(rank: int, world: int, workdir: str) -> None:
+    """One rank of a job whose default group takes no CPU tensors, as an NCCL-only one: its
+    backend is "cuda:gloo" (on this CPU machine a CPU collective on it raises and an object
+    collective tries the GPU). [Note: the checkpoint group]: the checkpoint runs on its own gloo
+    side group. The model lives on a gloo group of its own (NCCL's, on a GPU job)."""
+    import json
+    from datetime import timedelta
+    from pathlib import Path
+
+    import shardbridge.checkpoint as ck
+    from ckpt_helpers import Mlp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    new_group, made, objects = dist.new_group, [], []
+    dist.new_group = lambda *a, **k: made.append(k.get("backend")) or new_group(*a, **k)
+    def counted(name, real):
+        return lambda *a, **k: objects.append(name) or real(*a, **k)
+
+    for name in ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"):
+        setattr(dist, name, counted(name, getattr(dist, name)))
+
+    def build(mesh, seed):
+        torch.manual_seed(seed)
+        model = fully_shard(Mlp(), mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for p in model.parameters():
+            p.grad = torch.rand_like(p)
+        opt.step()
+        return model, opt
+
+    report = {}
+    for job in range(2):  # after destroy_process_group, the next default group gets a side group of its own
+        dist.init_process_group(
+            "cuda:gloo", init_method=f"file://{workdir}/init-{job}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=30),
+        )  # fmt: skip
+        assert dist.get_backend() == "cuda:gloo"
+        mesh = DeviceMesh.from_group(new_group(backend="gloo"), "cpu")
+        model, opt = build(mesh, seed=job)
+        root = Path(workdir) / f"job{job}"
+        ck.save(ck.step_dir(root, 1), model=model, optimizer=opt, step=1)
+        side = _dist.group()
+        ck.save(ck.step_dir(root, 2), model=model, optimizer=opt, step=2, async_=True).wait()
+        fresh, fresh_opt = build(mesh, seed=job + 10)
+        state = ck.load_latest(root, model=fresh, optimizer=fresh_opt)
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731 (DTensor's equal is a collective)
+        exact = all(torch.equal(local(a), local(b)) for a, b in zip(model.parameters(), fresh.parameters()))
+        exact &= all(
+            torch.equal(local(a), local(b))
+            for p, q in zip(model.parameters(), fresh.parameters())
+            for a, b in zip(opt.state[p].values(), fresh_opt.state[q].values())
+        )
+        report[job] = {
+            "step": state.step, "exact": exact, "groups": list(made), "objects": list(objects),
+            "side": dist.get_backend(side), "reused": _dist.group() is side,
+        }  # fmt: skip
+        made.clear()
+        objects.clear()
+        dist.destroy_process_group()
+    Path(workdir, f"rank-{rank}.json").write_text(json.dumps(report))
+
+
+def test_a_default_group_without_a_cpu_backend_checkpoints_on_a_gloo_side_group(tmp_path):
+    """A real 2-process job whose default group is NCCL-shaped: save, async save and load_latest
+    round-trip bit-exact with no object collective (the fixed-size rounds), one side group per
+    default group for the checkpoint and one for the async writer, each made once."""
+    import json
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    procs = [ctx.Process(target=_nccl_shaped_rank, args=(rank, 2, str(tmp_path))) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=240)
+        if proc.is_alive():
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        for job in ("0", "1"):
+            got = report[job]
+            assert got["step"] == 2 and got["exact"], got
+            assert got["groups"] == ["gloo", "gloo"], got  # the checkpoint's side group, then the async writer's
+            assert got["objects"] == [], got  # only fixed-size collectives
+            assert got["side"] == "gloo" and got["reused"], got

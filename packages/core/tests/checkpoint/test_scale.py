@@ -99,6 +99,10 @@ def test_rounds_are_constant_and_a_load_moves_no_metadata(tmp_path):
             meta = (tmp_path / str(world) / "sb" / ".metadata").read_bytes()
             load = bench.shardbridge_load(model, tmp_path / str(world) / "sb")
             dcp = bench.dcp_save(model, tmp_path / str(world))
+            # a default group without a CPU backend (NCCL's): the same collectives, on the side group
+            nccl = bench.shardbridge_save(model, tmp_path / str(world) / "nccl", backend="nccl")
+            nccl_load = bench.shardbridge_load(model, tmp_path / str(world) / "nccl" / "sb", backend="nccl")
+        assert nccl.counts.calls == sb.counts.calls and nccl_load.counts.calls == load.counts.calls
         results[world] = (sb, load, dcp, len(meta))
     for i in range(3):  # the same collectives at 8 and 64 ranks, for shardbridge and for DCP
         assert [c[0] for c in results[8][i].counts.calls] == [c[0] for c in results[64][i].counts.calls]

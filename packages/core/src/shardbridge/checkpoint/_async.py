@@ -43,14 +43,15 @@ a save in flight exits once it is committed; call :func:`wait` before
 
 [Note: a bounded writer group]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Creating the writer's gloo group is a rendezvous of every rank (listen, publish an address in
-the store, connect to every peer). If a peer dies after publishing its address and before the
+Creating the writer's gloo group (or the checkpoint's side group of an NCCL-only job: [Note:
+the checkpoint group] in ``_dist.py``, made the same way by ``_dist.side_group``) is a
+rendezvous of every rank (listen, publish an address in the store, connect to every peer). If a peer dies after publishing its address and before the
 connection completes, gloo 2.13's ``Pair::waitUntilConnected`` waits forever, whatever the
 group's timeout (seen in about 1 of 100 kill -9 trials of test_faults.py's 2-rank async loop
 under load: the survivor never returned). So the group is created in a daemon thread that the
-caller waits for up to the default group's timeout plus ``_GROUP_MARGIN_S``; past that, the
-save raises RuntimeError (nothing was written: the previous checkpoint is intact) and later
-asynchronous saves of the job refuse at once. The abandoned thread sleeps inside gloo and does
+caller waits for up to the default group's timeout plus ``_dist._GROUP_MARGIN_S``; past that,
+the save raises RuntimeError (nothing was written: the previous checkpoint is intact) and later
+calls that need that group refuse at once. The abandoned thread sleeps inside gloo and does
 not keep the process alive.
 
 [Note: background staging]
@@ -88,18 +89,17 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from shardbridge._compat import group_timeout
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint.state._stage import Pending, Stager, storages
 
-__all__ = ["AsyncSave", "IfBusy", "bounded", "finish_previous", "settle", "stage_state", "start_async", "wait"]
+__all__ = ["AsyncSave", "IfBusy", "finish_previous", "settle", "stage_state", "start_async", "wait"]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
 IfBusy = Literal["wait", "error"]
 
 _STAGER = Stager()
-_STATE: dict[str, Any] = {"in_flight": None, "group": None, "group_of": None, "hooks": []}
+_STATE: dict[str, Any] = {"in_flight": None, "hooks": []}
 
 
 def _unhook() -> None:
@@ -221,46 +221,17 @@ def stage_state(state: dict[str, Any], optimizer: Any = None) -> tuple[dict[str,
     return _STAGER.stage(state, later)
 
 
-_GROUP_MARGIN_S = 10.0
-"""How long past the job's timeout the writer group's creation may take before it is declared hung."""
-
-
 def _writer_group() -> Any:
-    """The writer thread's gloo group over every rank (created once per default group).
+    """The writer thread's gloo group over every rank (a side group: [Note: the checkpoint group] in ``_dist.py``).
 
     See [Note: a bounded writer group]. Raises RuntimeError if the group cannot be made.
     """
     if not _dist.is_distributed():
         return None
-    world = dist.group.WORLD
-    if _STATE["group_of"] is world and _STATE["group"] is None:
-        raise RuntimeError(
-            "an earlier save(async_=True) could not create the checkpoint writer's process group (a rank died "
-            "or stopped answering); this job cannot save asynchronously any more: restart it from latest()"
-        )
-    if _STATE["group"] is None or _STATE["group_of"] is not world:
-        # A collective of every rank: every rank is in save(async_=True) at this point.
-        timeout = group_timeout(world)
-        _STATE["group"], _STATE["group_of"] = None, world
-        what = "creating the checkpoint writer's gloo group (every rank joins it at its first save(async_=True))"
-        try:
-            with _dist.foreign():  # a rendezvous of every rank, behind a gate ([Note: collective entry points])
-                _STATE["group"] = bounded(
-                    lambda: dist.new_group(backend="gloo", timeout=timeout),
-                    seconds=(timeout.total_seconds() if timeout is not None else 1800.0) + _GROUP_MARGIN_S,
-                    what=what,
-                )
-        except RuntimeError as exc:
-            if what in str(exc):
-                raise
-            # e.g. gloo's "Connection closed by peer": another rank died, or destroyed its process
-            # group right after its own save(async_=True) returned, while this one still joined.
-            raise RuntimeError(
-                f"{what} failed: another rank died or destroyed its process group meanwhile ({exc}); this save "
-                "did not start and the previous checkpoint is intact (call shardbridge.checkpoint.wait() on every "
-                "rank before destroy_process_group)"
-            ) from exc
-    return _STATE["group"]
+    # A collective of every rank: every rank is in save(async_=True) at this point, behind a gate
+    # ([Note: collective entry points]).
+    with _dist.foreign():
+        return _dist.side_group("writer", first="its first save(async_=True)", lost="asynchronous saves")
 
 
 def _explained(exc: BaseException, final: Path, world_size: int) -> BaseException:
@@ -277,37 +248,6 @@ def _explained(exc: BaseException, final: Path, world_size: int) -> BaseExceptio
         f"the asynchronous save of {str(final)!r} failed ({type(exc).__name__}: {exc}); it did not commit and the "
         "previous checkpoint is intact (a rank that died or left mid-save ends every rank's writer so)"
     )
-
-
-def bounded(fn: Callable[[], Any], *, seconds: float, what: str) -> Any:
-    """``fn()``, run in a daemon thread; RuntimeError naming ``what`` if it has not returned after ``seconds``.
-
-    See [Note: a bounded writer group]. ``fn``'s own exception is re-raised. The thread of a
-    call that timed out is abandoned (a daemon: it does not keep the process alive).
-
-    Example:
-        >>> bounded(lambda: 42, seconds=5, what="an answer")
-        42
-    """
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 (re-raised by the caller's thread)
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="shardbridge-bounded", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise RuntimeError(
-            f"{what} did not finish within {seconds:.0f} s (the process group's timeout plus a margin): a rank "
-            "probably died or stopped answering; the previous checkpoint is intact: restart the job from latest()"
-        )
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def start_async(job: Any, write: Callable[[Any], None], optimizer: Any = None) -> AsyncSave:

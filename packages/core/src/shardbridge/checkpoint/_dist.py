@@ -29,10 +29,26 @@ so no rank returns while another raises. Bound: every rank raises at its next ga
 failure (once its own current step ends), plus one gate (milliseconds), never the process
 group's timeout.
 
-The collectives run on the default group, or on the group :func:`using_group` sets for the
-calling thread: an asynchronous save's writer thread uses its own gloo group, so that its
-collectives never interleave with the training thread's (see [Note: async save] in
-``_async.py``).
+The collectives run on the checkpoint group: the default group when it takes CPU tensors, else
+a gloo side group of the checkpoint's own ([Note: the checkpoint group]); or on the group
+:func:`using_group` sets for the calling thread: an asynchronous save's writer thread uses its
+own gloo group, so that its collectives never interleave with the training thread's (see
+[Note: async save] in ``_async.py``).
+
+[Note: the checkpoint group]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The fixed-size rounds ([Note: one-collective rounds], [Note: constant-size rounds], [Note:
+fixed-size gather]) move CPU tensors: they need a gloo backend. A default group with one
+(``"gloo"``, ``"cpu:gloo,cuda:nccl"``) is the checkpoint group. One without
+(``init_process_group("nccl")``) would leave torch's object collectives, whose bytes into every
+rank grow with the world (1.24 MB per rank per save at 4,096 ranks, tools/bench/bench_scale.py).
+So the checkpoint then makes a gloo group of every rank, its *side group*, and runs every
+collective of this module on it: made once per default group at the first collective of the
+job's first checkpoint call (every rank runs these collectives in the same order, so every rank
+joins the rendezvous at the same one), reused by later calls, destroyed with the default group;
+bounded (:func:`bounded`, [Note: a bounded writer group] in ``_async.py``): a rendezvous that
+never completes raises naming it, and later calls refuse at once. The asynchronous writer's group
+is made the same way (:func:`side_group`).
 """
 
 from __future__ import annotations
@@ -47,9 +63,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from shardbridge._compat import group_timeout
+
 __all__ = [
     "all_gather",
     "barrier",
+    "bounded",
     "entry",
     "foreign",
     "gather_reduce",
@@ -60,6 +79,7 @@ __all__ = [
     "one_round",
     "rank",
     "replay",
+    "side_group",
     "summary",
     "tell",
     "using_group",
@@ -71,8 +91,93 @@ _THREAD = threading.local()
 
 
 def group() -> Any:
-    """The process group this thread's checkpoint collectives use (None = the default group)."""
-    return getattr(_THREAD, "group", None)
+    """The process group this thread's checkpoint collectives use (None = the default group).
+
+    The thread's own (:func:`using_group`), else the default group when it takes CPU tensors,
+    else the side group ([Note: the checkpoint group]; made by the first call).
+    """
+    pg = getattr(_THREAD, "group", None)
+    if pg is not None or not is_distributed() or _takes_cpu(None):
+        return pg
+    return side_group("checkpoint", first="its first checkpoint call", lost="checkpoint calls")
+
+
+_SIDE: dict[str, Any] = {"of": None}
+"""The default group these side groups belong to (``"of"``), and each side group by purpose
+(None: making it failed). Holding ``"of"`` keeps it alive, so ``is`` never matches a new group."""
+_GROUP_MARGIN_S = 10.0
+"""How long past the job's timeout making a side group may take before it is declared hung."""
+
+
+def side_group(purpose: str, *, first: str, lost: str) -> Any:
+    """A gloo group over every rank for ``purpose``, made once per default group (every rank must call).
+
+    See [Note: the checkpoint group]. ``first``: when every rank makes it ("its first
+    save(async_=True)"); ``lost``: what the job cannot do once making it failed. Raises
+    RuntimeError naming the group if it cannot be made, and at once on later calls.
+    """
+    world = dist.group.WORLD
+    if _SIDE["of"] is not world:
+        _SIDE.clear()
+        _SIDE["of"] = world
+    what = f"creating the checkpoint's {purpose} gloo group (every rank joins it at {first})"
+    if purpose in _SIDE:
+        if _SIDE[purpose] is None:
+            raise RuntimeError(
+                f"{what} failed earlier (a rank died or stopped answering); this job cannot make {lost} any "
+                "more: restart it from latest()"
+            )
+        return _SIDE[purpose]
+    _SIDE[purpose] = None
+    timeout = group_timeout(world)
+    try:
+        _SIDE[purpose] = bounded(
+            lambda: dist.new_group(backend="gloo", timeout=timeout),
+            seconds=(timeout.total_seconds() if timeout is not None else 1800.0) + _GROUP_MARGIN_S,
+            what=what,
+        )
+    except RuntimeError as exc:
+        if what in str(exc):
+            raise
+        # e.g. gloo's "Connection closed by peer": another rank died, or destroyed its process
+        # group right after its own call returned, while this one still joined.
+        raise RuntimeError(
+            f"{what} failed: another rank died or destroyed its process group meanwhile ({exc}); nothing was "
+            "written and the previous checkpoint is intact (call shardbridge.checkpoint.wait() on every rank "
+            "before destroy_process_group)"
+        ) from exc
+    return _SIDE[purpose]
+
+
+def bounded(fn: Callable[[], Any], *, seconds: float, what: str) -> Any:
+    """``fn()``, run in a daemon thread; RuntimeError naming ``what`` if it has not returned after ``seconds``.
+
+    See [Note: a bounded writer group] in ``_async.py``. ``fn``'s own exception is re-raised. The
+    thread of a call that timed out is abandoned (a daemon: it does not keep the process alive).
+
+    Example:
+        >>> bounded(lambda: 42, seconds=5, what="an answer")
+        42
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 (re-raised by the caller's thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="shardbridge-bounded", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise RuntimeError(
+            f"{what} did not finish within {seconds:.0f} s (the process group's timeout plus a margin): a rank "
+            "probably died or stopped answering; the previous checkpoint is intact: restart the job from latest()"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 @contextmanager
@@ -100,17 +205,24 @@ def using_group(pg: Any, *, rank: int | None = None, world_size: int | None = No
 # pickle. A payload that does not fit is marked so (every rank sees every mark), and the
 # round falls back to torch's object collective: correct for any size, one collective more.
 # The buffer is a CPU tensor: only a group with a gloo backend takes it (a job whose default
-# group is NCCL alone uses torch's object collectives, which move the bytes to the GPU).
+# group is NCCL alone checkpoints on a gloo side group: [Note: the checkpoint group]).
 _SMALL_GATHER_BYTES = 4 << 10
 """Per rank, for all-gathers (the buffer is world_size times this on every rank)."""
-_SMALL_BROADCAST_BYTES = 64 << 10
+_SMALL_BROADCAST_BYTES = 4 << 10
+"""Into every rank, per broadcast: a save's target (~220 bytes), a round's outcome (~20 bytes),
+``load_latest``'s path; more takes the fallback (64 KiB until 2026-11-28: 131 KB per rank per save)."""
 _TOO_BIG = (1 << 64) - 1
 
 
 def _cpu_collectives() -> bool:
     """Whether the checkpoint group takes CPU tensors (a gloo backend, alone or beside NCCL)."""
+    return _takes_cpu(group())
+
+
+def _takes_cpu(pg: Any) -> bool:
+    """Whether ``pg`` (None: the default group) has a gloo backend for CPU tensors."""
     try:
-        backend = str(dist.get_backend(group())).lower()
+        backend = str(dist.get_backend(pg)).lower()
     except (RuntimeError, ValueError):
         return False
     if ":" not in backend:  # one backend for every device
