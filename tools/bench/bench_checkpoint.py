@@ -13,13 +13,11 @@ by every contender, side by side in one run, the order shuffled each round; medi
   ``torch.load`` (``weights_only=True``), plain DCP (``dcp.load`` + ``set_state_dict``).
 
 What shardbridge keeps beyond DCP's defaults is measured against DCP's default in the same run,
-the same bytes, each as a contender of its own ([Note: why this protocol] in
+the same bytes, each as a contender of its own ([Note: save protocols] in
 ``checkpoint/_protocol.py``; docs/benchmarks.md, "What is kept"):
 
 - ``save, dcp.save protocol``: ``dcp.save`` with DCP's plan caching instead of shardbridge's
   derived plans ([Note: the derived protocol]: no plan round, storage records derived by rule);
-- ``save, own rounds protocol``: shardbridge's gathered rounds (the plan round skipped while no
-  plan changed, one-collective rounds), the derived protocol's fallback;
 - ``save, DCP-style file writer``: zip CRC32 computed and each file hashed by reading it back,
   instead of CRC32 left at 0 and hashing while writing ([Note: the data file writer]);
 - ``save / load same, object collectives``: torch's two-collective object collectives instead of
@@ -233,16 +231,15 @@ def _round(r, root, add, group, source, same, other):
     local = _local_state(model, opt)
     raw_file = os.path.join(raw, f"rank{rank}.pt")
     raw_nofsync = os.path.join(raw, f"nofsync-rank{rank}.pt")
-    alt = {k: os.path.join(root, f"{k}-{r}") for k in ("sb-dcp", "sb-rounds", "sb-crc", "sb-obj")}
+    alt = {k: os.path.join(root, f"{k}-{r}") for k in ("sb-dcp", "sb-crc", "sb-obj")}
 
-    def save_as(key, path, variant):
+    def save_as(key, path, variant=contextlib.nullcontext, **kwargs):
         with variant():
-            add(key, _timed(lambda: checkpoint.save(path, model=model, optimizer=opt, step=r)))
+            add(key, _timed(lambda: checkpoint.save(path, model=model, optimizer=opt, step=r, **kwargs)))
 
     saves = [
         lambda: add("save", _timed(lambda: checkpoint.save(ckpt, model=model, optimizer=opt, step=r))),
-        lambda: save_as("save, dcp.save protocol", alt["sb-dcp"], _dcp_save_protocol),
-        lambda: save_as("save, own rounds protocol", alt["sb-rounds"], _own_rounds_protocol),
+        lambda: save_as("save, dcp.save protocol", alt["sb-dcp"], protocol="dcp"),
         lambda: save_as("save, DCP-style file writer", alt["sb-crc"], _dcp_style_writer),
         lambda: save_as("save, object collectives", alt["sb-obj"], _object_collectives),
         lambda: add("torch.save+fsync", _timed(lambda: _torch_save(local, raw_file, True))),
@@ -287,30 +284,6 @@ def _round(r, root, add, group, source, same, other):
             shutil.rmtree(path)
     dist.barrier()
     return sizes
-
-
-@contextlib.contextmanager
-def _dcp_save_protocol():
-    """Saves run ``dcp.save`` (with DCP's plan caching) instead of shardbridge's own rounds."""
-    from shardbridge.checkpoint import _protocol
-
-    before, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.DCPSave()
-    try:
-        yield
-    finally:
-        _protocol.PROTOCOL = before
-
-
-@contextlib.contextmanager
-def _own_rounds_protocol():
-    """Saves gather every rank's plan (``OwnRounds``) instead of deriving them."""
-    from shardbridge.checkpoint import _protocol
-
-    before, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.OwnRounds()
-    try:
-        yield
-    finally:
-        _protocol.PROTOCOL = before
 
 
 @contextlib.contextmanager
@@ -474,7 +447,6 @@ def _report(size: str, result: dict, rounds: int) -> None:
           f"{'paired':>7} {'CPU s ours / default (4 ranks)':>31}")  # fmt: skip
     kept = [
         ("derived plans vs dcp.save + plan caching", "save", "save, dcp.save protocol"),
-        ("derived plans vs own rounds (gathered plans)", "save", "save, own rounds protocol"),
         ("data file writer vs DCP-style (CRC32, read-back hash)", "save", "save, DCP-style file writer"),
         ("one-collective rounds vs object collectives (save)", "save", "save, object collectives"),
         ("one-collective rounds vs object collectives (load)", "load same", "load same, object collectives"),

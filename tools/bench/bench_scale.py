@@ -8,12 +8,12 @@ other ranks' payloads (their local plans, their write results) are generated fro
 algebra (``shardbridge.layout.fsdp_tp_chunk``: the box FSDP2 x TP stores on each rank), no
 tensors. Rank 0 then runs the REAL code of each contender on them:
 
-- shardbridge save: ``write_and_commit`` with the production protocol (``_protocol.PROTOCOL``:
+- shardbridge save: ``write_and_commit`` with the default protocol (``DerivedSave``:
   plan round, write round, ``.metadata``, manifest, commit on local disk), after the save's
   argument round (``_dist.one_round``, as ``save`` calls it);
 - plain DCP save: ``dcp.save`` with ``DefaultSavePlanner`` over the same local plans;
 - shardbridge load (same layout, and into another world size), from a cold process: the
-  manifest read, every storage record derived from it (``_derived.derive_load``), the load's two
+  manifest read, every storage record derived from it (``derived.derive_load``), the load's two
   rounds (``_dist.one_round`` agreeing that every rank derived, then ``on_all_ranks``) and rank
   0's own load plan over the saved boxes its boxes overlap (``dcp.load`` with ``no_dist=True``:
   no planning collectives);
@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -60,15 +61,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from shardbridge._compat import DCPStorageInfo, fake_store, flatten_state_dict
 from shardbridge._mesh import ParallelDims
-from shardbridge.checkpoint import _derived, _dist, _protocol, _save
-from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks
-from shardbridge.checkpoint.state._repair import _verdict, placement_spread
-from shardbridge.checkpoint.state._spread import Grid, Spread
+from shardbridge.checkpoint import _dist, _save
+from shardbridge.checkpoint.derived import DerivedSave, derive_load
+from shardbridge.checkpoint.derived._layouts import placement_spread
+from shardbridge.checkpoint.derived._records import derive
+from shardbridge.checkpoint.derived._save import _coordinate
+from shardbridge.checkpoint.derived._spread import Grid, Spread
+from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks, Origin
+from shardbridge.checkpoint.state._repair import _verdict
 from shardbridge.checkpoint.storage._files import data_file_name, record_length, split_items
 from shardbridge.checkpoint.storage._location import locate, open_checkpoint
 from shardbridge.checkpoint.storage._manifest import CHECKSUM_KEY, DCP_METADATA_NAME, MANIFEST_NAME, Manifest, rng_file
 from shardbridge.checkpoint.storage._writer import RECORDS_KEY, RankFiles, Writer
-from shardbridge.layout import chunk_box, fsdp_placements, fsdp_tp_chunk
+from shardbridge.layout import chunk_box, fsdp_placements, fsdp_tp_chunk, parse_placements
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
@@ -304,6 +309,14 @@ class Model:
         rule = "true" if verdict.bad else "dcp"  # what check_dtensor decides: repaired or DCP's own boxes
         return placement_spread(shape, grid, placements, rule, multi=verdict.non_contiguous, properties=properties)
 
+    def origin(self, shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) -> Origin:
+        """The :class:`Origin` the state side gives the entry whose spread :meth:`spread` is."""
+        spread = self._spreads[(shape, tp_dim, dtype)]
+        args = spread.recipe[1]
+        placements = tuple(parse_placements(", ".join(args["placements"]))) if args["placements"] else ()
+        mesh = SimpleNamespace(shape=spread.grid.shape[1:], mesh=spread.grid.ranks.view(spread.grid.shape)[0])
+        return Origin(shape, dtype, mesh, placements, args["rule"], args["multi"])
+
     def state(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s state as the save hands it to DCP: meta tensors with their spreads, in
         torch's order (model, then per parameter step / exp_avg / exp_avg_sq, then the packed param groups)."""
@@ -321,11 +334,11 @@ class Model:
                 spread = self._spreads.get((shape, tp_dim, dtype))
                 if spread is None:
                     spread = self._spreads[(shape, tp_dim, dtype)] = self.spread(shape, tp_dim, props[dtype])
-                coordinate = _derived._coordinate(spread, rank)
+                coordinate = _coordinate(spread, rank)
                 assert coordinate is not None
                 boxes = [(o, z) for o, z in spread.boxes_at(coordinate) if 0 not in z]
                 pieces = [(o, torch.empty(z, dtype=dtype, device="meta")) for o, z in boxes]
-                out[key] = LocalChunks(shape, pieces, spread=spread)
+                out[key] = LocalChunks(shape, pieces, origin=self.origin(shape, tp_dim, dtype))
         if self.optimizer:
             hyper = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
                      "foreach": None, "maximize": False, "capturable": False, "differentiable": False, "fused": None}  # fmt: skip
@@ -635,9 +648,9 @@ def _peer_records(model: Model, protocol: Any) -> Callable[[int, torch.Tensor], 
 
     Computed once, outside the timed region, with the same derivation rank 0 runs (each rank
     checks its own records against it: [Note: the derived protocol])."""
-    local, _ = protocol.local(model.state(0))
+    local = protocol.local(model.state(0))
     assert local.entries is not None, "the simulated state must be derivable"
-    derivation = _derived._derive(local.entries, only=None, bytes_lengths={}, threads=1, min_file_bytes=1 << 62)
+    derivation = derive(local.entries, only=None, bytes_lengths={}, threads=1, min_file_bytes=1 << 62)
     files: dict[int, dict[str, dict[str, Any]]] = {}
     for (w, f), size in derivation.sizes.items():
         files.setdefault(w, {})[data_file_name(w, f)] = {"size": size, CHECKSUM_KEY: "0" * 32}
@@ -653,13 +666,14 @@ def _peer_records(model: Model, protocol: Any) -> Callable[[int, torch.Tensor], 
 def cold() -> None:
     """Forget every table the checkpoint code caches between calls (spreads, grids, record lengths):
     what a job's first save or a resume's load computes from scratch."""
-    from shardbridge.checkpoint.state import _repair, _spread
+    from shardbridge.checkpoint.derived import _records, _spread
+    from shardbridge.checkpoint.derived import _save as _dsave
+    from shardbridge.checkpoint.state import _repair
     from shardbridge.checkpoint.storage import _files
 
-    for cache in (_spread._TABLES, _spread._TILED, _spread._EVERYWHERE, _repair._GRIDS, _derived._COORDS,
-                  _derived._LENGTHS, _derived._CHUNKS, _derived._COLUMNS):  # fmt: skip
-        cache.clear()
-    for fn in (_repair._verdict, _derived._positions, _files.record_length):
+    for cache in (_spread._TABLES, _spread._TILED, _spread._EVERYWHERE, _dsave._COORDS):
+        cache.clear()  # the records' columns and lengths live on the tables
+    for fn in (_repair._verdict, _records.positions, _files.record_length):
         fn.cache_clear()
 
 
@@ -669,8 +683,8 @@ def shardbridge_save(model: Model, root: Path, *, warm: bool = False) -> Result:
     ``warm``: an earlier save of the same state ran in this job (untimed), so the protocol's
     tables are cached, as in training after the first save.
     """
-    protocol = _protocol.PROTOCOLS["derived"]()  # a fresh one: nothing cached from an earlier run
-    peer = _peer_records(model, _protocol.PROTOCOLS["derived"]())
+    protocol = DerivedSave()
+    peer = _peer_records(model, DerivedSave())
     if warm:
         _save_once(model, root / "first", protocol, SimGroup(model.layout.world), peer)
     else:
@@ -692,13 +706,13 @@ def _save_once(model: Model, path: Path, protocol: Any, sim: SimGroup, peer: Any
     )  # fmt: skip
     state = model.state(0)
     with sim.active(), measured(sim):
-        local, unchanged = protocol.local(state)
+        local = protocol.local(state)
         # The save's argument round, as ``save`` calls it (rank 0's target, plans unchanged, digests agree)
         _, same, agreed = _dist.one_round(lambda: target, same=("save", {"path": str(path)}), share=lambda mine: mine,
-                                          all_of=lambda mine: unchanged, agree=lambda mine: protocol.digest(local))  # fmt: skip
+                                          agree=lambda mine: protocol.digest(local))  # fmt: skip
         sim.derived = agreed and protocol.digest(local) != 0
         job = _save.SaveJob(where=where, target=target, dcp_state=state, rng=b"\0" * 64, manifest=manifest,
-                            protocol=protocol, local=local, unchanged=unchanged, derived=sim.derived)  # fmt: skip
+                            protocol=protocol, local=local, derived=sim.derived)  # fmt: skip
         original = _save.Writer
         _save.Writer = _SimWriter  # type: ignore[misc]
         try:
@@ -790,7 +804,7 @@ class _Reader(StorageReader):
 
 def shardbridge_load(model: Model, checkpoint: Path) -> Result:
     """Rank 0 of ``load`` (``_load``'s rounds): every rank reads the manifest and derives every
-    storage record from its ``layout.derived`` ([Note: derived loads] in ``_derived.py``), round 1
+    storage record from its ``layout.derived`` ([Note: derived loads] in ``derived/_records.py``), round 1
     checks arguments and files and agrees that every rank derived them (no rank reads
     ``.metadata``, nothing is broadcast), each rank plans alone (``dcp.load(no_dist=True)``),
     round 2 agrees that every rank read."""
@@ -798,7 +812,7 @@ def shardbridge_load(model: Model, checkpoint: Path) -> Result:
     sim = SimGroup(model.layout.world)
     with sim.active(), measured(sim):
         _, manifest = open_checkpoint(locate(checkpoint))
-        records = _derived.derive_load(manifest.layout, manifest.world_size, manifest.files)
+        records = derive_load(manifest.layout, manifest.world_size, manifest.files)
         if records is None:
             raise RuntimeError(f"{checkpoint}: the load could not derive its records (it would read .metadata)")
         _, intact, agreed = _dist.one_round(lambda: ([], None), same=("load", {"path": "x"}),

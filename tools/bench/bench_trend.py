@@ -58,7 +58,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_checkpoint as local  # noqa: E402 (the model, the quiescing and the shuffling of the local benchmark)
-from shardbridge.checkpoint.state import _spread  # noqa: E402
+from shardbridge.checkpoint.derived import _spread  # noqa: E402
 
 WORLDS = (4, 8, 16)
 SIZE = "8MB"
@@ -234,7 +234,6 @@ def _worker(root: str, size: str, tp: int, rounds: int, source: dict[str, Any] |
 
     import torch.distributed as dist
     from shardbridge import checkpoint
-    from shardbridge.checkpoint import _protocol
 
     # a load into another world size warns once per load that every rank restores rank 0's RNG
     warnings.filterwarnings("ignore", message=r".*restores rank 0's RNG state")
@@ -250,8 +249,7 @@ def _worker(root: str, size: str, tp: int, rounds: int, source: dict[str, Any] |
         sb, first, plain = (os.path.join(d, k) for k in ("sb", "sb-first", "dcp"))
 
         def first_save(path: str = first, step: int = r + 1) -> None:
-            _protocol.PROTOCOL.cache.clear()  # this job's first save: no entries kept ([Note: the derived protocol])
-            _spread._TABLES.clear()  # nor any layout's table
+            _spread._TABLES.clear()  # this job's first save: no layout's table kept ([Note: the derived protocol])
             checkpoint.save(path, model=model, optimizer=opt, step=step)
 
         contenders: list[tuple[str, Callable[[], Any]]] = []

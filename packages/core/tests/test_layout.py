@@ -235,7 +235,7 @@ def expert_cases(draw):
 
 def _expert_layout(case):
     """(mesh_shape, placements as fully_shard builds them, shard dim) of an expert case."""
-    from shardbridge import expert_shard_dim
+    from shardbridge.ep import expert_shard_dim
 
     shape, ep, efsdp, replicate = case
     dim = expert_shard_dim(shape, ep=ep, efsdp=efsdp)
@@ -268,7 +268,7 @@ def test_expert_tensors_keep_item_coordinates_and_dcp_describes_them(case):
     split is read right); and where some dim splits evenly over efsdp every rank holds the same
     share (``expert_shard_dim`` found it).
     """
-    from shardbridge.checkpoint.state._repair import _true_chunk
+    from shardbridge.checkpoint.state._repair import true_chunk
 
     shape, ep, efsdp, _ = case
     mesh_shape, placements, dim = _expert_layout(case)
@@ -290,7 +290,7 @@ def test_expert_tensors_keep_item_coordinates_and_dcp_describes_them(case):
         experts = indices(c)[0].tolist()
         block = shape[0] // ep  # item coordinates: ep rank j holds global experts [j*block, (j+1)*block)
         assert all(c[-1] * block <= e < (c[-1] + 1) * block for e in experts), (c, experts)
-        assert torch.equal(_gather(shape, _true_chunk(shape, tuple(mesh_shape), tuple(placements), c)), local), c
+        assert torch.equal(_gather(shape, true_chunk(shape, tuple(mesh_shape), tuple(placements), c)), local), c
         described = _torch_box(shape, mesh_shape, placements, c)
         sizes = tuple(local.shape)
         box = _arange(shape)[tuple(slice(o, o + n) for o, n in zip(described[1], sizes))]

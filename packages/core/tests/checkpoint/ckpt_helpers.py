@@ -13,7 +13,7 @@ import zlib
 import torch
 from shardbridge._fused import FusedSpec, fused_params, register_fused, shard_fused, split_fused
 from shardbridge._mesh import ParallelDims
-from shardbridge.checkpoint import component_fqn
+from shardbridge.adapters import component_fqn
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -155,7 +155,6 @@ def save_losing_a_file_of_rank_1(env: dict[str, str], root: str, protocol: str, 
 
     import torch.distributed as dist
     from shardbridge import checkpoint as ck
-    from shardbridge.checkpoint import _protocol
     from shardbridge.checkpoint.storage import _writer
     from shardbridge.checkpoint.storage._location import locate
     from shardbridge.testing._s3 import use_server
@@ -163,7 +162,7 @@ def save_losing_a_file_of_rank_1(env: dict[str, str], root: str, protocol: str, 
     if env:
         use_server(env)
     model, opt = build({"dp_shard": 2})
-    real_write, real_protocol = _writer.Writer.write_data, _protocol.PROTOCOL
+    real_write = _writer.Writer.write_data
 
     def write_then_lose(self, plan, planner):
         done = real_write(self, plan, planner)
@@ -176,14 +175,13 @@ def save_losing_a_file_of_rank_1(env: dict[str, str], root: str, protocol: str, 
         return done
 
     _writer.Writer.write_data = write_then_lose
-    _protocol.PROTOCOL = _protocol.PROTOCOLS[protocol]()
     try:
-        ck.save(f"{root}/step-00000001", model=model, optimizer=opt, step=1)
+        ck.save(f"{root}/step-00000001", model=model, optimizer=opt, step=1, protocol=protocol)
         outcome = "saved"
     except (ValueError, OSError) as exc:
         outcome = f"{type(exc).__name__}: {exc}"
     finally:
-        _writer.Writer.write_data, _protocol.PROTOCOL = real_write, real_protocol
+        _writer.Writer.write_data = real_write
     dist.barrier()
     where = locate(root)
     return outcome, socket.gethostname(), ck.latest(root), sorted(where.backend.listing(where.path))

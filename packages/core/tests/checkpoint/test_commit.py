@@ -132,7 +132,7 @@ def test_process_death_before_rename_is_never_taken(tmp_path):
 # -- [Note: one directory for every rank] -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("protocol, how", [("rounds", "missing"), ("dcp", "short")])
+@pytest.mark.parametrize("protocol, how", [("derived", "missing"), ("dcp", "short")])
 def test_a_file_rank_0_does_not_see_is_refused_by_name_and_nothing_is_committed(tmp_path, protocol, how):
     results = run_distributed(save_losing_a_file_of_rank_1, {}, str(tmp_path), protocol, how, world_size=2)
     host = results[0][1]

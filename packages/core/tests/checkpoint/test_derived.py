@@ -1,9 +1,9 @@
-"""The derived save protocol ([Note: the derived protocol] in ``checkpoint/_derived.py``).
+"""The derived save protocol ([Note: the derived protocol] in ``checkpoint/derived/_save.py``).
 
-The oracles: the gathered protocol's own ``.metadata`` of the same state (DCP's planner over
-every rank's gathered plan: the same boxes, the same keys), torch's ``dcp_to_torch_save``, and
+The oracles: ``dcp.save``'s own ``.metadata`` of the same state (DCP's planner over every rank's
+gathered plan: the same boxes, the same keys), torch's ``dcp_to_torch_save``, and
 ``full_tensor()`` of the live model. Each test also checks that the derived protocol really ran
-(a fallback to the gathered rounds would pass every round trip too).
+(a fallback to ``dcp.save`` would pass every round trip too).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 from ckpt_helpers import LAYOUTS, assert_equal_states, build, full_state, step
 from shardbridge import checkpoint as ck
-from shardbridge.checkpoint.state._spread import Grid, NotDerivable
+from shardbridge.checkpoint.derived._spread import Grid, NotDerivable
 from shardbridge.checkpoint.storage._files import Rows, derive_rows, record_length, split_items
 from shardbridge.testing import run_distributed
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -108,18 +108,19 @@ def _save_derived(root: str, layout: dict | None, fused: bool, tamper: str):
     """Save with the production protocol, spying on which path it took and which ranks sent their
     own records; then a gathered-protocol save of the same state (the oracle's .metadata)."""
     import torch.distributed as dist
-    from shardbridge.checkpoint import _derived, _dist, _protocol
+    from shardbridge.checkpoint import _dist
+    from shardbridge.checkpoint.derived import _save as _dsave
     from shardbridge.checkpoint.storage import _writer
 
     model, opt = build(layout, fused=fused, seed=1)
     step(model, opt, seed=2)
     took, own = [], []
-    real = {"save": _derived.Derived.save, "groups": _derived.storage_groups, "small": _dist._SMALL_RECORDS_BYTES,
-            "items": _writer._write_items, "digest": _derived.spreads_digest, "plan": _derived.matches_plan}  # fmt: skip
+    real = {"save": _dsave.DerivedSave.save, "groups": _dsave.storage_groups, "small": _dist._SMALL_RECORDS_BYTES,
+            "items": _writer._write_items, "digest": _dsave.spreads_digest, "plan": _dsave.matches_plan}  # fmt: skip
 
-    def spy(self, dcp_state, writer, local, unchanged, derived=False):
+    def spy(self, dcp_state, writer, local, derived=False):
         took.append(derived)
-        return real["save"](self, dcp_state, writer, local, unchanged, derived)
+        return real["save"](self, dcp_state, writer, local, derived)
 
     def groups(entries, derivation, sent):
         own.append(sorted(sent))
@@ -137,27 +138,22 @@ def _save_derived(root: str, layout: dict | None, fused: bool, tamper: str):
         finally:
             _writer.ChecksumWriter = plain
 
-    _derived.Derived.save, _derived.storage_groups = spy, groups
+    _dsave.DerivedSave.save, _dsave.storage_groups = spy, groups
     if tamper == "write" and dist.get_rank() == 1:  # its records differ from the file rule: they travel
         _writer._write_items = padded
     if tamper == "overflow":  # no rank's records fit the fixed-size gather: every rank resends
         _dist._SMALL_RECORDS_BYTES = 16
     if tamper == "digest" and dist.get_rank() == 2:  # one rank's layout differs: every rank gathers plans
-        _derived.spreads_digest = lambda spreads: 12345
+        _dsave.spreads_digest = lambda spreads: 12345
     if tamper == "plan" and dist.get_rank() == 3:  # one rank's plan is not what its spreads say: the same
-        _derived.matches_plan = lambda *args: False
+        _dsave.matches_plan = lambda *args: False
     try:
-        _protocol.PROTOCOL.cache.clear()  # no entries kept from an earlier save in this worker
         path = ck.save(f"{root}/derived", model=model, optimizer=opt, step=1)
     finally:
-        _derived.Derived.save, _derived.storage_groups = real["save"], real["groups"]
+        _dsave.DerivedSave.save, _dsave.storage_groups = real["save"], real["groups"]
         _dist._SMALL_RECORDS_BYTES, _writer._write_items = real["small"], real["items"]
-        _derived.spreads_digest, _derived.matches_plan = real["digest"], real["plan"]
-    saved, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.OwnRounds()
-    try:
-        ck.save(f"{root}/gathered", model=model, optimizer=opt, step=1)
-    finally:
-        _protocol.PROTOCOL = saved
+        _dsave.spreads_digest, _dsave.matches_plan = real["digest"], real["plan"]
+    ck.save(f"{root}/gathered", model=model, optimizer=opt, step=1, protocol="dcp")
     return took, own, full_state(model, opt), str(path)
 
 
@@ -168,8 +164,8 @@ def _save_derived(root: str, layout: dict | None, fused: bool, tamper: str):
         ("hsdp2_tp2", False, "", True, []),  # HSDP: every box held by 2 replicas, written once
         ("fsdp4", False, "write", True, [1]),  # rank 1's files differ from the file rule: its records travel
         ("fsdp2_tp2", False, "overflow", True, []),  # records larger than the fixed-size gather: resent
-        ("fsdp4", False, "digest", False, None),  # one rank's layout digest differs: the gathered rounds
-        ("hsdp2_tp2", False, "plan", False, None),  # one rank's plan is not its spreads': the gathered rounds
+        ("fsdp4", False, "digest", False, None),  # one rank's layout digest differs: dcp.save
+        ("hsdp2_tp2", False, "plan", False, None),  # one rank's plan is not its spreads': dcp.save
     ],
 )
 def test_derived_save_matches_the_gathered_plan_and_loads_bit_exact(tmp_path, layout, fused, tamper, derived, own):
@@ -209,7 +205,7 @@ def test_derived_save_matches_the_gathered_plan_and_loads_bit_exact(tmp_path, la
 
 def assert_derives_its_metadata(path, expected: bool) -> None:
     """The records a load derives from the manifest are ``.metadata``'s, every one ([Note: derived loads])."""
-    from shardbridge.checkpoint._derived import derive_load
+    from shardbridge.checkpoint.derived import derive_load
     from shardbridge.checkpoint.storage._location import locate, open_checkpoint
     from shardbridge.checkpoint.storage._trust import read_metadata
 
@@ -226,26 +222,26 @@ def assert_derives_its_metadata(path, expected: bool) -> None:
 
 
 def _async_saves(root: str):
-    from shardbridge.checkpoint import _derived
+    from shardbridge.checkpoint.derived import _save as _dsave
 
     model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True, seed=1)
     step(model, opt, seed=2)
-    took, real = [], _derived.Derived.save
+    took, real = [], _dsave.DerivedSave.save
 
-    def spy(self, dcp_state, writer, local, unchanged, derived=False):
+    def spy(self, dcp_state, writer, local, derived=False):
         took.append(derived)
-        return real(self, dcp_state, writer, local, unchanged, derived)
+        return real(self, dcp_state, writer, local, derived)
 
-    _derived.Derived.save = spy
+    _dsave.DerivedSave.save = spy
     try:
         ck.save(f"{root}/a", model=model, optimizer=opt, step=1, async_=True).wait()
     finally:
-        _derived.Derived.save = real
+        _dsave.DerivedSave.save = real
     return took, full_state(model, opt)
 
 
 def test_an_async_save_is_derived_too(tmp_path):
-    # The staged snapshot keeps each entry's spread (state/_stage.py): the writer thread derives as well.
+    # The staged snapshot keeps each entry's origin (state/_stage.py): the writer thread derives as well.
     results = run_distributed(_async_saves, str(tmp_path), world_size=4)
     assert all(r[0] == [True] for r in results), [r[0] for r in results]
     assert_derives_its_metadata(f"{tmp_path}/a", True)
@@ -259,7 +255,8 @@ def _load_into(path: str, layout: dict, fused: bool, refuse_on: int | None = Non
 
     ``refuse_on``: this rank cannot derive them (as with a recipe its version does not rebuild)."""
     import torch.distributed as dist
-    from shardbridge.checkpoint import _derived, _load
+    from shardbridge.checkpoint import _load
+    from shardbridge.checkpoint.derived import _records as _derived
 
     model, opt = build(layout, fused=fused, seed=7, lr=0.5)
     took, real = [], {"metadata": _derived.DerivedRecords.metadata, "derive": _load.derive_load, "narrow": _derived.NARROW_FROM}
@@ -340,7 +337,7 @@ def test_no_change_of_the_recorded_derivation_derives_other_records(tmp_path):
     # grown or reversed, every key dropped (the manifest's checksum refuses all of them at load; this
     # checks the second line of defence, the derivation's own checks). Each either derives exactly
     # .metadata's records (a change that does not matter) or is refused (the load reads .metadata).
-    from shardbridge.checkpoint._derived import derive_load
+    from shardbridge.checkpoint.derived import derive_load
     from shardbridge.checkpoint.storage._location import locate, open_checkpoint
     from shardbridge.checkpoint.storage._trust import read_metadata
 
@@ -371,9 +368,9 @@ def test_another_algebra_deriving_other_boxes_from_the_same_layout_is_refused(mo
     # A later shardbridge or torch could give the same recipe (the same inputs: the spreads' digest
     # matches) the same-sized boxes at other coordinates, so that every data file keeps its size.
     # The records digest (the outputs) refuses it, and the load reads .metadata.
-    from shardbridge.checkpoint import _derived
-    from shardbridge.checkpoint.state import _repair, _spread
-    from shardbridge.checkpoint.state._recipes import decode_grid, rebuild
+    from shardbridge.checkpoint.derived import _layouts, _spread
+    from shardbridge.checkpoint.derived import _records as _derived
+    from shardbridge.checkpoint.derived._recipes import decode_grid, rebuild
     from shardbridge.checkpoint.storage._files import data_file_name
 
     world, props = 4, TensorProperties(dtype=torch.float32)
@@ -382,19 +379,19 @@ def test_another_algebra_deriving_other_boxes_from_the_same_layout_is_refused(mo
     spread = rebuild(recipe, decode_grid(grid, world), keep_empty=True, properties=props)
     table = _spread.spread_table(spread)
     entry = _derived.Entry("model.w", spread, table, _spread.writers(table, 0), props, torch.Size([8, 4]))
-    derivation = _derived._derive([entry], only=None, bytes_lengths={}, threads=1, min_file_bytes=1 << 25)
+    derivation = _derived.derive([entry], only=None, bytes_lengths={}, threads=1, min_file_bytes=1 << 25)
     digest = _spread.spreads_digest([("model.w", spread)])
     layout = {"derived": _derived.describe([entry], digest, {}, 1, 1 << 25, derivation)}
     files = {data_file_name(w, f): {"size": n} for (w, f), n in derivation.sizes.items()}
     files.update({f"rng/rank-{r:05d}.pt": {"size": 1} for r in range(world)})
     assert _derived.derive_load(layout, world, files) is not None
-    real = _repair._true_chunk
+    real = _layouts.true_chunk
 
     def shifted(shape, mesh_shape, placements, coordinate):  # coordinate c gets c+1's box
         return real(shape, mesh_shape, placements, ((coordinate[0] + 1) % mesh_shape[0], *coordinate[1:]))
 
-    caches = (_spread._TABLES, _derived._CHUNKS, _derived._LENGTHS, _derived._COLUMNS)
-    monkeypatch.setattr(_repair, "_true_chunk", shifted)
+    caches = (_spread._TABLES,)  # the records' own columns live on each table
+    monkeypatch.setattr(_layouts, "true_chunk", shifted)
     try:
         for cache in caches:
             cache.clear()
@@ -409,10 +406,10 @@ def test_narrowed_chunks_give_dcp_the_same_read_items():
     # DCP's own planner is the oracle: the read items from the narrowed chunk list equal those from
     # every saved chunk, for local boxes that cut across saved boxes; a local tensor with another
     # number of dims is left whole (the load then names the shape mismatch).
-    from shardbridge.checkpoint._derived import Entry, _narrowed, head_metadata
+    from shardbridge.checkpoint.derived._layouts import placement_spread
+    from shardbridge.checkpoint.derived._records import Entry, _narrowed, head_metadata
+    from shardbridge.checkpoint.derived._spread import spread_table, writers
     from shardbridge.checkpoint.state._chunks import LocalChunks
-    from shardbridge.checkpoint.state._repair import placement_spread
-    from shardbridge.checkpoint.state._spread import spread_table, writers
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
     from torch.distributed.tensor import Shard
 
@@ -440,8 +437,8 @@ def test_narrowed_chunks_give_dcp_the_same_read_items():
 def test_a_crafted_record_is_refused_before_it_costs_time():
     import time
 
-    from shardbridge.checkpoint import _derived
-    from shardbridge.checkpoint.state._recipes import rebuild
+    from shardbridge.checkpoint.derived import _records as _derived
+    from shardbridge.checkpoint.derived._recipes import rebuild
 
     grid = Grid((1, 4), torch.arange(4))
     props = TensorProperties(dtype=torch.float32)

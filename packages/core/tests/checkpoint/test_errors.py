@@ -158,25 +158,22 @@ def test_a_file_in_the_path_is_named_not_a_bare_file_exists_error(tmp_path, asyn
 
 
 def _save_with_a_failing_commit(root: str, protocol: str) -> str:
-    from shardbridge.checkpoint import _protocol
     from shardbridge.checkpoint.storage import _local
 
     def commit(*args, **kwargs):
         raise FileExistsError(errno.EEXIST, "injected: another job created it", str(root))
 
     real, _local.commit = _local.commit, commit  # rank 0 commits, inside the write round
-    saved, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.PROTOCOLS[protocol]()
     try:
-        ck.save(os.path.join(root, "c"), model=nn.Linear(16, 16), step=1)
+        ck.save(os.path.join(root, "c"), model=nn.Linear(16, 16), step=1, protocol=protocol)
     except FileExistsError as exc:
         return f"{type(exc).__name__}|{exc.errno}|{'injected: another job created it' in str(exc)}"
     finally:
         _local.commit = real  # the pool's workers live on
-        _protocol.PROTOCOL = saved
     return "saved"
 
 
-@pytest.mark.parametrize("protocol", ["rounds", "dcp"])
+@pytest.mark.parametrize("protocol", ["derived", "dcp"])
 def test_a_commit_error_keeps_its_type_and_errno_on_every_rank(tmp_path, protocol):
     # The commit runs on rank 0 in the write round ([Note: save protocols] in _protocol.py); its error
     # reaches every rank with the outcome, as itself (type, errno, message), not as "failed

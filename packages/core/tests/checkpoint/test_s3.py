@@ -144,7 +144,7 @@ def test_a_reshard_fetches_only_the_rows_each_rank_needs(s3_server, s3_root):
 def test_an_object_rank_0_does_not_see_is_refused_and_nothing_is_committed(s3_server, s3_root, how):
     """The object-store side of [Note: one directory for every rank]: one namespace for every
     machine, so only a lost or cut upload gets here; the commit's listing refuses it by name."""
-    results = run_distributed(save_losing_a_file_of_rank_1, s3_server.client_env(), s3_root, "rounds", how,
+    results = run_distributed(save_losing_a_file_of_rank_1, s3_server.client_env(), s3_root, "dcp", how,
                               world_size=2)  # fmt: skip
     seen = r"is missing \(its upload did not complete\)" if how == "missing" else r"has \d+ bytes, \d+ recorded"
     for outcome, _, latest, listing in results:  # every rank raises; no manifest, no generation left

@@ -112,47 +112,29 @@ def test_saving_does_not_touch_the_model(tmp_path):
 
 
 def _saves_reusing_and_replanning(root: str):
-    from shardbridge.checkpoint import _dist, _protocol
-
-    rounds = []
-    real = _dist.gather_scatter
-
-    def counted(*args, **kwargs):
-        rounds.append(len(rounds))
-        return real(*args, **kwargs)
-
-    _protocol._dist.gather_scatter = counted  # the pool's workers live on: restored below
-    protocol, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.OwnRounds()
-    try:
-        a, opt_a = build(LAYOUTS["fsdp2_tp2"], seed=1)
-        b, opt_b = build(LAYOUTS["fsdp4"], seed=2)  # another layout: another plan
-        plan_rounds, wanted = [], {}
-        for name, (model, opt) in [("a1", (a, opt_a)), ("a2", (a, opt_a)), ("b", (b, opt_b)), ("a3", (a, opt_a))]:
-            step(model, opt, seed=len(wanted))  # new values every save
-            ck.save(f"{root}/{name}", model=model, optimizer=opt, step=len(wanted))
-            plan_rounds.append(len(rounds))
-            wanted[name] = full_state(model, opt)
-        async_save = ck.save(f"{root}/a4", model=a, optimizer=opt_a, async_=True)
-        wanted["a4"] = full_state(a, opt_a)
-        async_save.wait()
-        plan_rounds.append(len(rounds))
-    finally:
-        _protocol._dist.gather_scatter = real
-        _protocol.PROTOCOL = protocol
+    a, opt_a = build(LAYOUTS["fsdp2_tp2"], seed=1)
+    b, opt_b = build(LAYOUTS["fsdp4"], seed=2)  # another layout: another plan
+    wanted = {}
+    for name, (model, opt) in [("a1", (a, opt_a)), ("a2", (a, opt_a)), ("b", (b, opt_b)), ("a3", (a, opt_a))]:
+        step(model, opt, seed=len(wanted))  # new values every save
+        ck.save(f"{root}/{name}", model=model, optimizer=opt, step=len(wanted), protocol="dcp")
+        wanted[name] = full_state(model, opt)
+    async_save = ck.save(f"{root}/a4", model=a, optimizer=opt_a, async_=True, protocol="dcp")
+    wanted["a4"] = full_state(a, opt_a)
+    async_save.wait()
     loaded = {}
     for name in wanted:
         model, opt = build(LAYOUTS["fsdp2_tp2" if name != "b" else "fsdp4"], seed=9)
         ck.load(f"{root}/{name}", model=model, optimizer=opt)
         loaded[name] = full_state(model, opt)
-    return plan_rounds, wanted, loaded
+    return wanted, loaded
 
 
-def test_the_plan_round_runs_only_when_a_plan_changed(tmp_path):
-    # [Note: save protocols], OwnRounds: DCP's global plan is reused while no rank's plan changes (a2, and the
-    # async a4: same boxes from the staged copy), recomputed for another layout (b) and back (a3).
+def test_dcp_plan_caching_saves_every_layout_change_right(tmp_path):
+    # [Note: save protocols], "dcp": DCP's cached global plan is reused while no rank's plan changes (a2, and
+    # the async a4: same boxes from the staged copy), recomputed for another layout (b) and back (a3).
     results = run_distributed(_saves_reusing_and_replanning, str(tmp_path), world_size=4)
-    for plan_rounds, wanted, loaded in results:
-        assert plan_rounds == [1, 1, 2, 3, 3], plan_rounds
+    for wanted, loaded in results:
         for name in wanted:
             assert_equal_states(loaded[name], wanted[name])  # bit-exact, every save
 
@@ -194,19 +176,14 @@ def test_data_files_are_laid_out_as_dcps_own_writer_lays_them_out(tmp_path):
 
 
 def _save_with(protocol: str, root: str):
-    from shardbridge.checkpoint import _protocol
     from shardbridge.checkpoint.storage._trust import read_metadata
 
-    saved, _protocol.PROTOCOL = _protocol.PROTOCOL, _protocol.PROTOCOLS[protocol]()
-    try:
-        model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True, seed=3)
-        path = f"{root}/{protocol}"
-        ck.save(path, model=model, optimizer=opt, step=1)
-        step(model, opt, seed=5)  # a second save: DCPSave's cached plan, OwnRounds' skipped plan round
-        ck.save(f"{path}-2", model=model, optimizer=opt, step=2, async_=True).wait()
-        want = full_state(model, opt)
-    finally:
-        _protocol.PROTOCOL = saved
+    model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True, seed=3)
+    path = f"{root}/{protocol}"
+    ck.save(path, model=model, optimizer=opt, step=1, protocol=protocol)
+    step(model, opt, seed=5)  # a second save: DCPSave's cached plan
+    ck.save(f"{path}-2", model=model, optimizer=opt, step=2, async_=True, protocol=protocol).wait()
+    want = full_state(model, opt)
     fresh, fresh_opt = build(LAYOUTS["fsdp4"], fused=True, seed=9, lr=0.5)
     ck.load(f"{path}-2", model=fresh, optimizer=fresh_opt)
     got = full_state(fresh, fresh_opt)
@@ -214,11 +191,11 @@ def _save_with(protocol: str, root: str):
 
 
 def test_both_save_protocols_write_the_same_checkpoint(tmp_path):
-    """[Note: save protocols]: dcp.save (DCP's plan caching) and the own rounds drive the same
+    """[Note: save protocols]: dcp.save (DCP's plan caching) and the derived protocol drive the same
     storage writer: the same metadata, and each of two saves (sync, then async) loads bit-exact."""
     metadata = {}
-    for protocol in ("dcp", "rounds"):
+    for protocol in ("dcp", "derived"):
         want, got, metadata[protocol] = run_distributed(_save_with, protocol, str(tmp_path), world_size=4)[0]
         assert_equal_states(got, want)
         assert ck.verify(tmp_path / protocol).ok and ck.verify(tmp_path / f"{protocol}-2").ok
-    assert metadata["dcp"] == metadata["rounds"]
+    assert metadata["dcp"] == metadata["derived"]

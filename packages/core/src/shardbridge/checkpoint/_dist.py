@@ -32,7 +32,6 @@ __all__ = [
     "all_gather",
     "barrier",
     "gather_reduce",
-    "gather_scatter",
     "broadcast_from_rank0",
     "check_same_on_all_ranks",
     "group",
@@ -420,38 +419,6 @@ def _outcome(parts: list[Any] | None, reduce: Callable[[list[Any]], Any]) -> Any
 # names those ranks in a broadcast (which the round needs anyway, for "resend"), and they alone
 # send their value through torch's gather_object.
 _SMALL_RECORDS_BYTES = 1 << 10
-
-
-def gather_scatter(local: Callable[[], Any], plan: Callable[[list[Any]], list[Any]]) -> Any:
-    """``local()`` on every rank; rank 0 turns every rank's value into one value per rank; each gets its own.
-
-    DCP's "plan" round (gather the local plans, the coordinator's global plan, scatter), with
-    [Note: symmetric errors]. Without a process group: ``plan([local()])[0]``.
-    """
-    if not is_distributed():
-        return plan([local()])[0]
-    value, error = _attempt(local)
-    parts: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    dist.gather_object((None if error is None else summary(error), value), parts, dst=_rank0(), group=group())
-    outgoing: list[Any] | None = None
-    if rank() == 0:
-        assert parts is not None
-        failed = [(r, p[0]) for r, p in enumerate(parts) if p[0] is not None]
-        if not failed:
-            planned, error = _attempt(lambda: plan([p[1] for p in parts]))
-            if error is None and (not isinstance(planned, list) or len(planned) != world_size()):
-                error = RuntimeError(f"internal: a plan for {world_size()} ranks has {len(planned)} entries")
-            if error is not None:
-                failed = [(0, summary(error))]
-        outgoing = [("failed", failed)] * world_size() if failed else [("ok", v) for v in planned]
-    box: list[Any] = [None]
-    dist.scatter_object_list(box, outgoing, src=_rank0(), group=group())
-    if error is not None:
-        raise error
-    kind, payload = box[0]
-    if kind == "failed":
-        raise replay(payload)
-    return payload
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, Exception | None]:

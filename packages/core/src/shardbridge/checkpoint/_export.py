@@ -61,7 +61,7 @@ from shardbridge.checkpoint._inspect import natural_key
 from shardbridge.checkpoint.state._state import MODEL_KEY
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._destination import check_destination
-from shardbridge.checkpoint.storage._integrity import _log_unverified, check_files, damage_message
+from shardbridge.checkpoint.storage._integrity import check_files, damage_message, log_unverified
 from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
 from shardbridge.checkpoint.storage._manifest import FILES_SINCE_VERSION, Manifest, write_file_durably
 from shardbridge.checkpoint.storage._read import EXPORT_IN_PLACE_MIN_BYTES, read_box_into
@@ -398,7 +398,7 @@ def _remove(where: Location) -> None:
 def _verify(stored: Stored, manifest: Manifest, *, checksums: bool) -> None:
     """ValueError naming the first damaged file, as ``load`` does. See [Note: export checks]."""
     if manifest.format_version < FILES_SINCE_VERSION:
-        _log_unverified(stored, manifest.format_version)
+        log_unverified(stored, manifest.format_version)
         return
     problems = check_files(stored, manifest, checksums=checksums, listing=True)
     if problems:

@@ -114,7 +114,7 @@ class CheckpointInfo:
         repaired = [k for k, r in self.layout.get("tensors", {}).items() if r.get("stored_as") == "repaired"]
         if repaired:
             lines.append(f"  layouts repaired for DCP: {', '.join(repaired)}")
-        if DERIVED_KEY in self.layout:  # see [Note: derived loads] in _derived.py
+        if DERIVED_KEY in self.layout:  # see [Note: derived loads] in derived/_records.py
             lines.append("  storage records: derivable by every loading rank (layout.derived), else read from .metadata")
         else:
             lines.append("  storage records: read from .metadata by rank 0 at load (no layout.derived)")

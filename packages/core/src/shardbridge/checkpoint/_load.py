@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from shardbridge._compat import flatten_state_dict
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import settle
-from shardbridge.checkpoint._derived import DerivedRecords, derive_load
+from shardbridge.checkpoint._verify import local_problems, merge_problems
+from shardbridge.checkpoint.derived import DerivedRecords, derive_load
 from shardbridge.checkpoint.state._chunks import LoadPlanner
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint.state._rng import restore_rng
@@ -35,12 +36,7 @@ from shardbridge.checkpoint.state._state import (
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._catalog import newest
 from shardbridge.checkpoint.storage._errors import dcp_errors
-from shardbridge.checkpoint.storage._integrity import (
-    FileProblem,
-    damage_message,
-    local_problems,
-    merge_problems,
-)
+from shardbridge.checkpoint.storage._integrity import FileProblem, damage_message
 from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
 from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
 from shardbridge.checkpoint.storage._reader import TrustedReader
@@ -150,7 +146,7 @@ def _load(
     # Two rounds in all (each ~10 ms on 4 processes sharing 2 cores; plain DCP's load has two):
     # 1. arguments, the manifest and this rank's share of the checksums, before DCP reads
     # anything; each rank derives every storage record from the manifest, and the round agrees
-    # that all did ([Note: derived loads] in _derived.py). Where one could not, rank 0 reads
+    # that all did ([Note: derived loads] in derived/_records.py). Where one could not, rank 0 reads
     # .metadata (restricted unpickler) and broadcasts the validated object after the round,
     # instead of every rank reading and unpickling it.
     (stored, manifest, opened, derived), intact, agreed = _dist.one_round(
@@ -237,7 +233,7 @@ def _open(
     skip_damaged: bool,
 ) -> tuple[Stored | None, Manifest | None, tuple[list[FileProblem], Metadata | None], DerivedRecords | None]:
     """Round 1 of :func:`load` on one rank: arguments, manifest, this rank's file checks, the
-    derived records ([Note: derived loads] in ``_derived.py``; else rank 0 reads ``.metadata``).
+    derived records ([Note: derived loads] in ``derived/_records.py``; else rank 0 reads ``.metadata``).
 
     ``skip_damaged``: a manifest that cannot be read is one more problem, not an error.
     """

@@ -14,8 +14,10 @@ from torch import nn
 
 import shardbridge
 from shardbridge._mesh import ParallelDims
-from shardbridge.checkpoint import _dist, _protocol
+from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import AsyncSave, IfBusy, finish_previous, stage_state, start_async
+from shardbridge.checkpoint._protocol import DCPSave, SaveProtocol
+from shardbridge.checkpoint.derived import DerivedSave
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint.state._rng import rng_bytes, rng_states
 from shardbridge.checkpoint.state._state import OPTIM_KEY, OnBadLayout, PortableState, build_portable_state
@@ -35,7 +37,10 @@ from shardbridge.checkpoint.storage._manifest import (
 )
 from shardbridge.checkpoint.storage._writer import Writer
 
-__all__ = ["FILES_PER_RANK", "SaveJob", "save", "write_and_commit"]
+__all__ = ["FILES_PER_RANK", "PROTOCOLS", "SaveJob", "save", "write_and_commit"]
+
+PROTOCOLS: dict[str, type[SaveProtocol]] = {"derived": DerivedSave, "dcp": DCPSave}
+"""``save(protocol=...)``'s names. See [Note: save protocols] in ``_protocol.py``."""
 
 FILES_PER_RANK = {False: 1, True: 4}
 """Data files each rank writes concurrently (DCP's ``thread_count``), local disk / object store:
@@ -57,6 +62,7 @@ def save(
     state_dicts: StateDictProvider | None = ...,
     async_: Literal[False] = ...,
     if_busy: IfBusy = ...,
+    protocol: str | SaveProtocol = ...,
 ) -> Path | str: ...
 
 
@@ -74,6 +80,7 @@ def save(
     state_dicts: StateDictProvider | None = ...,
     async_: Literal[True],
     if_busy: IfBusy = ...,
+    protocol: str | SaveProtocol = ...,
 ) -> AsyncSave: ...
 
 
@@ -90,6 +97,7 @@ def save(
     state_dicts: StateDictProvider | None = None,
     async_: bool = False,
     if_busy: IfBusy = "wait",
+    protocol: str | SaveProtocol = "derived",
 ) -> Path | str | AsyncSave:
     """Save a checkpoint to the directory ``path``, atomically. Call on every rank.
 
@@ -130,6 +138,10 @@ def save(
         if_busy: what this save does while a previous asynchronous save is still in flight:
             "wait" (default) for it to finish, "error" raises ``RuntimeError`` (nothing of
             this save is done; the previous one goes on).
+        protocol: how the ranks coordinate: "derived" (default: plans and records derived
+            from the mesh, constant-size rounds at any world size) or "dcp" (``dcp.save`` with
+            its plan caching); or a protocol object, which may keep state from one save to the
+            next. See [Note: save protocols] in ``_protocol.py``.
 
     Returns:
         The committed checkpoint directory (a ``Path``; the URI for a URI ``path``), or
@@ -159,19 +171,19 @@ def save(
     # 0. At most one save in flight; the previous one's error surfaces here.
     finish_previous(if_busy)
     rank, world_size = _dist.rank(), _dist.world_size()
-    protocol = _protocol.PROTOCOL
+    protocol = _protocol_of(protocol)
     # 1. Arguments checked, the portable state built (layouts checked, fused params split,
     # FP8 made plain) and, for async_, staged to host memory: one round in which every rank
     # also compares its arguments. See [Note: symmetric errors] in _dist.py.
     same = {"path": str(path), "step": step, "extra": {} if extra is None else extra, "overwrite": overwrite,
             "on_bad_layout": on_bad_layout, "optimizer": optimizer is not None, "parallel_dims": parallel_dims,
-            "async_": async_}  # fmt: skip
+            "async_": async_, "protocol": protocol.name}  # fmt: skip
     # 2. In the same round, rank 0 begins the save on the backend (recovery, checks, the
     # temporary location: undone below if another rank failed) and every rank learns where to
     # write; the protocol's local step rides along ([Note: save protocols] in _protocol.py).
     begun: list[Target] = []
     try:
-        (prepared, target), unchanged, agreed = _dist.one_round(
+        (prepared, target), _, agreed = _dist.one_round(
             _prepare,
             (model, optimizer),
             {
@@ -187,7 +199,6 @@ def save(
             },
             same=("shardbridge.checkpoint.save", same),
             share=lambda mine: mine.target,  # rank 0's
-            all_of=lambda mine: mine.unchanged,
             agree=lambda mine: protocol.digest(mine.local),  # see [Note: the derived protocol]
         )
     except BaseException:
@@ -203,7 +214,6 @@ def save(
         manifest=_manifest(state, step=step, extra=prepared.extra, world_size=world_size, parallel_dims=parallel_dims),
         protocol=protocol,
         local=prepared.local,
-        unchanged=unchanged,
         derived=agreed and protocol.digest(prepared.local) != 0,
     )
     del state, snapshot, prepared
@@ -231,13 +241,11 @@ class SaveJob:
     """This rank's RNG file."""
     manifest: Manifest
     """Without ``files`` (added at the commit)."""
-    protocol: _protocol.SaveProtocol
+    protocol: SaveProtocol
     local: Any
     """The protocol's result of this rank's local step (round 1)."""
-    unchanged: bool
-    """No rank's local plan changed since the last save (round 1)."""
     derived: bool = False
-    """Every rank can derive the global plan (round 1; [Note: the derived protocol] in ``_derived.py``)."""
+    """Every rank can derive the global plan (round 1; [Note: the derived protocol] in ``derived/_save.py``)."""
 
     @property
     def final(self) -> Path | str:
@@ -257,7 +265,7 @@ def write_and_commit(job: SaveJob) -> None:
     def commit(records: dict[str, dict[str, Any]], derived: dict[str, Any] | None) -> None:  # rank 0, in finish
         files = merge_records(backend, target.data, [records], listing=writer.landed)  # the listing finish checked
         manifest = dataclasses.replace(job.manifest, files=files)
-        if derived is not None:  # see [Note: derived loads] in _derived.py
+        if derived is not None:  # see [Note: derived loads] in derived/_records.py
             manifest = dataclasses.replace(manifest, layout={**manifest.layout, DERIVED_KEY: derived})
         backend.commit(target, manifest)
 
@@ -275,7 +283,7 @@ def write_and_commit(job: SaveJob) -> None:
         save_failure=failure,
     )
     try:
-        job.protocol.save(job.dcp_state, writer, job.local, job.unchanged, job.derived)
+        job.protocol.save(job.dcp_state, writer, job.local, job.derived)
     except BaseException:
         if rank == 0:
             backend.abandon(target)  # see [Note: atomic commit], [Note: object-store commit]
@@ -293,20 +301,20 @@ def _prepare(
     on_bad_layout: OnBadLayout,
     log: bool,
     stage: bool,
-    protocol: _protocol.SaveProtocol,
+    protocol: SaveProtocol,
     begin: tuple[Location, bool, list[Target]] | None,
 ) -> _Prepared:
     """Steps 1-2 of :func:`save` on one rank; rank 0 (``begin``) also begins the save on the backend."""
     extra = _check_args(step=step, extra=extra, parallel_dims=parallel_dims, provider=provider)
     state = build_portable_state(model, optimizer, on_bad_layout=on_bad_layout, log=log, provider=provider)
     snapshot = stage_state(state.dcp_state) if stage else None
-    local, unchanged = protocol.local(state.dcp_state if snapshot is None else snapshot)
+    local = protocol.local(state.dcp_state if snapshot is None else snapshot)
     target = None
     if begin is not None:
         where, overwrite, begun = begin
         target = where.backend.begin(where.path, overwrite=overwrite)
         begun.append(target)
-    return _Prepared(extra, state, snapshot, local, unchanged, target)
+    return _Prepared(extra, state, snapshot, local, target)
 
 
 @dataclass
@@ -315,8 +323,18 @@ class _Prepared:
     state: PortableState
     snapshot: dict[str, Any] | None
     local: Any
-    unchanged: bool
     target: Target | None
+
+
+def _protocol_of(protocol: str | SaveProtocol) -> SaveProtocol:
+    """``save``'s ``protocol``: a name of :data:`PROTOCOLS`, or a protocol object."""
+    if isinstance(protocol, str):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol={protocol!r} is not one of {sorted(PROTOCOLS)}; 'derived' is the default")
+        return PROTOCOLS[protocol]()
+    if not all(callable(getattr(protocol, m, None)) for m in ("local", "save", "digest")):
+        raise TypeError(f"protocol must be a name ({', '.join(sorted(PROTOCOLS))}) or a SaveProtocol, got {protocol!r:.80}")
+    return protocol
 
 
 def _check_args(

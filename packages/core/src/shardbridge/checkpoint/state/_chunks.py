@@ -23,6 +23,7 @@ metadata only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +40,33 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from shardbridge._compat import flatten_sharded_tensors, flatten_state_dict
 from shardbridge.checkpoint.storage._trust import WeightsOnlyBytes
 
-__all__ = ["LoadPlanner", "LocalChunks", "SavePlanner"]
+__all__ = ["LoadPlanner", "LocalChunks", "Origin", "SavePlanner"]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The layout every rank's boxes of one :class:`LocalChunks` entry follow from.
+
+    What a save protocol may derive every rank's boxes from without asking the ranks (the
+    derived protocol, ``checkpoint/derived``); the state side only says what the boxes ARE:
+
+    - ``mesh`` None: a tensor of ``shape`` every rank of the job holds whole;
+    - else the boxes of a DTensor of ``shape`` with ``placements`` on ``mesh``, read by ``rule``
+      ("dcp": DCP's own description; "true" / "local": ``_repair.RULES``), one box per range of
+      a several-range chunk when ``multi``;
+    - ``fused``: ``(spec, tp_size, name)``: this entry is component ``name`` of that tensor, split
+      as ``shardbridge.fused.split_local`` splits it.
+
+    Empty boxes are never listed (:class:`LocalChunks` drops them).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    mesh: Any = None
+    placements: tuple[Any, ...] = ()
+    rule: str = "dcp"
+    multi: bool = False
+    fused: tuple[Any, int, str] | None = None
 
 
 class LocalChunks:
@@ -51,9 +78,8 @@ class LocalChunks:
             Empty boxes are dropped (DCP would deduplicate an empty box against a full box
             that starts at the same offset on another rank). A tensor with zero elements
             keeps one empty box at the origin so that DCP still records its key.
-        spread: the boxes every rank of the mesh holds (:class:`~shardbridge.checkpoint.state._spread.Spread`),
-            when the caller computed them from the layout algebra; None = unknown (the save then
-            gathers every rank's plan). See [Note: derived plans] in ``_spread.py``.
+        origin: the layout every rank's boxes follow from (:class:`Origin`), when the caller
+            knows it; None = only this rank's boxes are known (a framework's own boxes).
 
     Example:
         >>> local = torch.arange(6.0).reshape(3, 2)
@@ -67,10 +93,10 @@ class LocalChunks:
         global_size: Sequence[int],
         pieces: Sequence[tuple[Sequence[int], torch.Tensor]],
         *,
-        spread: Any = None,
+        origin: Origin | None = None,
     ) -> None:
         self._size = torch.Size(global_size)
-        self.spread = spread
+        self.origin = origin
         kept: list[tuple[torch.Size, torch.Tensor]] = []
         for offsets, tensor in pieces:
             offsets = torch.Size(offsets)
@@ -80,7 +106,7 @@ class LocalChunks:
                 kept.append((offsets, tensor))
         if not kept and self._size.numel() == 0 and pieces:
             kept.append((torch.Size([0] * len(self._size)), pieces[0][1]))
-            self.spread = None  # the origin box of an empty tensor: not what a spread lists
+            self.origin = None  # the origin box of an empty tensor: not what the layout lists
         self._pieces = kept
 
     # -- tensor-like surface DCP's planners use ---------------------------------------------
@@ -140,7 +166,7 @@ class SavePlanner(DefaultSavePlanner):
 
     Plan caching is the save protocol's business ([Note: save protocols] in ``_protocol.py``):
     ``dcp.save`` runs it with ``enable_plan_caching=True`` under a key per job (DCP keeps its
-    plans per key for the whole process); the own rounds keep their last plans themselves.
+    plans per key for the whole process).
     """
 
     def lookup_object(self, index: MetadataIndex) -> Any:

@@ -20,20 +20,19 @@ So a model with separate ``gate_proj``/``up_proj`` modules reads the same checkp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.tensor import DTensor, Shard
 
 from shardbridge._compat import local_tensor
 from shardbridge._fused import FusedSpec, split_local
-from shardbridge.checkpoint.state._chunks import LocalChunks
-from shardbridge.checkpoint.state._repair import Box, box_rule, dtensor_spread, local_box
-from shardbridge.checkpoint.state._spread import Boxes, Spread
+from shardbridge.checkpoint.state._chunks import LocalChunks, Origin
+from shardbridge.checkpoint.state._repair import Box, box_rule, dtensor_origin, local_box
 
-__all__ = ["ParamInfo", "component_fqn", "component_spread", "fused_tp_size", "param_box", "split_fused_value"]
+__all__ = ["ParamInfo", "component_fqn", "fused_tp_size", "param_box", "split_fused_value"]
 
 
 def component_fqn(fused_fqn: str, component: str) -> str:
@@ -116,7 +115,7 @@ def split_fused_value(info: ParamInfo, value: Any) -> dict[str, LocalChunks] | N
     assert spec is not None
     if not isinstance(value, torch.Tensor):
         return None
-    whole: Spread | None = None  # the boxes of the fused tensor on every rank, when known
+    whole: Origin | None = None  # the layout of the fused tensor on every rank, when known
     if isinstance(value, DTensor):
         if tuple(value.shape) != info.shape:
             return None
@@ -127,61 +126,26 @@ def split_fused_value(info: ParamInfo, value: Any) -> dict[str, LocalChunks] | N
             box = info.box
         else:
             box, rule = box_rule(info.fqn, value)
-            whole = dtensor_spread(value, rule)
+            whole = dtensor_origin(value, rule)
     elif tuple(value.shape) == info.shape:
         # A full plain tensor, in the parameter's item coordinates ([gate; up] without TP).
         box, local = (tuple(value.shape), (0,) * value.dim()), value.detach()
         tp_size = 1 if info.dtensor is None else fused_tp_size(info.fqn, info.dtensor, spec)
-        whole = _replicated_whole(value)
+        whole = Origin(tuple(value.shape), value.dtype)  # every rank holds all of it
     elif info.dtensor is not None and tuple(value.shape) == info.local_shape:
         # A plain tensor holding exactly this rank's local shard of the DTensor param.
         box = param_box(info)
         local, tp_size = value.detach(), fused_tp_size(info.fqn, info.dtensor, spec)
         if info.box is None:
-            whole = dtensor_spread(info.dtensor, box_rule(info.fqn, info.dtensor)[1])
+            whole = dtensor_origin(info.dtensor, box_rule(info.fqn, info.dtensor)[1])
     else:
         return None
     pieces = _fused_pieces(spec, local, box, tp_size)
-    properties = TensorProperties.create_from_tensor(local)
     return {
         name: LocalChunks(
             spec.component_shape(name, info.shape),
             pieces[name],
-            spread=None
-            if whole is None
-            else component_spread(whole, spec, tp_size, name, properties),  # None: gathered
+            origin=None if whole is None else dataclasses.replace(whole, dtype=local.dtype, fused=(spec, tp_size, name)),
         )
         for name in spec.names
     }
-
-
-def _replicated_whole(value: torch.Tensor) -> Spread:
-    """A full plain tensor: every rank of the job holds all of it."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return Spread.replicated(world, tuple(value.shape), TensorProperties.create_from_tensor(value))
-
-
-def component_spread(whole: Spread, spec: FusedSpec, tp_size: int, name: str, properties: TensorProperties) -> Spread:
-    """The boxes of one component on every rank: the fused tensor's boxes, split as :func:`_fused_pieces` does."""
-
-    def boxes_at(coordinate: tuple[int, ...]) -> Boxes:
-        out = []
-        for offsets, sizes in whole.boxes_at(coordinate):
-            if 0 in sizes:
-                continue
-            meta = torch.empty(sizes, device="meta")
-            for piece in split_local(meta, spec, tp_size, offsets[spec.dim]):
-                if piece.name == name:
-                    at = list(offsets)
-                    at[spec.dim] = piece.component_offset
-                    out.append((tuple(at), tuple(piece.view.shape)))
-        return out
-
-    key = ("fused", name, repr(spec), tp_size, whole.key)
-    recipe = None
-    if whole.recipe is not None:
-        fused = {"components": [list(c) for c in spec.components], "dim": spec.dim, "head_dim": spec.head_dim}
-        recipe = ("fused", {"name": name, "spec": fused, "tp_size": tp_size, "whole": list(whole.recipe)})
-    return Spread(whole.grid, key, boxes_at, fixed_dims=whole.fixed_dims, properties=properties, recipe=recipe)

@@ -33,13 +33,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from shardbridge._compat import local_tensor
-from shardbridge.checkpoint.state._chunks import LocalChunks
-from shardbridge.checkpoint.state._spread import Boxes, Grid, NotDerivable, Spread
+from shardbridge.checkpoint.state._chunks import LocalChunks, Origin
 from shardbridge.layout import Chunk, chunk_box, dcp_chunk, find_dcp_mismatches, fsdp_chunk, local_chunk
 
 __all__ = [
@@ -48,12 +46,13 @@ __all__ = [
     "box_rule",
     "boxed_pieces",
     "check_dtensor",
+    "RULES",
+    "chunk_boxes",
     "describe",
-    "dtensor_spread",
+    "dtensor_origin",
     "local_box",
-    "mesh_grid",
-    "placement_spread",
     "same_box",
+    "true_chunk",
 ]
 
 logger = logging.getLogger("shardbridge.checkpoint")
@@ -64,7 +63,7 @@ _LOGGED_REPAIRS: set[tuple[str, tuple[int, ...], tuple[Placement, ...]]] = set()
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (sizes, offsets)
 
 
-def _true_chunk(
+def true_chunk(
     shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...], coordinate: Sequence[int]
 ) -> Chunk:
     """What the local tensor at ``coordinate`` holds: FSDP2's layout for placements
@@ -105,7 +104,7 @@ def _verdict(
     # Coordinates along Replicate axes hold the same data: checking index 0 suffices.
     axes = [range(1) if isinstance(p, Replicate) else range(s) for s, p in zip(mesh_shape, placements)]
     for coordinate in itertools.product(*axes):
-        box = chunk_box(shape, _true_chunk(shape, mesh_shape, placements, coordinate))
+        box = chunk_box(shape, true_chunk(shape, mesh_shape, placements, coordinate))
         if box is None:
             bad = non_contiguous = True
             break
@@ -130,7 +129,7 @@ def describe(fqn: str, t: DTensor) -> str:
     return f"{fqn!r} (shape {tuple(t.shape)}, placements {tuple(t.placements)}, mesh ({mesh_text}))"
 
 
-_RULES = {"true": _true_chunk, "local": local_chunk}
+RULES = {"true": true_chunk, "local": local_chunk}
 """How a rank's data is read from the placements: FSDP2's layout where it applies, or DTensor's own."""
 
 
@@ -140,12 +139,12 @@ def local_box(fqn: str, t: DTensor) -> Box:
 
 
 def box_rule(fqn: str, t: DTensor) -> tuple[Box, str]:
-    """:func:`local_box` and the rule of :data:`_RULES` that explains it."""
+    """:func:`local_box` and the rule of :data:`RULES` that explains it."""
     shape, mesh_shape, placements = tuple(t.shape), tuple(t.device_mesh.shape), tuple(t.placements)
     coordinate = t.device_mesh.get_coordinate()
     assert coordinate is not None, "rank is not part of the DTensor's mesh"
     local_shape = tuple(local_tensor(t).shape)
-    candidates = [(rule, fn(shape, mesh_shape, placements, coordinate)) for rule, fn in _RULES.items()]
+    candidates = [(rule, fn(shape, mesh_shape, placements, coordinate)) for rule, fn in RULES.items()]
     for rule, chunk in candidates:
         box = chunk_box(shape, chunk)
         if box is None:
@@ -176,7 +175,7 @@ def _multi_box_pieces(t: DTensor) -> tuple[list[tuple[tuple[int, ...], torch.Ten
     shape, mesh_shape, placements = tuple(t.shape), tuple(t.device_mesh.shape), tuple(t.placements)
     coordinate = t.device_mesh.get_coordinate()
     local = local_tensor(t).detach()
-    for rule, fn in _RULES.items():
+    for rule, fn in RULES.items():
         chunk = fn(shape, mesh_shape, placements, coordinate)
         if tuple(sum(b - a for a, b in dim) for dim in chunk) != tuple(local.shape):
             continue
@@ -192,91 +191,17 @@ def _multi_box_pieces(t: DTensor) -> tuple[list[tuple[tuple[int, ...], torch.Ten
     return None
 
 
-def _chunk_boxes(chunk: Chunk) -> Boxes:
+def dtensor_origin(t: DTensor, rule: str, *, multi: bool = False) -> Origin:
+    """The :class:`Origin` of a DTensor's boxes read by ``rule`` (see :data:`RULES`)."""
+    return Origin(tuple(t.shape), t.dtype, t.device_mesh, tuple(t.placements), rule, multi)
+
+
+def chunk_boxes(chunk: Chunk) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """One ``(offsets, sizes)`` box per product of ranges, in the order ``_multi_box_pieces`` views them."""
     return [
         (tuple(start for start, _ in ranges), tuple(stop - start for start, stop in ranges))
         for ranges in itertools.product(*chunk)
     ]
-
-
-_GRIDS: dict[int, tuple[object, Grid]] = {}
-
-
-def mesh_grid(mesh: object) -> Grid:
-    """The :class:`Grid` of a ``DeviceMesh`` and its copies (``Grid.tiled``), cached per mesh."""
-    import torch.distributed as dist
-
-    hit = _GRIDS.get(id(mesh))
-    if hit is not None and hit[0] is mesh:
-        return hit[1]
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    grid = Grid.tiled(mesh.shape, mesh.mesh, world)  # type: ignore[attr-defined]
-    if len(_GRIDS) > 256:
-        _GRIDS.clear()
-    _GRIDS[id(mesh)] = (mesh, grid)
-    return grid
-
-
-def dtensor_spread(
-    t: DTensor, rule: str, *, multi: bool = False, properties: TensorProperties | None = None
-) -> Spread | None:
-    """The spread of a DTensor's boxes under ``rule`` ("dcp": DCP's own description, empty boxes
-    kept; "true" / "local": :data:`_RULES`, one box per range when ``multi``); None when its mesh
-    does not tile the job (the save gathers plans). See [Note: derived plans]."""
-    try:
-        grid = mesh_grid(t.device_mesh)
-    except NotDerivable:
-        return None
-    if properties is None:
-        properties = TensorProperties.create_from_tensor(t.to_local())  # as DCP describes a DTensor
-    return placement_spread(tuple(t.shape), grid, tuple(t.placements), rule, multi=multi, properties=properties)
-
-
-def placement_spread(
-    shape: tuple[int, ...],
-    grid: Grid,
-    placements: tuple[Placement, ...],
-    rule: str,
-    *,
-    multi: bool = False,
-    properties: TensorProperties | None = None,
-) -> Spread:
-    """:func:`dtensor_spread` from the layout alone: ``grid`` is the mesh's ``Grid.tiled``."""
-    mesh_shape = grid.shape[1:]
-    # the grid's dim 0 numbers the copies of the mesh ([Note: derived plans]): boxes do not depend on it
-    fixed = (0,) + tuple(d + 1 for d, p in enumerate(placements) if isinstance(p, Replicate))
-    if rule == "dcp":
-        # An entry kept as a DTensor is one whose true boxes DCP describes right on every coordinate
-        # (_verdict), so the pure algebra gives DCP's box; torch's own computation (slow for
-        # _StridedShard: ~3 ms a call) only where a box is empty, whose offsets are DCP's convention.
-        def boxes_at(coordinate: tuple[int, ...]) -> Boxes:
-            box = chunk_box(shape, _true_chunk(shape, mesh_shape, placements, coordinate[1:]))
-            if box is None or 0 in box[0]:
-                box = dcp_chunk(shape, mesh_shape, placements, coordinate[1:])
-            return [(box[1], box[0])]
-
-    else:
-        fn = _RULES[rule]
-
-        def boxes_at(coordinate: tuple[int, ...]) -> Boxes:
-            chunk = fn(shape, mesh_shape, placements, coordinate[1:])
-            if multi:
-                return _chunk_boxes(chunk)
-            box = chunk_box(shape, chunk)
-            return [] if box is None else [(box[1], box[0])]
-
-    key = (rule, multi, shape, mesh_shape, tuple(repr(p) for p in placements))
-    recipe = {"shape": list(shape), "placements": list(key[4]), "rule": rule, "multi": multi}
-    return Spread(
-        grid,
-        key,
-        boxes_at,
-        fixed_dims=fixed,
-        keep_empty=rule == "dcp",
-        properties=properties,
-        recipe=("placement", recipe),
-    )
 
 
 def boxed_pieces(local: torch.Tensor, box: Box) -> list[tuple[tuple[int, ...], torch.Tensor]]:
@@ -300,8 +225,7 @@ def check_dtensor(fqn: str, t: DTensor, on_bad_layout: OnBadLayout, log: bool) -
                 + ("" if found is None else ", or save with on_bad_layout='repair' to write one box per range")
             )
         pieces, rule = found
-        properties = TensorProperties.create_from_tensor(local_tensor(t).detach())
-        return LocalChunks(t.shape, pieces, spread=dtensor_spread(t, rule, multi=True, properties=properties))
+        return LocalChunks(t.shape, pieces, origin=dtensor_origin(t, rule, multi=True))
     if not verdict.bad:
         return None
     if on_bad_layout == "error":
@@ -320,6 +244,4 @@ def check_dtensor(fqn: str, t: DTensor, on_bad_layout: OnBadLayout, log: bool) -
             verdict.detail,
         )
     box, rule = box_rule(fqn, t)
-    local = local_tensor(t).detach()
-    spread = dtensor_spread(t, rule, properties=TensorProperties.create_from_tensor(local))
-    return LocalChunks(t.shape, boxed_pieces(local, box), spread=spread)
+    return LocalChunks(t.shape, boxed_pieces(local_tensor(t).detach(), box), origin=dtensor_origin(t, rule))

@@ -17,27 +17,15 @@ and copied with ``non_blocking`` then synchronised once.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.tensor import DTensor
 
 from shardbridge.checkpoint.state._chunks import LocalChunks
-from shardbridge.checkpoint.state._repair import dtensor_spread
+from shardbridge.checkpoint.state._repair import dtensor_origin
 
 __all__ = ["Stager"]
-
-
-def _staged_spread(value: DTensor, pieces: list[tuple[Any, torch.Tensor]]) -> Any:
-    """The spread of a DTensor's staged copy: DCP's boxes ([Note: derived plans]), the empty ones
-    dropped as :class:`LocalChunks` drops them, with the host copy's tensor properties."""
-    spread = dtensor_spread(value, "dcp")
-    if spread is None:
-        return None
-    sample = pieces[0][1] if pieces else torch.empty(0, dtype=value.dtype)
-    return dataclasses.replace(spread, keep_empty=False, properties=TensorProperties.create_from_tensor(sample))
 
 
 class Stager:
@@ -87,10 +75,11 @@ class Stager:
                 assert item.tensor_data is not None, name
                 local = value.__get_tensor_shard__(item.index)
                 pieces.append((item.tensor_data.chunk.offsets, self._copy((*where, i), local)))
-            return LocalChunks(value.shape, pieces, spread=_staged_spread(value, pieces))
+            origin = dtensor_origin(value, "dcp")  # DCP's boxes, the empty ones dropped (as LocalChunks does)
+            return LocalChunks(value.shape, pieces, origin=origin)
         if isinstance(value, LocalChunks):
             pieces = [(offsets, self._copy((*where, i), t)) for i, (offsets, t) in enumerate(value.pieces)]
-            return LocalChunks(value.shape, pieces, spread=value.spread)  # the same boxes on every rank
+            return LocalChunks(value.shape, pieces, origin=value.origin)  # the same boxes on every rank
         if isinstance(value, torch.Tensor):
             return self._copy((*where, "t"), value)
         return copy.deepcopy(value)

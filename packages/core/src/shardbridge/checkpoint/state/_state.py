@@ -12,12 +12,12 @@ How layouts DCP would describe wrongly are repaired: [Note: DCP layout repair] i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,7 +45,7 @@ from shardbridge.checkpoint.state._repair import (
     boxed_pieces,
     check_dtensor,
     describe,
-    dtensor_spread,
+    dtensor_origin,
 )
 from shardbridge.fp8._tensors import plain_state_dict
 
@@ -523,11 +523,11 @@ def _plain_entry(key: str, value: Any, info: ParamInfo | None, on_bad_layout: On
         # A plain tensor holding this rank's local shard of a DTensor parameter (fused
         # optimizers keep states so): placed where the parameter's local shard is.
         local = value.detach()
-        spread = None  # a provider's box: not derivable from the placements
+        origin = None  # a provider's box: not what the placements give
         if info.box is None:
-            rule = box_rule(info.fqn, info.dtensor)[1]
-            spread = dtensor_spread(info.dtensor, rule, properties=TensorProperties.create_from_tensor(local))
-        return LocalChunks(info.shape, boxed_pieces(local, param_box(info)), spread=spread)
+            origin = dtensor_origin(info.dtensor, box_rule(info.fqn, info.dtensor)[1])
+            origin = dataclasses.replace(origin, dtype=local.dtype)
+        return LocalChunks(info.shape, boxed_pieces(local, param_box(info)), origin=origin)
     return value
 
 

@@ -6,7 +6,7 @@
 writers return them to rank 0 after writing (every rank's write results, world x items bytes
 on rank 0). shardbridge's writer lays its files out by a rule instead, so that rank 0 computes
 every rank's storage records from the derived plan ([Note: derived plans] in
-``state/_spread.py``) without being sent them:
+``derived/_spread.py``) without being sent them:
 
 - a rank's items are written in plan order, bytes items first (as DCP's ``FileSystemWriter``);
 - a rank writes ``n = min(threads, ceil(tensor bytes / min_file_bytes), tensor items)`` files

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardbridge._extras import install_hint
 from shardbridge.checkpoint.storage._backend import Backend, Stored
 from shardbridge.checkpoint.storage._local import LOCAL
 from shardbridge.checkpoint.storage._manifest import Manifest, read_manifest
-from shardbridge.extras import install_hint
 
 __all__ = ["Location", "is_uri", "locate", "open_checkpoint"]
 
@@ -41,7 +41,8 @@ _INSTALL = {
     "abfss": "pip install adlfs",
 }
 """The fsspec implementation each object-store scheme needs."""
-_BACKENDS: dict[int, Backend] = {}
+_BACKENDS: dict[Any, Backend] = {}
+"""One backend per fsspec filesystem (equal when fsspec would hand out the same instance: its token)."""
 
 
 def is_uri(value: Any) -> bool:
@@ -129,9 +130,9 @@ def _fsspec(uri: str, scheme: str) -> tuple[Backend, str]:
             f"checkpoint path {uri!r}: fsspec knows no filesystem for {scheme!r}:// ({exc}); use a local path, "
             "file://, s3://, gs:// or az://"
         ) from None
-    backend = _BACKENDS.get(id(fs))
+    backend = _BACKENDS.get(fs)
     if backend is None or getattr(backend, "fs", None) is not fs:
-        backend = _BACKENDS[id(fs)] = FsspecBackend(fs, scheme)
+        backend = _BACKENDS[fs] = FsspecBackend(fs, scheme)
     return backend, path.rstrip("/")
 
 

@@ -41,7 +41,7 @@ The manifest (JSON object, ASCII) has::
                                               this record existed or without optimizer],
                        "derived": how every ``.metadata`` record is derived from the layout
                                   (saves of the derived protocol; read by loads, ignored by
-                                  older readers: [Note: derived loads] in ``_derived.py``)}
+                                  older readers: [Note: derived loads] in ``derived/_records.py``)}
     fused             {fused fqn: {"dim", "tp_size", "components": [{"name", "size", "fqn"}]}}
     rng               {"world_size", "files": "rng/rank-{rank:05d}.pt"}
     extra             the user's JSON dict
@@ -104,7 +104,7 @@ DCP_METADATA_NAME = ".metadata"
 OPTIM_STATE_ABSENT = "optim_state_absent"
 """``layout`` key: stored names of the parameters saved without optimizer state (no gradient yet)."""
 DERIVED_KEY = "derived"
-"""``layout`` key: how every ``.metadata`` record is derived again ([Note: derived loads] in ``_derived.py``)."""
+"""``layout`` key: how every ``.metadata`` record is derived again ([Note: derived loads] in ``derived/_records.py``)."""
 RNG_PATTERN = "rng/rank-{rank:05d}.pt"
 """Per-rank RNG file, relative to the checkpoint directory."""
 

@@ -2,7 +2,7 @@
 
 [Note: the storage writer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-:class:`Writer` is what DCP's save protocol drives (``dcp.save``, or shardbridge's own rounds:
+:class:`Writer` is what DCP's save protocol drives (``dcp.save``, or the derived protocol:
 [Note: save protocols] in ``checkpoint/_protocol.py``): ``prepare_global_plan`` names each rank's
 files as DCP's ``FileSystemWriter`` does (``__<rank>_<n>.distcp``), ``write_data`` writes this
 rank's files into the save's target (the temporary directory, or the generation on an object

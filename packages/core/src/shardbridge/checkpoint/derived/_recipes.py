@@ -2,7 +2,7 @@
 
 [Note: spread recipes]
 ~~~~~~~~~~~~~~~~~~~~~~
-A :class:`~shardbridge.checkpoint.state._spread.Spread` is a function (coordinate -> boxes), so
+A :class:`~shardbridge.checkpoint.derived._spread.Spread` is a function (coordinate -> boxes), so
 it cannot be stored; its *recipe* can: the constructor that built it and that constructor's
 arguments, as JSON values (``Spread.recipe``, set by every constructor that can be rebuilt):
 
@@ -32,9 +32,9 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from shardbridge._fused import FusedSpec
-from shardbridge.checkpoint.state._components import component_spread
-from shardbridge.checkpoint.state._repair import _RULES, placement_spread
-from shardbridge.checkpoint.state._spread import Grid, NotDerivable, Spread
+from shardbridge.checkpoint.derived._layouts import component_spread, placement_spread
+from shardbridge.checkpoint.derived._spread import Grid, NotDerivable, Spread
+from shardbridge.checkpoint.state._repair import RULES
 from shardbridge.layout import parse_placements
 
 __all__ = ["decode_grid", "decode_properties", "encode_grid", "encode_properties", "rebuild"]
@@ -133,7 +133,7 @@ def rebuild(
             if any(getattr(p, "split_factor", 1) > max(1, shape[p.dim]) for p in parsed if hasattr(p, "dim")):
                 raise NotDerivable(f"placements {placements}: a split factor larger than its dim of {shape}")
             rule, multi = args["rule"], args["multi"]
-            if rule not in ("dcp", *_RULES) or not isinstance(multi, bool):
+            if rule not in ("dcp", *RULES) or not isinstance(multi, bool):
                 raise NotDerivable(f"rule {rule!r} / multi {multi!r}")
             spread = placement_spread(tuple(shape), grid, parsed, rule, multi=multi, properties=properties)
         elif kind == "fused" and set(args) == {"name", "spec", "tp_size", "whole"}:

@@ -24,7 +24,7 @@ every rank's items without being sent them. That every rank has the same LAYOUT 
 assumed: every rank hashes its entries' spreads into one digest (:func:`spreads_digest`,
 compared in the save's argument round) and checks that its own local plan is what its spreads
 say for its coordinate (:func:`matches_plan`); a rank where either fails makes the save fall
-back to the gathered plan round. Entries without a spread (a framework's own boxes, through a
+back to ``dcp.save``. Entries without a spread (a framework's own boxes, through a
 ``StateDictProvider``) fall back the same way. That the replicas of a box hold the same DATA is
 assumed, exactly as DCP's own deduplication assumes it (it keeps one holder's copy); a tensor
 whose ranks hold different data under one name must be taken over by a provider
@@ -37,7 +37,7 @@ import hashlib
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -156,7 +156,7 @@ class Spread:
     keep_empty: bool = False
     properties: TensorProperties | None = None
     recipe: tuple[str, dict[str, Any]] | None = None
-    """How to build this spread again from JSON values and its grid (``state/_recipes.py``; None:
+    """How to build this spread again from JSON values and its grid (``_recipes.py``; None:
     it cannot be, and a load of the checkpoint reads ``.metadata``). See [Note: derived loads]."""
 
     @classmethod
@@ -193,6 +193,8 @@ class SpreadTable:
     """offsets -> index of the box."""
     at: dict[tuple[int, ...], tuple[int, ...]]
     """A coordinate (its fixed dims at 0) -> the indices of the boxes held there, in local order."""
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What the records derived from this table compute once (columns, chunk lists, lengths per dtype)."""
 
     def boxes_at(self, spread: Spread, coordinate: Sequence[int]) -> Boxes:
         """The boxes ``spread`` puts at ``coordinate`` (empty ones dropped unless ``keep_empty``)."""
