@@ -100,7 +100,7 @@ def _two_ranks(mode: str) -> list[tuple[int, str]]:
         for r in range(2)
     ]
     try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
+        errs = [p.communicate(timeout=300)[1] for p in procs]  # minutes only on a machine at load 40+
         return [(p.returncode, err) for p, err in zip(procs, errs)]
     finally:
         for p in procs:
