@@ -141,6 +141,16 @@ def faults(session):
 
 
 @nox.session(python="3.11")
+def gloo_exit(session):
+    """The exit-abort reproducer (docs/testing.md, "Resolved flakes"): README's train_core.py 50 times and the
+    Megatron-FSDP example 10 times, each gloo worker thread made late to the GIL (tools/repro/gloo_exit.py; needs
+    cc). Any failed run fails the session; `-- --without-exit-wait` shows the failures the fix removed."""
+    _install(session, "megatron,test")
+    session.run("python", "tools/repro/gloo_exit.py", "--runs", "50", *session.posargs, env=ENV)
+    session.run("python", "tools/repro/gloo_exit.py", "--job", "megatron", "--runs", "10", *session.posargs, env=ENV)
+
+
+@nox.session(python="3.11")
 def trust(session):
     """Every generated hostile input (docs/checkpoints.md, Threat model): chunk coverage with every chunk mutated and
     ~60x the layouts, every writer x file x link/overwrite case, convert config-vs-tensor mutants, the HF

@@ -54,6 +54,7 @@ __all__ = [
     "flatten_mesh",
     "flatten_sharded_tensors",
     "flatten_state_dict",
+    "GLOO_WORKER_THREAD",
     "fsdp_param_groups",
     "fsdp_params",
     "fsdp_shard_process_group",
@@ -471,6 +472,13 @@ def group_timeout(group: Any = None) -> Any:
         except (AttributeError, RuntimeError):
             continue
     return None
+
+
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+"""The name torch gives a gloo process group's worker threads (``ProcessGroupGloo::runLoop``; two per
+group), which run its collectives and drop each collective's tensors when it is done. Not an API:
+the Linux thread name (``/proc/self/task/*/comm``) torch sets. Checked: 2.13 (``strings
+libtorch_cpu.so``). See [Note: gloo threads at exit] in ``_distributed.py``."""
 
 
 # -- testing ------------------------------------------------------------------------------

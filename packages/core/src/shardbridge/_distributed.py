@@ -1,4 +1,4 @@
-"""Joining the job: this process's rank from its launcher's environment, then the process group.
+"""Joining the job (this process's rank from its launcher's environment, then the process group) and leaving it.
 
 [Note: launcher environments]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -32,17 +32,65 @@ number the processes of node 0 first, so node ``n`` of ``k`` processes holds ran
 the innermost axes (``tp``, then ``cp``, ``dp_shard``) stay inside a node as long as their
 product divides the processes per node, and ``dp_replicate`` (outermost) spans nodes: HSDP
 replicates across nodes and shards inside one.
+
+[Note: gloo threads at exit]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A gloo process group runs its collectives on two worker threads of its own (torch 2.13's
+``ProcessGroupGloo::runLoop``, thread name :data:`~shardbridge._compat.GLOO_WORKER_THREAD`).
+When a collective is done, its worker marks it complete (the caller's ``wait()`` returns) and
+only then drops the work's tensors. If the caller has dropped its Python object of such a tensor
+in between, torch has kept that object alive for the tensor, and the worker's drop releases it:
+it takes the GIL. A thread that takes the GIL while the interpreter finalizes is ended by CPython
+(``pthread_exit``); the forced unwind runs into torch's ``noexcept`` ``~AsyncWork`` and ends in
+``std::terminate``: the process aborts (SIGABRT) after its last line, printing only
+``terminate called without an active exception``. The worker's stack in the core file::
+
+    std::terminate <- __gxx_personality_v0 <- _Unwind_ForcedUnwind <- pthread_exit
+    <- PyThread_exit_thread <- take_gil <- PyEval_AcquireThread <- pybind11::gil_scoped_acquire
+    <- ConcretePyInterpreterVTable::decref <- c10::TensorImpl::decref_pyobject
+    <- ProcessGroupGloo::AsyncWork::~AsyncWork <- ProcessGroupGloo::runLoop
+
+It happens when the worker comes late: it asked for the GIL in the last milliseconds before the
+interpreter finalizes (torch's ``Py_IsInitialized()`` check passed, the GIL came after), because it
+was preempted or the main thread held the GIL. On the loaded 2-core CI machine it hit one
+4-process gloo job in each of three full runs (README's ``train_core.py``, the Megatron-FSDP
+example); in a ``train_core.py`` run about 100 of each rank's collectives end with the worker
+dropping a Python object, the last one 30-500 ms before the process exits.
+
+``destroy_process_group()`` does not prevent it: it unregisters the groups, but a gloo group's
+worker threads stop only when the group object is freed, and torch keeps the groups referenced
+until the process ends (in ``train_core.py``: the root DeviceMesh's ``_pg_registry`` holds eight of
+its nine groups, FSDP2's mesh info the ninth, and the mesh outlives the script's own references);
+torch 2.13's gloo backend has no ``shutdown`` or ``abort`` that stops them, and pytorch/pytorch#179291
+(an atexit ``destroy_process_group`` in torch) was abandoned.
+
+So shardbridge waits for them: at exit (an ``atexit`` handler registered when shardbridge is
+imported, so after Python joined the non-daemon threads such as an asynchronous checkpoint's
+writer, and after the handlers registered later), :func:`wait_for_gloo_workers` releases the GIL
+until no gloo worker thread is runnable or making progress (Linux: each worker's state and CPU time
+in ``/proc/self/task``; elsewhere it returns at once). A worker waiting for the GIL takes it during
+that wait and finishes; one preempted after its collective is runnable, so the wait goes on. It
+costs a few milliseconds when the workers are idle, and gives up after ``timeout`` seconds rather
+than hold the exit. It cannot cover a collective still in flight when the process exits (its worker
+sleeps in the transport until a peer answers): end every rank after the same last collective
+(a ``dist.barrier()`` before ``destroy_process_group()``). Regression test:
+``tests/test_distributed.py::test_gloo_worker_late_at_exit``; reproducer and before/after counts:
+docs/testing.md ("Resolved flakes").
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-__all__ = ["DistributedEnv", "init_distributed"]
+from shardbridge._compat import GLOO_WORKER_THREAD
+
+__all__ = ["DistributedEnv", "init_distributed", "wait_for_gloo_workers"]
 
 Source = Literal["torchrun", "slurm"]
 
@@ -221,3 +269,73 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta | None = 
     kwargs = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, **kwargs)
     return env
+
+
+_TASKS = "/proc/self/task"
+_EXIT_TIMEOUT_S = 10.0
+"""How long the exit waits for busy gloo workers at most ([Note: gloo threads at exit])."""
+
+
+def _gloo_workers() -> dict[str, tuple[str, str]]:
+    """Thread id -> (scheduler state, CPU-time record) of this process's gloo worker threads (Linux)."""
+    out: dict[str, tuple[str, str]] = {}
+    try:
+        tids = os.listdir(_TASKS)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/comm") as f:
+                if f.read().strip() != GLOO_WORKER_THREAD:
+                    continue
+            with open(f"{_TASKS}/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]  # the name in (...) may hold spaces
+            try:
+                with open(f"{_TASKS}/{tid}/schedstat") as f:
+                    progress = f.read().strip()  # ns on CPU, ns runnable, time slices
+            except OSError:  # a kernel without schedstats: the context switches say the same
+                with open(f"{_TASKS}/{tid}/status") as f:
+                    progress = " ".join(line for line in f if "ctxt_switches" in line)
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[tid] = (state, progress)
+    return out
+
+
+def wait_for_gloo_workers(timeout: float = _EXIT_TIMEOUT_S, *, window: float = 0.005) -> bool:
+    """Release the GIL until this process's gloo worker threads are idle; whether they became so in time.
+
+    Idle: every worker sleeps (scheduler state ``S``) and used no CPU over two GIL-free windows of
+    ``window`` seconds in a row. See [Note: gloo threads at exit]: shardbridge calls it at
+    interpreter exit, so that no worker takes the GIL while the interpreter finalizes. Linux only
+    (``/proc/self/task``); elsewhere, and in a process without gloo groups, True at once.
+
+    Args:
+        timeout: seconds to wait at most for busy workers.
+        window: seconds of each GIL-free wait between two looks.
+
+    Returns:
+        True when every worker was idle (or there is none), False after ``timeout``.
+
+    Example:
+        >>> wait_for_gloo_workers()  # no gloo process group in this process
+        True
+    """
+    before = _gloo_workers()
+    if not before:
+        return True
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while True:
+        time.sleep(window)  # GIL released: a worker waiting for it takes it now
+        now = _gloo_workers()
+        idle = all(state == "S" for state, _ in now.values())
+        quiet = quiet + 1 if idle and all(before.get(tid) == rec for tid, rec in now.items()) else 0
+        if quiet >= 2:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        before = now
+
+
+atexit.register(wait_for_gloo_workers)
