@@ -205,12 +205,12 @@ def test_derived_save_matches_the_gathered_plan_and_loads_bit_exact(tmp_path, la
 
 def assert_derives_its_metadata(path, expected: bool) -> None:
     """The records a load derives from the manifest are ``.metadata``'s, every one ([Note: derived loads])."""
-    from shardbridge.checkpoint.derived import derive_load
+    from shardbridge.checkpoint.derived import checkpoint_records
     from shardbridge.checkpoint.storage._location import locate, open_checkpoint
     from shardbridge.checkpoint.storage._trust import read_metadata
 
     stored, manifest = open_checkpoint(locate(path))
-    records = derive_load(manifest.layout, manifest.world_size, manifest.files)
+    records = checkpoint_records(stored, manifest)
     assert (records is not None) == expected, manifest.layout.get("derived", "no layout.derived")
     if records is None:
         return
@@ -253,13 +253,15 @@ def test_an_async_save_is_derived_too(tmp_path):
 def _load_into(path: str, layout: dict, fused: bool, refuse_on: int | None = None):
     """Load; and whether the load derived its records ([Note: derived loads]) or read ``.metadata``.
 
-    ``refuse_on``: this rank cannot derive them (as with a recipe its version does not rebuild)."""
+    ``refuse_on``: this rank cannot derive them (as with a recipe its version does not rebuild; on
+    rank 0: or its rendering is not ``.metadata``)."""
     import torch.distributed as dist
     from shardbridge.checkpoint import _load
     from shardbridge.checkpoint.derived import _records as _derived
 
     model, opt = build(layout, fused=fused, seed=7, lr=0.5)
-    took, real = [], {"metadata": _derived.DerivedRecords.metadata, "derive": _load.derive_load, "narrow": _derived.NARROW_FROM}
+    took, real = [], {"metadata": _derived.DerivedRecords.metadata, "derive": _load.derive_load,
+                      "rank0": _load.checkpoint_records, "narrow": _derived.NARROW_FROM}  # fmt: skip
 
     def metadata(self, **kwargs):
         took.append(True)
@@ -271,12 +273,13 @@ def _load_into(path: str, layout: dict, fused: bool, refuse_on: int | None = Non
     _derived.DerivedRecords.metadata = metadata
     _derived.NARROW_FROM = 2  # the test's entries have 2-4 boxes: narrow them too
     if refuse_on == dist.get_rank():
-        _load.derive_load = lambda *args: None
+        _load.derive_load = _load.checkpoint_records = lambda *args: None
     chunks: list[dict[str, tuple[int, int]]] = []
     try:
         ck.load(path, model=model, optimizer=opt)
     finally:
         _derived.DerivedRecords.metadata, _load.derive_load = real["metadata"], real["derive"]
+        _load.checkpoint_records = real["rank0"]
         _derived.NARROW_FROM = real["narrow"]
     if chunks:  # each entry lists at most the saved boxes, and the load read no others
         assert all(n <= total for n, total in chunks[0].values()), chunks
@@ -285,12 +288,13 @@ def _load_into(path: str, layout: dict, fused: bool, refuse_on: int | None = Non
 
 
 @pytest.mark.parametrize("refuse_on", [0, 3])
-def test_a_rank_that_cannot_derive_makes_every_rank_read_the_metadata(tmp_path, refuse_on):
-    # The ranks agree in the load's argument round: one rank without the records (rank 0, which then
-    # skipped .metadata in that round, or another) and every rank loads rank 0's .metadata instead.
+def test_a_rank_that_cannot_derive_reads_the_metadata(tmp_path, refuse_on):
+    # Rank 0 derives and renders .metadata in the load's argument round; where it cannot, every rank
+    # loads rank 0's .metadata. Another rank that cannot derive (after the round) reads .metadata
+    # itself: the same records, which rank 0 showed to be .metadata's.
     results = run_distributed(_async_saves, str(tmp_path), world_size=4)
     loads = run_distributed(_load_into, f"{tmp_path}/a", LAYOUTS["fsdp4"], True, refuse_on, world_size=4)
-    assert [took for _, took, _ in loads] == [[False]] * 4
+    assert [took for _, took, _ in loads] == ([[False]] * 4 if refuse_on == 0 else [[True]] * 3 + [[False]])
     assert_equal_states(loads[0][0], results[0][1])
 
 
@@ -333,11 +337,13 @@ def _save_for_mutation(root: str, layout: str = "hsdp2_tp2"):
 
 
 def test_no_change_of_the_recorded_derivation_derives_other_records(tmp_path):
-    # The class of damaged or crafted layout.derived records: every leaf changed, every list cut,
-    # grown or reversed, every key dropped (the manifest's checksum refuses all of them at load; this
-    # checks the second line of defence, the derivation's own checks). Each either derives exactly
-    # .metadata's records (a change that does not matter) or is refused (the load reads .metadata).
-    from shardbridge.checkpoint.derived import derive_load
+    # The class of damaged layout.derived records: every leaf changed, every list cut, grown or
+    # reversed, every key dropped (the manifest's checksum refuses all of them at load; this checks the
+    # second line of defence). Each either derives exactly .metadata's records (a change that does not
+    # matter) or is refused (the load reads .metadata). Forged records (digests recomputed): below.
+    import dataclasses
+
+    from shardbridge.checkpoint.derived import checkpoint_records, derive_load
     from shardbridge.checkpoint.storage._location import locate, open_checkpoint
     from shardbridge.checkpoint.storage._trust import read_metadata
 
@@ -348,7 +354,7 @@ def test_no_change_of_the_recorded_derivation_derives_other_records(tmp_path):
     refused = same = 0
     for where, new in _mutations(record):
         layout = {**manifest.layout, "derived": _put(record, where, new)}
-        records = derive_load(layout, manifest.world_size, manifest.files)
+        records = checkpoint_records(stored, dataclasses.replace(manifest, layout=layout))
         if records is None:
             refused += 1
             continue
@@ -364,14 +370,17 @@ def test_no_change_of_the_recorded_derivation_derives_other_records(tmp_path):
     assert derive_load(manifest.layout, manifest.world_size + 1, manifest.files) is None
 
 
-def test_another_algebra_deriving_other_boxes_from_the_same_layout_is_refused(monkeypatch):
+def test_another_algebra_deriving_other_boxes_from_the_same_layout_is_refused(tmp_path, monkeypatch):
     # A later shardbridge or torch could give the same recipe (the same inputs: the spreads' digest
     # matches) the same-sized boxes at other coordinates, so that every data file keeps its size.
-    # The records digest (the outputs) refuses it, and the load reads .metadata.
+    # Its rendering is not .metadata, and the load reads .metadata.
     from shardbridge.checkpoint.derived import _layouts, _spread
     from shardbridge.checkpoint.derived import _records as _derived
     from shardbridge.checkpoint.derived._recipes import decode_grid, rebuild
+    from shardbridge.checkpoint.storage._backend import Stored
     from shardbridge.checkpoint.storage._files import data_file_name
+    from shardbridge.checkpoint.storage._local import LOCAL
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     world, props = 4, TensorProperties(dtype=torch.float32)
     grid = {"shape": [1, world], "ranks": [[0, 1, world]]}
@@ -381,25 +390,30 @@ def test_another_algebra_deriving_other_boxes_from_the_same_layout_is_refused(mo
     entry = _derived.Entry("model.w", spread, table, _spread.writers(table, 0), props, torch.Size([8, 4]))
     derivation = _derived.derive([entry], only=None, bytes_lengths={}, threads=1, min_file_bytes=1 << 25)
     digest = _spread.spreads_digest([("model.w", spread)])
-    layout = {"derived": _derived.describe([entry], digest, {}, 1, 1 << 25, derivation)}
+    layout = {"derived": _derived.describe([entry], digest, {}, 1, 1 << 25, {"model.w": ("model", "w")},
+                                           StorageMeta(checkpoint_id="/x"), "1.0.0")}  # fmt: skip
     files = {data_file_name(w, f): {"size": n} for (w, f), n in derivation.sizes.items()}
-    files.update({f"rng/rank-{r:05d}.pt": {"size": 1} for r in range(world)})
-    assert _derived.derive_load(layout, world, files) is not None
+    files.update({f"rng/rank-{r:05d}.pt": {"size": 1} for r in range(world)}, **{".metadata": {"size": 1 << 20}})
+    honest = _derived.derive_load(layout, world, files)
+    out = io.BytesIO()
+    honest.render(out.write)  # the .metadata the save would have written
+    (tmp_path / ".metadata").write_bytes(out.getvalue())
+    stored = Stored(LOCAL, str(tmp_path), str(tmp_path))
+    assert honest.differs(stored) is None
     real = _layouts.true_chunk
 
     def shifted(shape, mesh_shape, placements, coordinate):  # coordinate c gets c+1's box
         return real(shape, mesh_shape, placements, ((coordinate[0] + 1) % mesh_shape[0], *coordinate[1:]))
 
-    caches = (_spread._TABLES,)  # the records' own columns live on each table
     monkeypatch.setattr(_layouts, "true_chunk", shifted)
     try:
-        for cache in caches:
-            cache.clear()
-        assert _derived.derive_load(layout, world, files) is None
+        _spread._TABLES.clear()  # the records' own columns live on each table
+        other = _derived.derive_load(layout, world, files)
+        assert other is not None  # every check on its own passes: the sizes are the same
+        assert "differ at byte" in other.differs(stored)
     finally:
         monkeypatch.undo()
-        for cache in caches:
-            cache.clear()
+        _spread._TABLES.clear()
 
 
 def test_narrowed_chunks_give_dcp_the_same_read_items():
@@ -434,8 +448,17 @@ def test_narrowed_chunks_give_dcp_the_same_read_items():
     assert _narrowed(entry, whole, torch.empty(64, 8, 1)) is whole
 
 
+def _record(world: int, recipes: list, entries: list, grid: dict | None = None) -> dict:
+    return {"version": 2, "digest": 1, "threads": 1, "min_file_bytes": 1, "bytes": {}, "checkpoint_id": "/x",
+            "dcp_version": "1.0.0", "paths": {}, "grids": [grid or {"shape": [world], "ranks": [[0, 1, world]]}],
+            "recipes": recipes, "entries": entries}  # fmt: skip
+
+
 def test_a_crafted_record_is_refused_before_it_costs_time():
+    # [Note: derived loads], bounds: each refused by name before any table is built, in seconds and
+    # bounded memory, whatever the manifest says.
     import time
+    import tracemalloc
 
     from shardbridge.checkpoint.derived import _records as _derived
     from shardbridge.checkpoint.derived._recipes import rebuild
@@ -446,6 +469,11 @@ def test_a_crafted_record_is_refused_before_it_costs_time():
     huge_sf = ["placement", {"shape": [8, 4], "placements": ["_StridedShard(dim=0, sf=1000000)"], "rule": "true", "multi": True}]
     with pytest.raises(NotDerivable, match="split factor"):
         rebuild(huge_sf, grid, keep_empty=None, properties=props)
+    # split factors within their dims whose product exceeds the job: a coordinate would hold that many boxes
+    many_sf = ["placement", {"shape": [64, 64], "placements": ["_StridedShard(dim=0, sf=8)", "_StridedShard(dim=1, sf=8)"],
+                             "rule": "true", "multi": True}]  # fmt: skip
+    with pytest.raises(NotDerivable, match="beyond the job's 8 ranks"):
+        rebuild(many_sf, Grid((1, 2, 4), torch.arange(8)), keep_empty=None, properties=props)
     whole = ["placement", {"shape": [8, 4], "placements": ["Shard(dim=0)"], "rule": "true", "multi": False}]
     spec = {"components": [["a", 4], ["b", 4]], "dim": 0, "head_dim": None}
     with pytest.raises(NotDerivable, match="tp_size"):
@@ -456,9 +484,30 @@ def test_a_crafted_record_is_refused_before_it_costs_time():
     assert time.perf_counter() - start < 5
     # more distinct layouts than a load rebuilds: not derived (no table is built for any of them)
     many = [["replicated", {"shape": [n]}] for n in range(_derived.MAX_LAYOUTS + 1)]
-    record = {"version": 1, "digest": 1, "records": "", "threads": 1, "min_file_bytes": 1, "bytes": {},
-              "grids": [{"shape": [4], "ranks": [[0, 1, 4]]}], "recipes": many,
-              "entries": [[f"e{n}", 0, n, True, ["torch.float32", False], [n]] for n in range(len(many))]}  # fmt: skip
-    files = {"__0_0.distcp": {"size": 1}, **{f"rng/rank-{r:05d}.pt": {"size": 1} for r in range(4)}}
+    entries = [[f"e{n}", 0, n, True, ["torch.float32", False], [n]] for n in range(len(many))]
+    files = {"__0_0.distcp": {"size": 1}, ".metadata": {"size": 1 << 30}, **{f"rng/rank-{r:05d}.pt": {"size": 1} for r in range(4)}}
     with pytest.raises(NotDerivable, match="distinct layouts"):
+        _derived._derive_load(_record(4, many, entries), 4, files)
+    # world size x layouts beyond the budget (issue 42: 1.3 CPU-s and 34 MB per layout at 65,536 ranks)
+    world = 1 << 16
+    files = {"__0_0.distcp": {"size": 1}, ".metadata": {"size": 1 << 40}, **{f"rng/rank-{r:05d}.pt": {"size": 1} for r in range(world)}}
+    layouts = [["placement", {"shape": [world * (n + 1)], "placements": ["Shard(dim=0)"], "rule": "dcp", "multi": False}]
+               for n in range(64)]  # fmt: skip
+    entries = [[f"e{n}", 0, n, True, ["torch.float32", False], [world * (n + 1)]] for n in range(64)]
+    tracemalloc.start()
+    start = time.perf_counter()
+    with pytest.raises(NotDerivable, match=f"more than {_derived.MAX_COORDINATES} mesh coordinates"):
+        _derived._derive_load(_record(world, layouts, entries, {"shape": [1, world], "ranks": [[0, 1, world]]}), world, files)
+    seconds, peak = time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 10 and peak < 64 << 20, (seconds, peak)
+    # boxes beyond what .metadata's bytes can list: refused while the table is built
+    files = {"__0_0.distcp": {"size": 1}, ".metadata": {"size": 48}, **{f"rng/rank-{r:05d}.pt": {"size": 1} for r in range(4)}}
+    layout = [["placement", {"shape": [8], "placements": ["Shard(dim=0)"], "rule": "dcp", "multi": False}]]
+    from shardbridge.checkpoint.derived._spread import spreads_digest
+
+    record = _record(4, layout, [["e", 0, 0, True, ["torch.float32", False], [8]]], {"shape": [1, 4], "ranks": [[0, 1, 4]]})
+    spread = rebuild(layout[0], Grid((1, 4), torch.arange(4)), keep_empty=True, properties=props)
+    record["digest"] = spreads_digest([("e", spread)])
+    with pytest.raises(NotDerivable, match="boxes"):  # 4 boxes, 48 bytes: room for 3
         _derived._derive_load(record, 4, files)
