@@ -163,16 +163,20 @@ MAX_DEPTH = 32
 MAX_TUPLE = 1024
 """Elements of a tuple, those of the tuples inside it included (DCP's own: a ``torch.Size`` and
 its arguments, a flatten path, a ``TensorProperties`` state: a few dozen at most)."""
-_NESTS = (tuple, list, dict, set, frozenset, PurePosixPath, PureWindowsPath, *_DCP_CLASSES)
-"""What holds other objects; anything else a pickle builds holds none."""
+_NESTS = frozenset({tuple, torch.Size, list, dict, PurePosixPath, PureWindowsPath, *_DCP_CLASSES})
+"""The types (exactly) of what an admitted pickle builds that holds other objects."""
 _MARK = -1
 _BUILDING = {  # opcode -> (objects it takes from the stack, _MARK: those since the mark; whether they go INTO the one below)
-    pickle.EMPTY_TUPLE: (0, False), pickle.TUPLE1: (1, False), pickle.TUPLE2: (2, False), pickle.TUPLE3: (3, False),
-    pickle.TUPLE: (_MARK, False), pickle.EMPTY_LIST: (0, False), pickle.LIST: (_MARK, False),
-    pickle.EMPTY_DICT: (0, False), pickle.DICT: (_MARK, False), pickle.REDUCE: (2, False), pickle.NEWOBJ: (2, False),
-    pickle.NEWOBJ_EX: (3, False), pickle.APPEND: (1, True), pickle.APPENDS: (_MARK, True), pickle.SETITEM: (2, True), pickle.SETITEMS: (_MARK, True),
+    pickle.TUPLE1: (1, False), pickle.TUPLE2: (2, False), pickle.TUPLE3: (3, False), pickle.TUPLE: (_MARK, False),
+    pickle.LIST: (_MARK, False), pickle.DICT: (_MARK, False),
+    pickle.REDUCE: (2, False), pickle.NEWOBJ: (2, False), pickle.NEWOBJ_EX: (3, False),
+    pickle.APPEND: (1, True), pickle.APPENDS: (_MARK, True), pickle.SETITEM: (2, True), pickle.SETITEMS: (_MARK, True),
     pickle.BUILD: (1, True),
 }  # fmt: skip
+_CALLS = (pickle.REDUCE[0], pickle.NEWOBJ[0], pickle.NEWOBJ_EX[0])  # the arguments' contents become the object's
+_BUILD_OP, _REDUCE_OP = pickle.BUILD[0], pickle.REDUCE[0]
+_EMPTY = ()
+_INDEX_FIELDS = frozenset({"fqn", "offset", "index"})
 _NEVER = {  # opcodes DCP metadata never uses, and why they are refused
     pickle.EXT1: "a pickle extension code (copyreg's cache hands out objects without find_class)",
     pickle.EXT2: "a pickle extension code (copyreg's cache hands out objects without find_class)",
@@ -187,15 +191,15 @@ def _flat_index(fqn: Any = None, offset: Any = None, index: Any = None) -> bool:
     """Whether these are a ``MetadataIndex``'s fields as DCP writes them (nothing nested to hash)."""
     return (
         type(fqn) is str
-        and (offset is None or (type(offset) in (tuple, torch.Size) and all(type(v) is int for v in offset)))
+        and (offset is None or type(offset) is torch.Size or (type(offset) is tuple and all(type(v) is int for v in offset)))
         and type(index) in (int, type(None))
     )
 
 
-_ARGUMENTS = (
-    (MetadataIndex, _flat_index),
-    (_MEM_FORMAT_ENCODING, lambda value=None, *rest: type(value) in (int, str) and not rest),
-)
+_ARGUMENTS = {
+    MetadataIndex: _flat_index,
+    _MEM_FORMAT_ENCODING: lambda value=None, *rest: type(value) in (int, str) and not rest,
+}
 """Admitted callables whose arguments are hashed or formatted into an error: what they may be given."""
 
 
@@ -210,6 +214,11 @@ def _show(value: Any) -> str:
     if type(value) in (tuple, torch.Size) and len(value) <= 16 and all(type(v) is int and abs(v) < 1 << 64 for v in value):
         return repr(tuple(value))
     return f"a {type(value).__name__}"
+
+
+def _hook(original: Callable[[Any], None], method: Callable[..., None], *args: Any) -> Callable[[Any], None]:
+    """An unpickler opcode handler: ``method(self, original, *args)``."""
+    return lambda self: method(self, original, *args)
 
 
 class MetadataUnpickler(_PyUnpickler):
@@ -227,9 +236,9 @@ class MetadataUnpickler(_PyUnpickler):
     def __init__(self, file: Any, *, where: str) -> None:
         super().__init__(file)
         self._where = where
-        self._nested: dict[int, tuple[int, int]] = {}  # id -> (depth, tuple size), objects on the stack holding nests
-        self._kept: dict[int, tuple[int, int]] = {}  # the same for memoized objects (the memo keeps them alive)
-        self._shared: set[int] = set()  # pushed from the memo: never changed again
+        self._nested: dict[int, tuple[int, int]] = {}  # id -> (depth, tuple size): on the stack, holding nests
+        self._kept: dict[int, tuple[int, int]] = {}  # the same, every memoized object (the memo keeps it alive)
+        self._closed: set[int] = set()  # memoized objects another one took: never changed again
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -248,50 +257,68 @@ class MetadataUnpickler(_PyUnpickler):
     def _refuse(self, what: str) -> UntrustedCheckpointError:
         return UntrustedCheckpointError(f"{self._where} {what}, which DCP metadata never does: {_REFUSED}")
 
-    def _measure(self, obj: Any) -> tuple[int, int]:
-        if not isinstance(obj, _NESTS):
-            return 0, 0
-        key = id(obj)
-        return self._nested.get(key) or self._kept.get(key) or (1, len(obj) if isinstance(obj, tuple) else 0)
+    def _build(self, original: Callable[[Any], None], op: int, count: int, into: bool) -> None:
+        """Run ``op``, counting the depth and tuple size of what it builds, never recursing.
 
-    def _build(self, op: int, count: int, into: bool) -> None:
-        """Run ``op``, counting the depth and tuple size of what it builds (never recursing)."""
+        Objects holding nothing nested cost no bookkeeping; ``_nested`` keeps the others while
+        they are on the stack, ``_kept`` every memoized one. A memoized object is closed once
+        something took it (``_closed``): it may be referenced again, never changed, so no depth
+        counted for a holder goes stale."""
         stack = self.stack
-        items = stack if count == _MARK else stack[len(stack) - count :] if count else []
-        if op == pickle.BUILD[0]:
+        taken = stack if count == _MARK else stack[len(stack) - count :]
+        nested = [x for x in taken if type(x) in _NESTS and x is not _EMPTY]
+        if op == _BUILD_OP:
             self._check_build(stack[-2] if len(stack) >= 2 else None, stack[-1] if stack else None)
-        elif op == pickle.REDUCE[0] and len(stack) >= 2:  # callables that hash or format their arguments
-            check = next((c for cls, c in _ARGUMENTS if stack[-2] is cls), None)
-            if check is not None and not (type(stack[-1]) is tuple and check(*stack[-1])):
+        elif op == _REDUCE_OP and len(stack) >= 2 and (stack[-2] is MetadataIndex or stack[-2] is _MEM_FORMAT_ENCODING):
+            if not (type(stack[-1]) is tuple and _ARGUMENTS[stack[-2]](*stack[-1])):  # they hash / format them
                 raise self._refuse(f"calls {stack[-2].__name__} with {_show(stack[-1])}")
-        sizes = [self._measure(x) for x in items]
-        _PyUnpickler.dispatch[op](self)
+        original(self)
         top = self.stack[-1]
-        depth = 1 + max((d for d, _ in sizes), default=0)
-        size = len(top) + sum(n for _, n in sizes) if isinstance(top, tuple) else 0
+        key = id(top)
+        if into and key in self._closed:
+            raise self._refuse("changes an object after another took it")
+        if not nested:
+            return
+        kept, inner = self._kept, []
+        for x in nested:  # taken: off the stack
+            k = id(x)
+            hit = self._nested.pop(k, None)
+            if k in kept:
+                self._closed.add(k)
+                hit = hit or kept[k]
+            inner.append(hit or (1, len(x) if type(x) is tuple else 0))
+        if type(top) is torch.Size:  # ints only
+            return
+        depth, size = max(inner)[0] + (op not in _CALLS), 0
+        if type(top) is tuple:
+            size = len(top) + sum(n for _, n in inner)
         if into:
-            if id(top) in self._shared:
-                raise self._refuse("changes an object after using it elsewhere")
-            depth = max(depth, self._measure(top)[0])
+            depth = max(depth, (self._nested.get(key) or kept.get(key) or (1, 0))[0])
         if depth > MAX_DEPTH or size > MAX_TUPLE:
             what = f"nests objects {depth} deep (at most {MAX_DEPTH})" if depth > MAX_DEPTH else (
                 f"builds a tuple of {size} elements (at most {MAX_TUPLE})")  # fmt: skip
             raise UntrustedCheckpointError(f"{self._where} {what}, beyond what DCP metadata holds: {_REFUSED}")
-        for x in items:
-            self._nested.pop(id(x), None)  # consumed: no longer on the stack
-        key = id(top)
-        if depth > 1 or size > len(top if isinstance(top, tuple) else ()):
-            self._nested[key] = (depth, size)
-            if key in self._kept:
-                self._kept[key] = (depth, size)
-        else:
-            self._nested.pop(key, None)  # a new object where an earlier one lived
+        self._nested[key] = (depth, size)
+        if key in kept:
+            kept[key] = (depth, size)
+
+    def _memo_put(self, original: Callable[[Any], None]) -> None:
+        before = len(self.memo)
+        original(self)
+        if len(self.memo) == before:
+            raise self._refuse("stores two objects in one memo slot")
+        top = self.stack[-1]
+        if type(top) in _NESTS:  # kept alive by the memo: its id stays its own
+            self._kept[id(top)] = self._nested.get(id(top)) or (1, len(top) if isinstance(top, tuple) else 0)
+
+    def _never(self, why: str) -> None:
+        raise self._refuse(f"uses {why}")
 
     def _check_build(self, target: Any, state: Any) -> None:
         if isinstance(target, type) or not isinstance(target, _DCP_CLASSES):
             raise self._refuse(f"sets the state of a {type(target).__name__} object ({_show(target)})")
         if type(target) is MetadataIndex:  # the one hashable class: its hash walks its fields
-            ok = type(state) is dict and set(state) <= {"fqn", "offset", "index"} and _flat_index(**state)
+            ok = type(state) is dict and state.keys() <= _INDEX_FIELDS and _flat_index(**state)
         elif type(target) is TensorProperties:  # its __setstate__ formats what it does not know into an error
             kinds = (torch.dtype, torch.layout, bool, _MEM_FORMAT_ENCODING, bool)
             ok = type(state) is tuple and len(state) == 5 and all(isinstance(v, k) for v, k in zip(state, kinds))
@@ -300,28 +327,10 @@ class MetadataUnpickler(_PyUnpickler):
         if not ok:
             raise self._refuse(f"gives a {type(target).__name__} the state {_show(state)}")
 
-    def _memo_put(self, op: int) -> None:
-        before = len(self.memo)
-        _PyUnpickler.dispatch[op](self)
-        if len(self.memo) == before:
-            raise self._refuse("stores two objects in one memo slot")
-        top = self.stack[-1]
-        if isinstance(top, _NESTS) and id(top) in self._nested:
-            self._kept[id(top)] = self._nested[id(top)]
-
-    def _never(self, why: str) -> None:
-        raise self._refuse(f"uses {why}")
-
-    def _memo_get(self, op: int) -> None:
-        _PyUnpickler.dispatch[op](self)
-        self._shared.add(id(self.stack[-1]))
-
     for _op, (_count, _into) in _BUILDING.items():
-        dispatch[_op[0]] = lambda self, op=_op[0], count=_count, into=_into: self._build(op, count, into)
+        dispatch[_op[0]] = _hook(_PyUnpickler.dispatch[_op[0]], _build, _op[0], _count, _into)
     for _op in (pickle.PUT, pickle.BINPUT, pickle.LONG_BINPUT, pickle.MEMOIZE):
-        dispatch[_op[0]] = lambda self, op=_op[0]: self._memo_put(op)
-    for _op in (pickle.GET, pickle.BINGET, pickle.LONG_BINGET):
-        dispatch[_op[0]] = lambda self, op=_op[0]: self._memo_get(op)
+        dispatch[_op[0]] = _hook(_PyUnpickler.dispatch[_op[0]], _memo_put)
     for _op, _why in _NEVER.items():
         dispatch[_op[0]] = lambda self, why=_why: self._never(why)
     del _op, _count, _into, _why
