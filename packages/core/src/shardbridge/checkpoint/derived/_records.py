@@ -50,6 +50,7 @@ from shardbridge.checkpoint.derived._spread import (
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._coverage import coverage_fault
 from shardbridge.checkpoint.storage._files import DATA_FILE_PATTERN, Rows, data_file_name, derive_rows, record_length
+from shardbridge.checkpoint.storage._integrity import check_files
 from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME, DERIVED_KEY, Manifest
 from shardbridge.checkpoint.storage._metadata_stream import StorageGroup, write_metadata
 from shardbridge.checkpoint.storage._trust import read_metadata
@@ -552,8 +553,12 @@ def checkpoint_records(stored: Stored, manifest: Manifest) -> DerivedRecords | N
 
 
 def metadata_of(stored: Stored, manifest: Manifest, *, data_files: bool = True) -> Metadata:
-    """``stored``'s ``.metadata``: from its derived records when they render it, else read (restricted reader)."""
-    records = checkpoint_records(stored, manifest)
+    """``stored``'s ``.metadata``: from its derived records when they render it, else read (restricted reader).
+
+    ``data_files``: the caller found every listed file with its size (export); False (inspect):
+    the sizes are checked here first, and the records are read from ``.metadata`` alone if any differs."""
+    found = data_files or not check_files(stored, manifest, checksums=False)
+    records = checkpoint_records(stored, manifest) if found else None
     return records.metadata() if records is not None else read_metadata(stored, data_files=data_files)
 
 

@@ -216,6 +216,19 @@ def _show(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+class _Memo(dict):
+    """The unpickler's memo, keeping what a reused slot held alive (so that no id is reused while it loads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replaced: list[Any] = []
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key in self:
+            self.replaced.append(self[key])
+        super().__setitem__(key, value)
+
+
 def _hook(original: Callable[[Any], None], method: Callable[..., None], *args: Any) -> Callable[[Any], None]:
     """An unpickler opcode handler: ``method(self, original, *args)``."""
     return lambda self: method(self, original, *args)
@@ -239,6 +252,7 @@ class MetadataUnpickler(_PyUnpickler):
         self._nested: dict[int, tuple[int, int]] = {}  # id -> (depth, tuple size): on the stack, holding nests
         self._kept: dict[int, tuple[int, int]] = {}  # the same, every memoized object (the memo keeps it alive)
         self._closed: set[int] = set()  # memoized objects another one took: never changed again
+        self.memo = _Memo()
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -303,10 +317,7 @@ class MetadataUnpickler(_PyUnpickler):
             kept[key] = (depth, size)
 
     def _memo_put(self, original: Callable[[Any], None]) -> None:
-        before = len(self.memo)
         original(self)
-        if len(self.memo) == before:
-            raise self._refuse("stores two objects in one memo slot")
         top = self.stack[-1]
         if type(top) in _NESTS:  # kept alive by the memo: its id stays its own
             self._kept[id(top)] = self._nested.get(id(top)) or (1, len(top) if isinstance(top, tuple) else 0)
