@@ -4,7 +4,8 @@
 ~~~~~~~~~~~~~~~~~~~~~
 The collector reads every fenced block of README.md, docs/**/*.md and packages/*/README.md:
 
-    ```bash / ```sh        run with ``bash -e -o pipefail`` (the test's interpreter's bin/ first on PATH)
+    ```bash / ```sh        run with ``bash -e -o pipefail`` (the test's interpreter's bin/ first on PATH;
+                           README.md: see "a new shell" below)
     ```python, first line  written to that file (a script a later block of the same page runs,
       ``# NAME.py``          e.g. ``torchrun ... NAME.py``); never run by itself
     ```python, ``>>>``      a doctest: every output must match (ELLIPSIS, NORMALIZE_WHITESPACE)
@@ -28,6 +29,13 @@ and what a block writes stays in the scratch directory): a later block may use w
 one wrote (README: the demo, then ``shardbridge ckpt inspect shardbridge-demo/checkpoints``).
 The first block that fails fails its page, with the block's line, text and output. At the end
 the test prints ``docs: ran N block(s) in P page(s), skipped M (reasons)``.
+
+README.md runs as a reader's NEW shell would (issue 38: with the test's interpreter first on PATH,
+8 README lines that said ``command not found`` in a new shell passed here): its bash blocks get a
+PATH without that interpreter's bin/ and no ``VIRTUAL_ENV``, and a ``source .../bin/activate``
+line of an earlier block of the page is run again before each later block (one shell session). The
+scratch directory's ``.venv`` is the test's interpreter's environment, so README's
+``source .venv/bin/activate`` activates what the other pages run with.
 
 Run one page: ``pytest integration_tests/test_docs.py -k hf.md``.
 """
@@ -172,18 +180,32 @@ _PAGES: set = set()
 _BLOCK_SECONDS: list[tuple[float, str]] = []
 
 
+NEW_SHELL_PAGES = ("README.md",)
+"""Pages whose bash blocks run as in a reader's new shell (see [Note: executed docs])."""
+ACTIVATE = re.compile(r"^\s*(?:source|\.)\s+\S*bin/activate\b.*$", re.MULTILINE)
+
+
 def _scratch(tmp_path: Path) -> Path:
     """A directory that looks like the repository root for reading and keeps every write to itself."""
+    venv = Path(sys.prefix)
     for entry in REPO.iterdir():
         if entry.name not in (".git",) and not (tmp_path / entry.name).exists():
-            (tmp_path / entry.name).symlink_to(entry)
+            # .venv: the environment these tests run in (README activates it), wherever it lives
+            target = venv if entry.name == ".venv" and (venv / "bin" / "activate").is_file() else entry
+            (tmp_path / entry.name).symlink_to(target)
+    if not (tmp_path / ".venv").exists() and (venv / "bin" / "activate").is_file():
+        (tmp_path / ".venv").symlink_to(venv)
     return tmp_path
 
 
-def _env() -> dict[str, str]:
+def _env(page: str = "") -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
     env.pop("SHARDBRIDGE_HF_CONFIG", None)
+    if page in NEW_SHELL_PAGES:  # a new shell: no environment active, nothing of it on PATH
+        inactive = {bin_dir, str(Path(os.environ.get("VIRTUAL_ENV", sys.prefix)) / "bin")}
+        env["PATH"] = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p not in inactive)
+        env.pop("VIRTUAL_ENV", None)
     return env
 
 
@@ -191,8 +213,11 @@ def _is_accelerate_config(block: Block) -> bool:
     return block.lang == "yaml" and re.search(r"^distributed_type:", block.text, re.MULTILINE) is not None
 
 
-def _command(block: Block, cwd: Path, index: int) -> list[str] | None:
-    """The command that runs ``block`` (its text written into ``cwd``), or None for a script file."""
+def _command(block: Block, cwd: Path, index: int, session: str = "") -> list[str] | None:
+    """The command that runs ``block`` (its text written into ``cwd``), or None for a script file.
+
+    ``session``: lines of earlier blocks a shell would still have in effect (an activation), run first.
+    """
     if _is_accelerate_config(block):
         path = cwd / f".docs-block-{index}.yaml"
         path.write_text(block.text)
@@ -203,7 +228,7 @@ def _command(block: Block, cwd: Path, index: int) -> list[str] | None:
         return None
     if block.lang in ("bash", "sh"):
         path = cwd / f".docs-block-{index}.sh"
-        path.write_text(block.text)
+        path.write_text(session + block.text)
         return ["bash", "-e", "-o", "pipefail", str(path)]
     if block.text.lstrip().startswith(">>>"):
         path = cwd / f".docs-block-{index}.txt"
@@ -353,7 +378,7 @@ def _tail(text: str, lines: int = 40) -> str:
 
 
 def _missing_extras() -> list[str]:
-    from shardbridge.extras import missing_requirements
+    from shardbridge._extras import missing_requirements
 
     return missing_requirements("all")
 
@@ -376,6 +401,7 @@ def test_page_runs_as_printed(page, tmp_path):
     assert not problems, "\n".join(problems)
     cwd = _scratch(tmp_path)
     _PAGES.add(page)
+    session = ""  # what a reader's shell keeps from the page's earlier blocks: activations
     for index, block in enumerate(blocks):
         if block.lang not in RUN and not _is_accelerate_config(block):
             continue
@@ -387,13 +413,15 @@ def test_page_runs_as_printed(page, tmp_path):
             assert not problems, f"{block.where}: the listing does not match {block.signatures}:\n" + "\n".join(problems)
             _COUNTS["ran"] += 1
             continue
-        command = _command(block, cwd, index)
+        command = _command(block, cwd, index, session if page in NEW_SHELL_PAGES else "")
+        if block.lang in ("bash", "sh"):
+            session += "".join(f"{line}\n" for line in ACTIVATE.findall(block.text))
         if command is None:
             continue
         start = time.perf_counter()
         try:
             run = subprocess.run(
-                command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+                command, cwd=cwd, env=_env(page), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
             )  # fmt: skip
         except subprocess.TimeoutExpired:
             pytest.fail(f"{block.where}: the block ran longer than {BLOCK_TIMEOUT_S} s:\n{block.text}")

@@ -31,7 +31,8 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
 
-from shardbridge.extras import install_hint, missing_requirements  # noqa: E402
+from shardbridge._extras import missing_requirements  # noqa: E402
+from shardbridge.adapters import install_hint  # noqa: E402
 
 if missing_requirements("te-structural"):  # what TE's Python code imports
     pytest.skip(

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from shardbridge import ParallelDims, checkpoint, cp_cross_entropy  # noqa: E402
+from shardbridge import ParallelDims, checkpoint  # noqa: E402
+from shardbridge.cp import cp_cross_entropy  # noqa: E402
 from shardbridge.models import (  # noqa: E402
     MoEConfig,
     MoELlama,

@@ -52,7 +52,7 @@ def _hf_folder(folder: Path) -> transformers.LlamaForCausalLM:
 def _fsdp_dtensor(model: transformers.LlamaForCausalLM, path: Path) -> None:
     """A Megatron-LM fsdp_dtensor checkpoint of ``model`` (model.* keys, fused QKV and SwiGLU)."""
     import torch.distributed.checkpoint as dcp
-    from shardbridge import merge_fused
+    from shardbridge.fused import merge_fused
     from shardbridge_megatron_fsdp.mcore import MegatronQKVSpec, megatron_name
 
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -3,7 +3,8 @@
 # `pip install git+...` and `pip install .` do), install the WHEEL (not editable) into new virtual
 # environments with torch pinned first, and from outside the source tree run the core tests that
 # the install decides, a CLI smoke (`shardbridge --version`, `shardbridge layout`, a 1-step demo),
-# then each adapter's import with its extra. CI step 3 of .ci/run; docs/testing.md.
+# then each adapter's import with its extra; and README's git URL route (with --no-deps). CI step 3 of .ci/run;
+# docs/testing.md.
 #
 #   tools/wheel_check.sh            (uses .venv's python to build; WORK=DIR keeps the files there)
 #   WORK=DIR tools/wheel_check.sh prepare     then     WORK=DIR tools/wheel_check.sh check
@@ -51,6 +52,18 @@ PYEOF
   quiet_pip "$WORK/venv/bin/python" -m pip --disable-pip-version-check -q install "$TORCH_SPEC" "$WHEEL[test]"
   quiet_pip "$WORK/venv-all/bin/python" -m pip --disable-pip-version-check -q install "$TORCH_SPEC"
   quiet_pip "$WORK/venv-all/bin/python" -m pip --disable-pip-version-check -q install "$TORCH_SPEC" "$WHEEL[hf,megatron,plot,test]"
+  # README, Install: the git URL route, in a venv whose pip is upgraded as README says (the pip
+  # Python 3.11's venv bundles, 23.2.1, refuses "name @ git+file:///..."); --no-deps: the route, not
+  # the dependencies (the venvs above install those). A checkout that is not a git repository skips it.
+  if git -C "$ROOT" rev-parse --git-dir > /dev/null 2>&1; then
+    step "the git URL route of README (pip upgraded first): pip install \"shardbridge @ git+file://$ROOT\""
+    python3 -m venv "$WORK/venv-git"
+    quiet_pip "$WORK/venv-git/bin/python" -m pip -q install -U pip
+    "$WORK/venv-git/bin/python" -m pip --disable-pip-version-check -q install --no-deps "shardbridge @ git+file://$ROOT" \
+      2>&1 | grep -v "^WARNING: Location" || true
+    "$WORK/venv-git/bin/python" -m pip show shardbridge > "$WORK/git-route.txt" 2>&1 || true
+    grep -q "^Version: " "$WORK/git-route.txt" || { echo "the git URL route did not install"; exit 1; }
+  fi
   touch "$WORK/prepared"
   if [ "$PHASE" = prepare ]; then
     step "prepared"

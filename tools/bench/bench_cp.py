@@ -62,9 +62,10 @@ def _saved_bytes(fn, exclude: set[int]) -> int:
 def _worker(cp: int, comm: str, seq: int, steps: int, dim: int, layers: int) -> dict:
     import torch
     import torch.distributed as dist
-    from shardbridge import ParallelDims, cp_cross_entropy, cp_split
+    from shardbridge import ParallelDims
     from shardbridge._comm_stats import count_collectives
     from shardbridge._cp import RING_BYTES_SENT
+    from shardbridge.cp import cp_cross_entropy, cp_split
     from shardbridge.models import Llama, parallelize_llama, synthetic_batch
 
     torch.set_num_threads(1)
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     cps = [int(c) for c in args.cps.split(",")]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from shardbridge import check_cp_seq_len
+    from shardbridge.cp import check_cp_seq_len
     from shardbridge.testing import WorkerPool
 
     for cp in cps:

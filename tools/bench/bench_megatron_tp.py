@@ -25,17 +25,19 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from shardbridge import ParallelDims, check_tp_divides, shard_fused  # noqa: E402
+from shardbridge import ParallelDims  # noqa: E402
 from shardbridge._comm_stats import count_collectives  # noqa: E402
+from shardbridge.fused import shard_fused  # noqa: E402
 from shardbridge.models import Llama, LlamaConfig, synthetic_batch  # noqa: E402
 from shardbridge.testing import run_distributed  # noqa: E402
+from shardbridge.tp import check_tp_divides  # noqa: E402
 
 BATCH, SEQ = 8, 64
 
 
 def _column_only(model: Llama, tp_mesh) -> None:
     """The removed workaround, reconstructed as the baseline: every TP weight on dim 0."""
-    from shardbridge import FUSED_SPECS_ATTR
+    from shardbridge.fused import FUSED_SPECS_ATTR
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 

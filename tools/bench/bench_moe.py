@@ -52,8 +52,9 @@ def _config(args):
 def _worker(args) -> dict:
     import torch
     import torch.distributed as dist
-    from shardbridge import ParallelDims, cp_cross_entropy
+    from shardbridge import ParallelDims
     from shardbridge._comm_stats import count_collectives
+    from shardbridge.cp import cp_cross_entropy
     from shardbridge.models import MoELlama, parallelize_moe, synthetic_batch
 
     torch.set_num_threads(1)

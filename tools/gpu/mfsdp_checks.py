@@ -117,7 +117,8 @@ def main() -> None:
     def fp8_te_params():
         # the model's recipe -> DistributedDataParallelConfig(fp8_param_gather=True) (see [Note: FP8 under
         # Megatron-FSDP]): TE FP8 parameters from fp8.convert, all-gathered in FP8, autocast on.
-        from shardbridge import FP8Recipe, fp8
+        from shardbridge import fp8
+        from shardbridge.fp8 import FP8Recipe
         from shardbridge_megatron_fsdp._compat import is_fp8_parameter, raw_parameters
 
         recipe = FP8Recipe(backend="te", name="tensorwise", fp8_params=True)

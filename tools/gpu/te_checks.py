@@ -16,7 +16,7 @@ Checks (each recorded, the next runs even when one fails):
                        (H100: block scaling yes, MXFP8 no - recorded as unsupported with TE's reason);
   grouped-experts      TE GroupedLinear experts (Megatron-Core's TEGroupedMLP shape) on the ep axis
                        (shardbridge_te.shard_grouped_experts; ep = world for world 2/4/8, else 1)
-                       through shardbridge.run_experts with TE's REAL grouped GEMM: outputs, input
+                       through shardbridge.ep.run_experts with TE's REAL grouped GEMM: outputs, input
                        and expert-weight gradients vs the same experts in plain torch on the full
                        weights (rel. diff, TF32 tolerance); saved with ExpertStateDicts, loaded at
                        ep=1 into zeroed experts: every weight{g} equal to the saved expert g;
@@ -350,7 +350,7 @@ def main() -> None:
     def grouped_experts():
         # The structural tier runs this with a reference GEMM (test_te_experts_structural.py); here
         # TE's own grouped GEMM computes. E experts of width INTER, top-2 routing, T tokens per rank.
-        from shardbridge import run_experts
+        from shardbridge.ep import run_experts
 
         num, inter, tokens, top_k = 8, 128, 256, 2
         ep = world if world in (2, 4, 8) else 1

@@ -7,8 +7,9 @@ Oracle: torch.nn.utils.clip_grad_norm_ on the same model in one process on the g
 import pytest
 import torch
 import torch.nn.functional as F
-from shardbridge import ParallelDims, clip_grad_norm_, split_fused
+from shardbridge import ParallelDims, clip_grad_norm_
 from shardbridge._fused import fused_params
+from shardbridge.fused import split_fused
 from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor

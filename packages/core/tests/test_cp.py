@@ -13,17 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from shardbridge import (
-    ParallelDims,
-    check_cp_seq_len,
-    cp_attention,
-    cp_cross_entropy,
-    cp_positions,
-    cp_split,
-    cp_unsplit,
-    split_fused,
-)
+from shardbridge import ParallelDims
 from shardbridge._fused import fused_params
+from shardbridge.cp import check_cp_seq_len, cp_attention, cp_cross_entropy, cp_positions, cp_split, cp_unsplit
+from shardbridge.fused import split_fused
 from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor

@@ -1,4 +1,4 @@
-"""Tier 1: install hints (``extras.py``) name commands that work without an index hosting shardbridge.
+"""Tier 1: install hints (``_extras.py``) name commands that work without an index hosting shardbridge.
 
 [Note: install hints]: the host packages with the extra's bounds, read from the installed
 metadata, and the extra as it installs from a clone or a wheel -- never ``pip install
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import shardbridge
-from shardbridge.extras import extra_requirements, install_hint
+from shardbridge._extras import extra_requirements
+from shardbridge.adapters import install_hint
 
 EXTRAS = importlib.metadata.metadata("shardbridge").get_all("Provides-Extra") or []
 
@@ -47,8 +48,8 @@ def test_unknown_extra_is_refused_naming_the_known_ones():
 def test_no_source_file_recommends_installing_shardbridge_from_an_index():
     """Every "missing extra" message goes through install_hint (the sources, when this runs from a clone)."""
     root = Path(shardbridge.__file__).resolve().parents[4]  # packages/core/src/shardbridge/__init__.py
-    # extras.py itself quotes the failing command in [Note: install hints]
-    sources = sorted(p for p in root.glob("packages/*/src/**/*.py") if p.name != "extras.py")
+    # _extras.py itself quotes the failing command in [Note: install hints]
+    sources = sorted(p for p in root.glob("packages/*/src/**/*.py") if p.name != "_extras.py")
     if not sources:
         pytest.skip("not run from a source tree (the installed wheel has no packages/ folder)")
     bad = [

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shardbridge import FP8_DTYPES, ParallelDims, checkpoint, is_fp8_tensor, register_fp8_tensor_type, to_plain
+from shardbridge import ParallelDims, checkpoint
+from shardbridge._wrap import FP8_DTYPES
+from shardbridge.fp8 import is_fp8_tensor, register_fp8_tensor_type, to_plain
 from shardbridge.fp8._tensors import _TO_PLAIN, plain_state_dict
 from shardbridge.testing import run_distributed
 from torch.utils._pytree import tree_map_only

@@ -13,8 +13,9 @@ import sys
 
 import pytest
 import torch
-from shardbridge import FP8Recipe, ParallelDims, apply_fsdp, fp8
+from shardbridge import ParallelDims, apply_fsdp, fp8
 from shardbridge._compat import local_tensor
+from shardbridge.fp8 import FP8Recipe
 from shardbridge.testing import run_distributed
 from torch import nn
 

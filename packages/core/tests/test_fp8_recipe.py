@@ -13,7 +13,8 @@ import sys
 import textwrap
 
 import pytest
-from shardbridge import FP8Recipe, fp8
+from shardbridge import fp8
+from shardbridge.fp8 import FP8Recipe
 from shardbridge.fp8 import _recipe as _backend
 
 

@@ -16,7 +16,9 @@ import copy
 
 import pytest
 import torch
-from shardbridge import FP8Recipe, ParallelDims, checkpoint, fp8, fused_params, split_fused, to_plain
+from shardbridge import ParallelDims, checkpoint, fp8
+from shardbridge.fp8 import FP8Recipe, to_plain
+from shardbridge.fused import fused_params, split_fused
 from shardbridge.models import Llama, LlamaConfig, parallelize_llama
 from shardbridge.testing import run_distributed
 from torch import nn

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardbridge import (
+from shardbridge.fused import (
     FUSED_SPECS_ATTR,
     FusedSpec,
     fused_params,

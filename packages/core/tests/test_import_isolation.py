@@ -10,7 +10,8 @@ def test_import_shardbridge_pulls_in_no_host_framework():
     # A fresh interpreter: this test process may already have imported anything.
     code = (
         "import sys, shardbridge, shardbridge.checkpoint, shardbridge.models, shardbridge.testing\n"
-        "import shardbridge.cli._main\n"
+        "import shardbridge.adapters, shardbridge.cp, shardbridge.ep, shardbridge.fp8, shardbridge.fused, shardbridge.tp\n"
+        "import shardbridge.layout, shardbridge.pretrained, shardbridge.cli._main\n"
         f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {FRAMEWORKS!r})\n"
         "print(','.join(bad))\n"
     )

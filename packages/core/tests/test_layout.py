@@ -235,7 +235,7 @@ def expert_cases(draw):
 
 def _expert_layout(case):
     """(mesh_shape, placements as fully_shard builds them, shard dim) of an expert case."""
-    from shardbridge import expert_shard_dim
+    from shardbridge.ep import expert_shard_dim
 
     shape, ep, efsdp, replicate = case
     dim = expert_shard_dim(shape, ep=ep, efsdp=efsdp)

@@ -34,11 +34,52 @@ def test_bad_degrees_name_the_field(kwargs, message):
 
 def test_product_must_match_world_size():
     with pytest.raises(
-        ValueError, match=r"dp_shard\(3\) \* cp\(2\) \* tp\(2\) = 12 != world_size\(8\); set dp_shard=-1"
+        ValueError,
+        match=r"dp_shard\(3\) \* cp\(2\) \* tp\(2\) = 12 != world_size\(8\); set dp_shard=2 \(or dp_shard=-1 to infer it\)$",
     ):
         ParallelDims(dp_shard=3, cp=2, tp=2).resolve(8)
-    with pytest.raises(ValueError, match=r"= 3 does not divide world_size\(8\)"):
+    with pytest.raises(ValueError, match=r"= 3 does not divide world_size\(8\), so no dp_shard fits; set tp to one of \[1, 2, 4, 8\]"):
         ParallelDims(tp=3).resolve(8)
+
+
+@pytest.mark.parametrize(
+    ("dims", "world", "fix"),
+    [
+        # issue 38: dp_shard=-1 was suggested although no dp_shard fits tp=3 in 4 ranks
+        (dict(dp_shard=2, tp=3), 4, r"no dp_shard fits: set tp to one of \[1, 2, 4\], or use a world size divisible by 3$"),
+        (dict(tp=2, cp=3), 4, r"set cp to one of \[1, 2\], or use a world size divisible by 6$"),
+        (dict(dp_replicate=3, dp_shard=1, tp=2), 8, r"set dp_replicate to one of \[1, 2, 4\], or use a world size"),
+        (dict(tp=3, cp=3), 4, r"choose degrees whose product divides 4, or use a world size divisible by 9$"),
+    ],
+)
+def test_a_misfit_offers_only_what_fits(dims, world, fix):
+    with pytest.raises(ValueError, match=fix) as info:
+        ParallelDims(**dims).resolve(world)
+    assert "dp_shard=-1" not in str(info.value)  # -1 cannot fix any of these
+    for axis in ("tp", "cp", "dp_replicate"):  # every offered degree fits (the oracle: resolve itself)
+        for degree in ParallelDims(**dims).degrees_that_fit(axis, world):
+            ParallelDims(**{**dims, axis: degree, "dp_shard": -1}).resolve(world)
+
+
+@pytest.mark.parametrize(
+    ("device_type", "error", "message"),
+    [
+        ("gpu", ValueError, r"device_type='gpu'\): not a device type .* did you mean 'cuda'\?$"),
+        ("cuda:0", ValueError, r"pass 'cuda' \(each rank uses its current device"),
+        ("CPU", ValueError, r"did you mean 'cpu'\?$"),
+        ("meta", ValueError, r"device_type='meta'\): not a device type a process-group backend supports"),
+        (None, TypeError, r"expected a str such as 'cpu' or 'cuda', got a NoneType$"),
+    ],
+)
+def test_build_mesh_refuses_what_is_not_a_device_type(fake_world, device_type, error, message):
+    """init_device_mesh took "gpu" and the run trained on CPU (issue 38)."""
+    fake_world(4, 0)
+    with pytest.raises(error, match=message):
+        ParallelDims(tp=2).build_mesh(device_type)
+    import torch
+
+    with pytest.raises(TypeError, match=r"got a device; pass its \.type$"):
+        ParallelDims(tp=2).build_mesh(torch.device("cpu"))
 
 
 def test_ep_must_divide_the_ranks_of_weight():

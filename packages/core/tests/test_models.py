@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from shardbridge import ParallelDims, fsdp_unit_params, split_fused
+from shardbridge import ParallelDims, fsdp_unit_params
 from shardbridge._fused import fused_params
+from shardbridge.fused import split_fused
 from shardbridge.models import Llama, LlamaConfig, ParamTP, parallelize_llama, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -273,3 +274,87 @@ def _init_after_parallelize():
     with pytest.raises(ValueError, match="call init_weights before parallelize_llama"):
         model.init_weights(0)
     return True
+
+
+# -- [Note: TP outputs are not views] (issue 38, C) ---------------------------------------------
+
+
+def _train_step_warnings(kind: str) -> dict:
+    """One train step of a reference model at dp_shard=2 x tp=2, twice: logits scaled out of place, then in place."""
+    import warnings
+
+    from shardbridge.models import MoEConfig, MoELlama, parallelize_moe
+
+    pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")
+    cfg, build, parallelize = (
+        (LlamaConfig.tiny(), Llama, parallelize_llama) if kind == "llama" else (MoEConfig.tiny(), MoELlama, parallelize_moe)
+    )
+    tokens, labels = synthetic_batch(cfg, BATCH, SEQ, dp_rank=pm["dp"].get_local_rank(), dp_size=pm["dp"].size())
+    grads, error = {}, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for in_place in (False, True):
+            model = parallelize(build(cfg, seed=0), pm)
+            logits = model(tokens)
+            try:
+                logits = logits.mul_(2.0) if in_place else logits * 2.0
+                F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+            except RuntimeError as exc:  # before the fix: autograd refused the in-place op on a view
+                error = str(exc)[:200]
+                continue
+            grads[in_place] = {n: _full(p.grad) for n, p in model.named_parameters()}
+    views = [str(w.message)[:80] for w in caught if "returned a view tensor" in str(w.message)]
+    same = len(grads) == 2 and all(torch.equal(grads[False][n], grads[True][n]) for n in grads[False])
+    return {"views": views, "error": error, "same_grads": same}
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_reference_train_step_warns_nothing_and_allows_in_place_logits(kind):
+    """README's train_core.py printed FSDP2's "returned a view tensor" warning 3 times per rank; the
+    reference models' TP outputs are tensors of their own now, so an in-place op on the logits is
+    legal and gives the out-of-place gradients bit for bit."""
+    for rank, out in enumerate(run_distributed(_train_step_warnings, kind, world_size=4)):
+        assert out["views"] == [], (rank, out["views"])
+        assert out["error"] is None and out["same_grads"], (rank, out)
+
+
+# -- API misuse: one-line TypeError naming the parameter (issue 38, B) --------------------------
+
+
+def _misuse() -> list[str]:
+    from shardbridge import PrecisionPolicy, apply_fsdp
+
+    pm = ParallelDims(dp_shard=2).build_mesh("cpu")
+    model = Llama(LlamaConfig.tiny())
+    calls = [
+        lambda: parallelize_llama(pm, model),  # swapped
+        lambda: parallelize_llama(model, pm, PrecisionPolicy.bf16),  # a preset not called
+        lambda: parallelize_llama(model, ParallelDims(dp_shard=2)),  # dims, not the built mesh
+        lambda: apply_fsdp(model, pm["dp_shard"]),  # a 1-D DeviceMesh
+        lambda: synthetic_batch(LlamaConfig.tiny, 4, 16),  # a preset not called
+    ]
+    out = []
+    for call in calls:
+        try:
+            call()
+        except TypeError as exc:
+            out.append(str(exc))
+        else:
+            out.append("accepted")
+    return out
+
+
+def test_api_misuse_is_one_type_error_naming_the_parameter():
+    messages = run_distributed(_misuse, world_size=2)[0]
+    expected = [
+        r"^parallelize_llama\(model=\.\.\.\): expected a Llama, got a ParallelMesh; were `model` and `mesh` swapped\?$",
+        r"^parallelize_llama\(policy=\.\.\.\): expected a PrecisionPolicy or None, got the method PrecisionPolicy\.bf16; "
+        r"pass PrecisionPolicy\.bf16\(\) \(call it\)$",
+        r"^parallelize_llama\(mesh=\.\.\.\): expected a ParallelMesh, got a ParallelDims; call \.build_mesh\(device_type\)",
+        r"^apply_fsdp\(mesh=\.\.\.\): expected a ParallelMesh, got a DeviceMesh; pass the ParallelMesh",
+        r"^synthetic_batch\(config=\.\.\.\): expected a LlamaConfig, got the method LlamaConfig\.tiny; pass LlamaConfig\.tiny\(\) \(call it\)$",
+    ]
+    import re
+
+    for message, pattern in zip(messages, expected, strict=True):
+        assert re.search(pattern, message) and "\n" not in message, (message, pattern)

@@ -18,18 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from shardbridge import (
-    ParallelDims,
-    choose_dispatch,
-    cp_cross_entropy,
-    cp_split,
-    expert_shard_dim,
-    load_balancing_loss,
-    router_statistics,
-    run_experts,
-    split_fused,
-)
+from shardbridge import ParallelDims
 from shardbridge._fused import fused_params
+from shardbridge.cp import cp_cross_entropy, cp_split
+from shardbridge.ep import choose_dispatch, expert_shard_dim, load_balancing_loss, router_statistics, run_experts
+from shardbridge.fused import split_fused
 from shardbridge.models import MoEConfig, MoELlama, parallelize_moe, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor, Shard
@@ -238,3 +231,42 @@ def _bad_ep():
 
 def test_bad_expert_layouts_are_refused_by_name():
     assert all(run_distributed(_bad_ep, world_size=4))
+
+
+def _dispatch_under_a_foreign_default_device(mode: str):
+    """Every dispatch with torch's default device set to "meta": a tensor the dispatch makes without
+    naming the tokens' device lands on meta, which no collective or index on the CPU tokens accepts.
+    On a GPU that same tensor would sit on the CPU while the tokens are on CUDA (NCCL refuses it)."""
+    import torch.distributed as dist
+
+    pm = ParallelDims(dp_shard=2, tp=2, ep=2).build_mesh("cpu")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(6, 4, generator=g, requires_grad=True)
+    ids = torch.randint(0, 4, (6, 2), generator=g)
+    weights = torch.rand(6, 2, generator=g, requires_grad=True)
+    scale = torch.arange(1.0, 3.0)  # a factor per local expert
+    probs = torch.full((6, 4), 0.25, requires_grad=True)
+
+    def experts(t, counts):
+        return t * torch.repeat_interleave(scale, torch.tensor(counts, device=t.device)).unsqueeze(-1)
+
+    def run():
+        out = run_experts(x, ids, weights, experts, num_experts=4, mesh=pm, dispatch=mode)
+        grads = torch.autograd.grad(out.sum(), (x, weights))
+        counts, sums, n = router_statistics(probs, ids, 4)
+        loss, _ = load_balancing_loss(counts, sums, n, mesh=pm)
+        return out.detach(), *grads, loss.detach()
+
+    want = run()
+    torch.set_default_device("meta")
+    try:
+        got = run()
+    finally:
+        torch.set_default_device(None)
+    return all(w.device == g_.device and torch.equal(w, g_) for w, g_ in zip(want, got))
+
+
+@pytest.mark.parametrize("mode", ["all_to_all", "all_gather"])
+def test_dispatch_makes_every_tensor_on_the_tokens_device(mode):
+    # Issue: tensors created without a device broke the dispatch on CUDA/NCCL (sizes and indices on the CPU).
+    assert all(run_distributed(_dispatch_under_a_foreign_default_device, mode, world_size=4))

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from shardbridge import FP8Recipe, ParallelDims, PrecisionPolicy, apply_fsdp
+from shardbridge import ParallelDims, PrecisionPolicy, apply_fsdp
+from shardbridge.fp8 import FP8Recipe
 from shardbridge.models import Llama, LlamaConfig, parallelize_llama, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy

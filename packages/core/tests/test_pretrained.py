@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from shardbridge import ParallelDims, fused_params, split_fused
+from shardbridge import ParallelDims
 from shardbridge.checkpoint.state._components import component_fqn
+from shardbridge.fused import fused_params, split_fused
 from shardbridge.models import Llama, LlamaConfig, hf_llama_name, parallelize_llama, synthetic_batch
 from shardbridge.pretrained import load_pretrained, read_index
 from shardbridge.testing import run_distributed

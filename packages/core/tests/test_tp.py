@@ -13,19 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from shardbridge import (
-    FusedSpec,
-    TPMode,
-    convert_module_params,
-    local_view,
-    merge_fused,
-    shard_fused,
-    split_fused,
-    split_local,
-    to_dtensor_param,
-    tp_placements,
-)
+from shardbridge.fused import FusedSpec, merge_fused, shard_fused, split_fused, split_local
 from shardbridge.testing import run_distributed
+from shardbridge.tp import TPMode, convert_module_params, local_view, to_dtensor_param, tp_placements
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -1,4 +1,4 @@
-"""Tier 1: the version policy (``shardbridge.extras``): one warning naming an untested host-framework version."""
+"""Tier 1: the version policy (``shardbridge._extras``): one warning naming an untested host-framework version."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 
 from shardbridge import UntestedVersionWarning
 from shardbridge._compat import TORCH_CHECKED
-from shardbridge.extras import warn_if_untested
+from shardbridge.adapters import warn_if_untested
 
 
 def test_inside_the_checked_range_is_silent_and_outside_warns_once():

@@ -409,7 +409,7 @@ def _view_warnings() -> int:
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # every copy counts (the adapter's filter is installed in prepare)
+        warnings.simplefilter("always")  # every copy counts
         acc = H.sb_accelerator(ParallelDims(**DP2_TP2))
         model = H.tiny_model("llama")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -418,8 +418,8 @@ def _view_warnings() -> int:
     return sum("returned a view tensor" in str(w.message) for w in caught)
 
 
-def test_fsdp2_view_output_warning_is_filtered_for_tp_outputs():
-    # See [Note: FSDP2 view-output warning]: 3 copies per step and rank before.
+def test_fsdp2_view_output_warning_has_no_cause_under_tp():
+    # [Note: TP outputs are not views] (core _tp.py): 3 copies per step and rank before.
     assert run_distributed(_view_warnings, world_size=4, timeout=180) == [0, 0, 0, 0]
 
 

@@ -152,7 +152,7 @@ def test_a_recipe_without_a_backend_is_refused_not_ignored(block):
 
 def test_unknown_fp8_keys_say_where_they_belong():
     with pytest.raises(
-        ValueError, match=r"\['amax_history_len'\].*write amax_history_length: instead of amax_history_len:"
+        ValueError, match=r"fp8.amax_history_len: unknown key.*write amax_history_length: instead of amax_history_len:"
     ):
         HFConfig.from_block({"fp8": {"backend": "te", "recipe": "delayed", "amax_history_len": 16}})
     with pytest.raises(

@@ -163,6 +163,29 @@ def test_ep_config_keys_are_validated_by_name():
     assert HFConfig(ep_implementation="all_reduce").ep_dispatch == "all_gather"
 
 
+def _six_experts_at_ep4() -> str:
+    import torch
+
+    acc = H.sb_accelerator(ParallelDims(dp_shard=4), config=HFConfig(ep_size=4))
+    model = S.build("qwen3_moe", seed=0, num_experts=6, num_local_experts=6)  # the alias too (hf_sweep.BASE sets both)
+    try:
+        acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=S.LR))
+    except ValueError as exc:
+        return str(exc)
+    return "prepared"
+
+
+def test_ep_size_that_does_not_divide_the_experts_names_the_key_and_what_fits():
+    """Qwen3-MoE with 6 experts at ep_size 4 named neither the yaml key nor the valid sizes (issue 38)."""
+    messages = set(run_distributed(_six_experts_at_ep4, world_size=4, timeout=240))
+    assert len(messages) == 1, messages  # every rank, the same line, before any expert is sharded
+    (message,) = messages
+    assert message.startswith(
+        "fsdp_config.shardbridge.ep_size=4 (ParallelDims.ep) does not divide the 6 experts of model.layers.0.mlp.experts"
+    ), message
+    assert "set ep_size to one of [1, 2]" in message and "\n" not in message, message
+
+
 def test_launcher_reads_ep_size_from_the_block(tmp_path):
     import hf_helpers as H
     from shardbridge_hf import read_config_file

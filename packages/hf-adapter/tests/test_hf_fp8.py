@@ -28,9 +28,10 @@ pytest.importorskip("torchao")
 transformers = pytest.importorskip("transformers")
 
 import hf_helpers  # noqa: E402
-from shardbridge import FP8Recipe, ParallelDims, apply_fsdp, checkpoint, fp8, to_plain  # noqa: E402
+from shardbridge import ParallelDims, apply_fsdp, checkpoint, fp8  # noqa: E402
 from shardbridge._comm_stats import count_collectives  # noqa: E402
 from shardbridge._compat import local_tensor  # noqa: E402
+from shardbridge.fp8 import FP8Recipe, to_plain  # noqa: E402
 from shardbridge.testing import run_distributed  # noqa: E402
 from shardbridge_hf import FP8Config, HFConfig  # noqa: E402
 from shardbridge_hf._parallelize import parallelize  # noqa: E402

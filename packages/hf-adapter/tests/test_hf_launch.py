@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from shardbridge.extras import install_hint
+from shardbridge.adapters import install_hint
 
 pytest.importorskip("accelerate")
 

@@ -29,7 +29,8 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from shardbridge.extras import install_hint, missing_requirements  # noqa: E402
+from shardbridge._extras import missing_requirements  # noqa: E402
+from shardbridge.adapters import install_hint  # noqa: E402
 
 if missing_requirements("te-structural"):  # what TE's Python code imports (nox -s "adapter(hf-adapter)" installs it)
     pytest.skip(

@@ -87,3 +87,23 @@ def test_mla_query_without_q_lora_is_sharded_like_q_b_proj():
         for q in queries:
             kv = plan.get(q.replace("q_proj", "kv_b_proj"))
             assert plan.get(q) == kv or (kv is None and plan.get(q) == "replicated_with_grad_allreduce"), (arch, q)
+
+
+def test_public_functions_refuse_misuse_by_parameter():
+    """Swapped or half-built arguments: one TypeError naming the parameter and the fix (issue 38), before any work."""
+    from shardbridge import ParallelDims
+    from shardbridge_hf import HFConfig, apply_tp, cp_batch, enable_cp, parallelize
+
+    model = H.tiny_model()
+    cases = [
+        (lambda: parallelize(HFConfig(), model, HFConfig()), r"^parallelize\(model=\.\.\.\): expected a Module, got a HFConfig; were `model` and `config` swapped\?$"),
+        (lambda: parallelize(model, ParallelDims(tp=2), HFConfig()), r"^parallelize\(pm=\.\.\.\): expected a ParallelMesh, got a ParallelDims; call \.build_mesh"),
+        (lambda: parallelize(model, None, {"precision": "bf16"}), r"^parallelize\(pm=\.\.\.\)"),
+        (lambda: apply_tp(model, ParallelDims(tp=2), {}), r"^apply_tp\(tp_mesh=\.\.\.\): expected a DeviceMesh, got a ParallelDims$"),
+        (lambda: enable_cp(model, 2), r"^enable_cp\(cp_mesh=\.\.\.\): expected a DeviceMesh, got an int$"),
+        (lambda: cp_batch(model, None), r"^cp_batch\(batch=\.\.\.\): expected a Mapping, got a LlamaForCausalLM$"),
+        (lambda: resolve_tp_plan(model, 3), r"^resolve_tp_plan\(plan=\.\.\.\): expected a str or Mapping, got an int$"),
+    ]  # fmt: skip
+    for call, message in cases:
+        with pytest.raises(TypeError, match=message):
+            call()

@@ -2,8 +2,8 @@
 
 Oracle: the single-process fp32 reference Llama on the full-length global batch
 (``mfsdp_helpers.reference``). Each cp rank feeds its head-tail part of the sequence
-(``shardbridge.cp_split``), the reference Llama's attention spans cp (``cp_attention``) and
-the loss is the token mean over dp_cp (``shardbridge.cp_cross_entropy``).
+(``shardbridge.cp.cp_split``), the reference Llama's attention spans cp (``cp_attention``) and
+the loss is the token mean over dp_cp (``shardbridge.cp.cp_cross_entropy``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from mfsdp_helpers import ATOL_PARAM, BATCH, CFG, RTOL_LOSS, SEQ, STEPS, full_params, make_optimizer
-from shardbridge import ParallelDims, cp_cross_entropy, cp_split
+from shardbridge import ParallelDims
+from shardbridge.cp import cp_cross_entropy, cp_split
 from shardbridge.models import Llama, synthetic_batch
 from shardbridge.testing import run_distributed
 

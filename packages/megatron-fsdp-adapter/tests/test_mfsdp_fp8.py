@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shardbridge import FP8Recipe, PrecisionPolicy, fp8
+from shardbridge import PrecisionPolicy, fp8
+from shardbridge.fp8 import FP8Recipe
 from shardbridge.fp8 import _recipe as _backend
 from shardbridge.testing import run_distributed
 from shardbridge_megatron_fsdp import to_megatron_policy

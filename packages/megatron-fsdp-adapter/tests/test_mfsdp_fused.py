@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 from mfsdp_helpers import build, full_states, item_to_plain, train
-from shardbridge import FusedSpec, checkpoint, split_local
+from shardbridge import checkpoint
+from shardbridge.fused import FusedSpec, split_local
 from shardbridge.testing import run_distributed
 
 
@@ -49,7 +50,7 @@ def test_gdn_nway_plain_local_state():
     # GDN-style in_proj q(4) k(4) v(8) beta(2), tp=2: item rows [q_j k_j v_j beta_j] per tp rank.
     spec = FusedSpec.nway({"q": 4, "k": 4, "v": 8, "beta": 2})
     comps = {n: torch.randn(s, 5) for n, s in spec.components}
-    from shardbridge import merge_fused
+    from shardbridge.fused import merge_fused
 
     items = merge_fused(comps, spec, 2)
     local = items[7:12].clone()  # a plain shard straddling v_0, beta_0 and q_1
@@ -108,7 +109,7 @@ GDN_DIM = 12
 class _GDNBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        from shardbridge import register_fused
+        from shardbridge.fused import register_fused
 
         total = sum(GDN_SIZES.values())
         self.norm = torch.nn.RMSNorm(GDN_DIM)
@@ -133,7 +134,8 @@ class _GDNNet(torch.nn.Module):
 
 
 def _build_gdn(dims: dict):
-    from shardbridge import ParallelDims, shard_fused
+    from shardbridge import ParallelDims
+    from shardbridge.fused import shard_fused
     from shardbridge_megatron_fsdp import shard_model
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

@@ -2,7 +2,7 @@
 
 Test support only. ``TEExperts`` has the shape of Megatron-Core's ``TEGroupedMLP``: per local
 expert ``linear_fc1.weight{i}`` ``[2I, D]`` ([gate; up]) and ``linear_fc2.weight{i}`` ``[D, I]``,
-SwiGLU between them, called by ``shardbridge.run_experts`` with the tokens grouped by local
+SwiGLU between them, called by ``shardbridge.ep.run_experts`` with the tokens grouped by local
 expert and their counts (TE's ``m_splits``). :func:`build` swaps it into ``MoELlama`` (ep rank
 j gets the reference's experts ``j*E/ep ..``, so both models start from the same values) and
 parallelizes as ``parallelize_moe`` does, with ``shardbridge_te.shard_grouped_experts`` in
@@ -17,8 +17,10 @@ import re
 import torch
 import torch.nn.functional as F
 from _te_structural import cuda_construction, import_te
-from shardbridge import ParallelDims, apply_fsdp, cp_cross_entropy, cp_split, fused_params, split_fused
-from shardbridge.checkpoint import component_fqn
+from shardbridge import ParallelDims, apply_fsdp
+from shardbridge.adapters import component_fqn
+from shardbridge.cp import cp_cross_entropy, cp_split
+from shardbridge.fused import fused_params, split_fused
 from shardbridge.models import MoEConfig, MoELlama, apply_llama_tp, synthetic_batch
 from torch import nn
 from torch.distributed.tensor import DTensor

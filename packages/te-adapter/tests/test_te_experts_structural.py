@@ -7,7 +7,7 @@ experts, ``shardbridge_te.shard_grouped_experts`` puts them on the ep axis, and
 ``[E, out, in]`` tensor, here under the reference MoE's names (``gate_up_proj``, ``down_proj``).
 TE's real ``GroupedLinear`` Python code runs forward and backward with the reference grouped
 GEMM standing in for cuBLAS ([Note: reference grouped GEMM] in ``_te_reference_kernels.py``),
-through ``shardbridge.run_experts``.
+through ``shardbridge.ep.run_experts``.
 
 Oracles: the one-process reference MoE (its own ``F.linear`` experts, no TE) for losses and
 gradients; ``full_tensor()`` of every parameter and optimizer state, the experts assembled by
@@ -423,7 +423,7 @@ def test_structure_with_te_dense_modules_and_reshard(tmp_path) -> None:
 def _refusals() -> dict[str, str]:
     import shardbridge_te
     from _te_structural import cuda_construction, import_te
-    from shardbridge import FP8Recipe
+    from shardbridge.fp8 import FP8Recipe
 
     te = import_te()
     pm = mesh(DP2_TP2_EP2)

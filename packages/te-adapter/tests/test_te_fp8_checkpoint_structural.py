@@ -65,7 +65,8 @@ RECIPES = {
 def _build(recipe_name: str | None, dims: dict, seed: int, fp8_scale: float | None = None):
     """te.Linear(IN, OUT, column) under quantized_model_init(recipe) (None: plain), parallelized at ``dims``."""
     import shardbridge_te
-    from shardbridge import FP8Recipe, PrecisionPolicy
+    from shardbridge import PrecisionPolicy
+    from shardbridge.fp8 import FP8Recipe
 
     te = import_te()
     pm = ParallelDims(**dims).build_mesh("cpu")

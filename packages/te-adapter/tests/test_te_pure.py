@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from shardbridge import TPMode
+from shardbridge.tp import TPMode
 from shardbridge_te._checkpoint import (
     EXTRA_STATE_FORMAT,
     decode_extra_state,
@@ -302,7 +302,7 @@ def test_te_backend_refuses_by_name():
 def test_parallelize_refuses_a_non_te_fp8_recipe_by_name():
     import pytest
     import shardbridge_te
-    from shardbridge import FP8Recipe
+    from shardbridge.fp8 import FP8Recipe
     from torch import nn
 
     recipe = FP8Recipe(backend="torchao", name="rowwise")

@@ -15,7 +15,8 @@ import pytest
 import torch
 from _te_models import CASES, UNEVEN_OUT, build, build_te_module
 from _te_structural import cuda_construction, import_te, no_cuda_sync
-from shardbridge import FusedSpec, ParallelDims, split_fused
+from shardbridge import ParallelDims
+from shardbridge.fused import FusedSpec, split_fused
 from shardbridge.testing import run_distributed
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -596,7 +597,8 @@ FP8_PARAM_QUANTIZERS = {
 def _fp8_params_lifecycle() -> dict:
     import shardbridge_te
     import torch.distributed as dist
-    from shardbridge import FP8Recipe, PrecisionPolicy
+    from shardbridge import PrecisionPolicy
+    from shardbridge.fp8 import FP8Recipe
     from shardbridge.fp8 import recipe_of as get_recipe_of
 
     te = import_te()

@@ -35,6 +35,8 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "TORCH_CHECKED",
+    "all_gather_single",
+    "reduce_scatter_single",
     "AllGather",
     "DCPStorageInfo",
     "DCPStoragePrefix",
@@ -67,6 +69,7 @@ __all__ = [
     "torch_save_without_crc",
     "tree_map",
     "unflatten_mesh",
+    "unview",
 ]
 
 TORCH_CHECKED = ((2, 11, 0), (2, 15, 0))
@@ -187,6 +190,19 @@ class _ToLocalKeepingLayout(torch.autograd.Function):
             return None, None
         mesh, placements, shape, stride = ctx.meta
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None
+
+
+def unview(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of its own when it is a view (``t._base``), same storage, no copy: ``aten._unsafe_view``.
+
+    For the local tensor ``DTensor.to_local()`` returns (``local.view_as(local)`` of a DTensor
+    nobody else holds); see [Note: TP outputs are not views] in ``shardbridge._tp``. autograd
+    tracks ``_unsafe_view`` as an ordinary op (``reshape`` uses it for its fresh results), so an
+    in-place op on the result is allowed and keeps the hooks registered on it. Checked: 2.13.
+    """
+    if t._base is None:
+        return t
+    return torch.ops.aten._unsafe_view(t, t.shape)
 
 
 def dtensor_boundary(node: Any) -> tuple[str, tuple[Any, ...]] | None:
@@ -418,6 +434,26 @@ def torch_save_without_crc(obj: Any, stream: Any) -> None:
             pass
         raise
     writer.write_end_of_file()
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:  # noqa: A002
+    """``dist.all_gather_single``, or ``all_gather_into_tensor`` where torch lacks it.
+
+    ``all_gather_into_tensor`` is its name up to torch 2.12 (2.11 has no other); 2.13 renamed it
+    and keeps the old name with a FutureWarning. Checked: 2.11, 2.13, 2.15.
+    """
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any = None, op: Any = None) -> Any:  # noqa: A002
+    """``dist.reduce_scatter_single`` (torch >= 2.13), else ``reduce_scatter_tensor`` (2.11, 2.12)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=dist.ReduceOp.SUM if op is None else op, group=group)
 
 
 def group_timeout(group: Any = None) -> Any:

@@ -58,16 +58,14 @@ HSDP, replicating over cp and averaging wrongly; NeMo-Automodel #2768).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from shardbridge._mesh import ParallelMesh
+from shardbridge._checks import checked_args
+from shardbridge._compat import all_gather_single, reduce_scatter_single
+from shardbridge._mesh import ParallelMesh
 
 __all__ = [
     "check_cp_seq_len",
@@ -140,6 +138,7 @@ def _cp_coords(cp_mesh: DeviceMesh | None) -> tuple[int, int]:
     return cp_mesh.size(), cp_mesh.get_local_rank()
 
 
+@checked_args(tensor=torch.Tensor, cp_mesh=(DeviceMesh, None))
 def cp_split(tensor: torch.Tensor, cp_mesh: DeviceMesh | None, *, dim: int = 1) -> torch.Tensor:
     """This cp rank's part of a full-length tensor (tokens, labels, position ids, masks).
 
@@ -166,6 +165,7 @@ def cp_split(tensor: torch.Tensor, cp_mesh: DeviceMesh | None, *, dim: int = 1) 
     return torch.cat([chunks[head], chunks[tail]], dim=dim)
 
 
+@checked_args(local=torch.Tensor, cp_mesh=(DeviceMesh, None))
 def cp_unsplit(local: torch.Tensor, cp_mesh: DeviceMesh | None, *, dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`cp_split`: the full-length tensor, in sequence order, on every cp rank.
 
@@ -191,8 +191,7 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     world = dist.get_world_size(group)
     flat = x.movedim(dim, 0).contiguous()
     out = flat.new_empty((world * flat.shape[0], *flat.shape[1:]))
-    # all_gather_single: torch >= 2.13 (all_gather_into_tensor, its older name, warns there).
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, flat, group=group)
+    all_gather_single(out, flat, group=group)
     return out.movedim(0, dim)
 
 
@@ -201,9 +200,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
     world = dist.get_world_size(group)
     flat = x.movedim(dim, 0).contiguous()
     out = flat.new_empty((flat.shape[0] // world, *flat.shape[1:]))
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
-        out, flat, op=dist.ReduceOp.SUM, group=group
-    )
+    reduce_scatter_single(out, flat, group=group)
     return out.movedim(0, dim)
 
 
@@ -538,6 +535,7 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+@checked_args(logits=torch.Tensor, labels=torch.Tensor, mesh=ParallelMesh)
 def cp_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,

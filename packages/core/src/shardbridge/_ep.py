@@ -96,14 +96,14 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from shardbridge._checks import checked_args
 from shardbridge._cp import _SumOverGroup
+from shardbridge._mesh import ParallelMesh
+from shardbridge._precision import PrecisionPolicy
 from shardbridge._wrap import set_gradient_divide_factor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import PrecisionPolicy
 
 __all__ = [
     "EPDispatch",
@@ -259,7 +259,9 @@ def _all_to_all_dispatch(x, expert_ids, weights, experts, num_experts, ep_mesh):
     ep, group = ep_mesh.size(), ep_mesh.get_group()
     local = num_experts // ep
     tokens, slots, counts = _group_by_expert(expert_ids, 0, num_experts)  # every slot, expert-major
-    send_counts = torch.tensor(counts, dtype=torch.int64)
+    # Every tensor on the tokens' device: NCCL takes device tensors only, and an index must live
+    # where the tensor it indexes does (see test_moe.py's default-device check).
+    send_counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)  # [E] -> [ep, local]: (source, local expert)
     send_splits = send_counts.view(ep, local).sum(1).tolist()
@@ -267,13 +269,14 @@ def _all_to_all_dispatch(x, expert_ids, weights, experts, num_experts, ep_mesh):
     recv_splits = recv_matrix.sum(1).tolist()
     received = _AllToAll.apply(x[tokens], recv_splits, send_splits, group)  # source-major
     # source-major (s0: e0 e1 .., s1: e0 e1 ..) -> expert-major (e0: s0 s1 .., e1: ..)
-    block = torch.repeat_interleave(torch.arange(ep * local), recv_matrix.flatten())
+    block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv_matrix.flatten())
     expert_major = torch.argsort((block % local) * ep + block // local, stable=True)
     y = experts(received[expert_major], recv_matrix.sum(0).tolist())
     y = torch.empty_like(y).index_copy(0, expert_major, y)  # back to source-major
     returned = _AllToAll.apply(y, send_splits, recv_splits, group)  # in the order sent
     returned = returned * weights.reshape(-1)[slots].unsqueeze(-1).to(returned.dtype)
-    return torch.zeros(x.shape[0], returned.shape[-1], dtype=returned.dtype).index_add(0, tokens, returned)
+    zeros = torch.zeros(x.shape[0], returned.shape[-1], dtype=returned.dtype, device=returned.device)
+    return zeros.index_add(0, tokens, returned)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -301,7 +304,7 @@ def _all_gather_dispatch(x, expert_ids, weights, experts, num_experts, ep_mesh):
     ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     group = ep_mesh.get_group()
     local = num_experts // ep
-    size = torch.tensor([x.shape[0]], dtype=torch.int64)
+    size = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
     sizes = [torch.empty_like(size) for _ in range(ep)]
     dist.all_gather(sizes, size, group=group)
     sizes = [int(s) for s in sizes]
@@ -413,6 +416,7 @@ def expert_shard_dim(shape: tuple[int, ...], *, ep: int, efsdp: int) -> int:
     return 0
 
 
+@checked_args(experts=nn.Module, mesh=ParallelMesh, policy=(PrecisionPolicy, None))
 def shard_experts(
     experts: nn.Module,
     mesh: ParallelMesh,
@@ -536,7 +540,7 @@ def load_balancing_loss(
         1.0
     """
     counts = counts.clone()
-    meta = torch.tensor([num_tokens], dtype=torch.int64)
+    meta = torch.tensor([num_tokens], dtype=torch.int64, device=counts.device)
     if mesh is not None and mesh["dp_cp"].size() > 1:
         group = mesh["dp_cp"].get_group()
         both = torch.cat([counts.to(torch.int64).flatten(), meta])

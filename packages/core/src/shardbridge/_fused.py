@@ -55,6 +55,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from shardbridge._checks import checked_args
+
 __all__ = [
     "FUSED_SPECS_ATTR",
     "ComponentPiece",
@@ -443,6 +445,7 @@ def tp_local_fused(full: torch.Tensor, spec: FusedSpec, tp_size: int, tp_rank: i
     return torch.cat(parts, dim=spec.dim)
 
 
+@checked_args(full=torch.Tensor, spec=FusedSpec, tp_mesh=DeviceMesh)
 def shard_fused(full: torch.Tensor, spec: FusedSpec, tp_mesh: DeviceMesh) -> DTensor:
     """Column-parallel fused DTensor (``Shard(dim)`` on ``tp_mesh``) from a plain full tensor.
 
@@ -465,6 +468,7 @@ def shard_fused(full: torch.Tensor, spec: FusedSpec, tp_mesh: DeviceMesh) -> DTe
     return DTensor.from_local(local, tp_mesh, [Shard(spec.dim)], run_check=False, shape=global_shape, stride=stride)
 
 
+@checked_args(module=nn.Module, spec=FusedSpec)
 def register_fused(module: nn.Module, param_name: str, spec: FusedSpec) -> None:
     """Record that ``module.<param_name>`` is fused as ``spec``.
 

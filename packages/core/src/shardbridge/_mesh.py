@@ -155,16 +155,20 @@ class ParallelDims:
             if world_size % others != 0:
                 raise ValueError(
                     f"dp_replicate({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) = {others} "
-                    f"does not divide world_size({world_size}); choose degrees whose product divides it"
+                    f"does not divide world_size({world_size}), so no dp_shard fits; {self._refit(world_size)}"
                 )
             resolved = dataclasses.replace(self, dp_shard=world_size // others)
         else:
             product = others * self.dp_shard
             if product != world_size:
+                fix = (
+                    f"set dp_shard={world_size // others} (or dp_shard=-1 to infer it)"
+                    if world_size % others == 0
+                    else f"no dp_shard fits: {self._refit(world_size)}"
+                )
                 raise ValueError(
                     f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) "
-                    f"* tp({self.tp}) = {product} != world_size({world_size}); "
-                    "set dp_shard=-1 to infer it"
+                    f"* tp({self.tp}) = {product} != world_size({world_size}); {fix}"
                 )
             resolved = self
         expert_ranks = resolved.dp_shard * resolved.cp * resolved.tp
@@ -176,6 +180,35 @@ class ParallelDims:
                 f"set ep to one of {divisors}"
             )
         return resolved
+
+    def degrees_that_fit(self, axis: str, world_size: int) -> list[int]:
+        """The degrees of ``axis`` (dp_replicate, cp or tp) that fit ``world_size``, the other two kept.
+
+        dp_shard takes what is left (as with ``dp_shard=-1``); [] when the other two alone do not
+        divide the world.
+
+        Example:
+            >>> ParallelDims(tp=3).degrees_that_fit("tp", 4)
+            [1, 2, 4]
+        """
+        if axis not in ("dp_replicate", "cp", "tp"):
+            raise ValueError(f"degrees_that_fit: axis={axis!r}; choose dp_replicate, cp or tp (dp_shard takes the rest)")
+        rest = math.prod(getattr(self, a) for a in ("dp_replicate", "cp", "tp") if a != axis)
+        if world_size % rest:
+            return []
+        room = world_size // rest
+        return [d for d in range(1, room + 1) if room % d == 0]
+
+    def _refit(self, world_size: int) -> str:
+        """What fits instead: each axis > 1 with its degrees that fit, or a world size (see resolve)."""
+        others = self.dp_replicate * self.cp * self.tp
+        fixes = [
+            f"{axis} to one of {fit}"
+            for axis in ("tp", "cp", "dp_replicate")
+            if getattr(self, axis) > 1 and (fit := self.degrees_that_fit(axis, world_size))
+        ]
+        first = f"set {' or '.join(fixes)}" if fixes else f"choose degrees whose product divides {world_size}"
+        return f"{first}, or use a world size divisible by {others}"
 
     def degree(self, axis: str) -> int:
         """Degree of a mesh axis or of a flattened axis (product of its parts)."""
@@ -223,7 +256,12 @@ class ParallelDims:
         world size.
 
         Args:
-            device_type: "cpu" (gloo) or "cuda" (nccl).
+            device_type: "cpu" (gloo) or "cuda" (nccl); any device type a registered process-group
+                backend supports (``torch.distributed.Backend``: "xpu", "mps", "hpu", ...).
+
+        Raises:
+            ValueError: ``device_type`` is not one (``"gpu"``, ``"cuda:0"``), before any mesh is built.
+            TypeError: ``device_type`` is not a str (a ``torch.device``: pass its ``.type``).
 
         Example:
             >>> pm = ParallelDims(dp_shard=2, tp=2).build_mesh("cpu")  # doctest: +SKIP
@@ -235,6 +273,7 @@ class ParallelDims:
 
         from shardbridge._compat import concatenate_meshes, flatten_mesh, unflatten_mesh
 
+        _check_device_type(device_type)
         if not dist.is_initialized():
             raise RuntimeError(
                 "ParallelDims.build_mesh needs an initialised process group; "
@@ -266,6 +305,42 @@ class ParallelDims:
 
 
 _ALL_AXES: tuple[str, ...] = MESH_AXES + tuple(FLATTENED_AXES) + EXPERT_AXES
+
+
+def _mesh_device_types() -> list[str]:
+    """Device types a DeviceMesh can be built on here: those of every registered process-group backend."""
+    import torch.distributed as dist
+
+    types = set(dist.Backend.default_device_backend_map)
+    for devices in dist.Backend.backend_capability.values():
+        types.update(devices)
+    return sorted(types)
+
+
+def _check_device_type(device_type: object) -> None:
+    """ValueError unless ``device_type`` is a bare device type some process-group backend supports.
+
+    ``init_device_mesh`` itself takes any string: ``"gpu"`` built a mesh and trained on CPU.
+    """
+    from shardbridge._checks import did_you_mean
+
+    known = _mesh_device_types()
+    if not isinstance(device_type, str):
+        raise TypeError(
+            f"ParallelDims.build_mesh(device_type=...): expected a str such as 'cpu' or 'cuda', got a "
+            f"{type(device_type).__name__}" + ("; pass its .type" if hasattr(device_type, "type") else "")
+        )
+    if device_type in known:
+        return
+    hint = did_you_mean(device_type, known)
+    if device_type.split(":")[0] in known:
+        hint = f"; pass {device_type.split(':')[0]!r} (each rank uses its current device; set it with torch.cuda.set_device)"
+    elif device_type == "gpu":
+        hint = "; did you mean 'cuda'?"
+    raise ValueError(
+        f"ParallelDims.build_mesh(device_type={device_type!r}): not a device type a process-group backend supports; "
+        f"use 'cpu' (gloo) or 'cuda' (nccl); supported here: {known}{hint}"
+    )
 
 
 @dataclass(frozen=True)

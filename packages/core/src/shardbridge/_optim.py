@@ -18,9 +18,12 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from shardbridge._checks import checked_args
+
 __all__ = ["param_group_fqns", "rebind_param_groups"]
 
 
+@checked_args(model=nn.Module, optimizer=torch.optim.Optimizer)
 def param_group_fqns(
     model: nn.Module, optimizer: torch.optim.Optimizer, *, when: str = "parallelizing"
 ) -> list[list[str]]:
@@ -54,6 +57,7 @@ def param_group_fqns(
     return out
 
 
+@checked_args(optimizer=torch.optim.Optimizer)
 def rebind_param_groups(
     optimizer: torch.optim.Optimizer, fqns: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor]
 ) -> None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from shardbridge.extras import install_hint
+from shardbridge._extras import install_hint
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy

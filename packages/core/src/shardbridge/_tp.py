@@ -7,7 +7,7 @@ the global shape is explicit or gathered, never assumed from ``local * tp``) and
 framework its local tensor in forward with the gradient re-wrapped as a DTensor.
 
 Public: :class:`TPMode`, :func:`tp_placements`, :func:`to_dtensor_param`,
-:func:`local_view`, :func:`convert_module_params`. Everything else here is private.
+:func:`local_view`, :func:`convert_module_params`, :func:`unview_tp_output`. Everything else here is private.
 
 [Note: TP placements]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -19,12 +19,36 @@ Public: :class:`TPMode`, :func:`tp_placements`, :func:`to_dtensor_param`,
 
 Uneven sizes follow ``torch.chunk`` (what DTensor's ``Shard`` does): 9 rows over tp=2 is
 ``[5, 4]``; 7 over tp=4 is ``[2, 2, 2, 1]``; 3 over tp=4 is ``[1, 1, 1, 0]``.
+
+[Note: TP outputs are not views]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch's TP styles end a module's forward with ``DTensor.to_local()``, which returns
+``local.view_as(local)`` (``_ToTorchTensor``: a fresh tensor object for autograd's metadata): a
+VIEW. When that module's output is also an FSDP2 unit's output (the embedding unit, the
+``[norm, output]`` unit and the root, which returns the logits), FSDP2 (torch 2.13,
+``_fsdp_state._register_pre_backward_hook``) warns "FSDP2-wrapped module (...) returned a view
+tensor ... An in-place op on this view ... can cause backward to fail or produce wrong
+gradients": 3 warnings per rank per run of README's train_core.py. Measured on the reference
+Llama (dp_shard=2 x tp=2, gloo): out of place, the gradients are right; an in-place op on the
+logits (``logits.mul_(2)``) raises autograd's RuntimeError ("Output 0 of _ToTorchTensor is a
+view and is being modified inplace ... created inside a custom Function"). So the views were
+never silently wrong, but they made every run print an alarm and refused a legal in-place op.
+
+:func:`unview_tp_output` removes the cause: a forward hook, after the TP style's own output hook
+and before FSDP2's, hands on the same storage as a tensor of its own (``_compat.unview``:
+``aten._unsafe_view``, no copy). The DTensor whose local tensor it aliases is a temporary of the
+TP hook that nothing else holds, so no other tensor sees the storage change. FSDP2 then sees no
+view and keeps its pre-backward hook under in-place ops (a hook registered before an in-place op
+still runs); ``test_models.py::test_reference_train_step_warns_nothing_and_allows_in_place_logits``
+checks both, the gradients against an out-of-place run.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,9 +56,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from shardbridge._compat import dtensor_to_local
+from shardbridge._checks import checked_args
+from shardbridge._compat import dtensor_to_local, unview
 
-__all__ = ["TPMode", "check_tp_divides", "convert_module_params", "local_view", "to_dtensor_param", "tp_placements"]
+__all__ = [
+    "TPMode",
+    "check_tp_divides",
+    "convert_module_params",
+    "local_view",
+    "to_dtensor_param",
+    "tp_placements",
+    "unview_tp_output",
+]
 
 
 class TPMode(str, enum.Enum):
@@ -122,6 +155,7 @@ def _check_local_shape(
         )
 
 
+@checked_args(local=torch.Tensor, tp_mesh=DeviceMesh)
 def to_dtensor_param(
     local: torch.Tensor,
     tp_mesh: DeviceMesh,
@@ -213,6 +247,30 @@ def local_view(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
+@checked_args(module=nn.Module)
+def unview_tp_output(module: nn.Module) -> nn.Module:
+    """Make ``module``'s TP output a tensor of its own, not a view: see [Note: TP outputs are not views].
+
+    Call after the module's TP style is applied (``parallelize_module``) and before
+    ``fully_shard`` wraps it: for the modules whose output leaves an FSDP2 unit (embeddings, the
+    output projection). No copy; a plain (non-view) output passes unchanged.
+
+    Returns:
+        ``module``.
+
+    Example:
+        >>> parallelize_module(model, pm["tp"], {"tok_embeddings": RowwiseParallel()})  # doctest: +SKIP
+        >>> unview_tp_output(model.tok_embeddings)  # doctest: +SKIP
+    """
+
+    def hook(_module: nn.Module, _args: Any, output: Any) -> Any:
+        return unview(output) if isinstance(output, torch.Tensor) else output
+
+    module.register_forward_hook(hook)
+    return module
+
+
+@checked_args(module=nn.Module, tp_mesh=DeviceMesh)
 def convert_module_params(
     module: nn.Module,
     tp_mesh: DeviceMesh,
@@ -271,13 +329,16 @@ def check_tp_divides(sizes: Mapping[str, int | None], tp: int, *, owner: str = "
         >>> check_tp_divides({"num_kv_heads": 4}, 3, owner="LlamaConfig.")
         Traceback (most recent call last):
         ...
-        ValueError: LlamaConfig.num_kv_heads(4) is not divisible by tp(3); tensor parallelism splits whole heads and MLP rows: choose tp dividing num_kv_heads
+        ValueError: LlamaConfig.num_kv_heads(4) is not divisible by tp(3); tensor parallelism splits whole heads and MLP rows: choose tp dividing num_kv_heads (tp values that divide num_kv_heads: [1, 2, 4])
     """
     if tp == 1:
         return
-    for name, value in sizes.items():
-        if value is not None and value % tp:
+    given = {name: value for name, value in sizes.items() if value is not None}
+    for name, value in given.items():
+        if value % tp:
+            common = math.gcd(*given.values())
+            valid = [d for d in range(1, common + 1) if common % d == 0]
             raise ValueError(
                 f"{owner}{name}({value}) is not divisible by tp({tp}); tensor parallelism splits whole heads and "
-                f"MLP rows: {fix or f'choose tp dividing {name}'}"
+                f"MLP rows: {fix or f'choose tp dividing {name}'} (tp values that divide {', '.join(given)}: {valid})"
             )

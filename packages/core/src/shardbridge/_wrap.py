@@ -61,18 +61,24 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol, Union, runtime_checkable
+from typing import Literal, Protocol, Union, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
-from shardbridge._compat import AllGather, fsdp_params, fsdp_shard_process_group, fsdp_unit_key, fsdp_unit_modules
-
-if TYPE_CHECKING:
-    from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import PrecisionPolicy
+from shardbridge._checks import checked_args
+from shardbridge._compat import (
+    AllGather,
+    all_gather_single,
+    fsdp_params,
+    fsdp_shard_process_group,
+    fsdp_unit_key,
+    fsdp_unit_modules,
+)
+from shardbridge._mesh import ParallelMesh
+from shardbridge._precision import PrecisionPolicy
 
 __all__ = [
     "FP8_DTYPES",
@@ -105,6 +111,7 @@ class SupportsFSDPUnits(Protocol):
     def fsdp_units(self) -> Sequence[FSDPUnit]: ...
 
 
+@checked_args(model=nn.Module, mesh=ParallelMesh, policy=(PrecisionPolicy, None))
 def apply_fsdp(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -120,7 +127,7 @@ def apply_fsdp(
     The FSDP mesh is ``mesh.fsdp_mesh``: ``dp_shard_cp``, or ``(dp_replicate, dp_shard_cp)``
     for HSDP. With cp > 1 the cp axis is folded into the FLATTENED shard axis (a 2-D
     ``(dp_shard, cp)`` mesh would mean HSDP to ``fully_shard``), so FSDP's default gradient
-    average divides by ``dp_replicate * dp_shard * cp``, as ``shardbridge.cp_cross_entropy``
+    average divides by ``dp_replicate * dp_shard * cp``, as ``shardbridge.cp.cp_cross_entropy``
     expects (see [Note: loss over dp_cp] in ``shardbridge._cp``). Parameters already tensor-parallel (DTensors on ``mesh["tp"]``) become 2-D/3-D
     DTensors, e.g. ``(_StridedShard(0, sf=tp), Shard(0))``. See [Note: FSDP units] and
     [Note: FSDP over a degree-1 data-parallel axis].
@@ -205,6 +212,7 @@ def set_gradient_divide_factor(module: FSDPModule, factor: float) -> None:
     module.set_gradient_divide_factor(factor)
 
 
+@checked_args(model=nn.Module)
 def fsdp_unit_params(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Which parameters each FSDP unit of ``model`` manages, by FQN.
 
@@ -343,7 +351,7 @@ class Uint8AllGather(AllGather):
         if output_tensor.dtype in FP8_DTYPES:
             output_tensor = output_tensor.view(torch.uint8)
             input_tensor = input_tensor.view(torch.uint8)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def _backend(module: FSDPModule) -> str:
@@ -351,6 +359,7 @@ def _backend(module: FSDPModule) -> str:
     return "" if pg is None else dist.get_backend(pg)
 
 
+@checked_args(model=nn.Module)
 def use_uint8_all_gather(model: nn.Module, *, backends: tuple[str, ...] = ("gloo",)) -> int:
     """Give every FSDP2 unit of ``model`` on one of ``backends`` the :class:`Uint8AllGather`.
 

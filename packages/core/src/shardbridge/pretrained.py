@@ -21,9 +21,9 @@ What a rank holds comes from the layout algebra (``shardbridge.layout``: FSDP2's
 for the placements ``fully_shard`` builds, the DTensor reading otherwise), so uneven and strided
 layouts (a packed ``[gate; up]`` weight under ``_StridedShard``) read right; a local tensor the
 algebra cannot explain is refused. Fused parameters registered with
-:func:`shardbridge.register_fused` (``qkv``, ``gate_up``) are assembled from their components
+:func:`shardbridge.fused.register_fused` (``qkv``, ``gate_up``) are assembled from their components
 (``q_proj``, ``k_proj``, ...): each contiguous piece of the local tensor is split in item
-coordinates (:func:`shardbridge.split_local`) and each component piece read from the
+coordinates (:func:`shardbridge.fused.split_local`) and each component piece read from the
 component's checkpoint tensor. Tied parameters (one tensor under several names) are filled
 once, from whichever of their names the checkpoint has.
 
@@ -697,7 +697,7 @@ def load_pretrained(
             components are named by ``shardbridge.checkpoint``'s rule (``...qkv.weight`` ->
             ``...q_proj.weight``) before the map.
         fused: ``{model name: FusedSpec}`` of fused parameters; None = those registered with
-            :func:`shardbridge.register_fused`.
+            :func:`shardbridge.fused.register_fused`.
         stacked: ``{model name: StackedSource}`` of tensors stored one per expert (MoE experts
             in a hub folder); see [Note: experts stored one by one]. Their keys bypass ``name_map``.
         cast_dtype: cast floating-point checkpoint values to the model's dtype (e.g. a bf16

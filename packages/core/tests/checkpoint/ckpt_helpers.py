@@ -13,7 +13,7 @@ import zlib
 import torch
 from shardbridge._fused import FusedSpec, fused_params, register_fused, shard_fused, split_fused
 from shardbridge._mesh import ParallelDims
-from shardbridge.checkpoint import component_fqn
+from shardbridge.adapters import component_fqn
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard

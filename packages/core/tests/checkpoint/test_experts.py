@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ckpt_helpers import assert_equal_states, full_state
-from shardbridge import ParallelDims, checkpoint, cp_cross_entropy, cp_split
+from shardbridge import ParallelDims, checkpoint
+from shardbridge.cp import cp_cross_entropy, cp_split
 from shardbridge.models import MoEConfig, MoELlama, parallelize_moe, synthetic_batch
 from shardbridge.testing import run_distributed
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

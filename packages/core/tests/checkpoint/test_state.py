@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from shardbridge.checkpoint import component_fqn
+from shardbridge.adapters import component_fqn
 from shardbridge.checkpoint.state._repair import _verdict
 from shardbridge.layout import find_dcp_mismatches, fsdp_placements
 from shardbridge.testing import run_distributed

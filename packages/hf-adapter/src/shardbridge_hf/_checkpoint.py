@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 import torch
 from shardbridge import checkpoint
+from shardbridge.adapters import check_destination, write_file
 from shardbridge.pretrained import PretrainedReport, StackedSource, read_index
 from shardbridge.pretrained import load_pretrained as core_load_pretrained
 from torch import nn
@@ -206,7 +207,7 @@ def export_pretrained(
         >>> AutoModelForCausalLM.from_pretrained("hf_out")  # doctest: +SKIP
     """
     out = Path(out_dir)
-    checkpoint.check_destination(out, ["config.json"], overwrite=overwrite)  # [Note: writer destinations]
+    check_destination(out, ["config.json"], overwrite=overwrite)  # [Note: writer destinations]
     if config is None:
         info = checkpoint.inspect(checkpoint_dir)
         recorded = (info.extra or {}).get(_EXTRA_KEY, {}).get("model_config")
@@ -229,7 +230,7 @@ def export_pretrained(
     if dtype is not None:
         config.dtype = str(dtype).replace("torch.", "")
     # What config.save_pretrained writes (to_json_file(use_diff=True)), never through a link.
-    checkpoint.write_file(out / "config.json", config.to_json_string(use_diff=True).encode("utf-8"))
+    write_file(out / "config.json", config.to_json_string(use_diff=True).encode("utf-8"))
     return out
 
 

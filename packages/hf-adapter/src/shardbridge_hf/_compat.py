@@ -10,7 +10,7 @@ import importlib.metadata
 from typing import Any
 
 from shardbridge._compat import parse_version
-from shardbridge.extras import install_hint, warn_if_untested
+from shardbridge.adapters import install_hint, warn_if_untested
 
 __all__ = [
     "TRANSFORMERS_CHECKED",
@@ -33,7 +33,7 @@ _HINT = f"shardbridge_hf needs accelerate and transformers: {install_hint('hf')}
 TRANSFORMERS_CHECKED = ((5, 0), (5, 24))
 """Oldest and newest transformers the hf matrix (noxfile.py HF_MATRIX) and CI ran, inclusive; each
 bound admits its patch releases. Outside: one UntestedVersionWarning ([Note: version policy] in the
-core's ``shardbridge.extras``). accelerate's range is its patch plan's (``_patches._CHECKED``), which refuses."""
+core's ``shardbridge._extras``). accelerate's range is its patch plan's (``_patches._CHECKED``), which refuses."""
 
 
 @functools.cache

@@ -32,13 +32,13 @@ import json
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from shardbridge import ParallelDims, PrecisionPolicy, fp8
-from shardbridge.checkpoint import parse_size
+from shardbridge.adapters import did_you_mean, parse_size
 from shardbridge.fp8 import FP8Recipe
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -273,7 +273,7 @@ class HFConfig:
 
     ep_implementation: str = "auto"
     """How tokens reach their experts (transformers' name): "all_to_all", "all_gather" or "auto"
-    (``shardbridge.choose_dispatch``: all_gather when top_k >= ep). "all_reduce", transformers'
+    (``shardbridge.ep.choose_dispatch``: all_gather when top_k >= ep). "all_reduce", transformers'
     variant for ep groups sharing one batch, is the same computation here and runs as "all_gather"."""
 
     reshard_after_forward: bool | str = "default"
@@ -310,12 +310,7 @@ class HFConfig:
         if isinstance(self.precision, str):
             _one_of("precision", self.precision, PrecisionPolicy.PRESETS)
         elif isinstance(self.precision, Mapping):
-            unknown = sorted(set(self.precision) - set(self.PRECISION_FIELDS))
-            if unknown:
-                raise ValueError(
-                    f"{BLOCK_KEY}.precision has unknown key(s) {unknown}; use {list(self.PRECISION_FIELDS)} "
-                    "or a preset name"
-                )
+            refuse_unknown_keys(f"{BLOCK_KEY}.precision", self.precision, self.PRECISION_FIELDS, "; or a preset name")
             for key, value in self.precision.items():
                 if value is not None:
                     _dtype(f"precision.{key}", value)
@@ -379,7 +374,7 @@ class HFConfig:
 
     @property
     def ep_dispatch(self) -> str:
-        """:attr:`ep_implementation` as ``shardbridge.run_experts``' dispatch ("all_reduce" -> "all_gather")."""
+        """:attr:`ep_implementation` as ``shardbridge.ep.run_experts``' dispatch ("all_reduce" -> "all_gather")."""
         return "all_gather" if self.ep_implementation == "all_reduce" else self.ep_implementation
 
     def policy(self) -> PrecisionPolicy:
@@ -412,10 +407,7 @@ class HFConfig:
             ValueError: unknown keys or bad values, naming the yaml key and the fix.
         """
         block = dict(block or {})
-        known = {f.name for f in dataclasses.fields(cls)} - {"dims", "use_cpu"}
-        unknown = sorted(set(block) - known)
-        if unknown:
-            raise ValueError(f"{BLOCK_KEY} has unknown key(s) {unknown}; known keys: {sorted(known)}")
+        refuse_unknown_keys(BLOCK_KEY, block, {f.name for f in dataclasses.fields(cls)} - {"dims", "use_cpu"})
         for name, sub in (("fp8", FP8Config), ("checkpoint", CheckpointConfig)):
             value = block.get(name)
             if value is None:
@@ -424,12 +416,10 @@ class HFConfig:
             if not isinstance(value, Mapping):
                 raise ValueError(f"{BLOCK_KEY}.{name} must be a mapping, got {value!r}")
             sub_known = {f.name for f in dataclasses.fields(sub)}
-            sub_unknown = sorted(set(value) - sub_known)
-            if sub_unknown:
-                raise ValueError(
-                    f"{BLOCK_KEY}.{name} has unknown key(s) {sub_unknown}; known keys: {sorted(sub_known)}"
-                    + (_fp8_key_hint(sub_unknown) if sub is FP8Config else "")
-                )
+            sub_unknown = sorted((k for k in value if k not in sub_known), key=str)
+            refuse_unknown_keys(
+                f"{BLOCK_KEY}.{name}", value, sub_known, _fp8_key_hint(sub_unknown) if sub is FP8Config else ""
+            )
             _refuse_containers_for_scalars(f"{name}.", sub, value)
             block[name] = sub(**value)
         _refuse_containers_for_scalars("", cls, {k: v for k, v in block.items() if k not in ("fp8", "checkpoint")})
@@ -473,6 +463,26 @@ def _check_tp_plan(plan: Mapping[Any, Any]) -> None:
             )
 
 
+def refuse_unknown_keys(where: str, given: Mapping[Any, Any], known: Iterable[str], hint: str = "") -> None:
+    """ValueError naming each key of ``given`` that is not in ``known``, with the closest known key.
+
+    A misspelled key would otherwise be dropped or refused without saying which key was meant
+    (``precison`` -> ``precision``). ``hint`` is appended (where an unknown key may belong instead).
+
+    Example:
+        >>> refuse_unknown_keys("fsdp_config.shardbridge", {"precison": "bf16"}, ["precision", "fp8"])
+        Traceback (most recent call last):
+        ...
+        ValueError: fsdp_config.shardbridge.precison: unknown key; did you mean 'precision'? (known keys: ['fp8', 'precision'])
+    """
+    known = sorted(known)
+    unknown = [k for k in given if k not in known]
+    if not unknown:
+        return
+    named = "; ".join(f"{where}.{k}: unknown key{did_you_mean(k, known)}" for k in sorted(unknown, key=str))
+    raise ValueError(f"{named} (known keys: {known}){hint}")
+
+
 def _dtype(key: str, value: Any) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
@@ -485,10 +495,12 @@ def _fp8_key_hint(unknown: list[str]) -> str:
     """Where an unknown fp8 key belongs: its yaml spelling, or ``fp8.params`` (backend parameters)."""
     yaml_key = {ours: key for key, ours in FP8Config.PARAM_KEYS.items() if ours != key}
     hints = [f"write {yaml_key[k]}: instead of {k}:" for k in unknown if k in yaml_key]
-    rest = [k for k in unknown if k not in yaml_key]
+    # a key close to a known one is a typo (did-you-mean says which); the rest may be backend parameters
+    known = [f.name for f in dataclasses.fields(FP8Config)]
+    rest = [k for k in unknown if k not in yaml_key and not did_you_mean(k, known)]
     if rest:
         hints.append(f"if {rest} are parameters of the backend's recipe, put them under fp8.params: {{{rest[0]}: ...}}")
-    return "; " + "; ".join(hints)
+    return "".join(f"; {h}" for h in hints)
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:

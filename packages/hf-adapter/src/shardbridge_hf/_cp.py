@@ -7,7 +7,7 @@ Public (via ``shardbridge_hf``): :func:`enable_cp`, :func:`cp_batch`, :data:`CP_
 transformers 5 attention layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
 with ``(module, query, key, value, attention_mask, dropout=, scaling=, **kwargs)``, RoPE
 already applied, and ``position_ids`` among the kwargs. :func:`enable_cp` registers the
-core's all-gather-KV attention (``shardbridge.cp_attention``, [Note: all-gather-KV attention]
+core's all-gather-KV attention (``shardbridge.cp.cp_attention``, [Note: all-gather-KV attention]
 in ``shardbridge._cp``) under the name ``"shardbridge_cp"`` and switches the model to it, so
 every architecture that dispatches through the interface (Llama, Qwen2/3, Mistral, Gemma,
 ...) runs context-parallel; a model that does not is refused by name. With a custom name
@@ -31,16 +31,15 @@ per-head logits join every softmax), and non-causal attention. The KV cache is t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import check_cp_seq_len, cp_attention, cp_split
+from shardbridge import ParallelMesh
+from shardbridge.adapters import checked_args
+from shardbridge.cp import check_cp_seq_len, cp_attention, cp_split
 from torch import nn
-
-if TYPE_CHECKING:
-    from shardbridge import ParallelMesh
-    from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["CP_ATTENTION", "cp_batch", "enable_cp"]
 
@@ -101,6 +100,7 @@ def _cp_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+@checked_args(model=nn.Module, cp_mesh=DeviceMesh)
 def enable_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Make ``model``'s attention context-parallel over the 1-D ``cp_mesh``. See [Note: HF context parallel].
 
@@ -131,6 +131,7 @@ def enable_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+@checked_args(batch=Mapping, pm=ParallelMesh)
 def cp_batch(batch: Mapping[str, Any], pm: ParallelMesh, *, ignore_index: int = -100) -> dict[str, Any]:
     """This cp rank's part of a causal-LM batch, ready for ``model(**batch)``.
 

@@ -14,9 +14,9 @@ ep_size=...))``. Here the same plan runs on the core mesh, with ``fsdp_config.sh
 
     HF EP style            what it becomes
     grouped_gemm           the parameter is Shard(0) on pm["ep"], then FSDP2 over pm["efsdp"]
-                           (shardbridge.shard_experts; every parameter of the experts module must
+                           (shardbridge.ep.shard_experts; every parameter of the experts module must
                            be planned so: each must split by expert)
-    ep_dispatch_experts    the module's forward goes through shardbridge.run_experts: tokens split
+    ep_dispatch_experts    the module's forward goes through shardbridge.ep.run_experts: tokens split
                            over tp, dispatched over ep (all-to-all or all-gather), the module's own
                            forward runs this rank's experts (its local expert ids, unit weights),
                            outputs weighted, summed, gathered over tp
@@ -39,14 +39,15 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from shardbridge import local_view, run_experts, shard_experts
+from shardbridge.ep import run_experts, shard_experts
+from shardbridge.tp import local_view
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
-    from shardbridge import ParallelMesh, PrecisionPolicy
+    from shardbridge import ParallelDims, ParallelMesh, PrecisionPolicy
 
-__all__ = ["EP_STYLES", "apply_ep", "resolve_ep_plan", "without_experts"]
+__all__ = ["EP_STYLES", "apply_ep", "check_ep_divides", "resolve_ep_plan", "without_experts"]
 
 #: The expert-parallel styles of transformers' ``ParallelInterface`` this adapter runs on ``ep``.
 EP_STYLES: tuple[str, ...] = ("grouped_gemm", "ep_dispatch_experts")
@@ -127,6 +128,24 @@ def resolve_ep_plan(model: nn.Module, plan: str | Mapping[str, str] = "auto") ->
             "built): plan the owning experts module 'ep_dispatch_experts'"
         )
     return out
+
+
+def check_ep_divides(model: nn.Module, experts: Mapping[str, tuple[str, ...]], dims: ParallelDims) -> None:
+    """ValueError, naming ``fsdp_config.shardbridge.ep_size`` and the sizes that fit, unless ep divides every experts module.
+
+    Each ep rank holds the same number of whole experts: ``ep`` must divide ``num_experts`` (and,
+    as always, ``dp_shard * cp * tp``, which ``ParallelDims`` checks).
+    """
+    ranks = dims.dp_shard * dims.cp * dims.tp
+    for fqn in experts:
+        num_experts = int(next(model.get_submodule(fqn).parameters()).shape[0])
+        if num_experts % dims.ep:
+            fits = [d for d in range(1, num_experts + 1) if num_experts % d == 0 and ranks % d == 0]
+            raise ValueError(
+                f"fsdp_config.shardbridge.ep_size={dims.ep} (ParallelDims.ep) does not divide the {num_experts} experts "
+                f"of {fqn}: every ep rank holds the same number of whole experts; set ep_size to one of {fits} "
+                f"(the divisors of {num_experts} that also divide dp_shard * cp * tp = {ranks})"
+            )
 
 
 def without_experts(tp_plan: Mapping[str, Any], experts: Mapping[str, Any]) -> dict[str, Any]:

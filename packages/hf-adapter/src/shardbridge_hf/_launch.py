@@ -50,11 +50,11 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from shardbridge import ParallelDims, fp8
-from shardbridge.cli import Verb
-from shardbridge.extras import install_hint
+from shardbridge.adapters import Verb, install_hint
 
 from shardbridge_hf._compat import require_accelerate
 from shardbridge_hf._config import BLOCK_KEY, ENV_VAR, HFConfig
+from shardbridge_hf._keys import config_file_keys_problem, sections_problem, unknown_fsdp_key
 
 __all__ = ["LaunchPlan", "cli_verb", "main", "quiet_upstream_noise", "read_config_file"]
 
@@ -224,9 +224,9 @@ _CHECKS: tuple[_Check, ...] = (
     _Check(lambda c: _parallelism(c).get("parallelism_config_ep_size", 1), lambda v: v == 1,
            lambda v: f"parallelism_config_ep_size={v!r}: Accelerate's parallelism_config has no ep; write "
                      f"{BLOCK_KEY}.ep_size: {v!r} instead"),
-    _Check(lambda c: sorted(k for k in _parallelism(c) if not str(k).startswith("parallelism_config_")), lambda v: not v,
-           lambda v: f"parallelism_config.{v[0]}: not a key Accelerate reads (its keys are parallelism_config_*, e.g. "
-                     "parallelism_config_tp_size); remove or rename it"),
+    # every key of parallelism_config, fp8_config, dynamo_config, ... read or refused: [Note: what accelerate launch
+    # does with a config file's keys] in _keys.py
+    _Check(sections_problem, lambda v: v is None, lambda v: v),
     _Check(_unknown_axes, lambda v: not v,
            lambda v: f"{v[0][0]}={v[0][1]!r}: shardbridge_hf runs dp_replicate, dp_shard, cp and tp; remove the key",
            NotImplementedError),
@@ -280,18 +280,36 @@ def read_config_file(path: str | os.PathLike[str], *, overrides: Mapping[str, An
 
 
 def _dims(cluster: Any, where: str) -> ParallelDims:
-    """The parallel degrees of ``parallelism_config`` (sizes checked by ``_CHECKS``), resolved against num_processes."""
+    """The parallel degrees of ``parallelism_config`` (sizes checked by ``_CHECKS``), resolved against num_processes.
+
+    A misfit names the yaml keys and offers only what can fit (``ParallelDims.degrees_that_fit``).
+    """
     pc = _parallelism(cluster)
     dims = ParallelDims(**{axis: pc.get(f"parallelism_config_{axis}_size", 1) for axis in _AXES})
     if "parallelism_config_dp_shard_size" not in pc:
         dims = dataclasses.replace(dims, dp_shard=-1)
+    n = cluster.num_processes
     try:
-        return dims.resolve(cluster.num_processes)
-    except ValueError as e:
-        raise ValueError(
-            f"{where}: parallelism_config sizes do not fit num_processes={cluster.num_processes}: {e} "
-            "(set parallelism_config_dp_shard_size, or num_processes)"
-        ) from None
+        return dims.resolve(n)
+    except ValueError:
+        pass
+    key = "parallelism_config_{}_size".format
+    others = dims.dp_replicate * dims.cp * dims.tp
+    named = [a for a in _AXES if (a == "dp_shard" and dims.is_resolved) or (a != "dp_shard" and getattr(dims, a) > 1)]
+    sizes = " * ".join(f"{key(a)}({getattr(dims, a)})" for a in named)
+    misfit = f"{sizes} = {others * dims.dp_shard} != {n}" if dims.is_resolved else f"{sizes} does not divide {n}"
+    if n % others == 0:
+        fix = f"set {key('dp_shard')}: {n // others} (or remove it: dp_shard takes the rest)"
+    else:
+        fits = [
+            f"{key(a)} to one of {fit}"
+            for a in ("tp", "cp", "dp_replicate")
+            if getattr(dims, a) > 1 and (fit := dims.degrees_that_fit(a, n))
+        ]
+        fix = f"no dp_shard fits: set {' or '.join(fits) + ', or ' if fits else ''}num_processes to a multiple of {others}"
+        if dims.tp > 1:
+            fix += " (tp must also divide the model's attention heads and MLP width, checked when it is prepared)"
+    raise ValueError(f"{where}: parallelism_config sizes do not fit num_processes={n}: {misfit}; {fix}")
 
 
 def check_runtime(plan: LaunchPlan, where: str) -> None:
@@ -351,6 +369,9 @@ def _load_cluster_config(path: str | os.PathLike[str], where: str) -> Any:
             f"{where} is empty or not a mapping of keys (got {type(data).__name__}); write an Accelerate config, "
             "e.g. examples/hf/cpu_fsdp2_tp2.yaml"
         )
+    problem = config_file_keys_problem(data)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     try:
         return load_config_from_file(str(path))
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -389,8 +410,10 @@ def _merge_accelerate_fsdp(fsdp: Mapping[str, Any], block: dict[str, Any], where
             block[ours] = flag
         elif key in _FSDP_ACCEPTED and text.upper() in {v.upper() for v in _FSDP_ACCEPTED[key]}:
             continue
+        elif unknown_fsdp_key(raw_key):
+            raise ValueError(f"{where}: {unknown_fsdp_key(raw_key)}")
         else:
-            why = _FSDP_WHY_REFUSED.get(key, "shardbridge_hf does not know this key")
+            why = _FSDP_WHY_REFUSED.get(key, "shardbridge_hf does not honour this key")
             raise ValueError(
                 f"{where}: fsdp_config.{raw_key}={value!r} cannot take effect under shardbridge ({why}); remove it"
             )

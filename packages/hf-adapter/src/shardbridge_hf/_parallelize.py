@@ -11,7 +11,8 @@ The steps, in the order they must run::
        expert parallelism      model.ep_plan on pm["ep"]  see [Note: HF EP plan on the shardbridge mesh]
     4. FSDP2 units (core)      embed | each decoder layer | [norm, lm_head] | root; with
                                activation_checkpointing, transformers' own per-layer checkpointing
-                               first; see [Note: FSDP2 view-output warning] for the TP units
+                               first; the TP units' outputs are not views ([Note: TP outputs are not
+                               views] in the core's _tp.py)
     5. weights installed       deferred: materialised, forward refused until load_pretrained;
                                rank 0's: broadcast, each rank keeps its piece (upstream bug 3)
     6. fp8 refresh             what derives from the sharded weights (torchao tensorwise: scales)
@@ -55,28 +56,27 @@ converts while loading] in ``_checkpoint.py``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import apply_fsdp, fp8
+from shardbridge import ParallelMesh, apply_fsdp, fp8
+from shardbridge.adapters import checked_args
+from shardbridge.tp import unview_tp_output
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardbridge_hf._compat import enable_activation_checkpointing, init_module_buffers, no_split_modules
-from shardbridge_hf._ep import apply_ep, resolve_ep_plan, without_experts
+from shardbridge_hf._config import HFConfig
+from shardbridge_hf._ep import apply_ep, check_ep_divides, resolve_ep_plan, without_experts
 from shardbridge_hf._tp import apply_tp, check_tp_divides, resolve_tp_plan
-
-if TYPE_CHECKING:
-    from shardbridge import ParallelMesh
-
-    from shardbridge_hf._config import HFConfig
 
 __all__ = ["fsdp_units", "load_full_from_rank0", "parallelize", "release_guard"]
 
 _GUARD_ATTR = "_shardbridge_pretrained_guard"
 
 
+@checked_args(model=nn.Module, pm=ParallelMesh, config=HFConfig)
 def parallelize(
     model: nn.Module, pm: ParallelMesh, config: HFConfig, *, device: torch.device | None = None
 ) -> nn.Module:
@@ -114,6 +114,7 @@ def parallelize(
     experts: dict[str, tuple[str, ...]] = {}
     if pm.dims.ep > 1:  # transformers applies its EP plan only with ep_size > 1, and so do we
         experts = resolve_ep_plan(model, config.ep_plan)
+        check_ep_divides(model, experts, pm.dims)
     if pm.dims.tp > 1:
         check_tp_divides(getattr(model, "config", None), pm.dims.tp, experts_split_by_ep=bool(experts))
         plan = without_experts(resolve_tp_plan(model, config.tp_plan), experts)
@@ -130,6 +131,10 @@ def parallelize(
         # Rank-0 weights are broadcast after sharding: no scatter here (it would hang with meta ranks).
         src = None if config.sync_module_states or deferred else 0
         apply_tp(model, pm["tp"], plan, float8_styles=fp8_styles, src_data_rank=src)
+        # Their outputs leave FSDP2 units (embed; [norm, lm_head] and the root, which returns the
+        # logits): tensors of their own, not to_local() views ([Note: TP outputs are not views] in the core).
+        for module in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
+            unview_tp_output(module)
     if pm.dims.cp > 1:
         from shardbridge_hf._cp import enable_cp
 
@@ -156,7 +161,6 @@ def parallelize(
         reshard_after_forward=config.reshard_after_forward,
         cpu_offload=config.cpu_offload,
     )
-    _quiet_tp_view_outputs(model, pm.dims.tp)
 
     if deferred:
         _materialise_on(model, device)
@@ -166,36 +170,6 @@ def parallelize(
         load_full_from_rank0(model, full, device=device)
     fp8.refresh(model)  # what FP8 derives from the sharded weights (torchao tensorwise: the scales)
     return model
-
-
-def _quiet_tp_view_outputs(model: nn.Module, tp: int) -> None:
-    """Filter torch's "returned a view tensor" warning for the units whose output is a TP ``to_local()``.
-
-    [Note: FSDP2 view-output warning]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    FSDP2 (torch 2.13) warns whenever a unit returns a view: an in-place op on it (``x += y``)
-    would drop the unit's pre-backward hook. Under TP three units always do, on every forward
-    and every rank (24 copies in a 2-step, 4-rank run): the input embedding
-    (``RowwiseParallel`` output), the ``[norm, lm_head]`` unit (``colwise_gather_output``) and the
-    root, which returns those logits -- because ``DTensor.to_local()`` returns
-    ``local.view_as(local)`` by design. These views are consumed out of place by the
-    transformers models (the decoder adds the residual ``residual + hidden``; the loss reads the
-    logits): the gradients equal a one-process model's (``test_fsdp2_x_tp_trains_like_one_process``,
-    ``test_clip_grad_norm_matches_one_process``). So the warning is filtered once, for exactly
-    these units' class names; any other unit returning a view (a decoder layer) still warns.
-    What it cannot cover: a training script that modifies ``outputs.logits`` in place before
-    ``backward`` -- do that out of place.
-    """
-    if tp == 1:
-        return
-    import re
-    import warnings
-
-    names = {type(m).__name__ for m in (model.get_input_embeddings(), model.get_output_embeddings(), model) if m}
-    pattern = "|".join(re.escape(n) for n in sorted(names))
-    warnings.filterwarnings(
-        "ignore", message=rf"FSDP2-wrapped module \((?:[^)]*, )?(?:{pattern})(?:, [^)]*)?\) returned a view tensor"
-    )
 
 
 def fsdp_units(model: nn.Module) -> list[Any]:
@@ -247,6 +221,7 @@ def _rank0_full_tensors(model: nn.Module) -> dict[str, torch.Tensor] | None:
 
 
 @torch.no_grad()
+@checked_args(model=nn.Module, full=(dict, None))
 def load_full_from_rank0(model: nn.Module, full: dict[str, torch.Tensor] | None, *, device: torch.device) -> None:
     """Give every rank its piece of rank 0's full tensors. See [Note: rank-0 weights after sharding (upstream bug 3)].
 

@@ -31,7 +31,7 @@ adapter (``shardbridge_te._fp8.TEBackend.after_fsdp``, undone by ``remove_autoca
 
 from __future__ import annotations
 
-from shardbridge.patching import Patch, PatchPlan, fmt_version, patch_attr, patch_item
+from shardbridge.adapters import Patch, PatchPlan, fmt_version, patch_attr, patch_item
 
 from shardbridge_hf import _compat
 
@@ -75,7 +75,7 @@ PATCHES: tuple[Patch, ...] = (
 
 
 def plan() -> PatchPlan:
-    """The hf adapter's patch plan (the rules: [Note: patch plans] in ``shardbridge.patching``).
+    """The hf adapter's patch plan (the rules: [Note: patch plans] in ``shardbridge._patching``).
 
     Built from the module's current :data:`PATCHES` and version probe on each call (tests
     replace them), so it is cheap and never stale.

@@ -62,11 +62,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from shardbridge import check_tp_divides as check_sizes_divide
 from shardbridge import fp8
+from shardbridge.adapters import checked_args
+from shardbridge.tp import check_tp_divides as check_sizes_divide
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -77,9 +79,6 @@ from torch.distributed.tensor.parallel import (
 
 from shardbridge_hf import _styles
 from shardbridge_hf._styles import ReplicatedGradParallel, install_decider
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "REFUSED_STYLES",
@@ -119,6 +118,7 @@ def installed_hf_styles() -> set[str]:
     return set(ParallelInterface._global_mapping)
 
 
+@checked_args(model=nn.Module, plan=(str, Mapping))
 def resolve_tp_plan(model: nn.Module, plan: str | Mapping[str, Any] = "auto") -> dict[str, Any]:
     """Expand a TP plan to ``{module or parameter FQN: style}`` for ``model``.
 
@@ -272,6 +272,7 @@ def unplanned_in_tp_blocks(model: nn.Module, plan: Mapping[str, Any]) -> list[st
     return found
 
 
+@checked_args(tp=int)
 def check_tp_divides(config: Any, tp: int, *, experts_split_by_ep: bool = False) -> None:
     """ValueError unless ``tp`` splits whole attention heads and MLP rows.
 
@@ -296,6 +297,7 @@ def check_tp_divides(config: Any, tp: int, *, experts_split_by_ep: bool = False)
     check_sizes_divide(sizes, tp, fix="choose parallelism_config_tp_size dividing each of them")
 
 
+@checked_args(model=nn.Module, tp_mesh=DeviceMesh, plan=Mapping)
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,

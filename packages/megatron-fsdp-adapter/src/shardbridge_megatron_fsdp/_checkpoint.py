@@ -62,10 +62,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import FusedSpec, fused_params
 from shardbridge import checkpoint as core
 from shardbridge._compat import local_tensor
-from shardbridge.checkpoint import LocalChunks
+from shardbridge.adapters import LocalChunks
+from shardbridge.fused import FusedSpec, fused_params
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -459,7 +459,7 @@ def save(path: str | os.PathLike[str], *, model: nn.Module, **kwargs: Any) -> Pa
     the checkpoint has the core's format: it loads with ``shardbridge.checkpoint.load`` into
     torch-FSDP2 / TP / single-process models of any layout, exports with
     ``shardbridge.checkpoint.export_safetensors``, and loads back into either Megatron-FSDP host
-    with :func:`load`. Fused parameters (registered with ``shardbridge.register_fused``; the
+    with :func:`load`. Fused parameters (registered with ``shardbridge.fused.register_fused``; the
     Megatron-Core entry point registers QKV and SwiGLU) are stored as their components. See
     [Note: Megatron-FSDP state as boxes].
 

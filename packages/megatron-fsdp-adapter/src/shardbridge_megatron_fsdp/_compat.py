@@ -35,8 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from shardbridge._compat import local_tensor, parse_version
-from shardbridge.extras import install_hint
-from shardbridge.patching import fmt_version
+from shardbridge.adapters import fmt_version, install_hint
 
 __all__ = [
     "BUNDLED",

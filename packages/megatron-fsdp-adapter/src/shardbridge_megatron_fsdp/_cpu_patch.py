@@ -87,7 +87,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from shardbridge.patching import patch_attr
+from shardbridge.adapters import patch_attr
 
 from shardbridge_megatron_fsdp._compat import BUNDLED, STANDALONE, bundled_fsdp, require_megatron_fsdp
 

@@ -17,7 +17,7 @@ weight whose dim 0 is the global expert index, so each stack of local experts is
 
 A registration (:func:`register_expert_stack`, on the module that holds ``local_experts``)
 says which global experts the local ones are; the checkpoint provider (``_checkpoint.py``)
-hands the core one :class:`~shardbridge.checkpoint.LocalChunks` per stored tensor, each box a
+hands the core one :class:`~shardbridge.adapters.LocalChunks` per stored tensor, each box a
 view of a local expert's Megatron-FSDP shard (the box Megatron-FSDP records, with the expert
 index prepended), for the parameter and every optimizer state shaped like it. Nothing else
 changes: the same checkpoint loads at any ep (each rank reads the rows of its experts), into

@@ -55,7 +55,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from shardbridge import FP8Recipe, PrecisionPolicy, fp8
+from shardbridge import PrecisionPolicy, fp8
+from shardbridge.fp8 import FP8Recipe
 
 from shardbridge_megatron_fsdp._compat import require_megatron_fsdp
 

@@ -97,7 +97,7 @@ def _validate(
     if dims.cp > 1 and not callable(getattr(model, "set_context_parallel", None)):
         raise NotImplementedError(
             f"cp={dims.cp}: {type(model).__name__} has no set_context_parallel(cp_mesh), so its attention cannot "
-            "span the cp axis (shardbridge.models.Llama has one, over shardbridge.cp_attention); use cp=1"
+            "span the cp axis (shardbridge.models.Llama has one, over shardbridge.cp.cp_attention); use cp=1"
         )
     if average_in_collective:
         raise ValueError(

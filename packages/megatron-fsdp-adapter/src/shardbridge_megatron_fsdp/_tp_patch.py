@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 from shardbridge._compat import compute_local_shape_and_global_offset, parse_version
-from shardbridge.patching import Patch, PatchPlan, patch_attr
+from shardbridge.adapters import Patch, PatchPlan, patch_attr
 from torch.distributed.tensor import DTensor
 
 from shardbridge_megatron_fsdp._compat import BUNDLED, STANDALONE, fsdp_tensor_spec, require_megatron_fsdp

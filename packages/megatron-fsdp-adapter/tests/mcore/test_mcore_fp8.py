@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from mcore_helpers import gpt_config
-from shardbridge import FP8Recipe, PrecisionPolicy
+from shardbridge import PrecisionPolicy
+from shardbridge.fp8 import FP8Recipe
 from shardbridge_megatron_fsdp.mcore._shard import _ddp_config, fp8_fields
 
 MCORE_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")

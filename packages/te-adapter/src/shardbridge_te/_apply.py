@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from shardbridge import FusedSpec, ParallelMesh, TPMode, local_view, register_fused, to_dtensor_param
+from shardbridge import ParallelMesh
+from shardbridge.fused import FusedSpec, register_fused
+from shardbridge.tp import TPMode, local_view, to_dtensor_param
 from torch import nn
 from torch.distributed.tensor import DTensor
 

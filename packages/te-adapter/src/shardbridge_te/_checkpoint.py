@@ -40,7 +40,7 @@ import pickle
 from typing import Any
 
 import torch
-from shardbridge import register_fp8_tensor_type
+from shardbridge.fp8 import register_fp8_tensor_type
 from torch import nn
 
 from shardbridge_te._patches import keep_instance_undo, patch_attr

@@ -12,7 +12,7 @@ from types import ModuleType
 
 from shardbridge._compat import parse_version as core_parse_version
 from shardbridge._compat import require_module
-from shardbridge.extras import install_hint
+from shardbridge.adapters import install_hint
 
 __all__ = ["INSTALL_HINT", "grouped_linear_params", "parse_version", "te_pytorch", "te_recipes", "te_version"]
 

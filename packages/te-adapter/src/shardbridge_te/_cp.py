@@ -9,7 +9,7 @@ parallel once ``set_context_parallel_group(cp_group, cp_global_ranks, cp_stream,
 cp_comm_type)`` is called; the last two forward it to every attention inside them. The
 group comes from the run's ``cp`` axis, so FSDP (over ``dp_shard_cp``), the loss (over
 ``dp_cp``) and attention agree on who holds which tokens. TE's default load balancing
-``DUAL_CHUNK_SWAP`` is the head-tail split of ``shardbridge.cp_split`` (rank r holds chunks
+``DUAL_CHUNK_SWAP`` is the head-tail split of ``shardbridge.cp.cp_split`` (rank r holds chunks
 r and 2cp-1-r), so the same split feeds TE and the core.
 
 ``cp_comm_type``:

@@ -33,7 +33,7 @@ fc1 output is ``[gate; up]`` as the core's, split by ``chunk(2, -1)``), so eithe
 other's checkpoints.
 
 :func:`shard_grouped_experts` marks each GroupedLinear with its ep coordinates and makes the
-experts module an FSDP2 unit over ``efsdp`` (``shardbridge.shard_experts`` with nothing to split:
+experts module an FSDP2 unit over ``efsdp`` (``shardbridge.ep.shard_experts`` with nothing to split:
 the ep split is the modules' own), gradients divided by ``dp_cp`` as for every expert.
 ``set_device_mesh`` and ``default_units`` leave marked modules alone: experts are not
 tensor-parallel ([Note: expert axes] in ``shardbridge/_mesh.py``). :class:`ExpertStateDicts`
@@ -53,7 +53,7 @@ Without the provider, torch's state dicts name ``weight0`` alike on every ep ran
 box: DCP would take the ranks for replicas, keep one rank's copy of each piece, and lose the other
 experts without an error (measured before the guard: a same-layout round trip returned rows of
 other ep ranks' experts). So :func:`shard_grouped_experts` marks every per-expert parameter
-rank-local (``shardbridge.checkpoint.mark_rank_local``, [Note: rank-local tensors] in the core),
+rank-local (``shardbridge.adapters.mark_rank_local``, [Note: rank-local tensors] in the core),
 and ``save`` / ``load`` without ``state_dicts=ExpertStateDicts(...)`` raise ValueError on every
 rank, naming the first ``weight{i}`` and the provider (``test_without_the_provider_save_and_load_raise``).
 The mark is set at every ep, ep=1 and one process included, where the default path would lose
@@ -67,7 +67,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from shardbridge import ParallelMesh, PrecisionPolicy, plain_state_dict, shard_experts
+from shardbridge import ParallelMesh, PrecisionPolicy
+from shardbridge.ep import shard_experts
+from shardbridge.fp8 import plain_state_dict
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -133,9 +135,9 @@ def shard_grouped_experts(
     (read by :class:`ExpertStateDicts`; ``set_device_mesh`` and ``default_units`` then leave
     it alone), its per-expert parameters rank-local (``shardbridge.checkpoint.save`` / ``load``
     refuse them without ``state_dicts=ExpertStateDicts(...)``) and makes ``experts`` one FSDP2 unit over ``mesh.expert_fsdp_mesh``, gradients
-    divided by ``dp_cp`` (``shardbridge.shard_experts``). Call it before
+    divided by ``dp_cp`` (``shardbridge.ep.shard_experts``). Call it before
     :func:`~shardbridge_te.parallelize` (or ``set_device_mesh`` / ``apply_fsdp``), on meta or
-    real parameters; run the experts through ``shardbridge.run_experts``. See
+    real parameters; run the experts through ``shardbridge.ep.run_experts``. See
     [Note: GroupedLinear experts].
 
     Args:
@@ -163,7 +165,7 @@ def shard_grouped_experts(
         >>> shardbridge_te.parallelize(model, pm)  # doctest: +SKIP
         >>> ckpt.save(path, model=model, optimizer=opt, state_dicts=ExpertStateDicts())  # doctest: +SKIP
     """
-    from shardbridge.checkpoint import mark_rank_local
+    from shardbridge.adapters import mark_rank_local
 
     from shardbridge_te._apply import te_modules
 

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from shardbridge.adapters import did_you_mean
 from shardbridge.fp8 import Converted, FP8BackendBase, FP8Recipe
 from torch import nn
 
@@ -100,7 +101,7 @@ def recipe_spec(recipe: FP8Recipe) -> tuple[str, dict[str, Any]]:
         if key not in defaults:
             raise ValueError(
                 f"fp8.params.{key}: TE recipe {recipe.name!r} ({RECIPE_CLASSES[recipe.name]}) takes "
-                f"{sorted(defaults) or 'no parameters'}; remove {key!r}"
+                f"{sorted(defaults) or 'no parameters'}; remove {key!r}{did_you_mean(key, defaults)}"
             )
         if key in _CHOICES and value not in _CHOICES[key]:
             raise ValueError(f"fp8.params.{key}={value!r}: choose one of {list(_CHOICES[key])}")

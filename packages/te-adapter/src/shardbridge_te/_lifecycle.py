@@ -25,9 +25,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from shardbridge import FP8Recipe, FSDPUnit, ParallelMesh, PrecisionPolicy, apply_fsdp
+from shardbridge import FSDPUnit, ParallelMesh, PrecisionPolicy, apply_fsdp
 from shardbridge import fp8 as shardbridge_fp8
 from shardbridge._compat import local_tensor, reset_sharded_params
+from shardbridge.fp8 import FP8Recipe
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor

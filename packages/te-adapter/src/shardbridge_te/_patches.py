@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardbridge.patching import Patch as _CorePatch
-from shardbridge.patching import PatchPlan, fmt_version, patch_attr
+from shardbridge.adapters import Patch as _CorePatch
+from shardbridge.adapters import PatchPlan, fmt_version, patch_attr
 from torch import nn
 
 __all__ = [
@@ -60,7 +60,7 @@ _UNDO_ATTR = "_shardbridge_te_undo"
 
 @dataclass(frozen=True, kw_only=True)
 class Patch(_CorePatch):
-    """The core's :class:`~shardbridge.patching.Patch`, checked against ``MIN_VERSION .. LAST_CHECKED`` by default."""
+    """The core's :class:`~shardbridge.adapters.Patch`, checked against ``MIN_VERSION .. LAST_CHECKED`` by default."""
 
     checked: tuple[tuple[int, ...], tuple[int, ...]] = (MIN_VERSION, LAST_CHECKED)
     """``(oldest, newest)`` TE versions the patch was checked against, both inclusive."""
@@ -121,7 +121,7 @@ def _installed() -> tuple[int, ...]:
 
 
 def plan() -> PatchPlan:
-    """The TE adapter's patch plan (the rules: [Note: patch plans] in ``shardbridge.patching``).
+    """The TE adapter's patch plan (the rules: [Note: patch plans] in ``shardbridge._patching``).
 
     Built from the module's current :data:`PATCHES` on each call (tests replace them).
     """

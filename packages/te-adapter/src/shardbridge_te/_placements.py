@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from shardbridge import TPMode
+from shardbridge.tp import TPMode
 
 __all__ = ["CONTAINER_KINDS", "MODULE_KINDS", "param_kind", "tp_mode", "tp_modes"]
 

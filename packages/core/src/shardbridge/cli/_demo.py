@@ -275,7 +275,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def prepare_out(out: Path, *, keep: bool) -> None:
     """Make ``out`` ready for a demo run, or ValueError (see [Note: demo output])."""
-    from shardbridge.checkpoint import check_destination, write_file
+    from shardbridge.checkpoint.storage._destination import check_destination, write_file
 
     # --out or its marker a link: refused, never written through ([Note: writer destinations]).
     check_destination(out, [_MARKER], overwrite=True, flag=None)
@@ -307,17 +307,14 @@ def prepare_out(out: Path, *, keep: bool) -> None:
 
 
 def _quiet() -> None:
-    """Silence two torch messages the demo triggers on purpose, each known to be harmless here.
+    """Silence a torch message the demo triggers on purpose, known to be harmless here.
 
-    - FSDP2 warns that a TP unit "returned a view tensor" (TP's ``to_local``); the model
-      never modifies those outputs in place.
-    - DTensor logs that ``full_tensor()`` of a ``(_StridedShard, Shard)`` weight needs two
-      all-gathers; the demo calls ``full_tensor()`` only to build its oracle.
+    DTensor logs that ``full_tensor()`` of a ``(_StridedShard, Shard)`` weight needs two
+    all-gathers; the demo calls ``full_tensor()`` only to build its oracle. (FSDP2's "returned a
+    view tensor" warning has no cause any more: [Note: TP outputs are not views] in ``_tp.py``.)
     """
     import logging
-    import warnings
 
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
@@ -340,8 +337,9 @@ def _train_phase(cfg: DemoConfig) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from shardbridge import checkpoint, cp_cross_entropy, cp_split
+    from shardbridge import checkpoint
     from shardbridge._comm_stats import count_collectives
+    from shardbridge.cp import cp_cross_entropy, cp_split
     from shardbridge.models import hf_llama_export_record, synthetic_batch
 
     pm, model, optimizer = _build(cfg, cfg.layout, seed=cfg.seed)
@@ -482,8 +480,8 @@ def _full_components(model, optimizer, tp_size: int) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from shardbridge import fused_params, split_fused
-    from shardbridge.checkpoint import component_fqn
+    from shardbridge.checkpoint.state._state import component_fqn
+    from shardbridge.fused import fused_params, split_fused
 
     fused = fused_params(model)
 

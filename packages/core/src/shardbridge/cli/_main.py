@@ -312,6 +312,7 @@ def _run_ckpt_export(args: argparse.Namespace) -> int:
 
     from shardbridge import checkpoint
     from shardbridge.checkpoint._export import write_beside
+    from shardbridge.checkpoint.storage._destination import check_destination
 
     dtype = None
     if args.dtype is not None:
@@ -321,7 +322,7 @@ def _run_ckpt_export(args: argparse.Namespace) -> int:
     path, verified = _resolve_export_checkpoint(args.path, checksums=not args.no_verify)
     recorded = _recorded_export(path)
     # the recorded files too: a link refused, an existing file only with --overwrite ([Note: writer destinations])
-    checkpoint.check_destination(args.out_dir, list(recorded.get("files", {})), overwrite=args.overwrite)
+    check_destination(args.out_dir, list(recorded.get("files", {})), overwrite=args.overwrite)
     result = checkpoint.export_safetensors(
         path,
         args.out_dir,

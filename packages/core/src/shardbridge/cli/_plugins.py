@@ -38,7 +38,7 @@ class Verb:
     main: Callable[[Sequence[str]], int]
     """Runs the verb on the arguments after its name; returns the exit code."""
     install_hint: str = ""
-    """What to install when loading the verb fails (``shardbridge.extras.install_hint``: the extra's packages)."""
+    """What to install when loading the verb fails (``shardbridge.adapters.install_hint``: the extra's packages)."""
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:

@@ -15,8 +15,8 @@ Public: the names in ``__all__``, in three groups: configuration, what adapters 
 and what a backend implements or registers.
 """
 
-import warnings as _warnings
-
+from shardbridge._deprecation import deprecated_getattr as _deprecated_getattr
+from shardbridge._wrap import use_uint8_all_gather
 from shardbridge.fp8._convert import convert, converted, converted_fqn, install_step_hook, recipe_of, refresh
 from shardbridge.fp8._recipe import (
     ENTRY_POINT_GROUP,
@@ -52,6 +52,7 @@ __all__ = [
     "recipe_of",
     "refresh",
     "to_plain",
+    "use_uint8_all_gather",
     # -- backends --------------------------------------------------------------------------
     "ENTRY_POINT_GROUP",
     "Converted",
@@ -67,16 +68,7 @@ __all__ = [
     "register_fp8_tensor_type",
 ]
 
-# Folded into refresh() in 0.1.0 (issue 24): the same hook ran after a step and after a load.
-_RENAMED = {"after_load": "refresh", "after_optimizer_step": "refresh"}
-
-
-def __getattr__(name: str):  # PEP 562: deprecated aliases
-    if name in _RENAMED:
-        _warnings.warn(
-            f"shardbridge.fp8.{name} is now shardbridge.fp8.{_RENAMED[name]}; the old name goes away in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module 'shardbridge.fp8' has no attribute {name!r}")
+# Folded into refresh() in 0.1.0 (issue 24): the same hook ran after a step and after a load
+# ([Note: deprecated aliases] in shardbridge/_deprecation.py).
+_DEPRECATED = {"after_load": "shardbridge.fp8.refresh", "after_optimizer_step": "shardbridge.fp8.refresh"}
+__getattr__ = _deprecated_getattr(__name__, _DEPRECATED)

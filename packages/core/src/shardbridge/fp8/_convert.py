@@ -10,16 +10,14 @@ class or backend name anywhere.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from shardbridge.fp8._recipe import Converted, get_backend
-
-if TYPE_CHECKING:
-    from shardbridge._mesh import ParallelMesh
-    from shardbridge.fp8._recipe import FP8Recipe
+from shardbridge._checks import checked_args
+from shardbridge._mesh import ParallelMesh
+from shardbridge.fp8._recipe import Converted, FP8Recipe, get_backend
 
 __all__ = ["convert", "converted", "converted_fqn", "install_step_hook", "recipe_of", "refresh"]
 
@@ -49,6 +47,7 @@ def converted_fqn(module: nn.Module) -> str | None:
     return vars(module).get(_FQN_ATTR)
 
 
+@checked_args(model=nn.Module, recipe=FP8Recipe, mesh=(ParallelMesh, None))
 def convert(
     model: nn.Module,
     recipe: FP8Recipe,

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from torch import nn
 
-from shardbridge.extras import install_hint
+from shardbridge._extras import install_hint
 
 if TYPE_CHECKING:
     from shardbridge._mesh import ParallelMesh

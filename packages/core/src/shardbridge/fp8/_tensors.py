@@ -6,7 +6,7 @@ own FSDP2 hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: 1 byte per 
 wire). What the core adds here is the checkpoint rule, :func:`register_fp8_tensor_type` +
 :func:`to_plain` (see [Note: portable FP8 checkpoints]); each backend's ``convert`` registers its
 subclasses. Two more framework-neutral pieces live where they act: float8 all-gathers on gloo
-(:func:`shardbridge.use_uint8_all_gather`, [Note: float8 all-gather on gloo] in
+(:func:`shardbridge.fp8.use_uint8_all_gather`, [Note: float8 all-gather on gloo] in
 ``shardbridge._wrap``), and the amax-reduction group for per-tensor current scaling, the core's
 ``weight`` mesh (``ParallelMesh["weight"]``: every rank holding a different piece of a weight),
 which adapters hand to their framework.
@@ -119,7 +119,7 @@ def to_plain(t: Any, *, key: str = "<tensor>") -> Any:
         raise ValueError(
             f"{key}: tensor subclass {type(local).__module__}.{type(local).__qualname__} in the state dict; DCP "
             "would pickle it and a reader without that package could not load the checkpoint. Register how to "
-            "save it as a plain tensor: shardbridge.register_fp8_tensor_type(cls, to_plain)"
+            "save it as a plain tensor: shardbridge.fp8.register_fp8_tensor_type(cls, to_plain)"
         )
     plain = convert(local)
     if not _is_plain(plain) or tuple(plain.shape) != tuple(local.shape):

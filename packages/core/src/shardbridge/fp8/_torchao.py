@@ -41,7 +41,7 @@ Which modules take ``Converted.tp_styles``: exactly those :func:`shardbridge.fp8
 converted (``shardbridge.fp8.converted_fqn``), in the core's Llama plan and the hf adapter alike.
 
 Checkpoints: the two wrapper subclasses hold the high-precision weight (``__tensor_flatten__``
-names it), which is what :func:`shardbridge.register_fp8_tensor_type` saves (``convert`` registers
+names it), which is what :func:`shardbridge.fp8.register_fp8_tensor_type` saves (``convert`` registers
 both): a view, so loads write the live weight in place, bit-exact, and any torch reads the checkpoint.
 """
 
@@ -57,8 +57,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardbridge._checks import did_you_mean
 from shardbridge._compat import require_module
-from shardbridge.extras import install_hint
+from shardbridge._extras import install_hint
 from shardbridge.fp8._convert import converted_fqn
 from shardbridge.fp8._recipe import Converted, FP8BackendBase
 from shardbridge.fp8._tensors import register_fp8_tensor_type
@@ -160,7 +161,7 @@ class TorchaoBackend(FP8BackendBase):
             if key not in allowed:
                 raise ValueError(
                     f"fp8.params.{key}: torchao recipe {recipe.name!r} takes "
-                    f"{sorted(allowed) or 'no parameters'}; remove {key!r}"
+                    f"{sorted(allowed) or 'no parameters'}; remove {key!r}{did_you_mean(key, allowed)}"
                 )
             if not isinstance(value, allowed[key]) or (key == "kernel" and value not in _MX_KERNELS):
                 raise ValueError(

@@ -143,7 +143,7 @@ def layout_blocks(
 
 def _require_matplotlib() -> Any:
     from shardbridge._compat import require_module
-    from shardbridge.extras import install_hint
+    from shardbridge._extras import install_hint
 
     matplotlib = require_module("matplotlib", hint=f"the layout picture needs matplotlib: {install_hint('plot')}")
     matplotlib.use("Agg")  # files only; never a window

@@ -2,7 +2,7 @@
 
 Public: :class:`LlamaConfig`, :class:`Llama`, :class:`ParamTP`, :func:`parallelize_llama` (and
 its TP step alone, :func:`apply_llama_tp`), :func:`synthetic_batch`; the mixture of experts
-:class:`MoEConfig`, :class:`MoELlama`, :func:`parallelize_moe`, :func:`expert_shard_dim`; and the
+:class:`MoEConfig`, :class:`MoELlama`, :func:`parallelize_moe`; and the
 Hugging Face view of both: :func:`hf_llama_name`, :func:`hf_llama_config`, :func:`export_hf_llama`,
 :func:`hf_llama_export_record` (what a checkpoint records so that ``shardbridge ckpt export``
 writes a ``from_pretrained`` folder), :func:`hf_moe_name`, :func:`hf_moe_config`,
@@ -10,7 +10,7 @@ writes a ``from_pretrained`` folder), :func:`hf_moe_name`, :func:`hf_moe_config`
 ``MoEFeedForward``, ``GroupedExperts``) are not public.
 """
 
-from shardbridge._ep import expert_shard_dim
+from shardbridge._deprecation import deprecated_getattr as _deprecated_getattr
 from shardbridge.models._hf import export_hf_llama, hf_llama_config, hf_llama_export_record, hf_llama_name
 from shardbridge.models._hf_moe import export_hf_moe, hf_moe_config, hf_moe_name
 from shardbridge.models._llama import Llama, LlamaConfig, ParamTP, synthetic_batch
@@ -25,7 +25,6 @@ __all__ = [
     "MoELlama",
     "ParamTP",
     "apply_llama_tp",
-    "expert_shard_dim",
     "export_hf_llama",
     "export_hf_moe",
     "hf_llama_config",
@@ -37,3 +36,9 @@ __all__ = [
     "parallelize_moe",
     "synthetic_batch",
 ]
+
+
+# Public in two places in 0.1.0; its one home is shardbridge.ep ([Note: deprecated aliases] in
+# shardbridge/_deprecation.py).
+_DEPRECATED = {"expert_shard_dim": "shardbridge.ep.expert_shard_dim"}
+__getattr__ = _deprecated_getattr(__name__, _DEPRECATED)

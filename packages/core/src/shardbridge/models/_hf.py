@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from shardbridge._checks import checked_args
 from shardbridge.checkpoint import export_safetensors
 from shardbridge.models._llama import LlamaConfig
 
@@ -72,6 +73,7 @@ def hf_llama_name(fqn: str) -> str:
     )
 
 
+@checked_args(config=LlamaConfig)
 def hf_llama_config(config: LlamaConfig, *, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
     """The ``config.json`` of transformers' ``LlamaForCausalLM`` equivalent to ``config``."""
     dtype_name = str(dtype).removeprefix("torch.")
@@ -98,6 +100,7 @@ def hf_llama_config(config: LlamaConfig, *, dtype: torch.dtype | str = "float32"
     }
 
 
+@checked_args(config=LlamaConfig)
 def hf_llama_export_record(config: LlamaConfig, *, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
     """What to record in a reference-Llama checkpoint so that ``shardbridge ckpt export`` writes a HF folder.
 
@@ -137,6 +140,7 @@ def hf_llama_export_record(config: LlamaConfig, *, dtype: torch.dtype | str = "f
     }
 
 
+@checked_args(config=LlamaConfig)
 def export_hf_llama(
     checkpoint_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from shardbridge._checks import checked_args
 from shardbridge.checkpoint import export_safetensors
 from shardbridge.models._hf import hf_llama_config, hf_llama_name
 from shardbridge.models._moe import MoEConfig
@@ -70,6 +71,7 @@ def hf_moe_name(fqn: str) -> str:
     return hf_llama_name(fqn)
 
 
+@checked_args(config=MoEConfig)
 def hf_moe_config(config: MoEConfig, *, dtype: torch.dtype | str = "float32") -> dict[str, Any]:
     """The ``config.json`` of the transformers architecture equivalent to ``config``.
 
@@ -123,6 +125,7 @@ def hf_moe_config(config: MoEConfig, *, dtype: torch.dtype | str = "float32") ->
     }
 
 
+@checked_args(config=MoEConfig)
 def export_hf_moe(
     checkpoint_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],

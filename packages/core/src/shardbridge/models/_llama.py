@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
+from shardbridge._checks import checked_args
 from shardbridge._cp import cp_attention, cp_positions
 from shardbridge._fused import FusedSpec, fused_params, register_fused
 from shardbridge._tp import TPMode, tp_placements
@@ -139,7 +140,7 @@ class LlamaConfig:
 class ParamTP:
     """How one parameter is tensor-parallel, as data (printed by the demo, compared by adapters).
 
-    ``mode`` is a :class:`~shardbridge.TPMode` about the WEIGHT's dims: column = Shard(0)
+    ``mode`` is a :class:`~shardbridge.tp.TPMode` about the WEIGHT's dims: column = Shard(0)
     (output features of a Linear; vocab rows of an embedding, which torch's
     ``RowwiseParallel`` for ``nn.Embedding`` also shards on dim 0), row = Shard(1) (input
     features), none = Replicate. A fused column weight is TP-interleaved (``shardbridge._fused``).
@@ -265,8 +266,8 @@ class Llama(nn.Module):
         """Logits ``[batch, seq, vocab]`` of ``tokens`` ``[batch, seq]``.
 
         Under context parallelism (:meth:`set_context_parallel`) ``tokens`` is this cp rank's
-        part of the batch (``shardbridge.cp_split``) and the logits are that part's; RoPE and
-        the causal mask use the global ``positions`` (default: :func:`~shardbridge.cp_positions`
+        part of the batch (``shardbridge.cp.cp_split``) and the logits are that part's; RoPE and
+        the causal mask use the global ``positions`` (default: :func:`~shardbridge.cp.cp_positions`
         of this rank, i.e. the head-tail split of ``seq * cp`` tokens).
         """
         seq = tokens.shape[1]
@@ -292,7 +293,7 @@ class Llama(nn.Module):
     def set_context_parallel(self, cp_mesh: DeviceMesh | None, *, comm: str = "all_gather") -> None:
         """Run attention context-parallel over the 1-D ``cp_mesh`` (None = off).
 
-        ``comm`` is :func:`~shardbridge.cp_attention`'s: "all_gather" or "ring".
+        ``comm`` is :func:`~shardbridge.cp.cp_attention`'s: "all_gather" or "ring".
 
         Called by :func:`~shardbridge.models.parallelize_llama` when cp > 1. Parameters are
         untouched (replicated over cp; FSDP shards them over ``dp_shard_cp``), so
@@ -373,6 +374,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+@checked_args(config=LlamaConfig)
 def synthetic_batch(
     config: LlamaConfig,
     batch_size: int,

@@ -21,7 +21,7 @@ GLOBAL expert index in every layout ([Note: expert checkpoints] in ``_paralleliz
 The forward computes what transformers' ``MixtralSparseMoeBlock`` (no shared expert,
 ``norm_topk_prob=True``) and ``Qwen2MoeSparseMoeBlock`` (shared expert) compute. After each
 forward ``model.aux_loss`` holds the load-balancing loss of the GLOBAL batch and
-``model.tokens_per_expert`` the global ``[layers, E]`` counts (``shardbridge.load_balancing_loss``,
+``model.tokens_per_expert`` the global ``[layers, E]`` counts (``shardbridge.ep.load_balancing_loss``,
 [Note: router statistics over dp_cp] in ``shardbridge/_ep.py``); train on
 ``cross_entropy + config.router_aux_loss_coef * model.aux_loss``.
 """
@@ -130,7 +130,7 @@ class GroupedExperts(nn.Module):
     Under expert parallelism the parameters are ``Shard(0)`` DTensors on ``pm["ep"]`` (then
     FSDP-sharded over ``efsdp``) and this module holds ``E / ep`` of them locally.
     ``forward(tokens, counts)`` runs local expert i on the next ``counts[i]`` rows (the contract
-    of ``shardbridge.run_experts``); it is a module call so FSDP2's hooks gather its weights.
+    of ``shardbridge.ep.run_experts``); it is a module call so FSDP2's hooks gather its weights.
     """
 
     def __init__(self, config: MoEConfig) -> None:
@@ -235,7 +235,7 @@ class MoELlama(Llama):
         """Route tokens over ``mesh["ep"]`` (and split them over ``mesh["tp"]``); None = one process.
 
         Called by :func:`~shardbridge.models.parallelize_moe`; it does not touch the parameters.
-        ``dispatch`` is ``shardbridge.run_experts``'s ("auto", "all_to_all", "all_gather").
+        ``dispatch`` is ``shardbridge.ep.run_experts``'s ("auto", "all_to_all", "all_gather").
         """
         choose_dispatch(dispatch, top_k=self.config.top_k, ep=1)  # validates the name
         self.parallel_mesh = mesh

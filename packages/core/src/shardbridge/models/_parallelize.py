@@ -23,28 +23,25 @@ all-gather.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from shardbridge import fp8
+from shardbridge._checks import checked_args
 from shardbridge._fused import FUSED_SPECS_ATTR, shard_fused
-from shardbridge._tp import TPMode, check_tp_divides
+from shardbridge._mesh import ParallelMesh
+from shardbridge._precision import PrecisionPolicy
+from shardbridge._tp import TPMode, check_tp_divides, unview_tp_output
 from shardbridge._wrap import apply_fsdp
 from shardbridge.models._llama import Llama
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import PrecisionPolicy
 
 __all__ = ["apply_llama_tp", "parallelize_llama"]
 
 
+@checked_args(model=Llama, mesh=ParallelMesh, policy=(PrecisionPolicy, None))
 def parallelize_llama(
     model: Llama,
     mesh: ParallelMesh,
@@ -58,8 +55,8 @@ def parallelize_llama(
     A model converted for FP8 (``shardbridge.fp8.convert``, before this call) gets its backend's
     TP styles for the converted Linears and, at the end, ``fp8.refresh``. Call on an initialised model (``init_weights`` done) whose parameters are identical on
     every rank; call with the same arguments on every rank. With cp > 1, feed each rank its
-    part of the batch (``shardbridge.cp_split`` of tokens and labels over ``mesh["cp"]``) and
-    reduce the loss with ``shardbridge.cp_cross_entropy``.
+    part of the batch (``shardbridge.cp.cp_split`` of tokens and labels over ``mesh["cp"]``) and
+    reduce the loss with ``shardbridge.cp.cp_cross_entropy``.
 
     Args:
         model: the model, in ``policy.main_params_dtype``.
@@ -67,7 +64,7 @@ def parallelize_llama(
         policy: mixed precision for FSDP2; None = no casting.
         compile: ``torch.compile`` each transformer block (before FSDP, as torchtitan).
         cp_comm: with cp > 1, how attention spans cp: "all_gather" (K/V all-gathered) or
-            "ring" (K/V passed around the cp ring; CPU). See ``shardbridge.cp_attention``.
+            "ring" (K/V passed around the cp ring; CPU). See ``shardbridge.cp.cp_attention``.
 
     Returns:
         ``model``, parallelized in place.
@@ -92,6 +89,7 @@ def parallelize_llama(
     return model
 
 
+@checked_args(model=Llama, tp_mesh=DeviceMesh)
 def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
     """Shard ``model`` over the 1-D ``tp_mesh`` as in [Note: Llama TP plan]: the TP step of :func:`parallelize_llama`.
 
@@ -139,6 +137,9 @@ def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
         # column: Replicate in -> TP-local out; row: local Shard(-1) in -> Partial -> Replicate out
         plan[module_name] = style("colwise" if param_tp.mode is TPMode.COLUMN else "rowwise", linear)
     parallelize_module(model, tp_mesh, plan)
+    # Their outputs leave FSDP2 units (embeddings; [norm, output] and the root): [Note: TP outputs are not views].
+    unview_tp_output(model.tok_embeddings)
+    unview_tp_output(model.output)
     if model.config.tie_word_embeddings:
         # Both are Shard(0) over vocab rows; ColwiseParallel re-wrapped output's parameter.
         model.output.weight = model.tok_embeddings.weight

@@ -26,21 +26,19 @@ Expert tensors in checkpoints: [Note: expert checkpoints] in ``shardbridge/_ep.p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from shardbridge._checks import checked_args
 from shardbridge._ep import EPDispatch, shard_experts
+from shardbridge._mesh import ParallelMesh
+from shardbridge._precision import PrecisionPolicy
 from shardbridge._tp import check_tp_divides
 from shardbridge._wrap import apply_fsdp
 from shardbridge.models._moe import MoELlama
 from shardbridge.models._parallelize import apply_llama_tp
 
-if TYPE_CHECKING:
-    from shardbridge._mesh import ParallelMesh
-    from shardbridge._precision import PrecisionPolicy
-
 __all__ = ["parallelize_moe"]
 
 
+@checked_args(model=MoELlama, mesh=ParallelMesh, policy=(PrecisionPolicy, None))
 def parallelize_moe(
     model: MoELlama,
     mesh: ParallelMesh,
@@ -61,7 +59,7 @@ def parallelize_moe(
         mesh: the run's :class:`~shardbridge.ParallelMesh` (``ParallelDims(..., ep=...)``).
         policy: mixed precision for FSDP2 (dense and expert units alike); None = no casting.
         dispatch: how tokens reach their experts: "all_to_all", "all_gather" or "auto"
-            (``shardbridge.choose_dispatch``).
+            (``shardbridge.ep.choose_dispatch``).
         cp_comm: with cp > 1, the attention's "all_gather" or "ring".
 
     Returns:

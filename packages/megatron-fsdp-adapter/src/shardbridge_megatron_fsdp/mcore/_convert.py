@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from shardbridge.cli import Verb
+from shardbridge.adapters import Verb, check_destination, write_file
 from torch import nn
 
 from shardbridge_megatron_fsdp._compat import MCORE_INSTALL_HINT
@@ -55,7 +55,7 @@ def export_hf(
     """
     from shardbridge import checkpoint as core
 
-    core.check_destination(out_dir, ["config.json"], overwrite=overwrite)  # [Note: writer destinations]
+    check_destination(out_dir, ["config.json"], overwrite=overwrite)  # [Note: writer destinations]
     info = core.inspect(checkpoint)
     shapes, unmapped = {}, []
     for t in info.tensors:
@@ -96,13 +96,12 @@ def fsdp_dtensor_to_hf(
     a link); False refuses them by name.
     """
     from safetensors.torch import save_file
-    from shardbridge import checkpoint as core
-    from shardbridge import split_fused
+    from shardbridge.fused import split_fused
 
     from shardbridge_megatron_fsdp.mcore._fsdp_dtensor import read_fsdp_dtensor
     from shardbridge_megatron_fsdp.mcore._layout import MegatronQKVSpec
 
-    core.check_destination(out_dir, [_SINGLE_FILE, "config.json"], overwrite=overwrite)
+    check_destination(out_dir, [_SINGLE_FILE, "config.json"], overwrite=overwrite)
     ckpt = read_fsdp_dtensor(checkpoint, optimizer=False)
     hidden = ckpt.model["embedding.word_embeddings.weight"].shape[1]
     head_dim = head_dim or hidden // arch.num_attention_heads
@@ -134,7 +133,7 @@ def fsdp_dtensor_to_hf(
             tensors[key] = (piece.to(dtype) if dtype is not None else piece).contiguous()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    core.check_destination(out, [_SINGLE_FILE, "config.json"], overwrite=overwrite)  # again: after the long read
+    check_destination(out, [_SINGLE_FILE, "config.json"], overwrite=overwrite)  # again: after the long read
     tmp = out / f"{_SINGLE_FILE}.tmp"
     tmp.unlink(missing_ok=True)  # never written through: [Note: writer destinations]
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -159,13 +158,13 @@ def hf_to_checkpoint(
     the same config back (eps, RoPE scaling, ... survive the round trip).
     """
     from safetensors import safe_open
-    from shardbridge import FusedSpec, register_fused
     from shardbridge import checkpoint as core
+    from shardbridge.fused import FusedSpec, register_fused
     from shardbridge.pretrained import read_index
 
     from shardbridge_megatron_fsdp.mcore._layout import QKV_NAMES, SWIGLU_NAMES, MegatronQKVSpec
 
-    core.check_destination(out, [], overwrite=overwrite)  # DST a link: refused ([Note: writer destinations])
+    check_destination(out, [], overwrite=overwrite)  # DST a link: refused ([Note: writer destinations])
     index = read_index(folder)
     if hf_config is not None:
         _check_against_config(Path(folder), index, hf_config)
@@ -195,7 +194,7 @@ def hf_to_checkpoint(
         q, k, v = (flat.pop(f"{base}.{p}.weight") for p in QKV_NAMES)
         groups = k.shape[0] // head_dim
         spec = MegatronQKVSpec.megatron(num_heads=arch.num_attention_heads, num_query_groups=groups, head_dim=head_dim)
-        from shardbridge import merge_fused
+        from shardbridge.fused import merge_fused
 
         flat[f"{base}.linear_qkv.weight"] = merge_fused({"q_proj": q, "k_proj": k, "v_proj": v}, spec, 1)
         _set(root, f"{base}.linear_qkv.weight", flat.pop(f"{base}.linear_qkv.weight"), spec, register_fused)
@@ -404,7 +403,7 @@ def main(argv: Sequence[str]) -> int:
             if dtype is not None:  # transformers 5 writes "dtype", 4.x "torch_dtype"
                 key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
                 config[key] = str(dtype).removeprefix("torch.")
-            core.write_file(Path(out) / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+            write_file(Path(out) / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
     elif (src / ".metadata").is_file():
         out = fsdp_dtensor_to_hf(src, args.dst, arch, head_dim=args.head_dim, dtype=dtype, overwrite=args.overwrite)
     else:

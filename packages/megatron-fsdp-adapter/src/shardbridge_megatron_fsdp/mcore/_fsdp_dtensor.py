@@ -38,7 +38,7 @@ and the fix (read the model alone with ``optimizer=False``: model weights are DT
 always split right).
 
 Nothing in the checkpoint runs code: ``.metadata`` goes through the core's restricted
-unpickler (``shardbridge.checkpoint.read_metadata``, which reads Megatron-FSDP's tuple chunk
+unpickler (``shardbridge.adapters.read_metadata``, which reads Megatron-FSDP's tuple chunk
 offsets as ``torch.Size``), tensors through ``weights_only`` reads.
 Runs in one process, no process group; the result holds the whole model (and optimizer
 states) in memory.
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from shardbridge.checkpoint import TrustedReader, check_no_links, raise_untrusted, read_metadata
+from shardbridge.adapters import TrustedReader, check_no_links, raise_untrusted, read_metadata
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 __all__ = ["FsdpDTensorCheckpoint", "SwiGLUSplitError", "read_fsdp_dtensor"]

@@ -213,7 +213,7 @@ class LlamaArch:
 def write_hf_config(out_dir: str | os.PathLike[str], shapes: dict[str, tuple[int, ...]], arch: LlamaArch,
                     dtype: torch.dtype) -> Path:  # fmt: skip
     """Write :func:`hf_config` as ``out_dir/config.json`` (never through a link)."""
-    from shardbridge.checkpoint import write_file
+    from shardbridge.adapters import write_file
 
     path = Path(out_dir) / "config.json"
     write_file(path, (json.dumps(hf_config(shapes, arch, dtype), indent=2) + "\n").encode())
@@ -315,7 +315,7 @@ def load_hf(model: Any, folder: str | os.PathLike[str]) -> dict[str, int]:
         >>> load_hf(model, "Llama-tiny")  # doctest: +SKIP
     """
     from safetensors import safe_open
-    from shardbridge import split_local
+    from shardbridge.fused import split_local
     from shardbridge.pretrained import read_index
 
     from shardbridge_megatron_fsdp._checkpoint import dist_params, install_weights
@@ -338,7 +338,7 @@ def load_hf(model: Any, folder: str | os.PathLike[str]) -> dict[str, int]:
             pieces = [(dp.fqn, dp.local, dp.offsets)]
             shapes.append((dp.fqn, dp.shape))
         else:
-            from shardbridge.checkpoint import component_fqn
+            from shardbridge.adapters import component_fqn
 
             pieces = []
             for name in dp.spec.names:

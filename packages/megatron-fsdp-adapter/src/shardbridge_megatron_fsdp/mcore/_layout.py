@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from shardbridge import FusedSegment, FusedSpec, register_fused
+from shardbridge.fused import FusedSegment, FusedSpec, register_fused
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -154,7 +154,7 @@ def tp_local(full: torch.Tensor, dim: int | None, spec: FusedSpec | None, tp_siz
     if dim is None or tp_size == 1:
         return full
     if spec is not None and not isinstance(spec, MegatronQKVSpec) and spec.dim == dim:
-        from shardbridge import tp_local_fused
+        from shardbridge.fused import tp_local_fused
 
         return tp_local_fused(full, spec, tp_size, tp_rank)
     if full.shape[dim] % tp_size:

@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from shardbridge import FP8Recipe, ParallelDims, PrecisionPolicy, param_group_fqns, rebind_param_groups
+from shardbridge import ParallelDims, PrecisionPolicy, param_group_fqns, rebind_param_groups
+from shardbridge.fp8 import FP8Recipe
 from torch import nn
 
 from shardbridge_megatron_fsdp import _cpu_patch

@@ -55,7 +55,7 @@ class Origin:
       ("dcp": DCP's own description; "true" / "local": ``_repair.RULES``), one box per range of
       a several-range chunk when ``multi``;
     - ``fused``: ``(spec, tp_size, name)``: this entry is component ``name`` of that tensor, split
-      as ``shardbridge.split_local`` splits it.
+      as ``shardbridge.fused.split_local`` splits it.
 
     Empty boxes are never listed (:class:`LocalChunks` drops them).
     """

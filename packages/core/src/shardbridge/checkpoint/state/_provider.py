@@ -26,7 +26,7 @@ must be copied into the compute weights after a load::
     rank   placements             local rows   local_offsets   DCP from placements
     1      [Shard(0), Shard(0)]   18           (14, 0)         (16, 0)   <- wrong
 
-A value may also be a :class:`~shardbridge.checkpoint.LocalChunks` instead of a tensor: the
+A value may also be a :class:`~shardbridge.adapters.LocalChunks` instead of a tensor: the
 boxes of ONE stored tensor that this rank holds, each a view of live data, for a stored tensor
 that is no single parameter of the model. Megatron-Core's experts are the case: each rank holds
 ``local_experts.{i}.linear_fc1.weight`` for its E/ep experts, and the checkpoint holds one

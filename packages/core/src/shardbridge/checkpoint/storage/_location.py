@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardbridge._extras import install_hint
 from shardbridge.checkpoint.storage._backend import Backend, Stored
 from shardbridge.checkpoint.storage._local import LOCAL
 from shardbridge.checkpoint.storage._manifest import Manifest, read_manifest
-from shardbridge.extras import install_hint
 
 __all__ = ["Location", "is_uri", "locate", "open_checkpoint"]
 
