@@ -9,6 +9,8 @@ gathered plan: the same boxes, the same keys), torch's ``dcp_to_torch_save``, an
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -511,3 +513,173 @@ def test_a_crafted_record_is_refused_before_it_costs_time():
     record["digest"] = spreads_digest([("e", spread)])
     with pytest.raises(NotDerivable, match="boxes"):  # 4 boxes, 48 bytes: room for 3
         _derived._derive_load(record, 4, files)
+
+
+# ------------------------------------------------------------------ forged layout.derived (issue 38)
+#
+# One checkpoint, one meaning ([Note: derived loads]): a layout.derived edited by someone who can
+# write the checkpoint's files, its digest and the manifest's checksums recomputed
+# (shardbridge.testing._hostile.forge_derived), must never make a load read other values than
+# .metadata holds (what export, inspect and torch's own dcp_to_torch_save read). Every class of edit
+# is applied to a real 4-rank checkpoint (FSDP2 x TP, fused [gate; up], AdamW). In the default run
+# every class is checked in one process (the derivation is not used, or it IS .metadata's) and a
+# slice loads on 4 ranks; SHARDBRIDGE_TRUST=all (nox -s trust) loads every class.
+
+FULL = __import__("os").environ.get("SHARDBRIDGE_TRUST") == "all"
+
+
+def _rows(record: dict) -> dict[str, list]:
+    return {row[0]: row for row in record["entries"]}
+
+
+def _swap(a: str, b: str):
+    def edit(record):
+        rows = _rows(record)
+        rows[a][0], rows[b][0] = b, a
+
+    return edit
+
+
+def _set(where, value):
+    def edit(record):
+        *path, last = where(record)
+        target = record
+        for key in path:
+            target = target[key]
+        target[last] = value(target[last]) if callable(value) else value
+
+    return edit
+
+
+def _entry(fqn: str, field: int):
+    return lambda record: ["entries", next(i for i, r in enumerate(record["entries"]) if r[0] == fqn), field]
+
+
+def _duplicate(record):
+    record["entries"].append(list(record["entries"][0]))
+
+
+def _reorder(record):
+    entries = record["entries"]
+    entries[0], entries[2] = entries[2], entries[0]
+
+
+def _transpose_head(record):
+    row = _rows(record)["model.head.weight"]
+    row[5] = [6, 5]
+    record["recipes"].append(["placement", {**record["recipes"][row[2]][1], "shape": [6, 5]}])
+    row[2] = len(record["recipes"]) - 1
+
+
+FORGED = {  # the issue's 24 and more; every name below is an entry of the saved Mlp
+    "names: exp_avg <-> exp_avg_sq": _swap("optim.state.up.weight.exp_avg", "optim.state.up.weight.exp_avg_sq"),
+    "names: norm.weight <-> norm.bias": _swap("model.norm.weight", "model.norm.bias"),
+    "names: fused gate_proj <-> up_proj": _swap("model.gate_proj.weight", "model.up_proj.weight"),
+    "names: gate_proj.exp_avg <-> up_proj.exp_avg": _swap("optim.state.gate_proj.weight.exp_avg", "optim.state.up_proj.weight.exp_avg"),
+    "names: a weight <-> its exp_avg": _swap("model.down.weight", "optim.state.down.weight.exp_avg"),
+    "names: up.bias <-> head.bias (other shapes)": _swap("model.up.bias", "model.head.bias"),
+    "grid: ranks reversed": _set(lambda r: ["grids", 0, "ranks"], [[3, -1, 4]]),
+    "grid: ranks 0 <-> 1": _set(lambda r: ["grids", 0, "ranks"], [[1, -1, 2], [2, 1, 2]]),
+    "grid: tp columns swapped": _set(lambda r: ["grids", 0, "ranks"], [[1, -1, 2], [3, -1, 2]]),
+    "grid: transposed": _set(lambda r: ["grids", 0, "ranks"], [[0, 2, 2], [1, 2, 2]]),
+    "grid: the norm's copies in rank order": _set(lambda r: ["grids", 1, "ranks"], [[0, 1, 4]]),
+    "recipe: down's placements swapped": _set(lambda r: ["recipes", 2, 1, "placements"], ["Shard(dim=1)", "Shard(dim=0)"]),
+    "recipe: up's _StridedShard <-> Shard": _set(lambda r: ["recipes", 0, 1, "placements"], ["Shard(dim=0)", "_StridedShard(dim=0, sf=2)"]),
+    "recipe: rule dcp -> true": _set(lambda r: ["recipes", 2, 1, "rule"], "true"),
+    "recipe: fused components swapped": lambda r: [r["recipes"][i][1]["spec"]["components"].reverse() for i in (6, 7)],
+    "recipe: fused tp_size 2 -> 1": lambda r: [r["recipes"][i][1].update(tp_size=1) for i in (6, 7)],
+    "recipe: fused names swapped": lambda r: [r["recipes"][i][1].update(name=n) for i, n in ((6, "up_proj"), (7, "gate_proj"))],
+    "entry: up.weight on down's recipe": _set(_entry("model.up.weight", 2), 2),
+    "entry: norm.weight on the job's grid": _set(_entry("model.norm.weight", 1), 0),
+    "dtype: float32 -> int32": _set(_entry("model.head.weight", 4), ["torch.int32", False]),
+    "dtype: float32 -> bfloat16": _set(_entry("model.head.weight", 4), ["torch.bfloat16", False]),
+    "requires_grad flipped": _set(_entry("model.down.weight", 4), ["torch.float32", True]),
+    "keep_empty flipped": _set(_entry("model.gate_proj.weight", 3), True),
+    "size: head.weight transposed": _transpose_head,
+    "duplicate: an entry listed twice": _duplicate,
+    "duplicate: two entries under one name": lambda r: r["entries"][1].__setitem__(0, r["entries"][0][0]),
+    "renamed: head.weight -> head.weightx": _set(_entry("model.head.weight", 0), "model.head.weightx"),
+    "renamed: param_groups": _set(_entry("optim.param_groups", 0), "optim.param_groupsx"),
+    "order: two entries trade places": _reorder,
+    "bytes: param_groups one byte longer": lambda r: r["bytes"].update({"optim.param_groups": r["bytes"]["optim.param_groups"] + 1}),
+    "file rule: threads 1 -> 2": _set(lambda r: ["threads"], 2),
+    "paths: up.weight flattened from down.weight": _set(lambda r: ["paths"], {"model.up.weight": ["model", "down.weight"]}),
+    "checkpoint_id": _set(lambda r: ["checkpoint_id"], "/elsewhere"),
+    "dcp_version": _set(lambda r: ["dcp_version"], "9.9.9"),
+}  # fmt: skip
+LOADED_IN_CI = ("names: exp_avg <-> exp_avg_sq", "grid: transposed", "renamed: head.weight -> head.weightx")
+
+
+def _save_for_forging(root: str) -> str:
+    model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True, seed=1)
+    step(model, opt, seed=2)
+    return str(ck.save(f"{root}/c", model=model, optimizer=opt, step=1))
+
+
+@pytest.fixture(scope="module")
+def forgeable(tmp_path_factory):
+    """A real 4-rank checkpoint, and what every reader of .metadata reads from it (torch's dcp_to_torch_save)."""
+    root = tmp_path_factory.mktemp("forge")
+    path = run_distributed(_save_for_forging, str(root), world_size=4)[0]
+    dcp_to_torch_save(path, root / "t.pt")
+    return path, torch.load(root / "t.pt", weights_only=True)
+
+
+def _forged(forgeable, tmp_path, case: str) -> str:
+    import shutil
+
+    from shardbridge.testing._hostile import forge_derived
+
+    path = str(tmp_path / "c")
+    shutil.copytree(forgeable[0], path)
+    forge_derived(path, FORGED[case])
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_a_forged_layout_derived_is_never_read_as_metadata(forgeable, tmp_path, case):
+    # In one process: rank 0's part of a load, and inspect's and export's reading. Either the derivation
+    # is refused (the load reads .metadata) or it renders .metadata byte for byte: the same records.
+    import dataclasses
+
+    from shardbridge.checkpoint.derived import checkpoint_records
+    from shardbridge.checkpoint.storage._location import locate, open_checkpoint
+    from shardbridge.checkpoint.storage._trust import read_metadata
+
+    stored, manifest = open_checkpoint(locate(_forged(forgeable, tmp_path, case)))
+    records = checkpoint_records(stored, manifest)
+    if records is not None:
+        derived, saved = records.metadata(), read_metadata(stored)
+        assert derived.state_dict_metadata == saved.state_dict_metadata
+        assert {i: derived.storage_data[i] for i in saved.storage_data} == dict(saved.storage_data)
+    # the honest record beside the same files derives .metadata's records (the checks above ran on something)
+    honest = json.loads((Path(forgeable[0]) / "shardbridge.json").read_text())["layout"]
+    assert checkpoint_records(stored, dataclasses.replace(manifest, layout=honest)) is not None
+
+
+def _load_forged(path: str, strict: bool):
+    model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True, seed=7, lr=0.5)
+    try:
+        ck.load(path, model=model, optimizer=opt, strict=strict)
+    except ValueError as exc:
+        return f"refused: {exc}"
+    return full_state(model, opt)
+
+
+@pytest.mark.parametrize("case", sorted(FORGED) if FULL else LOADED_IN_CI)
+def test_a_forged_layout_derived_loads_what_every_reader_reads(forgeable, tmp_path, case):
+    # On 4 ranks: the load either refuses by name or loads exactly dcp_to_torch_save's values.
+    path = _forged(forgeable, tmp_path, case)
+    strict = not case.startswith("renamed")
+    got = run_distributed(_load_forged, path, strict, world_size=4)[0]
+    if isinstance(got, str):
+        assert got.startswith("refused: "), got
+        return
+    want = forgeable[1]
+    checked = 0
+    for key, value in got.items():
+        top, name = key.split(".", 1)
+        if name in want.get(top, {}):
+            assert torch.equal(value, want[top][name]), f"{case}: {key} is not what .metadata holds"
+            checked += 1
+    assert checked >= 30, checked
