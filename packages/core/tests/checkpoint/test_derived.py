@@ -683,3 +683,43 @@ def test_a_forged_layout_derived_loads_what_every_reader_reads(forgeable, tmp_pa
             assert torch.equal(value, want[top][name]), f"{case}: {key} is not what .metadata holds"
             checked += 1
     assert checked >= 30, checked
+
+
+@pytest.mark.skipif(not FULL, reason="~40 s on a loaded CI machine: SHARDBRIDGE_TRUST=all (nox -s trust)")
+def test_a_forged_65536_rank_manifest_costs_a_load_seconds(tmp_path):
+    # Issue 42: the derivation runs after the file check. A manifest claiming 65,536 ranks (its
+    # 65,535 extra RNG files absent) whose resealed layout.derived asks for 8 layouts over every
+    # rank (~60 CPU-s and ~0.8 GB if derived first) is refused by name for the missing files.
+    import resource
+    import time
+    import tracemalloc
+
+    from ckpt_helpers import Mlp
+    from shardbridge.checkpoint.storage import _manifest
+    from shardbridge.testing._hostile import forge_derived
+
+    path = ck.save(tmp_path / "c", model=Mlp(), step=1)
+    manifest = path / _manifest.MANIFEST_NAME
+    world = 1 << 16
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**data, "world_size": world}))
+
+    def eight_layouts_over_every_rank(record):
+        record["grids"] = [{"shape": [world], "ranks": [[0, 1, world]]}]
+        shapes = [[world * (n + 1)] for n in range(8)]
+        record["recipes"] = [["placement", {"shape": s, "placements": ["Shard(dim=0)"], "rule": "dcp", "multi": False}] for s in shapes]
+        record["entries"] = [[f"model.e{n}", 0, n, True, ["torch.float32", False], s] for n, s in enumerate(shapes)]
+
+    forge_derived(path, eight_layouts_over_every_rank)
+    data = json.loads(manifest.read_text())
+    rng = data["files"]["rng/rank-00000.pt"]
+    data["files"].update({f"rng/rank-{r:05d}.pt": dict(rng) for r in range(1, world)})
+    data[_manifest.SELF_CHECKSUM_KEY] = _manifest._self_checksum(data)
+    manifest.write_text(json.dumps(data))
+    tracemalloc.start()
+    start = time.process_time()
+    with pytest.raises(ValueError, match=r"is damaged: rng/rank-00001\.pt: missing .*\(and 65534 more"):
+        ck.load(path, model=Mlp())
+    seconds, peak = time.process_time() - start, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 20 and peak < 256 << 20, (seconds, peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
