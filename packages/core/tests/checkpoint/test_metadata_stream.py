@@ -115,6 +115,22 @@ class _DCPUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def _bounded(read):
+    """``read()`` with at most 1 GiB more address space: the C unpickler allocates a counted
+    string's declared length before reading it (a flipped length: 21 GB, the process OOM-killed);
+    past the bound it raises MemoryError, a refusal like any other."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        used = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (min(used + (1 << 30), hard if hard >= 0 else used + (1 << 30)), hard))
+    try:
+        return read()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def _verdict(path, data: bytes, reader: str):
     """("ok", what it read) or ("refused", kind): the restricted reader, or DCP's reading + the same structure rules."""
     from shardbridge.checkpoint.storage import _trust
@@ -124,7 +140,7 @@ def _verdict(path, data: bytes, reader: str):
         if reader == "restricted":
             md = _trust.read_metadata(path)
         else:
-            md = _DCPUnpickler(io.BytesIO(data)).load()
+            md = _bounded(lambda: _DCPUnpickler(io.BytesIO(data)).load())
             if type(md) is Metadata and isinstance(md.state_dict_metadata, dict):
                 _trust._sizes_as_torch_size(md)
             _trust._check_metadata(md, path, "x")
