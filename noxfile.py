@@ -154,16 +154,19 @@ def gloo_exit(session):
 def trust(session):
     """Every generated hostile input (docs/checkpoints.md, Threat model): chunk coverage with every chunk mutated and
     ~60x the layouts, every writer x file x link/overwrite case, convert config-vs-tensor mutants, the HF
-    file-selection oracle, every key of an Accelerate config file misspelled by one edit (docs/hf.md); CI runs a slice."""
+    file-selection oracle, every key of an Accelerate config file misspelled by one edit (docs/hf.md), 2,500 mutated
+    .metadata streams read by the restricted reader and by DCP's own reading, every forged layout.derived loaded on 4
+    ranks; CI runs a slice."""
     _install(session, "all,test")
     env = {**ENV, "SHARDBRIDGE_TRUST": "all"}
     session.run(
         "python", "-m", "pytest", "packages/core/tests/checkpoint/test_coverage.py",
         "packages/core/tests/checkpoint/test_trust.py", "packages/core/tests/test_pretrained_files.py",
         "packages/megatron-fsdp-adapter/tests/test_convert_trust.py", "integration_tests/test_trust_writers.py",
-        "packages/hf-adapter/tests/test_hf_keys.py",
+        "packages/hf-adapter/tests/test_hf_keys.py", "packages/core/tests/checkpoint/test_metadata_stream.py",
         *session.posargs, env=env,
     )
+    session.run("python", "-m", "pytest", "packages/core/tests/checkpoint/test_derived.py", "-k", "forged", *session.posargs, env=env)
 
 
 @nox.session(python="3.11")

@@ -84,3 +84,14 @@ def test_shard_on_read_reads_what_from_pretrained_reads(saved, tmp_path, case):
     assert set(got) == set(oracle)
     for key, value in oracle.items():
         assert torch.equal(got[key], value), f"{case}: {key} differs from from_pretrained's"
+
+
+@pytest.mark.parametrize("name", ["config.json", INDEX_NAME])
+def test_a_json_nested_100000_deep_is_refused_by_name(saved, tmp_path, name):
+    # [Note: bounded structure] (issue 42): before, a raw RecursionError out of load_pretrained.
+    folder = _folder(saved, tmp_path / "f", single=False, index=True)
+    text = (folder / name).read_text().rstrip().rstrip("}")
+    (folder / name).write_text(text + ', "nested": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    model = _model(3)
+    with pytest.raises(ValueError, match=rf"{name} nests arrays and objects 100001 deep, more than the 64"):
+        load_pretrained(model, folder)

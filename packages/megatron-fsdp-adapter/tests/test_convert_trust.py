@@ -122,3 +122,14 @@ def test_convert_reads_the_file_from_pretrained_reads(tmp_path, capsys, leftover
     assert set(got) == set(oracle)
     for key, value in oracle.items():
         assert torch.equal(got[key], value), key
+
+
+def test_a_config_json_nested_100000_deep_is_refused_in_one_line(folder, tmp_path, capsys):
+    # [Note: bounded structure] (issue 42): before, "unexpected; rerun with --debug" (RecursionError).
+    src = tmp_path / "deep"
+    shutil.copytree(folder, src)
+    text = (src / "config.json").read_text().rstrip().rstrip("}")
+    (src / "config.json").write_text(text + ', "nested": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    rc, err = _convert(src, tmp_path / "out", capsys)
+    assert rc == 2 and err.count("\n") == 0, err
+    assert "config.json nests arrays and objects 100001 deep, more than the 64" in err, err

@@ -75,6 +75,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,6 +83,7 @@ from torch.distributed.tensor import DTensor
 
 from shardbridge._compat import local_tensor
 from shardbridge._fused import FusedSpec, fused_params, split_local
+from shardbridge._json import MAX_BYTES, loads
 from shardbridge.checkpoint.state._components import component_fqn, fused_tp_size
 from shardbridge.checkpoint.state._repair import _multi_box_pieces, describe
 
@@ -92,6 +94,7 @@ __all__ = [
     "StackedSource",
     "load_pretrained",
     "read_index",
+    "read_json",
     "weights_file",
 ]
 
@@ -228,6 +231,28 @@ def _read_headers(files: Iterable[Path]) -> dict[Path, dict[str, _Entry]]:
     return out
 
 
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """A JSON file of a ``from_pretrained`` folder (``config.json``, an index), bounded, then parsed.
+
+    Its size and nesting are measured before anything recursive parses it ([Note: bounded
+    structure] in ``shardbridge/_json.py``).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is larger than 256 MiB, nests deeper than 64 levels, or is not JSON
+            (``json.JSONDecodeError``); the message names the file.
+
+    Example:
+        >>> read_json("Llama-3.2-1B/config.json")["model_type"]  # doctest: +SKIP
+        'llama'
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        raise ValueError(f"{path} is {size} bytes, more than the {MAX_BYTES} this reader takes; not reading it")
+    return loads(path.read_bytes(), str(path))
+
+
 def weights_file(path: str | os.PathLike[str]) -> Path | None:
     """The weights file ``from_pretrained`` reads in a local folder: a ``.safetensors`` file or an index.
 
@@ -262,7 +287,7 @@ def weights_file(path: str | os.PathLike[str]) -> Path | None:
 def _explicit_weights_name(folder: Path) -> str | None:
     """config.json's ``transformers_weights`` (what from_pretrained loads instead of the default names)."""
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = read_json(folder / "config.json")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None  # no readable config: the default names (the model's config comes from elsewhere)
     name = config.get("transformers_weights") if isinstance(config, dict) else None
@@ -303,7 +328,7 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, tuple[Path, tuple[int,
     if chosen is not None:
         index_path = chosen
         try:
-            index = json.loads(index_path.read_text())
+            index = read_json(index_path)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{index_path}: not valid JSON ({exc}); regenerate it with save_pretrained") from exc
         weight_map = index.get("weight_map") if isinstance(index, dict) else None

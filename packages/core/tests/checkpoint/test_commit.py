@@ -102,6 +102,21 @@ def test_which_errors_concern_the_store_and_which_one_checkpoint(error, store):
     assert about_the_store(error) is store
 
 
+def test_a_manifest_nested_100000_deep_costs_one_checkpoint_not_the_root(tmp_path, caplog):
+    # [Note: bounded structure] (issue 42): before, RecursionError for the whole root.
+    ck.save(ck.step_dir(tmp_path, 1), model=Mlp(), step=1)
+    shutil.copytree(ck.step_dir(tmp_path, 1), tmp_path / "step-00000002")
+    manifest = tmp_path / "step-00000002" / MANIFEST_NAME
+    manifest.write_text(manifest.read_text().replace('"extra": {}', '"extra": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}"))
+    with caplog.at_level("WARNING", logger="shardbridge.checkpoint"):
+        assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 1)
+    assert "nests arrays and objects 100002 deep, more than the 64" in caplog.text
+    assert ck.load_latest(tmp_path, model=Mlp()).step == 1
+    for read in (ck.inspect, ck.verify):
+        with pytest.raises(ValueError, match=r"shardbridge\.json nests arrays and objects 100002 deep"):
+            read(tmp_path / "step-00000002")
+
+
 def test_existing_checkpoint_needs_overwrite(tmp_path):
     path = ck.step_dir(tmp_path, 1)
     ck.save(path, model=Mlp(), step=1)

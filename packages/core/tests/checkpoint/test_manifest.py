@@ -155,3 +155,33 @@ def test_manifest_checksum_refuses_an_edited_manifest():
     # Formats 1 and 2 have neither: their "files" (if any) are ignored.
     old = {k: v for k, v in data.items() if k != "manifest_xxh3_128"}
     assert Manifest.from_json(json.dumps({**old, "format_version": 2}), "m.json").files == {}
+
+
+# [Note: bounded structure] in shardbridge/_json.py (issue 42)
+
+
+def test_a_manifest_nesting_past_the_bound_is_refused_by_name():
+    deep = '{"format": "shardbridge.checkpoint", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(ValueError, match=r"m\.json nests arrays and objects 100001 deep, more than the 64"):
+        Manifest.from_json(deep, "m.json")  # before: RecursionError
+
+
+def test_extra_nested_past_what_a_reader_takes_is_refused_at_save():
+    extra: dict = {}
+    inner = extra
+    for _ in range(70):
+        inner["a"] = {}
+        inner = inner["a"]
+    with pytest.raises(ValueError, match=r"extra\['a'\].* nests dicts and lists more than 63 deep.*flatten it"):
+        check_json_extra(extra)
+    looped: dict = {}
+    looped["self"] = looped  # before: RecursionError
+    with pytest.raises(ValueError, match="nests dicts and lists more than 63 deep"):
+        check_json_extra(looped)
+    ok: dict = {}
+    inner = ok
+    for _ in range(62):
+        inner["a"] = {}
+        inner = inner["a"]
+    check_json_extra(ok)  # 63 levels: the manifest holding it nests 64, what its reader takes
+    assert Manifest.from_json(_manifest(extra=ok).to_json(), "m.json").extra == ok

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import StorageReader
 
 from shardbridge.checkpoint._inspect import natural_key
+from shardbridge.checkpoint.derived import metadata_of
 from shardbridge.checkpoint.state._state import MODEL_KEY
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._destination import check_destination
@@ -297,7 +298,8 @@ def export_safetensors(
     check_no_links(Stored(where.backend, where.path, where.path))  # never read through a link: [Note: export checks]
     stored, manifest = open_checkpoint(where)
     _verify(stored, manifest, checksums=verify)
-    reader = TrustedReader(stored)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
+    # no code runs ([Note: untrusted checkpoints] in _trust.py); records derived where they render .metadata
+    reader = TrustedReader(stored, metadata_of(stored, manifest))
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
 

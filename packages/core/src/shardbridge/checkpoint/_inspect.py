@@ -10,10 +10,11 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from shardbridge.checkpoint.derived import metadata_of
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._location import locate, open_checkpoint
 from shardbridge.checkpoint.storage._manifest import DERIVED_KEY
-from shardbridge.checkpoint.storage._trust import check_no_links, read_metadata
+from shardbridge.checkpoint.storage._trust import check_no_links
 
 __all__ = ["CheckpointInfo", "TensorInfo", "format_bytes", "inspect"]
 
@@ -146,7 +147,7 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     where = locate(path)
     check_no_links(Stored(where.backend, where.path, where.path))  # before anything is read through one
     stored, manifest = open_checkpoint(where)
-    metadata = read_metadata(stored, data_files=False)  # no code runs: see [Note: untrusted checkpoints] in _trust.py
+    metadata = metadata_of(stored, manifest, data_files=False)  # [Note: derived loads]; [Note: untrusted checkpoints]
     tensors = []
     others = 0
     for key, md in metadata.state_dict_metadata.items():

@@ -22,7 +22,7 @@ from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint._async import settle
 from shardbridge.checkpoint._save import check_model_and_optimizer
 from shardbridge.checkpoint._verify import hash_share, local_problems, merge_problems
-from shardbridge.checkpoint.derived import DerivedRecords, derive_load
+from shardbridge.checkpoint.derived import DerivedRecords, checkpoint_records, declared_digest, derive_load
 from shardbridge.checkpoint.state._chunks import LoadPlanner, LocalChunks
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
 from shardbridge.checkpoint.state._rng import restore_rng
@@ -151,11 +151,12 @@ def _load(
     identity = where.backend.identity(where.path) if where is not None else None
     # Three rounds in all, two without verify (each ~10 ms on 4 processes sharing 2 cores; plain
     # DCP's load has two): 1. arguments, the manifest and the files' sizes, before DCP reads
-    # anything; each rank derives every storage record from the manifest, and the round agrees
-    # that all did ([Note: derived loads] in derived/_records.py). Where one could not, rank 0 reads
-    # .metadata (restricted unpickler) and broadcasts the validated object after the round,
-    # instead of every rank reading and unpickling it.
-    (stored, manifest, opened, derived), intact, agreed = _dist.one_round(
+    # anything; rank 0, once its file check found every file, derives every storage record from
+    # the manifest and renders .metadata from them byte for byte, and the round agrees on it
+    # ([Note: derived loads] in derived/_records.py). Where it could not, rank 0 reads .metadata
+    # (restricted unpickler) and broadcasts the validated object after the round, instead of
+    # every rank reading and unpickling it.
+    (stored, manifest, opened, expected), intact, agreed = _dist.one_round(
         _open,
         (where if where is not None else path,),
         {
@@ -169,7 +170,7 @@ def _load(
         },
         same=("shardbridge.checkpoint.load", same),
         all_of=lambda opened: not opened[2][0],  # this rank found no damaged file
-        agree=lambda opened: 0 if opened[3] is None else opened[3].digest,  # every rank derived the records
+        agree=lambda opened: opened[3],  # rank 0 rendered .metadata from the derivation every rank expects
     )
     # Only a damaged checkpoint gathers every rank's problems (to name them all)
     problems = [] if intact else merge_problems(_dist.all_gather(opened[0], small=True))
@@ -185,14 +186,14 @@ def _load(
         raise ValueError(damage_message(stored, problems))
     assert manifest is not None
     records, metadata = None, None
-    if agreed and derived is not None:  # every rank derived every record: see [Note: derived loads]
-        records = derived
-    else:
+    if agreed and expected:  # .metadata's records, derived by each rank: see [Note: derived loads]
+        records = opened[1] if _dist.rank() == 0 else derive_load(manifest.layout, manifest.world_size, manifest.files)
+    else:  # (a rank whose derivation failed reads .metadata itself in _read_state: the same records)
         # Rank 0's validated .metadata, broadcast: each rank receives it once (never once per rank,
         # as an all-gather would send it). See [Note: scale] in _protocol.py.
         mine = None
         if _dist.rank() == 0:
-            mine = opened[1] if derived is None else _read_metadata_or_none(stored)
+            mine = opened[1] if not isinstance(opened[1], DerivedRecords) else _read_metadata_or_none(stored)
         metadata = _dist.broadcast_from_rank0(mine, large=True)
     # 2. Each rank plans and reads only the boxes it needs, without DCP's planning collectives
     # (a load plan needs no coordination); with verify it hashes its share of the files in the
@@ -273,9 +274,11 @@ def _open(
     provider: StateDictProvider | None,
     verify: bool,
     skip_damaged: bool,
-) -> tuple[Stored | None, Manifest | None, tuple[list[FileProblem], Metadata | None], DerivedRecords | None]:
-    """Round 1 of :func:`load` on one rank: arguments, manifest, this rank's file checks, the
-    derived records ([Note: derived loads] in ``derived/_records.py``; else rank 0 reads ``.metadata``).
+) -> tuple[Stored | None, Manifest | None, tuple[list[FileProblem], DerivedRecords | Metadata | None], int]:
+    """Round 1 of :func:`load` on one rank: arguments, manifest, this rank's file checks; on rank 0
+    the derived records shown to be ``.metadata``'s, else ``.metadata`` read ([Note: derived
+    loads] in ``derived/_records.py``); and the digest of the derivation: rank 0's (0: none), the
+    manifest's elsewhere.
 
     ``skip_damaged``: a manifest that cannot be read is one more problem, not an error.
     """
@@ -285,11 +288,14 @@ def _open(
     except _DamagedManifest as exc:
         if not skip_damaged:
             raise exc.error from None
-        return exc.stored, None, ([FileProblem(MANIFEST_NAME, str(exc.error))], None), None
-    derived = derive_load(manifest.layout, manifest.world_size, manifest.files) if manifest.files else None
-    rank0 = None if derived is not None else lambda: read_metadata(checked)
-    local = local_problems(checked, manifest, rank0=rank0)
-    return checked, manifest, local, derived
+        return exc.stored, None, ([FileProblem(MANIFEST_NAME, str(exc.error))], None), 0
+    # rank 0 only, and only once its file check found every listed file with its size
+    local = local_problems(
+        checked, manifest, rank0=lambda: checkpoint_records(checked, manifest) or read_metadata(checked)
+    )
+    if _dist.rank() == 0:
+        return checked, manifest, local, local[1].digest if isinstance(local[1], DerivedRecords) else 0
+    return checked, manifest, local, declared_digest(manifest.layout)
 
 
 class _DamagedManifest(Exception):

@@ -10,11 +10,13 @@ import io
 import json
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["Payload", "overlap_chunks", "plant_item", "reseal", "torch_save"]
+__all__ = ["Payload", "forge_derived", "overlap_chunks", "plant_item", "reseal", "torch_save"]
 
 
 class Payload:
@@ -58,6 +60,50 @@ def reseal(path: str | os.PathLike[str], *, keep_derived: bool = False) -> None:
         data.get("layout", {}).pop(_manifest.DERIVED_KEY, None)
     data[_manifest.SELF_CHECKSUM_KEY] = _manifest._self_checksum(data)
     manifest.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def forge_derived(path: str | os.PathLike[str], edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit checkpoint ``path``'s ``layout.derived`` as an attacker with shardbridge installed would.
+
+    ``edit`` changes the record in place; its ``digest`` is then computed again as a save computes it
+    (over the spreads the edited record rebuilds, where they rebuild) and the manifest resealed, so
+    that only what the record says differs ([Note: derived loads] in ``checkpoint/derived/_records.py``).
+    """
+    from shardbridge.checkpoint.derived._recipes import decode_grid, decode_properties, rebuild
+    from shardbridge.checkpoint.derived._spread import spreads_digest
+    from shardbridge.checkpoint.storage import _manifest
+
+    manifest = Path(path) / _manifest.MANIFEST_NAME
+    data = json.loads(manifest.read_text())
+    record = data["layout"][_manifest.DERIVED_KEY]
+    edit(record)
+    try:
+        grids = [decode_grid(g, data["world_size"]) for g in record["grids"]]
+        spreads = [(fqn, rebuild(record["recipes"][r], grids[g], keep_empty=keep, properties=decode_properties(props)))
+                   for fqn, g, r, keep, props, _ in record["entries"]]  # fmt: skip
+        record["digest"] = spreads_digest(spreads)
+        if "records" in record:  # layout.derived version 1 also held a digest of the derived records
+            _redigest_records(record, spreads)
+    except Exception:  # noqa: BLE001 (a record no rule rebuilds keeps its digest: a load refuses it anyway)
+        pass
+    manifest.write_text(json.dumps(data))
+    reseal(path, keep_derived=True)
+
+
+def _redigest_records(record: dict[str, Any], spreads: list[Any]) -> None:
+    """Version 1's records digest (shardbridge before layout.derived version 2), as its save computed it."""
+    from shardbridge.checkpoint.derived import _records
+    from shardbridge.checkpoint.derived._spread import spread_table, writers
+
+    entries = []
+    for ordinal, ((fqn, spread), row) in enumerate(zip(spreads, record["entries"])):
+        table = spread_table(spread)
+        size = None if row[5] is None else torch.Size(row[5])
+        entries.append(_records.Entry(fqn, spread, table, writers(table, ordinal, bytes_item=spread.properties is None),
+                                      spread.properties, size))  # fmt: skip
+    derivation = _records.derive(entries, only=None, bytes_lengths=record["bytes"], threads=record["threads"],
+                                 min_file_bytes=record["min_file_bytes"])  # fmt: skip
+    record["records"] = _records.records_digest(entries, derivation)  # type: ignore[attr-defined]
 
 
 def plant_item(path: str | os.PathLike[str], key: str, data: bytes) -> None:

@@ -426,12 +426,14 @@ _OPTIONAL = ("num_experts_per_tok",)
 
 
 def _read_config(folder: Path) -> dict:
+    from shardbridge.pretrained import read_json
+
     path = folder / "config.json"
     if not path.is_file():
         raise ValueError(f"{folder} has no config.json: pass a from_pretrained folder (save_pretrained writes one)")
     try:
-        config = json.loads(path.read_text())
-    except ValueError as e:
+        config = read_json(path)  # size and nesting bounded first: [Note: bounded structure]
+    except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds a {type(config).__name__}, not a config mapping")

@@ -5,10 +5,18 @@ the state and storage layers below know nothing of it. Handed the flattened stat
 writes, it computes every rank's boxes from the mesh (``_spread.py``, ``_layouts.py``), every
 storage record from the file rule (``_records.py``) and saves in constant-size rounds
 (``_save.py``: :class:`DerivedSave`); a load derives the records the same way from the manifest
-(``_records.py``: :func:`derive_load`). ``_recipes.py`` stores a spread as JSON values.
+(``_records.py``: :func:`derive_load`), used once it renders ``.metadata`` byte for byte
+(:func:`checkpoint_records`; inspect and export read through :func:`metadata_of`).
+``_recipes.py`` stores a spread as JSON values.
 """
 
-from shardbridge.checkpoint.derived._records import DerivedRecords, derive_load
+from shardbridge.checkpoint.derived._records import (
+    DerivedRecords,
+    checkpoint_records,
+    declared_digest,
+    derive_load,
+    metadata_of,
+)
 from shardbridge.checkpoint.derived._save import DerivedSave
 
-__all__ = ["DerivedRecords", "DerivedSave", "derive_load"]
+__all__ = ["DerivedRecords", "DerivedSave", "checkpoint_records", "declared_digest", "derive_load", "metadata_of"]

@@ -132,6 +132,9 @@ def rebuild(
             # a split factor beyond the dim's size means nothing, and costs a loop of that length per coordinate
             if any(getattr(p, "split_factor", 1) > max(1, shape[p.dim]) for p in parsed if hasattr(p, "dim")):
                 raise NotDerivable(f"placements {placements}: a split factor larger than its dim of {shape}")
+            # a coordinate holds up to their product of boxes; no layout of the job's ranks has more
+            if math.prod(getattr(p, "split_factor", 1) for p in parsed) > math.prod(grid.shape):
+                raise NotDerivable(f"placements {placements}: split factors beyond the job's {math.prod(grid.shape)} ranks")
             rule, multi = args["rule"], args["multi"]
             if rule not in ("dcp", *RULES) or not isinstance(multi, bool):
                 raise NotDerivable(f"rule {rule!r} / multi {multi!r}")

@@ -10,10 +10,10 @@ descriptions. The same computation serves a derived load ([Note: derived loads] 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -43,22 +44,31 @@ from shardbridge.checkpoint.derived._spread import (
     SpreadTable,
     spread_table,
     spreads_digest,
+    table_key,
     writers,
 )
+from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._coverage import coverage_fault
 from shardbridge.checkpoint.storage._files import DATA_FILE_PATTERN, Rows, data_file_name, derive_rows, record_length
-from shardbridge.checkpoint.storage._manifest import DERIVED_KEY
+from shardbridge.checkpoint.storage._integrity import check_files
+from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME, DERIVED_KEY, Manifest
+from shardbridge.checkpoint.storage._metadata_stream import StorageGroup, write_metadata
+from shardbridge.checkpoint.storage._trust import read_metadata
 
 __all__ = [
     "Derivation",
     "DerivedRecords",
     "Entry",
+    "checkpoint_records",
+    "declared_digest",
     "derive",
     "derive_load",
     "describe",
     "head_metadata",
+    "metadata_of",
     "offsets_of",
     "positions",
+    "record_groups",
 ]
 
 logger = logging.getLogger("shardbridge.checkpoint")
@@ -145,16 +155,47 @@ def _chunks(table: SpreadTable) -> list[ChunkStorageMetadata]:
     return hit
 
 
-def head_metadata(entries: list[Entry], planner_data: Any) -> Metadata:
-    """``.metadata`` without its storage records: one description per entry, chunk lists shared per layout."""
+def head_metadata(
+    entries: list[Entry], planner_data: Any = None, storage_meta: StorageMeta | None = None, version: str | None = None
+) -> Metadata:
+    """``.metadata`` without its storage records: one description per entry, one chunk list per
+    layout shared by its entries (by the layout, not by which table object holds it, so a load
+    rendering the stream again shares the same lists: [Note: derived loads])."""
     described: dict[str, Any] = {}
+    lists: dict[tuple[Any, ...], list[ChunkStorageMetadata]] = {}
     for entry in entries:
         if entry.properties is None:
             described[entry.fqn] = BytesStorageMetadata()
         else:
             assert entry.size is not None
-            described[entry.fqn] = TensorStorageMetadata(entry.properties, entry.size, _chunks(entry.table))
-    return Metadata(state_dict_metadata=described, planner_data=planner_data)
+            chunks = lists.setdefault(table_key(entry.spread), _chunks(entry.table))
+            described[entry.fqn] = TensorStorageMetadata(entry.properties, entry.size, chunks)
+    return Metadata(state_dict_metadata=described, planner_data=planner_data, storage_meta=storage_meta, version=version)
+
+
+def record_groups(
+    entries: list[Entry], derivation: Derivation, skip: Sequence[int] = ()
+) -> tuple[list[str], list[StorageGroup]]:
+    """Every derived record for ``.metadata`` (but those of the writers in ``skip``): the files'
+    names and one group per entry."""
+    rows = derivation.rows
+    assert rows.file is not None and rows.offset is not None
+    files = max((f for _, f in derivation.sizes), default=0) + 1
+    pairs = sorted(derivation.sizes)
+    names = [data_file_name(w, f) for w, f in pairs]
+    keys = torch.tensor([w * files + f for w, f in pairs], dtype=torch.int64)  # ascending, as pairs
+    name = torch.searchsorted(keys, rows.writer * files + rows.file)  # each row's position in names
+    keep = ~torch.isin(rows.writer, torch.tensor(sorted(skip), dtype=torch.int64)) if len(skip) else None
+    groups = []
+    for entry, (start, count) in zip(entries, derivation.entry_rows):
+        sl = slice(start, start + count)
+        tensor = entry.properties is not None
+        columns = [offsets_of(entry.table) if tensor else None, positions(count) if tensor else None,
+                   name[sl], rows.offset[sl], rows.length[sl]]  # fmt: skip
+        if keep is not None:
+            columns = [None if c is None else c[keep[sl]] for c in columns]
+        groups.append(StorageGroup(entry.fqn, *columns))
+    return names, groups
 
 
 def offsets_of(table: SpreadTable) -> torch.Tensor:
@@ -188,63 +229,68 @@ def positions(count: int) -> torch.Tensor:
 # [Note: derived loads]
 # ~~~~~~~~~~~~~~~~~~~~~
 # ``.metadata`` lists one storage record per distinct box: for Llama-3 405B at 16,384 ranks
-# 272 MB, which a load would have rank 0 read (restricted unpickler) and every rank receive.
-# But a derived save's records ARE the rules' ([Note: the derived protocol]): rank 0 streamed
-# ``.metadata`` from them. So the save also writes, into the manifest (``layout.derived``), what
-# the rules need -- each entry's spread recipe ([Note: spread recipes] in
-# ``derived/_recipes.py``), the grids, the file rule's two numbers, each bytes item's length and
-# the digest the saving ranks agreed on -- a few hundred bytes per distinct layout plus a line
-# per entry, whatever the world size. Only a save in which every record is the rules' records it
-# (no rank sent its own records). A load then derives every record on every rank
-# (:func:`derive_load`, tensor operations as in the save): no rank reads ``.metadata``, nothing
-# is broadcast, and the load is two constant all-reduces. Each rank's metadata then lists, per
-# entry, only the saved boxes that overlap a box it loads (:meth:`DerivedRecords.metadata`, by
-# DCP's own overlap rule, so DCP plans the same read items without testing every saved box of
-# every entry: 405B at 16,384 ranks, 3.1 s instead of 8.9 s on rank 0).
+# 272 MB, which a load would have rank 0 read (restricted unpickler: minutes) and every rank
+# receive. But a derived save's records ARE the rules' ([Note: the derived protocol]): rank 0
+# streamed ``.metadata`` from them. So the save also writes, into the manifest
+# (``layout.derived``), what the rules need -- each entry's spread recipe ([Note: spread
+# recipes] in ``derived/_recipes.py``), the grids, the file rule's two numbers, each bytes item's
+# length, the digest the saving ranks agreed on -- and the few save-time values ``.metadata``
+# holds that no rule gives: ``storage_meta.checkpoint_id``, DCP's metadata version and the
+# flatten paths (``planner_data``) that are not ``(top, rest)`` of the key. A few hundred bytes
+# per distinct layout plus a line per entry, whatever the world size.
 #
-# What makes that safe: the rebuilt spreads' digest must be the one the saving ranks agreed on
-# (the same inputs), checked before any table is built; each entry's boxes must lie inside its
-# size and cover it exactly, each element once (the check ``.metadata``'s reader makes, [Note:
-# exact chunk coverage]); every data file's derived size must be the manifest's record of it (the
-# manifest is checksummed, its file records are what the commit listed); the derived records
-# must hash to the digest of the records the save wrote (:func:`records_digest`: the same outputs,
-# whatever version of the layout algebra or torch derives them); and the ranks agree in the
-# load's argument round that each of them derived. A crafted record is bounded in the work it
-# can cause (:data:`MAX_LAYOUTS`, :data:`MAX_GRIDS`, the recipes' own bounds).
-# Otherwise every rank reads rank 0's ``.metadata`` as before (a checkpoint from a save that fell
-# back, an older shardbridge, a recipe this version does not rebuild). ``.metadata`` stays in the
-# checkpoint for DCP's own readers (``dcp_to_torch_save``) and for inspect and export.
+# One checkpoint, one meaning. Export, inspect and torch's own ``dcp_to_torch_save`` read
+# ``.metadata``; a manifest is as editable as any file (its checksums can be recomputed: [Note:
+# untrusted checkpoints]). A derivation checked only against itself let a crafted
+# ``layout.derived`` (names swapped, a grid's ranks permuted, placements swapped, every digest
+# recomputed) make a load read other values than every other reader. So a derivation is used
+# only once it is shown to BE ``.metadata``: rank 0 renders the whole stream from it
+# (:meth:`DerivedRecords.render`: the head and every record, through the very stream writer the
+# save used, ``storage/_metadata_stream.py``, which writes a function of the values) and compares
+# it with the file byte for byte, reading the file once, sequentially (:meth:`DerivedRecords.
+# differs`). Equal: the derived records are the records the restricted reader would unpickle,
+# and what that reader checks holds -- by construction (one record per box, each at least as
+# long as its raw bytes, laid end to end in its file, distinct offsets per entry: the file
+# rule, the tables) or checked here (coverage, sizes >= 0, no offset past 2**63, every data
+# file's derived size the manifest's, which the load's file check holds against the file). Not
+# equal: the load reads ``.metadata``, with a warning naming the first differing byte. A byte
+# comparison, not the manifest's xxh3_128 of ``.metadata``: xxh3 is not collision resistant, and
+# whoever writes both files could give two streams one checksum. Cost: one render and one
+# sequential read of ``.metadata`` on one rank (``tools/bench/bench_scale.py``).
+#
+# Order and bounds. Rank 0 derives only after its file check found every listed file (RNG
+# files included) with its size: the world size a derivation evaluates is backed by files that
+# exist. The other ranks derive after the load's first round agreed that rank 0's rendering
+# matched (all derive alike from one manifest); one whose derivation fails reads ``.metadata``
+# itself (the same records, slower). Before any table is built the work is bounded:
+# :data:`MAX_LAYOUTS`, :data:`MAX_GRIDS`, :data:`MAX_COORDINATES` (world size x distinct
+# layouts), split factors whose product exceeds the world size refused (``_recipes.py``); boxes
+# and records are bounded by the bytes ``.metadata`` has (each takes at least
+# ``_CHUNK_BYTES`` / ``_RECORD_BYTES`` of it). A record beyond a bound is refused by name.
+#
+# Each rank's metadata then lists, per entry, only the saved boxes that overlap a box it loads
+# (:meth:`DerivedRecords.metadata`, by DCP's own overlap rule, so DCP plans the same read items
+# without testing every saved box of every entry: 405B at 16,384 ranks, 3.1 s instead of 8.9 s on
+# rank 0). Inspect and export read records the same way (:func:`metadata_of`). ``.metadata`` stays
+# in the checkpoint for DCP's own readers.
 
-DERIVED_VERSION = 1
+DERIVED_VERSION = 2
+"""2: the save-time values of ``.metadata`` recorded, the rendering compared (1: a digest of the
+records instead; such a checkpoint is read through ``.metadata``)."""
 MAX_LAYOUTS = 512
-"""Distinct layouts a derived load rebuilds at most (each one a table over every coordinate of its
-mesh: ~0.5 s and ~4 MB at 16,384 ranks; Llama-3 405B with AdamW state has a few dozen). A record
-with more is not derived (the load reads ``.metadata``): a few hundred bytes of a crafted manifest
-must not cost a rank hours."""
+"""Distinct layouts a derived load rebuilds at most (Llama-3 405B with AdamW state has a few dozen)."""
 MAX_GRIDS = 64
 """Distinct meshes, each decoded and checked over every rank."""
-
-
-def records_digest(entries: list[Entry], derivation: Derivation) -> str:
-    """A digest of every record ``.metadata`` lists: each entry's name and boxes (offsets, sizes) and
-    each box's writer, file, offset and length. What a derived load must reproduce exactly: the
-    recipes' digest covers what the layouts are built FROM, this one what they give (another
-    version of the layout algebra or of torch could give the same inputs other boxes)."""
-    rows = derivation.rows
-    assert rows.file is not None and rows.offset is not None
-    h = hashlib.blake2b(digest_size=16)
-    for column in (rows.writer, rows.file, rows.offset, rows.length):
-        h.update(column.numpy().tobytes())
-    seen: list[SpreadTable] = []
-    for entry in entries:
-        table = entry.table
-        number = next((i for i, t in enumerate(seen) if t is table), None)
-        if number is None:
-            number = len(seen)
-            seen.append(table)
-            h.update(b"T" + offsets_of(table).numpy().tobytes() + b"S" + _sizes(table).numpy().tobytes())
-        h.update(f"\0{entry.fqn}\0{number}\0{entry.properties is None}".encode())
-    return h.hexdigest()
+MAX_COORDINATES = 1 << 21
+"""Mesh coordinates a derived load evaluates at most over every distinct layout (world size x
+layouts, less the replicated dims): ~20 us and ~0.5 KB each, so at most ~40 s and ~1 GB per rank
+whatever a manifest says (16,384 ranks: 128 unreplicated layouts)."""
+_CHUNK_BYTES = 16
+"""Fewer bytes than any chunk takes in ``.metadata``'s head."""
+_RECORD_BYTES = 64
+"""Fewer bytes than any storage record takes in a streamed ``.metadata``."""
+_PIECE = 16 << 20
+"""Bytes of ``.metadata`` read per request while comparing."""
 
 
 def describe(
@@ -253,14 +299,20 @@ def describe(
     bytes_lengths: dict[str, int],
     threads: int,
     min_file_bytes: int,
-    derivation: Derivation,
+    planner_data: Any,
+    storage_meta: StorageMeta,
+    version: str,
 ) -> dict[str, Any] | None:
-    """``layout.derived`` for the manifest; None when some entry cannot be rebuilt (no recipe)."""
+    """``layout.derived`` for the manifest; None when some entry cannot be rebuilt (no recipe) or
+    ``.metadata`` holds a value the record cannot give again."""
     grids: dict[str, int] = {}
     grid_records: list[dict[str, Any]] = []
     recipes: dict[str, int] = {}
     recipe_records: list[Any] = []
     rows: list[list[Any]] = []
+    fqns = [e.fqn for e in entries]
+    if not isinstance(planner_data, dict) or list(planner_data) != fqns or not isinstance(storage_meta.checkpoint_id, str):
+        return None
     try:
         for entry in entries:
             spread = entry.spread
@@ -282,14 +334,21 @@ def describe(
     return {
         "version": DERIVED_VERSION,
         "digest": digest,
-        "records": records_digest(entries, derivation),
         "threads": threads,
         "min_file_bytes": min_file_bytes,
         "grids": grid_records,
         "recipes": recipe_records,
         "entries": rows,
         "bytes": {e.fqn: bytes_lengths.get(e.fqn, 0) for e in entries if e.properties is None},
+        "checkpoint_id": storage_meta.checkpoint_id,
+        "dcp_version": version,
+        "paths": {k: list(v) for k, v in planner_data.items() if tuple(v) != _path(k)},
     }
+
+
+def _path(fqn: str) -> tuple[str, ...]:
+    """DCP's flatten path of a key of shardbridge's two-level state dict (``model.a.b`` -> ``("model", "a.b")``)."""
+    return tuple(fqn.split(".", 1))
 
 
 @dataclass
@@ -299,6 +358,25 @@ class DerivedRecords:
     entries: list[Entry]
     derivation: Derivation
     digest: int
+    paths: dict[str, tuple[Any, ...]]
+    """Flatten paths that are not :func:`_path` of their key."""
+    checkpoint_id: str
+    version: str
+
+    def head(self) -> Metadata:
+        """``.metadata`` without its storage records, as the save wrote it."""
+        planner = {e.fqn: self.paths.get(e.fqn) or _path(e.fqn) for e in self.entries}
+        return head_metadata(self.entries, planner, StorageMeta(checkpoint_id=self.checkpoint_id), self.version)
+
+    def render(self, write: Callable[[bytes], Any]) -> None:
+        """``.metadata``'s bytes as the save streamed them, to ``write``."""
+        write_metadata(self.head(), *record_groups(self.entries, self.derivation), write)
+
+    def differs(self, stored: Stored) -> str | None:
+        """None when ``stored``'s ``.metadata`` is byte for byte :meth:`render`; else where they part."""
+        compare = _Compare(stored.backend, stored.file(DCP_METADATA_NAME))
+        self.render(compare.write)
+        return compare.verdict()
 
     def metadata(self, local: dict[str, Any] | None = None) -> Metadata:
         """``.metadata`` as the save wrote it: the head, and each record computed when looked up.
@@ -306,15 +384,54 @@ class DerivedRecords:
         ``local``: this rank's flattened state dict: each entry then lists only the saved boxes
         that overlap a box this rank loads (DCP's overlap rule: the same read items, without
         DCP's planner sorting and testing every saved box of every entry on every rank)."""
-        head = head_metadata(self.entries, None)
+        head = self.head()
         if local is not None:
             described = dict(head.state_dict_metadata)
             for entry in self.entries:
                 if entry.fqn in local and entry.properties is not None:
                     described[entry.fqn] = _narrowed(entry, described[entry.fqn], local[entry.fqn])
-            head = Metadata(state_dict_metadata=described)
+            head.state_dict_metadata = described
         head.storage_data = _DerivedStorage(self)  # type: ignore[assignment]
         return head
+
+
+class _Compare:
+    """A ``write`` target comparing what it is given with a file, read once, in order, ``_PIECE`` at a time."""
+
+    def __init__(self, backend: Any, path: str) -> None:
+        self.backend, self.path = backend, path
+        self.piece, self.pos, self.start = bytearray(), 0, 0  # the file's bytes from ``start``; compared up to ``pos``
+        self.first: str | None = None
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view) and self.first is None:
+            if self.pos == len(self.piece):
+                self.start += len(self.piece)
+                self.piece, self.pos = bytearray(_PIECE), 0
+                del self.piece[self.backend.read_into(self.path, self.start, memoryview(self.piece)) :]
+                if not self.piece:
+                    self.first = f"the file ends at byte {self.start}, before the rendering does"
+                    return
+            k = min(len(view), len(self.piece) - self.pos)
+            mine = self.piece[self.pos : self.pos + k]
+            if mine != view[:k]:
+                step = 4096
+                i = next(i for i in range(0, k, step) if mine[i : i + step] != view[i : i + step])
+                i = next(j for j in range(i, k) if mine[j] != view[j])
+                self.first = f"they first differ at byte {self.start + self.pos + i}"
+                return
+            self.pos += k
+            view = view[k:]
+
+    def verdict(self) -> str | None:
+        """None when the file held exactly what was written."""
+        if self.first is None and (
+            self.pos < len(self.piece)
+            or self.backend.read_into(self.path, self.start + len(self.piece), memoryview(bytearray(1)))
+        ):
+            self.first = "the file is longer than the rendering"
+        return self.first
 
 
 NARROW_FROM = 16
@@ -392,7 +509,8 @@ class _DerivedStorage(Mapping[MetadataIndex, Any]):
 def derive_load(layout: dict[str, Any], world_size: int, files: dict[str, dict[str, Any]]) -> DerivedRecords | None:
     """Every record of the checkpoint whose manifest has this ``layout``, ``world_size`` and
     ``files``, derived as its save derived them; None when they cannot be (the load reads
-    ``.metadata``). See [Note: derived loads]."""
+    ``.metadata``). Not yet shown to be ``.metadata``'s (:func:`checkpoint_records`). Call it
+    only once the listed files were found with their sizes. See [Note: derived loads]."""
     record = layout.get(DERIVED_KEY)
     if record is None:
         return None
@@ -401,11 +519,47 @@ def derive_load(layout: dict[str, Any], world_size: int, files: dict[str, dict[s
     except Exception as exc:  # noqa: BLE001 (any failure: the load reads .metadata, which is checked on its own)
         if _dist.rank() == 0:
             logger.warning(
-                "shardbridge.checkpoint: the manifest's layout.derived is not used (%s): this load reads .metadata "
-                "on rank 0 and broadcasts it, one collective more",
+                "shardbridge.checkpoint: the manifest's layout.derived is not used (%s); reading .metadata instead",
                 str(exc)[:300],
             )
         return None
+
+
+def declared_digest(layout: dict[str, Any]) -> int:
+    """The digest ``layout.derived`` says its spreads have (0: none)."""
+    record = layout.get(DERIVED_KEY)
+    digest = record.get("digest") if isinstance(record, dict) else None
+    return digest if type(digest) is int and 0 < digest < 1 << 62 else 0
+
+
+def checkpoint_records(stored: Stored, manifest: Manifest) -> DerivedRecords | None:
+    """The derived records of ``stored`` if they render its ``.metadata`` byte for byte, else None
+    (logged: read ``.metadata``). One rank's part of a load; inspect and export. See [Note: derived loads]."""
+    records = derive_load(manifest.layout, manifest.world_size, manifest.files) if manifest.files else None
+    if records is None:
+        return None
+    try:
+        why = records.differs(stored)
+    except OSError as exc:
+        why = f"it cannot be read: {exc}"
+    if why is None:
+        return records
+    logger.warning(
+        "shardbridge.checkpoint: %s: the manifest's layout.derived does not give %s's records (%s): reading %s "
+        "instead, which every other reader reads",
+        stored, DCP_METADATA_NAME, why, DCP_METADATA_NAME,
+    )  # fmt: skip
+    return None
+
+
+def metadata_of(stored: Stored, manifest: Manifest, *, data_files: bool = True) -> Metadata:
+    """``stored``'s ``.metadata``: from its derived records when they render it, else read (restricted reader).
+
+    ``data_files``: the caller found every listed file with its size (export); False (inspect):
+    the sizes are checked here first, and the records are read from ``.metadata`` alone if any differs."""
+    found = data_files or not check_files(stored, manifest, checksums=False)
+    records = checkpoint_records(stored, manifest) if found else None
+    return records.metadata() if records is not None else read_metadata(stored, data_files=data_files)
 
 
 def _derive_load(record: Any, world_size: int, files: dict[str, dict[str, Any]]) -> DerivedRecords:
@@ -415,10 +569,16 @@ def _derive_load(record: Any, world_size: int, files: dict[str, dict[str, Any]])
     rng_files = sum(1 for n in files if n.startswith("rng/"))
     if not data_files or rng_files != world_size:  # every rank wrote its RNG file: bounds what follows
         raise NotDerivable(f"the manifest lists {rng_files} RNG files for a world of {world_size}")
+    metadata_bytes = files.get(DCP_METADATA_NAME, {}).get("size", 0)
     digest, threads, min_file_bytes = (record.get(k) for k in ("digest", "threads", "min_file_bytes"))
     for name, value in (("digest", digest), ("threads", threads), ("min_file_bytes", min_file_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 1 << 62:
             raise NotDerivable(f"layout.derived.{name}={value!r}")
+    checkpoint_id, version, paths = record.get("checkpoint_id"), record.get("dcp_version"), record.get("paths")
+    if not (isinstance(checkpoint_id, str) and isinstance(version, str) and isinstance(paths, dict)) or not all(
+        isinstance(v, list) and 1 <= len(v) <= 16 and all(type(p) in (str, int) for p in v) for v in paths.values()
+    ):
+        raise NotDerivable("layout.derived.checkpoint_id / dcp_version / paths are not str / str / {key: path}")
     grid_records = _list(record.get("grids"))
     if len(grid_records) > MAX_GRIDS:
         raise NotDerivable(f"layout.derived has more than {MAX_GRIDS} meshes")
@@ -433,6 +593,7 @@ def _derive_load(record: Any, world_size: int, files: dict[str, dict[str, Any]])
     spreads: list[tuple[str, Spread]] = []
     sizes: list[Any] = []
     built: dict[tuple[Any, ...], Spread] = {}
+    coordinates: dict[tuple[Any, ...], int] = {}  # per table: the mesh coordinates it evaluates
     for ordinal, row in enumerate(_list(record.get("entries"))):
         if not isinstance(row, list) or len(row) != 6:
             raise NotDerivable(
@@ -452,6 +613,13 @@ def _derive_load(record: Any, world_size: int, files: dict[str, dict[str, Any]])
                 raise NotDerivable(f"layout.derived has more than {MAX_LAYOUTS} distinct layouts")
             properties = decode_properties(props)
             spread = built[key] = rebuild(recipes[r], grids[g], keep_empty=keep_empty, properties=properties)
+            shape = spread.grid.shape
+            coordinates[table_key(spread)] = math.prod(n for d, n in enumerate(shape) if d not in spread.fixed_dims)
+            if sum(coordinates.values()) > MAX_COORDINATES:
+                raise NotDerivable(
+                    f"layout.derived asks for more than {MAX_COORDINATES} mesh coordinates (world size {world_size} "
+                    f"x {len(coordinates)} layouts); a derived load evaluates at most that many"
+                )
         if (size is None) != (spread.properties is None) or (size is not None and not _valid_size(size)):
             raise NotDerivable(f"layout.derived.entries[{ordinal}]: size {size!r:.80}")
         spreads.append((fqn, spread))
@@ -459,9 +627,19 @@ def _derive_load(record: Any, world_size: int, files: dict[str, dict[str, Any]])
     if spreads_digest(spreads) != digest:
         raise NotDerivable("the rebuilt spreads are not the ones the save agreed on (digest)")
     # 2. their tables (the work: every coordinate of every distinct layout), checked, and the writers
+    budget, records = metadata_bytes // _CHUNK_BYTES, 0  # boxes, records: each takes bytes of .metadata
+    tables: dict[tuple[Any, ...], SpreadTable] = {}
+    for _, spread in spreads:
+        tk = table_key(spread)
+        if tk not in tables:
+            tables[tk] = spread_table(spread, limit=budget)
+            budget -= len(tables[tk].sizes)
+        records += len(tables[tk].sizes)
+    if budget < 0 or records > metadata_bytes // _RECORD_BYTES:
+        raise NotDerivable(f"layout.derived gives more boxes or records than the {metadata_bytes}-byte .metadata holds")
     entries: list[Entry] = []
     for ordinal, ((fqn, spread), size) in enumerate(zip(spreads, sizes)):
-        table = spread_table(spread)
+        table = tables[table_key(spread)]
         if size is not None:
             _check_covers(table, tuple(size), ordinal)
         is_bytes = spread.properties is None
@@ -470,13 +648,15 @@ def _derive_load(record: Any, world_size: int, files: dict[str, dict[str, Any]])
                   None if size is None else torch.Size(size))
         )  # fmt: skip
     derivation = derive(entries, only=None, bytes_lengths=lengths, threads=threads, min_file_bytes=min_file_bytes)
+    rows = derivation.rows
+    assert rows.offset is not None
+    if bool(((rows.offset < 0) | (rows.length < 0) | (rows.offset + rows.length < rows.offset)).any()):
+        raise NotDerivable("layout.derived lays records out past 2**63 bytes")
     derived = {data_file_name(w, f): size for (w, f), size in derivation.sizes.items()}
     if derived != data_files:
         wrong = sorted(set(derived) ^ set(data_files)) or [n for n in sorted(derived) if derived[n] != data_files[n]]
         raise NotDerivable(f"derived data files differ from the manifest's records (first: {wrong[0]})")
-    if records_digest(entries, derivation) != record.get("records"):
-        raise NotDerivable("the derived records are not the ones the save wrote (records digest)")
-    return DerivedRecords(entries, derivation, digest)
+    return DerivedRecords(entries, derivation, digest, {k: tuple(v) for k, v in paths.items()}, checkpoint_id, version)
 
 
 def _check_covers(table: SpreadTable, size: tuple[int, ...], ordinal: int) -> None:
@@ -488,7 +668,9 @@ def _check_covers(table: SpreadTable, size: tuple[int, ...], ordinal: int) -> No
     fault = None
     if table.offsets and offsets.shape[1] != len(size):
         fault = f"have {offsets.shape[1]} dims"
-    elif table.offsets and bool(((offsets < 0) | (offsets + sizes > torch.tensor(size, dtype=torch.int64))).any()):
+    elif table.offsets and bool(
+        ((offsets < 0) | (sizes < 0) | (offsets + sizes > torch.tensor(size, dtype=torch.int64))).any()
+    ):
         fault = "reach outside it"
     else:
         fault = coverage_fault(size, list(zip(table.offsets, table.sizes)))

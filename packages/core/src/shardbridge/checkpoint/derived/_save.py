@@ -47,14 +47,13 @@ from shardbridge.checkpoint.derived._records import (
     derive,
     describe,
     head_metadata,
-    offsets_of,
-    positions,
+    record_groups,
 )
 from shardbridge.checkpoint.derived._spread import Spread, matches_plan, spread_table, spreads_digest, writers
 from shardbridge.checkpoint.state._chunks import SavePlanner
 from shardbridge.checkpoint.storage._files import data_file_name
 from shardbridge.checkpoint.storage._metadata_stream import StorageGroup
-from shardbridge.checkpoint.storage._writer import RECORDS_KEY, RankFiles, Writer
+from shardbridge.checkpoint.storage._writer import DCP_VERSION, RECORDS_KEY, RankFiles, Writer
 
 __all__ = ["DerivedSave"]
 
@@ -151,35 +150,8 @@ def storage_groups(
     entries: list[Entry], derivation: Derivation, own: dict[int, list[WriteResult]]
 ) -> tuple[list[str], list[StorageGroup]]:
     """Every record for ``.metadata``: derived rows, except the ranks in ``own`` (their real records)."""
-    rows = derivation.rows
-    assert rows.file is not None and rows.offset is not None
-    files = max((f for _, f in derivation.sizes), default=0) + 1
-    pairs = sorted(derivation.sizes)
-    names = [data_file_name(w, f) for w, f in pairs]
-    keys = torch.tensor([w * files + f for w, f in pairs], dtype=torch.int64)  # ascending, as pairs
-    name = torch.searchsorted(keys, rows.writer * files + rows.file)  # each row's position in names
-    skip = torch.tensor(sorted(own), dtype=torch.int64)
-    keep = ~torch.isin(rows.writer, skip) if len(own) else None
-    groups = []
-    for entry, (start, count) in zip(entries, derivation.entry_rows):
-        sl = slice(start, start + count)
-        tensor = entry.properties is not None
-        offsets = offsets_of(entry.table) if tensor else None
-        index = positions(count) if tensor else None
-        group = StorageGroup(entry.fqn, offsets, index, name[sl], rows.offset[sl], rows.length[sl])
-        if keep is not None:
-            k = keep[sl]
-            group = StorageGroup(
-                entry.fqn,
-                None if offsets is None else offsets[k],
-                None if index is None else index[k],
-                group.name[k],
-                group.offset[k],
-                group.length[k],
-            )
-        groups.append(group)
-    groups += _real_groups(entries, own, names)
-    return names, groups
+    names, groups = record_groups(entries, derivation, sorted(own))
+    return names, groups + _real_groups(entries, own, names)
 
 
 def _real_groups(entries: list[Entry], own: dict[int, list[WriteResult]], names: list[str]) -> list[StorageGroup]:
@@ -281,7 +253,8 @@ class DerivedSave:
             # every record as the rules say: a load can derive them too ([Note: derived loads])
             recipe = None
             if not own:
-                recipe = describe(entries, local.digest, state["bytes_lengths"], threads, min_file_bytes, derivation)
+                recipe = describe(entries, local.digest, state["bytes_lengths"], threads, min_file_bytes,
+                                  local.plan.planner_data, writer.storage_meta(), DCP_VERSION)  # fmt: skip
             writer.finish_stream(head, names, groups, [part[0] for part in parts], derived=recipe)
 
         _dist.gather_reduce(write, finish, small=True, last=True)  # the save's last round

@@ -52,6 +52,7 @@ __all__ = [
     "matches_plan",
     "spread_table",
     "spreads_digest",
+    "table_key",
     "writers",
 ]
 
@@ -206,24 +207,29 @@ _TABLES: dict[tuple[Any, ...], SpreadTable] = {}
 _MAX_TABLES = 4096
 
 
-def spread_table(spread: Spread) -> SpreadTable:
-    """Every distinct box of ``spread`` and its holders, computed once per ``(key, grid)``.
+def table_key(spread: Spread) -> tuple[Any, ...]:
+    """What a spread's table depends on: equal keys, equal tables."""
+    return (spread.key, spread.grid.digest, spread.fixed_dims, spread.keep_empty)
+
+
+def spread_table(spread: Spread, *, limit: int | None = None) -> SpreadTable:
+    """Every distinct box of ``spread`` and its holders, computed once per :func:`table_key`.
 
     Raises:
-        NotDerivable: two coordinates describe different boxes at the same offsets, or the
-            boxes do not have the same number of holders.
+        NotDerivable: two coordinates describe different boxes at the same offsets, the boxes
+            do not have the same number of holders, or there are more than ``limit`` of them.
     """
-    cache_key = (spread.key, spread.grid.digest, spread.fixed_dims, spread.keep_empty)
+    cache_key = table_key(spread)
     table = _TABLES.get(cache_key)
     if table is None:
-        table = _build_table(spread)
+        table = _build_table(spread, limit)
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
         _TABLES[cache_key] = table
     return table
 
 
-def _build_table(spread: Spread) -> SpreadTable:
+def _build_table(spread: Spread, limit: int | None) -> SpreadTable:
     shape = spread.grid.shape
     free_dims = [d for d in range(len(shape)) if d not in spread.fixed_dims]
     fixed_dims = [d for d in range(len(shape)) if d in spread.fixed_dims]
@@ -258,6 +264,8 @@ def _build_table(spread: Spread) -> SpreadTable:
                 rows[u].append(row)
             held.append(u)
         at[tuple(coordinate)] = tuple(held)
+        if limit is not None and len(offsets) > limit:
+            raise NotDerivable(f"{spread.key}: more than {limit} boxes")
     counts = {len(r) for r in rows}
     if len(counts) > 1:
         raise NotDerivable(f"{spread.key}: boxes held by different numbers of ranks")

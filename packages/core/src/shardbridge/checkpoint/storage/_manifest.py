@@ -67,6 +67,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from shardbridge._json import MAX_DEPTH
+from shardbridge._json import loads as bounded_json
 from shardbridge.checkpoint.storage._destination import write_file
 
 if TYPE_CHECKING:
@@ -164,7 +166,7 @@ class Manifest:
     def from_json(cls, text: str, where: str) -> Manifest:
         """Parse and validate; ValueError naming ``where`` and what is wrong."""
         try:
-            data = json.loads(text)
+            data = bounded_json(text, where)  # [Note: bounded structure]
         except json.JSONDecodeError as exc:
             raise ValueError(
                 f"{where} is not valid JSON ({exc}); the save that wrote it did not finish. "
@@ -367,11 +369,15 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def check_json_extra(extra: Any, where: str = "extra") -> None:
+_EXTRA_DEPTH = MAX_DEPTH - 1  # the manifest holds ``extra`` one level down
+
+
+def check_json_extra(extra: Any, where: str = "extra", *, level: int = 1) -> None:
     """Raise ValueError naming the first key of ``extra`` that JSON cannot hold exactly.
 
     Allowed: dict with str keys, list, tuple (stored as a list), str, int, finite float,
-    bool, None.
+    bool, None; dicts and lists nested at most 63 deep (``level``: how deep ``extra`` sits, 1 for
+    the user's dict), as readers of a manifest take 64 levels ([Note: bounded structure] in ``_json.py``).
 
     Example:
         >>> check_json_extra({"lr": 0.1, "tags": ["a"]})
@@ -381,14 +387,19 @@ def check_json_extra(extra: Any, where: str = "extra") -> None:
         ValueError: extra['bad'] is a set, which JSON cannot store; pass only dict/list/str/int/float/bool/None (e.g. convert tensors with .tolist())
     """
     fix = "pass only dict/list/str/int/float/bool/None (e.g. convert tensors with .tolist())"
+    if isinstance(extra, (dict, list, tuple)) and level > _EXTRA_DEPTH:  # [Note: bounded structure]
+        raise ValueError(
+            f"{where} nests dicts and lists more than {_EXTRA_DEPTH} deep, more than a manifest's reader takes "
+            f"({MAX_DEPTH} levels with the manifest's own); flatten it"
+        )
     if isinstance(extra, dict):
         for key, value in extra.items():
             if not isinstance(key, str):
                 raise ValueError(f"{where} has a key {key!r} of type {type(key).__name__}; JSON keys must be str")
-            check_json_extra(value, f"{where}[{key!r}]")
+            check_json_extra(value, f"{where}[{key!r}]", level=level + 1)
     elif isinstance(extra, (list, tuple)):
         for i, value in enumerate(extra):
-            check_json_extra(value, f"{where}[{i}]")
+            check_json_extra(value, f"{where}[{i}]", level=level + 1)
     elif isinstance(extra, float):
         if extra != extra or extra in (float("inf"), float("-inf")):
             raise ValueError(f"{where} is {extra}, which strict JSON cannot store; {fix}")

@@ -158,11 +158,90 @@ _ADMITTED: dict[tuple[str, str], Any] = {
 """(module, name) a ``.metadata`` pickle may reference -> the object it gets instead."""
 
 
+MAX_DEPTH = 32
+"""Nesting of any object a ``.metadata`` pickle builds (DCP's own: 7)."""
+MAX_TUPLE = 1024
+"""Elements of a tuple, those of the tuples inside it included (DCP's own: a ``torch.Size`` and
+its arguments, a flatten path, a ``TensorProperties`` state: a few dozen at most)."""
+_NESTS = frozenset({tuple, torch.Size, list, dict, PurePosixPath, PureWindowsPath, *_DCP_CLASSES})
+"""The types (exactly) of what an admitted pickle builds that holds other objects."""
+_MARK = -1
+_BUILDING = {  # opcode -> (objects it takes from the stack, _MARK: those since the mark; whether they go INTO the one below)
+    pickle.TUPLE1: (1, False), pickle.TUPLE2: (2, False), pickle.TUPLE3: (3, False), pickle.TUPLE: (_MARK, False),
+    pickle.LIST: (_MARK, False), pickle.DICT: (_MARK, False),
+    pickle.REDUCE: (2, False), pickle.NEWOBJ: (2, False), pickle.NEWOBJ_EX: (3, False),
+    pickle.APPEND: (1, True), pickle.APPENDS: (_MARK, True), pickle.SETITEM: (2, True), pickle.SETITEMS: (_MARK, True),
+    pickle.BUILD: (1, True),
+}  # fmt: skip
+_CALLS = (pickle.REDUCE[0], pickle.NEWOBJ[0], pickle.NEWOBJ_EX[0])  # the arguments' contents become the object's
+_BUILD_OP, _REDUCE_OP = pickle.BUILD[0], pickle.REDUCE[0]
+_EMPTY = ()
+_INDEX_FIELDS = frozenset({"fqn", "offset", "index"})
+_NEVER = {  # opcodes DCP metadata never uses, and why they are refused
+    pickle.EXT1: "a pickle extension code (copyreg's cache hands out objects without find_class)",
+    pickle.EXT2: "a pickle extension code (copyreg's cache hands out objects without find_class)",
+    pickle.EXT4: "a pickle extension code (copyreg's cache hands out objects without find_class)",
+    pickle.DUP: "DUP (one object twice on the stack)",
+    pickle.OBJ: "protocol 0/1 object calls", pickle.INST: "protocol 0/1 object calls",
+    pickle.EMPTY_SET: "a set", pickle.ADDITEMS: "a set", pickle.FROZENSET: "a frozenset",
+}  # fmt: skip
+
+
+def _flat_index(fqn: Any = None, offset: Any = None, index: Any = None) -> bool:
+    """Whether these are a ``MetadataIndex``'s fields as DCP writes them (nothing nested to hash)."""
+    return (
+        type(fqn) is str
+        and (offset is None or type(offset) is torch.Size or (type(offset) is tuple and all(type(v) is int for v in offset)))
+        and type(index) in (int, type(None))
+    )
+
+
+_ARGUMENTS = {
+    MetadataIndex: _flat_index,
+    _MEM_FORMAT_ENCODING: lambda value=None, *rest: type(value) in (int, str) and not rest,
+}
+"""Admitted callables whose arguments are hashed or formatted into an error: what they may be given."""
+
+
+def _show(value: Any) -> str:
+    """``value`` from an untrusted file, shown without walking it (no repr of a structure)."""
+    if type(value) is str:
+        return repr(value[:80]) + ("..." if len(value) > 80 else "")
+    if type(value) is int:
+        return repr(value) if abs(value) < 1 << 64 else f"a {value.bit_length()}-bit int"
+    if value is None or type(value) in (bool, float) or isinstance(value, (torch.dtype, torch.layout)):
+        return repr(value)
+    if type(value) in (tuple, torch.Size) and len(value) <= 16 and all(type(v) is int and abs(v) < 1 << 64 for v in value):
+        return repr(tuple(value))
+    return f"a {type(value).__name__}"
+
+
+class _Memo(dict):
+    """The unpickler's memo, keeping what a reused slot held alive (so that no id is reused while it loads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replaced: list[Any] = []
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key in self:
+            self.replaced.append(self[key])
+        super().__setitem__(key, value)
+
+
+def _hook(original: Callable[[Any], None], method: Callable[..., None], *args: Any) -> Callable[[Any], None]:
+    """An unpickler opcode handler: ``method(self, original, *args)``."""
+    return lambda self: method(self, original, *args)
+
+
 class MetadataUnpickler(_PyUnpickler):
-    """Unpickles DCP metadata admitting only the globals in :data:`_ADMITTED`.
+    """Unpickles DCP metadata admitting only the globals in :data:`_ADMITTED`, bounded in structure.
 
     See [Note: untrusted checkpoints]. Every refusal raises :class:`UntrustedCheckpointError`
-    naming ``where`` before anything the pickle names is called.
+    naming ``where`` before anything the pickle names is called. Every object's nesting depth
+    (:data:`MAX_DEPTH`) and every tuple's size (:data:`MAX_TUPLE`) are counted as the stack
+    builds them, so nothing recursive in C (a hash, a comparison, a repr) ever meets an
+    unbounded structure: [Note: bounded structure].
     """
 
     dispatch = dict(_PyUnpickler.dispatch)
@@ -170,13 +249,18 @@ class MetadataUnpickler(_PyUnpickler):
     def __init__(self, file: Any, *, where: str) -> None:
         super().__init__(file)
         self._where = where
+        self._nested: dict[int, tuple[int, int]] = {}  # id -> (depth, tuple size): on the stack, holding nests
+        self._kept: dict[int, tuple[int, int]] = {}  # the same, every memoized object (the memo keeps it alive)
+        self._closed: set[int] = set()  # memoized objects another one took: never changed again
+        self.memo = _Memo()
 
     def find_class(self, module: str, name: str) -> Any:
         try:
             return _ADMITTED[(module, name)]
         except (KeyError, TypeError):
             raise UntrustedCheckpointError(
-                f"{self._where} references pickle global '{module}.{name}', which DCP metadata never holds: {_REFUSED}"
+                f"{self._where} references pickle global '{_show(module)[1:-1]}.{_show(name)[1:-1]}', which DCP "
+                f"metadata never holds: {_REFUSED}"
             ) from None
 
     def persistent_load(self, pid: Any) -> Any:
@@ -184,25 +268,83 @@ class MetadataUnpickler(_PyUnpickler):
             f"{self._where} holds a pickle persistent id, which DCP metadata never holds: {_REFUSED}"
         )
 
-    def _load_build(self) -> None:
-        target = self.stack[-2] if len(self.stack) >= 2 else None
+    def _refuse(self, what: str) -> UntrustedCheckpointError:
+        return UntrustedCheckpointError(f"{self._where} {what}, which DCP metadata never does: {_REFUSED}")
+
+    def _build(self, original: Callable[[Any], None], op: int, count: int, into: bool) -> None:
+        """Run ``op``, counting the depth and tuple size of what it builds, never recursing.
+
+        Objects holding nothing nested cost no bookkeeping; ``_nested`` keeps the others while
+        they are on the stack, ``_kept`` every memoized one. A memoized object is closed once
+        something took it (``_closed``): it may be referenced again, never changed, so no depth
+        counted for a holder goes stale."""
+        stack = self.stack
+        taken = stack if count == _MARK else stack[len(stack) - count :]
+        nested = [x for x in taken if type(x) in _NESTS and x is not _EMPTY]
+        if op == _BUILD_OP:
+            self._check_build(stack[-2] if len(stack) >= 2 else None, stack[-1] if stack else None)
+        elif op == _REDUCE_OP and len(stack) >= 2 and (stack[-2] is MetadataIndex or stack[-2] is _MEM_FORMAT_ENCODING):
+            if not (type(stack[-1]) is tuple and _ARGUMENTS[stack[-2]](*stack[-1])):  # they hash / format them
+                raise self._refuse(f"calls {stack[-2].__name__} with {_show(stack[-1])}")
+        original(self)
+        top = self.stack[-1]
+        key = id(top)
+        if into and key in self._closed:
+            raise self._refuse("changes an object after another took it")
+        if not nested:
+            return
+        kept, inner = self._kept, []
+        for x in nested:  # taken: off the stack
+            k = id(x)
+            hit = self._nested.pop(k, None)
+            if k in kept:
+                self._closed.add(k)
+                hit = hit or kept[k]
+            inner.append(hit or (1, len(x) if type(x) is tuple else 0))
+        if type(top) is torch.Size:  # ints only
+            return
+        depth, size = max(inner)[0] + (op not in _CALLS), 0
+        if type(top) is tuple:
+            size = len(top) + sum(n for _, n in inner)
+        if into:
+            depth = max(depth, (self._nested.get(key) or kept.get(key) or (1, 0))[0])
+        if depth > MAX_DEPTH or size > MAX_TUPLE:
+            what = f"nests objects {depth} deep (at most {MAX_DEPTH})" if depth > MAX_DEPTH else (
+                f"builds a tuple of {size} elements (at most {MAX_TUPLE})")  # fmt: skip
+            raise UntrustedCheckpointError(f"{self._where} {what}, beyond what DCP metadata holds: {_REFUSED}")
+        self._nested[key] = (depth, size)
+        if key in kept:
+            kept[key] = (depth, size)
+
+    def _memo_put(self, original: Callable[[Any], None]) -> None:
+        original(self)
+        top = self.stack[-1]
+        if type(top) in _NESTS:  # kept alive by the memo: its id stays its own
+            self._kept[id(top)] = self._nested.get(id(top)) or (1, len(top) if isinstance(top, tuple) else 0)
+
+    def _never(self, why: str) -> None:
+        raise self._refuse(f"uses {why}")
+
+    def _check_build(self, target: Any, state: Any) -> None:
         if isinstance(target, type) or not isinstance(target, _DCP_CLASSES):
-            raise UntrustedCheckpointError(
-                f"{self._where} sets the state of a {type(target).__name__} object "
-                f"({target!r:.60}), which DCP metadata never does: {_REFUSED}"
-            )
-        _PyUnpickler.load_build(self)
+            raise self._refuse(f"sets the state of a {type(target).__name__} object ({_show(target)})")
+        if type(target) is MetadataIndex:  # the one hashable class: its hash walks its fields
+            ok = type(state) is dict and state.keys() <= _INDEX_FIELDS and _flat_index(**state)
+        elif type(target) is TensorProperties:  # its __setstate__ formats what it does not know into an error
+            kinds = (torch.dtype, torch.layout, bool, _MEM_FORMAT_ENCODING, bool)
+            ok = type(state) is tuple and len(state) == 5 and all(isinstance(v, k) for v, k in zip(state, kinds))
+        else:
+            ok = True
+        if not ok:
+            raise self._refuse(f"gives a {type(target).__name__} the state {_show(state)}")
 
-    def _load_extension(self) -> None:
-        # copyreg's extension cache would hand out objects without find_class.
-        raise UntrustedCheckpointError(
-            f"{self._where} uses a pickle extension code, which DCP metadata never does: {_REFUSED}"
-        )
-
-    dispatch[pickle.BUILD[0]] = _load_build
-    for _opcode in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
-        dispatch[_opcode[0]] = _load_extension
-    del _opcode
+    for _op, (_count, _into) in _BUILDING.items():
+        dispatch[_op[0]] = _hook(_PyUnpickler.dispatch[_op[0]], _build, _op[0], _count, _into)
+    for _op in (pickle.PUT, pickle.BINPUT, pickle.LONG_BINPUT, pickle.MEMOIZE):
+        dispatch[_op[0]] = _hook(_PyUnpickler.dispatch[_op[0]], _memo_put)
+    for _op, _why in _NEVER.items():
+        dispatch[_op[0]] = lambda self, why=_why: self._never(why)
+    del _op, _count, _into, _why
 
 
 def read_metadata(
@@ -243,18 +385,6 @@ def read_metadata(
         data = stored.backend.read_bytes(stored.file(_DCP_METADATA_NAME))
     except (FileNotFoundError, IsADirectoryError):
         raise ValueError(f"{where} does not exist; the checkpoint is damaged") from None
-    if select is None:  # [Note: reading a streamed .metadata]: the same checks, as tensor operations
-        from shardbridge.checkpoint.storage._metadata_stream import check_records, read_streamed
-
-        fast = read_streamed(
-            data,
-            lambda head: MetadataUnpickler(io.BytesIO(head), where=where).load(),
-            lambda head: _check_metadata(head, None, where, records_checked=True),
-        )
-        if fast is not None:
-            sizes = (lambda: _file_sizes(stored)) if data_files else None
-            if check_records(fast[0], fast[1], sizes):
-                return fast[0]
     try:
         metadata = MetadataUnpickler(io.BytesIO(data), where=where).load()
     except UntrustedCheckpointError:
@@ -329,13 +459,10 @@ def _file_sizes(stored: Stored) -> dict[str, int]:
     return {n: e.size for n, e in stored.backend.listing(stored.data).items() if e.regular}
 
 
-def _check_metadata(
-    md: Any, files: Stored | str | os.PathLike[str] | None, where: str, *, records_checked: bool = False
-) -> None:
+def _check_metadata(md: Any, files: Stored | str | os.PathLike[str] | None, where: str) -> None:
     """The structure DCP writes; see [Note: untrusted checkpoints].
 
     ``files``: the checkpoint whose data files must hold every item (None: not checked).
-    ``records_checked``: the storage records were checked already (``check_records``).
     """
     if type(md) is not Metadata:
         raise _refuse(where, f"holds a {type(md).__name__} instead of DCP Metadata")
@@ -367,8 +494,7 @@ def _check_metadata(
         raise _refuse(where, f"holds storage_meta of type {type(md.storage_meta).__name__}")
     if md.version is not None and not isinstance(md.version, str):
         raise _refuse(where, f"holds version {md.version!r}")
-    if not records_checked:
-        _check_storage(md, None if files is None else _stored(files), where)
+    _check_storage(md, None if files is None else _stored(files), where)
 
 
 def _check_tensor_entry(key: str, entry: TensorStorageMetadata, where: str) -> None:
