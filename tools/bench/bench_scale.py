@@ -64,7 +64,8 @@ import torch.distributed.checkpoint as dcp
 from shardbridge._compat import DCPStorageInfo, fake_store, flatten_state_dict
 from shardbridge._mesh import ParallelDims
 from shardbridge.checkpoint import _dist, _load, _save
-from shardbridge.checkpoint.derived import DerivedSave
+from shardbridge.checkpoint._verify import hash_share
+from shardbridge.checkpoint.derived import DerivedSave, derive_load
 from shardbridge.checkpoint.derived._layouts import placement_spread
 from shardbridge.checkpoint.derived._records import derive
 from shardbridge.checkpoint.derived._save import _coordinate
@@ -901,10 +902,11 @@ class _Reader(StorageReader):
 def shardbridge_load(model: Model, checkpoint: Path, *, backend: str = "gloo", latest: bool = False) -> Result:
     """Rank 0 of ``load(checkpoint)`` with ``verify=True`` (the default), ``_load``'s rounds: round 1
     is ``_load._open`` itself (the arguments; the manifest, which every rank reads; rank 0's
-    listing of the checkpoint and its check of every file's size; this rank's share of the
-    checksums, ``_verify._share``; every storage record derived from the manifest, [Note:
-    derived loads]), agreeing that every rank derived them (no rank reads ``.metadata``); each
-    rank plans alone (``dcp.load(no_dist=True)``); round 2 agrees that every rank read.
+    listing of the checkpoint and its check of every file's size; every storage record derived
+    from the manifest and, on rank 0, ``.metadata`` rendered from them and compared byte for byte,
+    [Note: derived loads]), agreeing on the derivation (no rank unpickles ``.metadata``); this
+    rank's share of the checksums (``_verify.hash_share``); each rank plans alone
+    (``dcp.load(no_dist=True)``); round 2 agrees that every rank read.
 
     Not hashed: a rank hashes its share of the checkpoint's bytes at the disk's speed, the same
     per byte at any world size; ``Result.hashed_bytes`` counts rank 0's share. ``latest``:
@@ -926,13 +928,18 @@ def shardbridge_load(model: Model, checkpoint: Path, *, backend: str = "gloo", l
         if latest:
             checkpoint = _dist.broadcast_from_rank0(newest(checkpoint.parent) if _dist.rank() == 0 else None)
         where = locate(checkpoint)
-        kwargs = {"optimizer": None, "strict": True, "rng": True, "provider": None, "verify": True, "skip_damaged": latest}
-        (_, _, opened, records), intact, agreed = _dist.one_round(
+        kwargs = {"model": nn.Module(), "optimizer": None, "strict": True, "rng": True, "provider": None,
+                  "verify": True, "skip_damaged": latest}  # fmt: skip
+        (_, _, opened, expected), intact, agreed = _dist.one_round(
             _load._open, (where,), kwargs, same=("shardbridge.checkpoint.load", {"path": str(checkpoint)}),
-            all_of=lambda opened: not opened[2][0], agree=lambda opened: 0 if opened[3] is None else opened[3].digest,
+            all_of=lambda opened: not opened[2][0], agree=lambda opened: opened[3],
         )  # fmt: skip
-        if not (intact and agreed and records is not None):
+        if not (intact and agreed and expected):
             raise RuntimeError(f"{checkpoint}: the load found {opened[0]} or could not derive its records")
+        # rank 0 rendered .metadata from the derivation and compared it in round 1; the others derive now
+        records = opened[1] if _dist.rank() == 0 else derive_load(manifest.layout, manifest.world_size, manifest.files)
+        # this rank's share of the checksums, hashed in the pass that reads the files (not here)
+        hashed[0] = sum(r["size"] for r in hash_share(manifest.files, _dist.rank(), _dist.world_size()).values())
         state = model.load_state(0)
         reader = _Reader(records.metadata(local=flatten_state_dict(state)[0]))  # as _load's _read_state
         _dist.on_all_ranks(lambda: dcp.load(state, storage_reader=reader, planner=LoadPlanner(), no_dist=True))

@@ -164,5 +164,5 @@ def use_server(env: dict[str, str]) -> None:
 
 def served(log: str) -> list[str]:
     """Every HTTP request a server's log (:attr:`S3Server.log`) shows answered: ``"GET /bucket/key"``."""
-    with open(log, encoding="utf-8", errors="replace") as f:
-        return re.findall(r'"([A-Z]+ /[^ ?"]*)', f.read())
+    with open(log, encoding="utf-8", errors="replace") as f:  # werkzeug colours some lines (ANSI escapes)
+        return re.findall(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+ /[^ ?"\x1b]*)', f.read())
