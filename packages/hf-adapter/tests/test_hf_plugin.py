@@ -99,10 +99,11 @@ def test_worker_without_a_target_exits_2(capsys):
 
 
 def test_the_worker_module_installs_the_plugin_and_passes_the_exit_status_through(tmp_path):
-    """``python -m shardbridge_hf._plugin SCRIPT`` as a worker of `shardbridge launch` runs it (one subprocess)."""
+    """``python -m shardbridge_hf._worker SCRIPT`` as a worker of `shardbridge launch` runs it (one subprocess)."""
     (tmp_path / "probe.py").write_text(_PROBE + "sys.exit(7 if RESULT['class'] == 'ShardbridgeAccelerator' else 3)\n")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(
         [sys.executable, "-m", _plugin.WORKER_MODULE, "probe.py"], env=env, cwd=tmp_path, capture_output=True, timeout=300
     )
     assert run.returncode == 7, run.stderr[-3000:]
+    assert b"RuntimeWarning" not in run.stderr, run.stderr[-3000:]  # runpy's: a module run twice

@@ -3,7 +3,7 @@
 ::
 
     shardbridge launch --config_file cfg.yaml train.py ARGS       # each worker runs:
-    python -m shardbridge_hf._plugin train.py ARGS                # install(), then train.py as __main__
+    python -m shardbridge_hf._worker train.py ARGS                # install(), then train.py as __main__
 
 [Note: the Accelerate plugin]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -12,7 +12,7 @@ Accelerate has no plugin entry points: its launcher and its workers run no third
 ``accelerate.Accelerator(**args)`` in ``create_accelerator_and_postprocess``. The only way an
 unmodified script trains under shardbridge is that the name ``accelerate.Accelerator`` means
 :class:`~shardbridge_hf.ShardbridgeAccelerator` in its process before the script imports it. So
-``shardbridge launch`` starts each worker as ``python -m shardbridge_hf._plugin SCRIPT ARGS``
+``shardbridge launch`` starts each worker as ``python -m shardbridge_hf._worker SCRIPT ARGS``
 (``--run-module MODULE ARGS`` for ``shardbridge launch -m MODULE``), which
 
 1. installs the plugin (:func:`install`): ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator``
@@ -45,7 +45,7 @@ from shardbridge_hf import _patches
 
 __all__ = ["RUN_MODULE", "WORKER_MODULE", "Plugin", "install", "installed", "main", "route_workers", "run_target"]
 
-WORKER_MODULE = "shardbridge_hf._plugin"
+WORKER_MODULE = "shardbridge_hf._worker"
 """What ``shardbridge launch`` runs in each worker (``python -m`` this)."""
 
 RUN_MODULE = "--run-module"
@@ -105,8 +105,8 @@ def install() -> Plugin:
 def route_workers(args: Any) -> None:
     """Make ``accelerate launch``'s arguments start each worker through :func:`main`. See [Note: the Accelerate plugin].
 
-    ``SCRIPT ARGS`` becomes ``-m shardbridge_hf._plugin SCRIPT ARGS`` (``-m MODULE ARGS`` becomes
-    ``-m shardbridge_hf._plugin --run-module MODULE ARGS``). No wrap policy reaches the workers
+    ``SCRIPT ARGS`` becomes ``-m shardbridge_hf._worker SCRIPT ARGS`` (``-m MODULE ARGS`` becomes
+    ``-m shardbridge_hf._worker --run-module MODULE ARGS``). No wrap policy reaches the workers
     (``ShardbridgeAccelerator`` wraps by itself), the launch guard included ([Note: a file for
     shardbridge launch only] in ``_launch.py``).
 
@@ -115,7 +115,7 @@ def route_workers(args: Any) -> None:
     """
     if getattr(args, "no_python", False):
         raise ValueError(
-            "--no_python: shardbridge launch starts each worker as `python -m shardbridge_hf._plugin SCRIPT`, which "
+            "--no_python: shardbridge launch starts each worker as `python -m shardbridge_hf._worker SCRIPT`, which "
             "installs the Accelerate plugin before the script runs; launch a Python script (or -m MODULE) instead"
         )
     # Accelerate copies the file's fsdp_config into the arguments it was not given on the command
@@ -179,7 +179,3 @@ def run_target(argv: Sequence[str]) -> None:
         return
     sys.path[0] = os.path.dirname(os.path.abspath(target))
     runpy.run_path(target, run_name="__main__")
-
-
-if __name__ == "__main__":
-    main()
