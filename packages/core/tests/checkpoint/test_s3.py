@@ -146,6 +146,23 @@ def _count_reads(env: dict[str, str], uri: str):
     return len(reads), sum(end - start for _, _, start, end in reads), model.weight.full_tensor()
 
 
+def test_a_derived_load_on_s3_uses_the_derivation_and_reads_metadata_once(s3_server, s3_root, caplog):
+    """[Note: derived loads]: rank 0 renders ``.metadata`` from the manifest and compares it with the
+    object. The comparison once read one byte past the object's end to find it; S3 answers that with
+    416, and every object-store load fell back to unpickling ``.metadata`` (a warning, one GET more)."""
+    torch.manual_seed(0)
+    source = nn.Linear(64, 256, bias=False)
+    uri = ck.save(ck.step_dir(s3_root, 1), model=source)
+    target = nn.Linear(64, 256, bias=False)
+    before = len(s3_server.requests())
+    with caplog.at_level("WARNING", logger="shardbridge.checkpoint"):
+        ck.load(uri, model=target, rng=False, verify=False)  # verify=True: its hashing rank reads it whole too
+    assert "does not give" not in caplog.text, caplog.text
+    assert torch.equal(target.weight, source.weight)
+    served = s3_server.requests()[before:]
+    assert sum(r.startswith("GET ") and r.endswith("/.metadata") for r in served) == 1, served
+
+
 def test_a_reshard_fetches_the_rows_each_rank_needs(s3_server, s3_root):
     """Bounded bytes and requests: each of 4 ranks fetches its quarter of the 16 MiB record, its zip
     head, and at most ``REMOTE_GAP`` bytes it does not need (a gap cheaper to read through than to
