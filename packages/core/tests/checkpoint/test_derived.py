@@ -723,3 +723,75 @@ def test_a_forged_65536_rank_manifest_costs_a_load_seconds(tmp_path):
     seconds, peak = time.process_time() - start, tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert seconds < 20 and peak < 256 << 20, (seconds, peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+@pytest.mark.skipif(not FULL, reason="131,072 files, ~60 s: SHARDBRIDGE_TRUST=all (nox -s trust)")
+def test_a_forged_65536_rank_manifest_with_its_files_costs_a_load_seconds(tmp_path, monkeypatch):
+    # Issue 42.4, the attacker who also writes every file the forged manifest lists: 65,536 RNG files
+    # and the 65,536 data files the derivation expects, a .metadata long enough for its records, the
+    # manifest resealed. The derivation then runs to the end, over as many layouts as the bound lets
+    # through (MAX_COORDINATES); its rendering parts from .metadata at once, so the load reads the
+    # stored .metadata and gets the saved values. Bounded: seconds of CPU, bounded memory.
+    import time
+    import tracemalloc
+
+    from shardbridge.checkpoint.derived import _records
+    from shardbridge.checkpoint.storage import _manifest
+    from shardbridge.testing._hostile import forge_derived, reseal
+
+    world = 1 << 16
+    layouts = _records.MAX_COORDINATES // world
+    saved = torch.nn.Linear(2, 2, bias=False)  # its file is smaller than rank 0's forged one
+    path = ck.save(tmp_path / "c", model=saved, step=1)
+    manifest = path / _manifest.MANIFEST_NAME
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**data, "world_size": world}))
+    shapes = [[world * (n + 1)] for n in range(layouts)]
+
+    def layouts_over_every_rank(record):
+        record["grids"] = [{"shape": [1, world], "ranks": [[0, 1, world]]}]
+        record["recipes"] = [["placement", {"shape": s, "placements": ["Shard(dim=0)"], "rule": "dcp", "multi": False}] for s in shapes]
+        record["entries"] = [[f"model.e{n}", 0, n, True, ["torch.float32", False], s] for n, s in enumerate(shapes)]
+
+    forge_derived(path, layouts_over_every_rank)
+    rng = (path / "rng" / "rank-00000.pt").read_bytes()
+    for r in range(1, world):
+        (path / "rng" / f"rank-{r:05d}.pt").write_bytes(rng)
+    data = json.loads(manifest.read_text())
+    data["files"].update({f"rng/rank-{r:05d}.pt": {} for r in range(1, world)})
+    # the data files the derivation lays out, learnt as an attacker would: by running it
+    sizes = {}
+    real_derive = _records.derive
+    monkeypatch.setattr(_records, "derive", lambda *a, **k: sizes.update((d := real_derive(*a, **k)).sizes) or d)
+    with pytest.raises(NotDerivable, match="data files differ"):
+        _records._derive_load(data["layout"][_manifest.DERIVED_KEY], world, {**data["files"], ".metadata": {"size": 1 << 40}})
+    monkeypatch.setattr(_records, "derive", real_derive)
+    for (w, f), size in sizes.items():
+        name = _records.data_file_name(w, f)
+        have = (path / name).stat().st_size if (path / name).exists() else 0
+        assert have <= size, (name, have, size)
+        with open(path / name, "ab") as f:  # the saved file keeps its records: padded at its end
+            f.write(bytes(size - have))
+        data["files"][name] = {}
+    with open(path / ".metadata", "ab") as f:  # room for every record the bound allows
+        f.write(bytes(_records._RECORD_BYTES * _records.MAX_COORDINATES))
+    manifest.write_text(json.dumps(data))
+    reseal(path, keep_derived=True)
+
+    def load() -> tuple[float, int]:
+        loaded = torch.nn.Linear(2, 2, bias=False)
+        torch.nn.init.zeros_(loaded.weight)
+        tracemalloc.start()
+        start = time.process_time()
+        ck.load(path, model=loaded)
+        seconds, peak = time.process_time() - start, tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert torch.equal(loaded.weight, saved.weight)  # .metadata's records: what every reader reads
+        return seconds, peak
+
+    forged = load()
+    reseal(path)  # the same files without layout.derived: what any load of them costs
+    files_only = load()
+    print(f"forged manifest: {forged[0]:.1f} CPU-s, peak {forged[1] >> 20} MiB; "
+          f"the same files read through .metadata: {files_only[0]:.1f} CPU-s, peak {files_only[1] >> 20} MiB")
+    assert forged[0] < files_only[0] + 30 and forged[1] < files_only[1] + (768 << 20), (forged, files_only)

@@ -454,7 +454,7 @@ def test_param_groups_value_of_the_wrong_kind_is_refused(good):
 # meets an unbounded structure. Each hostile file runs in a forked child: a crash (before: SIGSEGV)
 # or a hang (before: hours of hashing) fails the test instead of killing pytest.
 
-_SLOT = 1 << 20  # memo slots far above the pickler's own
+_SLOT = 4096  # memo slots above the pickler's own, below the stream's length (a slot past it is refused)
 
 
 def _keep(slot: int) -> bytes:

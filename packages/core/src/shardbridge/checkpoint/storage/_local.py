@@ -505,14 +505,22 @@ class LocalBackend(Backend):
     def listing(self, path: str) -> dict[str, Entry]:
         """One directory walk; symbolic links (also to directories) are listed, never followed."""
         found: dict[str, Entry] = {}
-        top = Path(path)
-        for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
-            here = Path(dirpath)
-            links = [d for d in dirnames if (here / d).is_symlink()]
-            for name in (*filenames, *links):
-                entry = self.stat(str(here / name))
-                if entry is not None:
-                    found[(here / name).relative_to(top).as_posix()] = entry
+        pending = [("", path)]  # (prefix in the listing, directory); strings, not Paths: 65,536-rank checkpoints
+        while pending:
+            prefix, where = pending.pop()
+            try:
+                entries = list(os.scandir(where))
+            except OSError:  # as os.walk: a directory that cannot be read is not listed
+                continue
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    pending.append((f"{prefix}{e.name}/", e.path))
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                found[prefix + e.name] = Entry(st.st_size, stat.S_ISREG(st.st_mode), st.st_mtime)
         return found
 
     def stat(self, path: str) -> Entry | None:

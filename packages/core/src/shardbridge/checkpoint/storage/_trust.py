@@ -217,13 +217,20 @@ def _show(value: Any) -> str:
 
 
 class _Memo(dict):
-    """The unpickler's memo, keeping what a reused slot held alive (so that no id is reused while it loads)."""
+    """The unpickler's memo, keeping what a reused slot held alive (so that no id is reused while it loads).
 
-    def __init__(self) -> None:
+    A slot number is below the stream's length (pickle numbers slots from 0, one per ``PUT``):
+    C's unpickler, DCP's reader, allocates every slot up to the number it is given, so a flipped
+    byte in a slot number would make it ask for tens of GB."""
+
+    def __init__(self, slots: int) -> None:
         super().__init__()
+        self.slots = slots
         self.replaced: list[Any] = []
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if not 0 <= key < self.slots:
+            raise pickle.UnpicklingError(f"memo slot {key} beyond the stream's {self.slots} bytes")
         if key in self:
             self.replaced.append(self[key])
         super().__setitem__(key, value)
@@ -252,7 +259,7 @@ class MetadataUnpickler(_PyUnpickler):
         self._nested: dict[int, tuple[int, int]] = {}  # id -> (depth, tuple size): on the stack, holding nests
         self._kept: dict[int, tuple[int, int]] = {}  # the same, every memoized object (the memo keeps it alive)
         self._closed: set[int] = set()  # memoized objects another one took: never changed again
-        self.memo = _Memo()
+        self.memo = _Memo(len(file.getbuffer()) if isinstance(file, io.BytesIO) else 1 << 62)
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -534,7 +541,11 @@ def _check_storage(md: Metadata, stored: Stored | None, where: str) -> None:
     spans: dict[str, list[tuple[int, int]]] = {}
     chunks: dict[str, dict[torch.Size, ChunkStorageMetadata]] = {}
     for index, info in storage.items():
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo or not isinstance(index.fqn, str):
+        if (
+            type(index) is not MetadataIndex
+            or type(info) is not _StorageInfo
+            or not (vars(index).keys() <= _INDEX_FIELDS and _flat_index(**vars(index)))
+        ):
             raise _refuse(where, f"holds a storage entry {index!r:.80} -> {info!r:.80}")
         entry = md.state_dict_metadata.get(index.fqn)
         if entry is None:
