@@ -420,7 +420,8 @@ class _Compare:
         while len(view):
             if self.pos == len(self.piece):
                 self.start += len(self.piece)
-                self.piece, self.pos = bytearray(_PIECE), 0
+                left = _PIECE if self.size is None else self.size - self.start  # no 16 MB for a 3 KB file
+                self.piece, self.pos = bytearray(max(1, min(_PIECE, left))), 0
                 del self.piece[self.backend.read_into(self.path, self.start, memoryview(self.piece)) :]
                 if not self.piece:
                     self.first = f"the file ends at byte {self.start}, before the rendering does"
