@@ -7,10 +7,8 @@ compared bit-exact on every rank (each replica's own ``full_tensor()``) with the
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections import Counter
 
 import pytest
 import torch.distributed as dist
@@ -19,59 +17,10 @@ from shardbridge import checkpoint as ck
 from shardbridge.checkpoint.state._rng import rng_file
 from shardbridge.checkpoint.storage._local import LocalBackend
 from shardbridge.testing import run_distributed
+from shardbridge.testing._reads import counted_reads
 
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
 DDP = {"dp_replicate": 4, "dp_shard": 1}
-
-
-class _Reads:
-    """Bytes this process reads from checkpoint files inside the block, per file name."""
-
-    def __init__(self) -> None:
-        self.bytes: Counter[str] = Counter()
-        self._real = {name: getattr(LocalBackend, name) for name in ("stream", "read_into", "read_bytes")}
-
-    def __enter__(self) -> _Reads:
-        real, count = self._real, self.bytes
-
-        class Counted:
-            def __init__(self, raw, name):
-                self._raw, self._name = raw, name
-
-            def readinto(self, out):
-                n = self._raw.readinto(out)
-                count[self._name] += n or 0
-                return n
-
-            def read(self, n=-1):
-                data = self._raw.read(n)
-                count[self._name] += len(data)
-                return data
-
-            def __getattr__(self, attr):
-                return getattr(self._raw, attr)
-
-        @contextlib.contextmanager
-        def stream(backend, path, start, end):
-            with real["stream"](backend, path, start, end) as raw:
-                yield Counted(raw, os.path.basename(path))
-
-        def read_into(backend, path, offset, out):
-            n = real["read_into"](backend, path, offset, out)
-            count[os.path.basename(path)] += n
-            return n
-
-        def read_bytes(backend, path):
-            data = real["read_bytes"](backend, path)
-            count[os.path.basename(path)] += len(data)
-            return data
-
-        LocalBackend.stream, LocalBackend.read_into, LocalBackend.read_bytes = stream, read_into, read_bytes
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, fn in self._real.items():
-            setattr(LocalBackend, name, fn)
 
 
 def _save(path: str, layout: dict[str, int]):
@@ -81,10 +30,10 @@ def _save(path: str, layout: dict[str, int]):
     return state if dist.get_rank() == 0 else None
 
 
-def _load(path: str, layout: dict[str, int], verify: bool = True):
+def _load(path: str, layout: dict[str, int]):
     model, opt = build(layout, seed=7, lr=0.5)  # every value must come from the checkpoint
-    with _Reads() as reads:
-        ck.load(path, model=model, optimizer=opt, verify=verify)
+    with counted_reads(LocalBackend) as reads:
+        ck.load(path, model=model, optimizer=opt)
     return full_state(model, opt), opt.param_groups[0]["lr"], dict(reads.bytes)
 
 
