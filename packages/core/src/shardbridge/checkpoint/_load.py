@@ -435,11 +435,11 @@ def _share(state: PortableState, keys: list[str], replicas: _Replicas) -> None:
     for key in keys:
         value = flat[key]
         if isinstance(value, DTensor):
-            tensors.append(value.to_local())
+            tensors.append(value.to_local().detach())
         elif isinstance(value, LocalChunks):
-            tensors += [piece for _, piece in value.pieces]
+            tensors += [piece.detach() for _, piece in value.pieces]
         elif isinstance(value, torch.Tensor):
-            tensors.append(value)
+            tensors.append(value.detach())
         else:
             objects[key] = value
     objects = _dist.from_replica0(tensors, objects, src=replicas.src, pg=replicas.pg)
