@@ -34,7 +34,7 @@ def _load(path: str, layout: dict[str, int]):
     model, opt = build(layout, seed=7, lr=0.5)  # every value must come from the checkpoint
     with counted_reads(LocalBackend) as reads:
         ck.load(path, model=model, optimizer=opt)
-    return full_state(model, opt), opt.param_groups[0]["lr"], dict(reads.bytes)
+    return full_state(model, opt), opt.param_groups[0]["lr"], dict(reads)
 
 
 def _data(reads: dict[str, int]) -> int:
