@@ -414,17 +414,23 @@ def _replicas(model: Any, optimizer: Any, provider: Any) -> _Replicas | None:
     for m, placements in meshes:
         over = {n for n, p in zip(m.mesh_dim_names or (), placements) if isinstance(p, Replicate)}
         dims = [n for n in dims if n in over]
-    devices = {t.device.type for t in tensors}
-    if not dims or mesh.size() != _dist.world_size() or mesh.get_coordinate() is None:
+    if not dims or mesh.size() != _dist.world_size():
         return None
-    pg, at = mesh.get_group(dims[0]), names.index(dims[0])
+    dim, devices = dims[0], {t.device.type for t in tensors}
+
+    def peers(m: Any) -> list[int] | None:  # the ranks of this rank's group along ``dim`` in mesh ``m``
+        at = m.get_coordinate()
+        return None if at is None else m.mesh[tuple(slice(None) if n == dim else c for n, c in zip(m.mesh_dim_names, at))].tolist()
+
+    group, pg = peers(mesh), mesh.get_group(dim)
+    # every DTensor's replicas must be the same ranks (meshes of one job: experts', the dense one)
+    if group is None or any(peers(m) != group for m in {id(m): m for m, _ in meshes}.values()):
+        return None
     if not all(_dist.takes(pg, device) for device in devices):
         return None
-    coordinate = list(mesh.get_coordinate())
-    readers = sorted(mesh.mesh.select(at, 0).flatten().tolist())
-    coordinate[at] = 0
-    src, rank = int(mesh.mesh[tuple(coordinate)]), _dist.rank()
-    return _Replicas(dims[0], pg, src, readers.index(rank) if rank in readers else -1, len(readers))
+    readers = sorted(mesh.mesh.select(mesh.mesh_dim_names.index(dim), 0).flatten().tolist())
+    rank = _dist.rank()
+    return _Replicas(dim, pg, group[0], readers.index(rank) if rank in readers else -1, len(readers))
 
 
 def _share(state: PortableState, keys: list[str], replicas: _Replicas) -> None:
