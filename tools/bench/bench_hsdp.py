@@ -18,7 +18,9 @@ requests the server logged during the load (all ranks); ``--remote-gap 0`` fetch
 wanted (``_reader.REMOTE_GAP``: by default wanted ranges of a file less than 4 MB apart are one
 request, the gap read and dropped). Seconds: the median over the rounds.
 
-    python tools/bench/bench_hsdp.py [--size 97MB] [--rounds 4] [--s3 [--remote-gap 0]]
+``--saved-as 1`` saves every checkpoint at 1 x 4 (FSDP) instead, each then loaded into another layout.
+
+    python tools/bench/bench_hsdp.py [--size 97MB] [--rounds 4] [--s3 [--remote-gap 0]] [--saved-as 1]
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def _every_rank_reads():
         _load._replicas = real
 
 
-def _worker(root: str, size: str, rounds: int, env: dict[str, str] | None, log: str | None, gap: int | None):
+def _worker(
+    root: str, size: str, rounds: int, env: dict[str, str] | None, log: str | None, gap: int | None, saved_as: int | None
+):
     import torch.distributed as dist
     from shardbridge import checkpoint
     from shardbridge.checkpoint.storage import _reader
@@ -70,8 +74,11 @@ def _worker(root: str, size: str, rounds: int, env: dict[str, str] | None, log: 
     for replicate in (1, 2, 4):
         layout = {"dp_replicate": replicate, "dp_shard": _RANKS // replicate}
         model, opt = local._build(size, layout)
+        if saved_as is not None:  # --saved-as: saved from dp_replicate x dp_shard = saved_as x (4 / saved_as)
+            source = local._build(size, {"dp_replicate": saved_as, "dp_shard": _RANKS // saved_as})
         path = f"{root}/r{replicate}"
-        checkpoint.save(path, model=model, optimizer=opt, step=1)
+        saving = (model, opt) if saved_as is None else source
+        checkpoint.save(path, model=saving[0], optimizer=saving[1], step=1)
         checkpoint.load(path, model=model, optimizer=opt)  # untimed: the first load after a save is slower
         row = {"seconds": {}, "bytes": {}, "requests": {}}
         for r in range(rounds):
@@ -101,10 +108,10 @@ def _worker(root: str, size: str, rounds: int, env: dict[str, str] | None, log: 
     return out
 
 
-def _report(size: str, result: dict, rounds: int, s3: bool, gap: int | None) -> None:
+def _report(size: str, result: dict, rounds: int, s3: bool, gap: int | None, saved_as: int | None) -> None:
     print(f"\n== {size}: {local._model_config(size)}")
     where = f"moto S3 server on 127.0.0.1{'' if gap is None else f', REMOTE_GAP={gap}'}" if s3 else "local disk"
-    print(f"4 gloo ranks, {where}, verify=True, saved and loaded in each layout, {rounds} rounds (median seconds)\n")
+    print(f"4 gloo ranks, {where}, verify=True, {'saved and loaded in each layout' if saved_as is None else f'saved at {saved_as} x {_RANKS // saved_as}'}, {rounds} rounds (median seconds)\n")
     head = f"{'R x dp_shard':<13} {'ckpt MB':>8} {'way':<17} {'read MB':>8} {'read/ckpt':>9} {'seconds':>8}"
     print(head + (f" {'requests':>8}" if s3 else ""))
     for layout, row in result.items():
@@ -120,6 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("--size", default="97MB", help=f"one of {', '.join(local.SIZES)}")
     parser.add_argument("--rounds", type=int, default=4, help="loads per way and layout (median seconds)")
     parser.add_argument("--s3", action="store_true", help="on a moto S3 server (pip install 'moto[server]')")
+    parser.add_argument("--saved-as", type=int, choices=(1, 2, 4), default=None,
+                        help="save every checkpoint at dp_replicate SAVED_AS (default: in the layout it is loaded into)")
     parser.add_argument("--remote-gap", type=int, default=None, help="bytes read through between wanted ranges (S3)")
     args = parser.parse_args(argv)
     if args.size not in local.SIZES:
@@ -143,8 +152,8 @@ def main(argv=None) -> int:
                 server = S3Server(timeout_s=120.0)
                 env, log, root = server.client_env(), server.log, server.bucket("sb-hsdp") + "/ckpt"
             before = os.getloadavg()[0]
-            result = pool.run(_worker, (root, args.size, args.rounds, env, log, args.remote_gap), {}, timeout=7200)[0]
-            _report(args.size, result, args.rounds, args.s3, args.remote_gap)
+            result = pool.run(_worker, (root, args.size, args.rounds, env, log, args.remote_gap, args.saved_as), {}, timeout=7200)[0]
+            _report(args.size, result, args.rounds, args.s3, args.remote_gap, args.saved_as)
             print(f"machine load average (1 min) before / after: {before:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     finally:
         pool.close()
