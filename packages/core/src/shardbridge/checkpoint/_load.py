@@ -378,8 +378,8 @@ def _read_state(
 # differ only in their coordinate on it load the same local tensors, and each reading them from
 # storage cost dp_replicate x the bytes and requests of a load (object stores throttle there). So
 # when the target state allows it (:func:`_replicas`: every DTensor Replicate over one named mesh
-# dim of size > 1 of a mesh spanning the job, whose group takes every tensor's device; no
-# provider), only the ranks at coordinate 0 on that dim read: the whole read as before (plan,
+# dim of size > 1 of a mesh spanning the job, with the same replicas on every mesh, whose group
+# takes every tensor's device; no provider), only the ranks at coordinate 0 on that dim read: the whole read as before (plan,
 # trusted reader, checksums, the files to hash shared among the readers alone). Once the read round
 # agreed that every reader read cleanly, each reader sends every entry it read (tensors in place,
 # non-tensor values pickled) to its replicas over that dim's group, before the state reaches the
