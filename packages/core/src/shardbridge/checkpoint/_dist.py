@@ -73,6 +73,7 @@ __all__ = [
     "foreign",
     "gather_reduce",
     "broadcast_from_rank0",
+    "from_replica0",
     "group",
     "is_distributed",
     "on_all_ranks",
@@ -81,6 +82,7 @@ __all__ = [
     "replay",
     "side_group",
     "summary",
+    "takes",
     "tell",
     "using_group",
     "world_size",
@@ -97,7 +99,7 @@ def group() -> Any:
     else the side group ([Note: the checkpoint group]; made by the first call).
     """
     pg = getattr(_THREAD, "group", None)
-    if pg is not None or not is_distributed() or _takes_cpu(None):
+    if pg is not None or not is_distributed() or takes(None):
         return pg
     return side_group("checkpoint", first="its first checkpoint call", lost="checkpoint calls")
 
@@ -216,19 +218,18 @@ _TOO_BIG = (1 << 64) - 1
 
 def _cpu_collectives() -> bool:
     """Whether the checkpoint group takes CPU tensors (a gloo backend, alone or beside NCCL)."""
-    return _takes_cpu(group())
+    return takes(group())
 
 
-def _takes_cpu(pg: Any) -> bool:
-    """Whether ``pg`` (None: the default group) has a gloo backend for CPU tensors."""
+def takes(pg: Any, device: str = "cpu") -> bool:
+    """Whether ``pg`` (None: the default group) has a backend for ``device`` tensors (CPU: gloo)."""
     try:
         backend = str(dist.get_backend(pg)).lower()
     except (RuntimeError, ValueError):
         return False
-    if ":" not in backend:  # one backend for every device
-        return backend == "gloo"
     devices = dict(pair.split(":", 1) for pair in backend.split(",") if ":" in pair)  # "cpu:gloo,cuda:nccl"
-    return devices.get("cpu") == "gloo"
+    able = {"cpu": ("gloo",), "cuda": ("nccl", "gloo")}.get(device, ())
+    return (devices.get(device) if devices else backend) in able
 
 
 def _pack(obj: Any, capacity: int) -> torch.Tensor:
@@ -436,6 +437,21 @@ def broadcast_from_rank0(obj: T, *, large: bool = False) -> T:
             dist.broadcast_object_list(box, src=_rank0(), group=group())
             return box[0]
         return _broadcast(obj)
+
+
+def from_replica0(tensors: list[torch.Tensor], obj: T, *, src: int, pg: Any) -> T:
+    """Behind a gate, global rank ``src``'s ``tensors`` (in place) and ``obj`` on every rank of ``pg``
+    (this rank's group of replicas; every rank calls, each with its own group)."""
+    with _round():
+        _gate(None)
+        for tensor in tensors:
+            whole = tensor.contiguous()  # broadcast wants one block: a strided view is sent as a copy
+            dist.broadcast(whole, src=src, group=pg)
+            if whole is not tensor:
+                tensor.copy_(whole)
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=pg)
+        return box[0]
 
 
 def on_all_ranks(fn: Callable[..., T], *args: Any, only_rank0: bool = False, **kwargs: Any) -> T | None:

@@ -9,13 +9,13 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardbridge._compat import dcp_set_element, flatten_state_dict
 from shardbridge.checkpoint import _dist
@@ -145,7 +145,9 @@ def _load(
     # Checked on every rank together, arguments compared between ranks, in one round: one
     # rank's bad argument must not leave the others waiting in a collective. See
     # [Note: symmetric errors] in _dist.py.
-    same = {"path": str(path), "strict": strict, "rng": rng, "verify": verify, "optimizer": optimizer is not None}
+    replicas = _replicas(model, optimizer, state_dicts)  # see [Note: reading once under replication]
+    same = {"path": str(path), "strict": strict, "rng": rng, "verify": verify, "optimizer": optimizer is not None,
+            "read once over": replicas and (replicas.dim, replicas.readers)}  # fmt: skip
     settle()  # this process's save in flight may be replacing the directory: let it finish first
     where = _where(path)
     identity = where.backend.identity(where.path) if where is not None else None
@@ -204,17 +206,19 @@ def _load(
     hashes = verify and manifest.format_version >= FILES_SINCE_VERSION
     read = functools.partial(
         _read_state, stored, manifest, metadata, model, optimizer,
-        strict=strict, provider=state_dicts, identity=identity, records=records, verify=hashes,
+        strict=strict, provider=state_dicts, identity=identity, records=records, verify=hashes, replicas=replicas,
     )  # fmt: skip
     finish = functools.partial(
         _finish, stored, model=model, optimizer=optimizer, manifest=manifest, strict=strict, rng=rng, provider=state_dicts
     )
-    if not hashes and state_dicts is None:  # torch's set_state_dict of a sharded state dict: local copies only
+    if not hashes and state_dicts is None and replicas is None:  # set_state_dict of a sharded state: local copies
         _dist.one_round(lambda: finish(read()[0]), last=True)
     else:
-        (state, problems, error), clean = _dist.one_round(read, all_of=lambda out: not out[1] and out[2] is None)
+        (state, problems, error, keys), clean = _dist.one_round(read, all_of=lambda out: not out[1] and out[2] is None)
         if not clean and _refused(stored, problems, error, skip_damaged=skip_damaged):
             return None
+        if replicas is not None:  # every reader read cleanly: its replicas get what it read
+            _share(state, keys, replicas)
         _dist.one_round(finish, (state,), last=True)
     assert where is not None
     return TrainState(step=manifest.step, extra=manifest.extra, path=where.user, world_size=manifest.world_size)
@@ -318,14 +322,16 @@ def _read_state(
     identity: Any = None,
     records: DerivedRecords | None = None,
     verify: bool = False,
-) -> tuple[PortableState, list[FileProblem], Exception | None]:
+    replicas: _Replicas | None = None,
+) -> tuple[PortableState, list[FileProblem], Exception | None, list[str]]:
     """This rank's part of :func:`load`: build the portable state, check it fits, read into it.
 
     ``records``: every storage record, derived ([Note: derived loads]); ``metadata`` is then unused.
     ``verify``: hash this rank's share of the files while reading ([Note: verifying while reading]);
     returns ``(state, the files whose checksum failed, the read's error)``, the error left to the
     caller (a damaged file another rank hashes may be what it comes from). Without ``verify`` a
-    read error is raised."""
+    read error is raised. ``replicas``: only the readers read ([Note: reading once under
+    replication]); last in the result, the keys read (what they send)."""
     state = build_portable_state(model, optimizer, on_bad_layout="repair", log=False, provider=provider, for_load=True)
     if manifest.format_version < 2:
         unpack_param_groups(state)  # format 1 stored each param_groups entry alone
@@ -343,14 +349,15 @@ def _read_state(
     # it loads land in ``local`` and are put back into the nested state.
     local = {key: value for key, value in boxed.items() if _present(state.dcp_state, mapping[key])}
     planner = LoadPlanner(allow_partial_load=not strict, flatten_state_dict=False, flatten_sharded_tensors=False)
-    share = hash_share(manifest.files, _dist.rank(), _dist.world_size()) if verify else None
-    reader = TrustedReader(path, metadata, verify=share)
+    among = (_dist.rank(), _dist.world_size()) if replicas is None else (replicas.index, replicas.readers)
+    reader = TrustedReader(path, metadata, verify=hash_share(manifest.files, *among) if verify else None)
     error = None
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
-                dcp.load(local, storage_reader=reader, planner=planner, no_dist=True)
+        if among[0] >= 0:  # a reader: not a replica that receives ([Note: reading once under replication])
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                with dcp_errors("load", path), raise_untrusted():  # see [Note: DCP errors]
+                    dcp.load(local, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as exc:  # noqa: BLE001 (raised by the caller once the checksums are agreed on)
         if not verify:
             raise
@@ -363,7 +370,88 @@ def _read_state(
             f"checkpoint {str(path)!r} was replaced while it was being loaded (a save with overwrite=True, by "
             "this job or another, committed a new version); what was read may mix both versions: load it again"
         )
-    return state, reader.problems, error
+    return state, reader.problems, error, [key for key in local if key in metadata.state_dict_metadata]
+
+
+# [Note: reading once under replication]
+# Under HSDP every DTensor of the state is Replicate over the dp_replicate mesh dim: the ranks that
+# differ only in their coordinate on it load the same local tensors, and each reading them from
+# storage cost dp_replicate x the bytes and requests of a load (object stores throttle there). So
+# when the target state allows it (:func:`_replicas`: every DTensor Replicate over one named mesh
+# dim of size > 1 of a mesh spanning the job, with the same replicas on every mesh, whose group
+# takes every tensor's device; no provider), only the ranks at coordinate 0 on that dim read: the whole read as before (plan,
+# trusted reader, checksums, the files to hash shared among the readers alone). Once the read round
+# agreed that every reader read cleanly, each reader sends every entry it read (tensors in place,
+# non-tensor values pickled) to its replicas over that dim's group, before the state reaches the
+# model; a reader's failure is raised on every rank by the read round, before any broadcast.
+# Otherwise every rank reads as before. The plan is compared between ranks in round 1 (``same``),
+# so no rank waits in a broadcast another does not make. Each rank's RNG file stays its own.
+class _Replicas(NamedTuple):
+    """This rank's part in reading once: its replica group, the rank it receives from, its index
+    among the readers (-1: it receives) and their number."""
+
+    dim: str
+    pg: Any
+    src: int
+    index: int
+    readers: int
+
+
+def _replicas(model: Any, optimizer: Any, provider: Any) -> _Replicas | None:
+    """This rank's :class:`_Replicas`, or None: every rank reads ([Note: reading once under replication])."""
+    if provider is not None or not _dist.is_distributed() or not isinstance(model, nn.Module):
+        return None
+    tensors = [*model.parameters(), *model.buffers()]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    meshes = [(t.device_mesh, t.placements) for t in tensors if isinstance(t, DTensor)]
+    if not meshes:
+        return None
+    mesh = max((m for m, _ in meshes), key=lambda m: m.size())
+    names = mesh.mesh_dim_names or ()
+    # the dims of the largest mesh every DTensor is Replicate over (size > 1)
+    dims = [n for n, size in zip(names, mesh.shape) if size > 1]
+    for m, placements in meshes:
+        over = {n for n, p in zip(m.mesh_dim_names or (), placements) if isinstance(p, Replicate)}
+        dims = [n for n in dims if n in over]
+    if not dims or mesh.size() != _dist.world_size():
+        return None
+    dim, devices = dims[0], {t.device.type for t in tensors}
+
+    def peers(m: Any) -> list[int] | None:  # the ranks of this rank's group along ``dim`` in mesh ``m``
+        at = m.get_coordinate()
+        return None if at is None else m.mesh[tuple(slice(None) if n == dim else c for n, c in zip(m.mesh_dim_names, at))].tolist()
+
+    group, pg = peers(mesh), mesh.get_group(dim)
+    # every DTensor's replicas must be the same ranks (meshes of one job: experts', the dense one)
+    if group is None or any(peers(m) != group for m in {id(m): m for m, _ in meshes}.values()):
+        return None
+    if not all(_dist.takes(pg, device) for device in devices):
+        return None
+    readers = sorted(mesh.mesh.select(mesh.mesh_dim_names.index(dim), 0).flatten().tolist())
+    rank = _dist.rank()
+    return _Replicas(dim, pg, group[0], readers.index(rank) if rank in readers else -1, len(readers))
+
+
+def _share(state: PortableState, keys: list[str], replicas: _Replicas) -> None:
+    """The entries ``keys`` the readers read, on their replicas ([Note: reading once under replication])."""
+    flat, mapping = flatten_state_dict(state.dcp_state)
+    tensors: list[torch.Tensor] = []
+    objects: dict[str, Any] = {}
+    for key in keys:
+        value = flat[key]
+        if isinstance(value, DTensor):
+            tensors.append(value.to_local().detach())
+        elif isinstance(value, LocalChunks):
+            tensors += [piece.detach() for _, piece in value.pieces]
+        elif isinstance(value, torch.Tensor):
+            tensors.append(value.detach())
+        else:
+            objects[key] = value
+    objects = _dist.from_replica0(tensors, objects, src=replicas.src, pg=replicas.pg)
+    if replicas.index < 0:
+        for key, value in objects.items():
+            dcp_set_element(state.dcp_state, mapping[key], value)
 
 
 def _present(root: Any, path: tuple[Any, ...]) -> bool:
