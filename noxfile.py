@@ -6,6 +6,7 @@ Run ``nox -l`` to list sessions, ``nox -s core`` to run one.
 """
 
 import os
+import shutil
 
 import nox
 
@@ -68,6 +69,7 @@ def torch_cross(session):
     root = session.create_tmp()
     for save, check in (("python", other_python), (other_python, "python")):
         where = os.path.join(root, "from-floor" if save == "python" else "from-newest")
+        shutil.rmtree(where, ignore_errors=True)  # a rerun (-R) saves afresh
         session.run(save, "tools/torch_cross.py", "save", where, env=ENV, external=True)
         session.run(check, "tools/torch_cross.py", "check", where, env=ENV, external=True)
 

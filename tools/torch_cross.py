@@ -8,7 +8,9 @@ model weights and every AdamW state, ``torch.save`` of plain tensors, read back 
 ``weights_only=True``). ``check`` loads the checkpoint into a freshly initialised model and
 optimizer of another layout, gathers the same, and compares every tensor with ``torch.equal``.
 Run ``save`` in one torch's environment and ``check`` in another's (both directions): docs/testing.md,
-"torch versions", has the last run.
+"torch versions", has the last run. A checkpoint saved by torch >= 2.15 under an older torch is
+refused by name (its ``.metadata`` holds a field the older DCP cannot read either): ``check`` says
+so and succeeds only when that is the reason.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorProperties
 
 
 def _full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -81,11 +84,15 @@ def _save(root: str) -> int:
     return len(want)
 
 
-def _check(root: str) -> tuple[int, list[str]]:
+def _check(root: str) -> tuple[int, list[str]] | str:
+    """The tensors that differ, or the error of a load refused by name."""
     from shardbridge import checkpoint
 
     model, opt, _ = _build({"dp_shard": 4}, seed=7)
-    checkpoint.load(os.path.join(root, "ckpt"), model=model, optimizer=opt)
+    try:
+        checkpoint.load(os.path.join(root, "ckpt"), model=model, optimizer=opt)
+    except ValueError as err:
+        return str(err)
     got = _full_state(model, opt)
     want = torch.load(os.path.join(root, "want.pt"), weights_only=True)
     wrong = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
@@ -106,7 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         count = run_distributed(_save, str(args.dir), world_size=4)[0]
         print(f"saved {count} tensors (dp_shard=2 x tp=2)")
         return 0
-    count, wrong = run_distributed(_check, str(args.dir), world_size=4)[0]
+    result = run_distributed(_check, str(args.dir), world_size=4)[0]
+    if isinstance(result, str):
+        # torch 2.15 pickles TensorProperties with a sixth field (`strides`) that older torches'
+        # classes cannot take (their own DCP fails on it too): refused by name, never loaded wrong.
+        newer = "strides" not in TensorProperties.__dataclass_fields__ and "written by a newer torch" in result
+        print(f"refused by name{' (expected: saved by a newer torch)' if newer else ''}: {result}")
+        return 0 if newer else 1
+    count, wrong = result
     if wrong:
         print(f"{len(wrong)} of {count} tensors differ after loading into dp_shard=4: {', '.join(wrong[:5])}")
         return 1

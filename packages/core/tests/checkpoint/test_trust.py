@@ -562,3 +562,31 @@ def test_a_1mb_metadata_nesting_a_tuple_is_refused_by_every_reader(good, tmp_pat
             assert outcome == ("returned", 2), outcome
         else:
             assert outcome[:2] == ("raised", "UntrustedCheckpointError") and re.search(names, outcome[2]), (name, outcome)
+
+
+@pytest.mark.parametrize("strides", [None, (4, 1), "x", (1.5,)])
+def test_tensor_properties_of_torch_2_15_are_read_or_refused_by_name(tmp_path, monkeypatch, strides):
+    # torch 2.15 pickles TensorProperties with a sixth field, `strides` (None or a tuple of ints);
+    # torch 2.11-2.14's class (and their own DCP) cannot take it. The restricted reader once refused
+    # every such stream as "not trusted" -- every checkpoint saved under torch 2.15, the default pip
+    # install, on that same torch (found by `nox -s torch_cross`). Either a torch with the field
+    # reads it, or an older one says which torch wrote it; a sixth field of another kind is hostile.
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    path = ck.save(tmp_path / "c", model=Mlp(), step=1)
+    md = read_metadata(path)
+    five = TensorProperties.__getstate__
+    monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: (*five(self)[:5], strides))
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    monkeypatch.undo()
+    reseal(path)
+    knows = "strides" in TensorProperties.__dataclass_fields__
+    if strides is None or strides == (4, 1):
+        if knows:
+            assert read_metadata(path).state_dict_metadata.keys() == md.state_dict_metadata.keys()
+        else:
+            with pytest.raises(ValueError, match=r"written by a newer torch .*torch >= 2\.15"):
+                read_metadata(path)
+    else:
+        with pytest.raises(UntrustedCheckpointError, match="gives a TensorProperties the state"):
+            read_metadata(path)

@@ -216,6 +216,10 @@ def _show(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+class _NewerTorch(ValueError):
+    """``.metadata`` holds fields a newer torch added, which this torch's classes cannot take."""
+
+
 class _Memo(dict):
     """The unpickler's memo, keeping what a reused slot held alive (so that no id is reused while it loads).
 
@@ -339,7 +343,17 @@ class MetadataUnpickler(_PyUnpickler):
             ok = type(state) is dict and state.keys() <= _INDEX_FIELDS and _flat_index(**state)
         elif type(target) is TensorProperties:  # its __setstate__ formats what it does not know into an error
             kinds = (torch.dtype, torch.layout, bool, _MEM_FORMAT_ENCODING, bool)
-            ok = type(state) is tuple and len(state) == 5 and all(isinstance(v, k) for v, k in zip(state, kinds))
+            ok = (
+                type(state) is tuple
+                and len(state) in (5, 6)  # 6: torch >= 2.15 adds `strides` (None, or a tuple of ints)
+                and all(isinstance(v, k) for v, k in zip(state, kinds))
+                and (len(state) == 5 or state[5] is None or (type(state[5]) is tuple and all(type(v) is int for v in state[5])))
+            )
+            if ok and len(state) == 6 and "strides" not in TensorProperties.__dataclass_fields__:
+                raise _NewerTorch(
+                    f"{self._where} was written by a newer torch (its TensorProperties have `strides`, torch >= "
+                    f"2.15); torch {torch.__version__} cannot read it, nor can its own DCP: load it with torch >= 2.15"
+                )
         else:
             ok = True
         if not ok:
@@ -394,7 +408,7 @@ def read_metadata(
         raise ValueError(f"{where} does not exist; the checkpoint is damaged") from None
     try:
         metadata = MetadataUnpickler(io.BytesIO(data), where=where).load()
-    except UntrustedCheckpointError:
+    except (UntrustedCheckpointError, _NewerTorch):
         raise
     except Exception as err:  # noqa: BLE001 (a pickle stream that is not DCP metadata: report, never run)
         raise ValueError(
