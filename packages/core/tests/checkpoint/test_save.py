@@ -199,3 +199,48 @@ def test_both_save_protocols_write_the_same_checkpoint(tmp_path):
         assert_equal_states(got, want)
         assert ck.verify(tmp_path / protocol).ok and ck.verify(tmp_path / f"{protocol}-2").ok
     assert metadata["dcp"] == metadata["derived"]
+
+
+def test_a_save_hashes_and_fsyncs_each_file_once(tmp_path, monkeypatch):
+    """The save's I/O counted, not timed (issue 37.4): every byte of every file is hashed once, while
+    it is written (no read-back pass), every file is fsynced once, and the directories twice: the
+    temporary one after the manifest's rename (the commit point), the parent after the final rename."""
+    import os
+    from collections import Counter
+    from pathlib import Path
+
+    import xxhash
+    from shardbridge.checkpoint.storage import _integrity
+
+    hashed = [0]
+
+    class Counted:
+        def __init__(self) -> None:
+            self._digest = xxhash.xxh3_128()
+
+        def update(self, data) -> None:
+            hashed[0] += memoryview(data).nbytes
+            self._digest.update(data)
+
+        def hexdigest(self) -> str:
+            return self._digest.hexdigest()
+
+    synced: Counter[str] = Counter()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced[os.readlink(f"/proc/self/fd/{fd}")] += 1
+        real_fsync(fd)
+
+    model, opt = build(None)
+    monkeypatch.setattr(_integrity, "xxhash", type("Xxhash", (), {"xxh3_128": Counted}))
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = ck.save(tmp_path / "c", model=model, optimizer=opt, step=1)
+    files = {p.relative_to(path).as_posix(): p.stat().st_size for p in Path(path).rglob("*") if p.is_file()}
+    assert {".metadata", MANIFEST_NAME, "rng/rank-00000.pt"} < set(files) and len(files) >= 4
+    assert hashed[0] == sum(size for name, size in files.items() if name != MANIFEST_NAME)
+    tmp = next(p for p in synced if Path(p).name.startswith(".c.tmp-"))
+    inside = {os.path.relpath(p, tmp).removesuffix(".tmp"): n for p, n in synced.items() if p.startswith(tmp + "/")}
+    by_name = Counter(inside)  # the manifest is fsynced under its temporary name, then renamed
+    assert by_name == Counter(dict.fromkeys(files, 1)), by_name
+    assert {p: n for p, n in synced.items() if not p.startswith(tmp + "/")} == {tmp: 1, str(tmp_path): 1}

