@@ -558,7 +558,10 @@ def checkpoint_records(stored: Stored, manifest: Manifest) -> DerivedRecords | N
         why = f"it cannot be read: {exc}"
     if why is None:
         return records
-    logger.warning(
+    saved_by = manifest.torch_version.split("+")[0].split(".")[:2]
+    if saved_by != torch.__version__.split("+")[0].split(".")[:2]:  # another torch pickles .metadata its own way
+        why = f"{why}; saved under torch {manifest.torch_version}, this is {torch.__version__}"
+    (logger.info if "saved under torch" in why else logger.warning)(
         "shardbridge.checkpoint: %s: the manifest's layout.derived does not give %s's records (%s): reading %s "
         "instead, which every other reader reads",
         stored, DCP_METADATA_NAME, why, DCP_METADATA_NAME,
