@@ -185,3 +185,20 @@ def save_losing_a_file_of_rank_1(env: dict[str, str], root: str, protocol: str, 
     dist.barrier()
     where = locate(root)
     return outcome, socket.gethostname(), ck.latest(root), sorted(where.backend.listing(where.path))
+
+
+def without_strides(described: dict) -> dict:
+    """``state_dict_metadata`` with each entry's ``TensorProperties.strides`` (torch >= 2.15) cleared.
+
+    torch 2.15's DCP writer records the strides of the local tensor of the first rank that writes
+    an entry (only its legacy ShardedTensor reads them back); the derived protocol renders None
+    there. Everything else of ``.metadata`` is compared as it is (docs/testing.md, torch versions)."""
+    import dataclasses
+
+    out = {}
+    for key, entry in described.items():
+        props = getattr(entry, "properties", None)
+        if getattr(props, "strides", None) is not None:
+            entry = dataclasses.replace(entry, properties=dataclasses.replace(props, strides=None))
+        out[key] = entry
+    return out

@@ -591,6 +591,26 @@ def test_damaged_file_is_detected(tmp_path, two_steps, kind, how, caplog):
     _record("damaged files", f"{how} -> detected by {'checksum' if same_size else 'size/listing/manifest'}")
 
 
+def test_a_flip_that_makes_metadata_unparseable_is_damage(tmp_path, two_steps):
+    """A flipped byte inside a string of .metadata makes it fail to unpickle before any checksum
+    was computed (on torch 2.15 the middle byte the test above flips lands in one): load names the
+    checksum mismatch and load_latest falls back to step 1 (before: the parse error was raised and
+    load_latest stopped there)."""
+    import pickletools
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(two_steps, root)
+    target = root / "step-00000002" / ".metadata"
+    data = bytearray(target.read_bytes())
+    at = next(pos for op, arg, pos in pickletools.genops(bytes(data)) if op.name == "BINUNICODE" and len(arg) > 4)
+    data[at + 5] = 0xFF  # not UTF-8
+    target.write_bytes(data)
+    with pytest.raises(ValueError, match=r"\.metadata.*checksum mismatch"):
+        _loaded_value(root / "step-00000002")
+    state = ck.load_latest(root, model=_model(-1.0), rng=False)
+    assert state is not None and state.step == 1
+
+
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_load_latest_refuses_when_every_checkpoint_is_damaged(tmp_path, two_steps, how):
     """Returning None would restart training from scratch beside the user's checkpoints."""

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, step
+from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, step, without_strides
 from shardbridge import checkpoint as ck
 from shardbridge._mesh import ParallelDims
 from shardbridge.checkpoint.storage._manifest import MANIFEST_NAME
@@ -159,7 +159,7 @@ def test_data_files_are_laid_out_as_dcps_own_writer_lays_them_out(tmp_path):
         state.dcp_state, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"), planner=SavePlanner(), no_dist=True
     )
     ours, theirs = read_metadata(tmp_path / "ours"), read_metadata(tmp_path / "dcp")
-    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.state_dict_metadata == without_strides(theirs.state_dict_metadata)
     assert len(ours.storage_data) == len(theirs.storage_data) > 10
     for index, info in theirs.storage_data.items():
         mine = ours.storage_data[index]
@@ -198,7 +198,7 @@ def test_both_save_protocols_write_the_same_checkpoint(tmp_path):
         want, got, metadata[protocol] = run_distributed(_save_with, protocol, str(tmp_path), world_size=4)[0]
         assert_equal_states(got, want)
         assert ck.verify(tmp_path / protocol).ok and ck.verify(tmp_path / f"{protocol}-2").ok
-    assert metadata["dcp"] == metadata["derived"]
+    assert without_strides(metadata["dcp"]) == metadata["derived"]
 
 
 def test_a_save_hashes_and_fsyncs_each_file_once(tmp_path, monkeypatch):

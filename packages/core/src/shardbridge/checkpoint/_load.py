@@ -39,9 +39,15 @@ from shardbridge.checkpoint.state._state import (
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._catalog import newest
 from shardbridge.checkpoint.storage._errors import dcp_errors
-from shardbridge.checkpoint.storage._integrity import FileProblem, damage_message
+from shardbridge.checkpoint.storage._integrity import FileProblem, check_files, damage_message
 from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
-from shardbridge.checkpoint.storage._manifest import FILES_SINCE_VERSION, MANIFEST_NAME, OPTIM_STATE_ABSENT, Manifest
+from shardbridge.checkpoint.storage._manifest import (
+    DCP_METADATA_NAME,
+    FILES_SINCE_VERSION,
+    MANIFEST_NAME,
+    OPTIM_STATE_ABSENT,
+    Manifest,
+)
 from shardbridge.checkpoint.storage._reader import TrustedReader
 from shardbridge.checkpoint.storage._trust import raise_untrusted, read_metadata
 
@@ -342,7 +348,15 @@ def _read_state(
     if records is not None:  # the saved boxes this rank's boxes overlap, and their records
         metadata = records.metadata(local=boxed)
     elif metadata is None:  # rank 0 could not read it: every rank reads it, to raise the error
-        metadata = read_metadata(path)
+        try:
+            metadata = read_metadata(path)
+        except ValueError:
+            # A flipped byte can make .metadata unparseable before any checksum was computed: with
+            # verify, damage is told as damage (load_latest then tries the next older checkpoint).
+            damaged = check_files(path, manifest, checksums=[DCP_METADATA_NAME], listing=False) if verify else []
+            if not damaged:
+                raise
+            return state, damaged, None, []
     _skip_absent_optim_state(state, metadata, manifest)
     _check_compatible(path, state, metadata, strict=strict, manifest=manifest)
     # DCP gets the state flat (flattened once, above), each DTensor as its box; the bytes items
