@@ -439,11 +439,23 @@ def broadcast_from_rank0(obj: T, *, large: bool = False) -> T:
         return _broadcast(obj)
 
 
-def from_replica0(tensors: list[torch.Tensor], obj: T, *, src: int, pg: Any) -> T:
+def from_replica0(tensors: list[torch.Tensor], obj: T, *, src: int, pg: Any, boxes: list[Any]) -> T:
     """Behind a gate, global rank ``src``'s ``tensors`` (in place) and ``obj`` on every rank of ``pg``
-    (this rank's group of replicas; every rank calls, each with its own group)."""
+    (this rank's group of replicas; every rank calls, each with its own group).
+
+    ``boxes``: what each rank holds (keys, local boxes): ``src``'s are sent first and compared; a
+    replica holding other boxes raises on every rank, naming the first key, before any tensor is
+    sent (it would otherwise take another rank's bytes, or pair the broadcasts wrongly)."""
     with _round():
         _gate(None)
+        theirs = [boxes]
+        dist.broadcast_object_list(theirs, src=src, group=pg)
+        differ = next((f"{a[0]!r}: {a[1]} on rank {src}, {b[1]} here" for a, b in zip(theirs[0], boxes) if a != b), None)
+        if differ is None and len(theirs[0]) != len(boxes):
+            differ = f"{len(theirs[0])} entries on rank {src}, {len(boxes)} here"
+        _gate(None if differ is None else ValueError(
+            f"reading once under replication: this rank does not hold what its reader holds ({differ}); "
+            "load with every rank reading: please report this layout"))  # fmt: skip
         for tensor in tensors:
             whole = tensor.contiguous()  # broadcast wants one block: a strided view is sent as a copy
             dist.broadcast(whole, src=src, group=pg)

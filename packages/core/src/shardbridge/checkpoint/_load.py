@@ -415,9 +415,12 @@ def _replicas(model: Any, optimizer: Any, provider: Any) -> _Replicas | None:
     """This rank's :class:`_Replicas`, or None: every rank reads ([Note: reading once under replication])."""
     if provider is not None or not _dist.is_distributed() or not isinstance(model, nn.Module):
         return None
-    tensors = [*model.parameters(), *model.buffers()]
+    # every tensor a load may fill: the state dict's (hooks and extra state included) and the
+    # optimizer state's, nested ones too (what the flattened state holds; the replicas' boxes are
+    # compared again before anything is sent: _dist.from_replica0)
+    tensors = [*model.parameters(), *model.buffers(), *_tensors_in(list(model.state_dict().values()))]
     if isinstance(optimizer, torch.optim.Optimizer):
-        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        tensors += _tensors_in(list(optimizer.state.values()))
     meshes = [(t.device_mesh, t.placements) for t in tensors if isinstance(t, DTensor)]
     if not meshes:
         return None
@@ -447,6 +450,28 @@ def _replicas(model: Any, optimizer: Any, provider: Any) -> _Replicas | None:
     return _Replicas(dim, pg, group[0], readers.index(rank) if rank in readers else -1, len(readers))
 
 
+def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors in nested dicts / lists / tuples (a user's state: depth bounded, not trusted data)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 32:
+        return []
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [t for v in items for t in _tensors_in(v, depth + 1)]
+
+
+def _box(value: Any) -> Any:
+    """What a replica must hold to take a reader's bytes for ``value``: its local boxes, dtype and kind."""
+    if isinstance(value, DTensor):
+        chunks = value.__create_chunk_list__() if value.device_mesh.get_coordinate() is not None else []
+        return ("dtensor", tuple((tuple(c.offsets), tuple(c.sizes)) for c in chunks), str(value.dtype))
+    if isinstance(value, LocalChunks):
+        return ("chunks", tuple((tuple(o), tuple(p.shape), str(p.dtype)) for o, p in value.pieces))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    return ("object",)
+
+
 def _share(state: PortableState, keys: list[str], replicas: _Replicas) -> None:
     """The entries ``keys`` the readers read, on their replicas ([Note: reading once under replication])."""
     flat, mapping = flatten_state_dict(state.dcp_state)
@@ -462,7 +487,8 @@ def _share(state: PortableState, keys: list[str], replicas: _Replicas) -> None:
             tensors.append(value.detach())
         else:
             objects[key] = value
-    objects = _dist.from_replica0(tensors, objects, src=replicas.src, pg=replicas.pg)
+    boxes = [(key, _box(flat[key])) for key in keys]
+    objects = _dist.from_replica0(tensors, objects, src=replicas.src, pg=replicas.pg, boxes=boxes)
     if replicas.index < 0:
         for key, value in objects.items():
             dcp_set_element(state.dcp_state, mapping[key], value)
