@@ -403,6 +403,10 @@ class DerivedRecords:
         return head
 
 
+class _Beyond(NotDerivable):
+    """A record past a bound on the work of a derived load (:data:`MAX_COORDINATES`, ...)."""
+
+
 class _Parted(Exception):
     """The rendering parted from the file: rendering the rest would only cost time."""
 
@@ -421,8 +425,9 @@ class _Compare:
             if self.pos == len(self.piece):
                 self.start += len(self.piece)
                 left = _PIECE if self.size is None else self.size - self.start  # no 16 MB for a 3 KB file
-                self.piece, self.pos = bytearray(max(1, min(_PIECE, left))), 0
-                del self.piece[self.backend.read_into(self.path, self.start, memoryview(self.piece)) :]
+                self.piece, self.pos = bytearray(max(0, min(_PIECE, left))), 0
+                if self.piece:
+                    del self.piece[self.backend.read_into(self.path, self.start, memoryview(self.piece)) :]
                 if not self.piece:
                     self.first = f"the file ends at byte {self.start}, before the rendering does"
                     raise _Parted
@@ -531,8 +536,8 @@ def derive_load(layout: dict[str, Any], world_size: int, files: dict[str, dict[s
     try:
         return _derive_load(record, world_size, files)
     except Exception as exc:  # noqa: BLE001 (any failure: the load reads .metadata, which is checked on its own)
-        if _dist.rank() == 0:
-            logger.warning(
+        if _dist.rank() == 0:  # past a bound: a job that large reads .metadata, as DCP does (not a warning)
+            (logger.info if isinstance(exc, _Beyond) else logger.warning)(
                 "shardbridge.checkpoint: the manifest's layout.derived is not used (%s); reading .metadata instead",
                 str(exc)[:300],
             )
@@ -598,7 +603,7 @@ def _derive_load(record: Any, world_size: int, files: dict[str, dict[str, Any]])
         raise NotDerivable("layout.derived.checkpoint_id / dcp_version / paths are not str / str / {key: path}")
     grid_records = _list(record.get("grids"))
     if len(grid_records) > MAX_GRIDS:
-        raise NotDerivable(f"layout.derived has more than {MAX_GRIDS} meshes")
+        raise _Beyond(f"layout.derived has more than {MAX_GRIDS} meshes")
     grids = [decode_grid(g, world_size) for g in grid_records]
     recipes = _list(record.get("recipes"))
     lengths = record.get("bytes")
@@ -627,13 +632,13 @@ def _derive_load(record: Any, world_size: int, files: dict[str, dict[str, Any]])
         spread = built.get(key)
         if spread is None:
             if len(built) >= MAX_LAYOUTS:  # each costs a table over every rank: see the constant
-                raise NotDerivable(f"layout.derived has more than {MAX_LAYOUTS} distinct layouts")
+                raise _Beyond(f"layout.derived has more than {MAX_LAYOUTS} distinct layouts")
             properties = decode_properties(props)
             spread = built[key] = rebuild(recipes[r], grids[g], keep_empty=keep_empty, properties=properties)
             shape = spread.grid.shape
             coordinates[table_key(spread)] = math.prod(n for d, n in enumerate(shape) if d not in spread.fixed_dims)
             if sum(coordinates.values()) > MAX_COORDINATES:
-                raise NotDerivable(
+                raise _Beyond(
                     f"layout.derived asks for more than {MAX_COORDINATES} mesh coordinates (world size {world_size} "
                     f"x {len(coordinates)} layouts); a derived load evaluates at most that many"
                 )
