@@ -56,7 +56,7 @@ def torch_versions(session, torch):
 def torch_cross(session):
     """Checkpoints cross torch versions: saved under the floor (2.11.0) and loaded bit-exact under the
     newest (2.15.0) at another layout; the other way refused by name (2.15 pickles a field the older
-    torch's DCP cannot read either) (tools/torch_cross.py; docs/testing.md)."""
+    torch's DCP cannot read either); the newest's own round trip (tools/torch_cross.py; docs/testing.md)."""
     floor, newest = TORCH_VERSIONS[0], TORCH_VERSIONS[-1]
     session.install(f"torch=={floor}", env=NO_CAP)
     session.install(f"torch=={floor}", "-e", ".[test]", env=NO_CAP)
@@ -73,6 +73,8 @@ def torch_cross(session):
         shutil.rmtree(where, ignore_errors=True)  # a rerun (-R) saves afresh
         session.run(save, "tools/torch_cross.py", "save", where, env=ENV, external=True)
         session.run(check, "tools/torch_cross.py", "check", where, env=ENV, external=True)
+    # and the newest's checkpoint under the newest (the default pip install's own round trip)
+    session.run(other_python, "tools/torch_cross.py", "check", where, env=ENV, external=True)
 
 
 @nox.session(python="3.11")
