@@ -451,7 +451,7 @@ def test_narrowed_chunks_give_dcp_the_same_read_items():
 
 
 def _record(world: int, recipes: list, entries: list, grid: dict | None = None) -> dict:
-    return {"version": 2, "digest": 1, "threads": 1, "min_file_bytes": 1, "bytes": {}, "checkpoint_id": "/x",
+    return {"version": 3, "digest": 1, "threads": 1, "min_file_bytes": 1, "bytes": {}, "checkpoint_id": "/x",
             "dcp_version": "1.0.0", "paths": {}, "grids": [grid or {"shape": [world], "ranks": [[0, 1, world]]}],
             "recipes": recipes, "entries": entries}  # fmt: skip
 
@@ -655,6 +655,31 @@ def test_a_forged_layout_derived_is_never_read_as_metadata(forgeable, tmp_path, 
     # the honest record beside the same files derives .metadata's records (the checks above ran on something)
     honest = json.loads((Path(forgeable[0]) / "shardbridge.json").read_text())["layout"]
     assert checkpoint_records(stored, dataclasses.replace(manifest, layout=honest)) is not None
+
+
+@pytest.mark.parametrize("version", [1, 2, 4, "3"])
+def test_a_checkpoint_of_another_derived_version_reads_metadata(forgeable, tmp_path, caplog, version):
+    # layout.derived 1 and 2 were written by an earlier shardbridge (2 laid the files out in plan
+    # order): their records are read from .metadata, logged at info (an upgrade is not a problem);
+    # a version this shardbridge never wrote is a warning. The current version derives.
+    import logging
+    import shutil
+
+    from shardbridge.checkpoint.derived import checkpoint_records
+    from shardbridge.checkpoint.derived._records import DERIVED_VERSION
+    from shardbridge.checkpoint.storage._location import locate, open_checkpoint
+    from shardbridge.testing._hostile import forge_derived
+
+    assert checkpoint_records(*open_checkpoint(locate(forgeable[0]))) is not None
+    path = str(tmp_path / "c")
+    shutil.copytree(forgeable[0], path)
+    forge_derived(path, lambda record: record.update(version=version))
+    with caplog.at_level(logging.INFO, logger="shardbridge.checkpoint"):
+        assert checkpoint_records(*open_checkpoint(locate(path))) is None
+    said = [r for r in caplog.records if "layout.derived is not used" in r.getMessage()]
+    earlier = type(version) is int and version < DERIVED_VERSION
+    assert [r.levelno for r in said] == [logging.INFO if earlier else logging.WARNING], said
+    assert ("of an earlier shardbridge" in said[0].getMessage()) == earlier
 
 
 def _load_forged(path: str, strict: bool):

@@ -23,6 +23,7 @@ from safetensors.torch import load as safetensors_load
 from shardbridge import ParallelDims
 from shardbridge import checkpoint as ck
 from shardbridge.checkpoint import _async, _load
+from shardbridge.checkpoint._verify import hash_share
 from shardbridge.checkpoint.storage import _fsspec
 from shardbridge.checkpoint.storage._location import locate, open_checkpoint
 from shardbridge.testing import run_distributed
@@ -211,15 +212,26 @@ def _load_many(env: dict[str, str], uri: str, layout: dict[str, int]):
     from shardbridge.checkpoint.storage import _reader
 
     model, opt = _many_records(layout)
-    items = []
+    items, wanted = [], {}
     real = _reader.TrustedReader.read_data
-    _reader.TrustedReader.read_data = lambda self, plan, planner: items.extend(plan.items) or real(self, plan, planner)
+
+    def read_data(self, plan, planner):
+        items.extend(plan.items)
+        for item in plan.items:  # the records the plan reads, each once: (file, offset) -> length
+            info = self.storage_data[item.storage_index]
+            wanted[(info.relative_path, info.offset)] = info.length
+        return real(self, plan, planner)
+
+    _reader.TrustedReader.read_data = read_data
     try:
         with _Requests() as requests:
             ck.load(uri, model=model, optimizer=opt, rng=False)
     finally:
         _reader.TrustedReader.read_data = real
-    return requests.sent, len(items), full_state(model, opt)
+    per_file = {}
+    for (name, _), length in wanted.items():
+        per_file[name] = per_file.get(name, 0) + length
+    return requests.sent, len(items), full_state(model, opt), per_file
 
 
 @pytest.mark.parametrize("layout", [{"dp_shard": 4}, {"dp_replicate": 2, "dp_shard": 2}], ids=["same", "hsdp"])
@@ -229,14 +241,27 @@ def test_a_load_reads_each_object_in_one_request(s3_server, s3_root, layout):
     and a constant few more requests (the manifest, a listing, the small files it hashes), never
     one per record; the server's log counts the same GETs. Into the same layout and into HSDP
     2 x 2 (ranks 0 and 1 then read two ranks' boxes each, and ranks 2 and 3, their replicas, read
-    no data object: [Note: reading once under replication]), bit-exact on every rank."""
+    no data object: [Note: reading once under replication]), bit-exact on every rank. The bytes
+    too: from a data object a rank does not hash it fetches exactly the bytes of the records its
+    plan reads (the scalars every rank reads lie side by side, not among another rank's shards:
+    [Note: derived file layout]); and each rank reads the manifest twice (the first round's
+    read, and the check that no commit replaced the checkpoint meanwhile)."""
     uri = ck.step_dir(s3_root, 1)
     env = s3_server.client_env()
     want = run_distributed(_save_many, env, uri, world_size=4)[0]
     before = len(s3_server.requests())
     results = run_distributed(_load_many, env, uri, layout, world_size=4)
-    for rank, (sent, records, state) in enumerate(results):
+    use_server(env)
+    files = open_checkpoint(locate(uri))[1].files
+    readers = 2 if "dp_replicate" in layout else 4
+    for rank, (sent, records, state, wanted) in enumerate(results):
         data = [path for method, path, _, _ in sent if method in ("stream", "read_into") and path.endswith(".distcp")]
+        assert sum(1 for _, p, _, _ in sent if p.endswith("/shardbridge.json")) == 2, sent
+        hashed = hash_share(files, rank, readers) if rank < readers else {}
+        for path in data:
+            name = path.rsplit("/", 1)[-1]
+            fetched = sum(b - a for m, p, a, b in sent if p == path)
+            assert fetched == (files[name]["size"] if name in hashed else wanted[name]), (rank, name, fetched, wanted)
         assert_equal_states(state, want)
         if "dp_replicate" in layout and rank >= 2:
             assert records == 0 and data == [], (records, data)
@@ -247,7 +272,7 @@ def test_a_load_reads_each_object_in_one_request(s3_server, s3_root, layout):
         assert len(sent) <= len(data) + (10 if "dp_replicate" in layout else 8), sent
     served = [r for r in s3_server.requests()[before:] if r.startswith("GET ") and r.endswith(".distcp")]
     assert len(served) == sum(
-        1 for sent, _, _ in results for m, p, _, _ in sent if m in ("stream", "read_into") and p.endswith(".distcp")
+        1 for sent, _, _, _ in results for m, p, _, _ in sent if m in ("stream", "read_into") and p.endswith(".distcp")
     )
 
 

@@ -156,7 +156,10 @@ def _load(
             "read once over": replicas and (replicas.dim, replicas.readers)}  # fmt: skip
     settle()  # this process's save in flight may be replacing the directory: let it finish first
     where = _where(path)
-    identity = where.backend.identity(where.path) if where is not None else None
+    # What a commit that replaces the checkpoint changes, taken before reading: a directory's inode;
+    # on an object store the generation of the manifest the first round reads (no request of its own).
+    remote = where is not None and where.backend.remote
+    identity = where.backend.identity(where.path) if where is not None and not remote else None
     # Three rounds in all, two without verify (each ~10 ms on 4 processes sharing 2 cores; plain
     # DCP's load has two): 1. arguments, the manifest and the files' sizes, before DCP reads
     # anything; rank 0, once its file check found every file, derives every storage record from
@@ -193,6 +196,8 @@ def _load(
     if problems:
         raise ValueError(damage_message(stored, problems))
     assert manifest is not None
+    if remote:
+        identity = manifest.generation
     records, metadata = None, None
     if agreed and expected:  # .metadata's records, derived by each rank: see [Note: derived loads]
         records = opened[1] if _dist.rank() == 0 else derive_load(manifest.layout, manifest.world_size, manifest.files)

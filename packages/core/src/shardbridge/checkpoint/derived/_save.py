@@ -47,6 +47,7 @@ from shardbridge.checkpoint.derived._records import (
     derive,
     describe,
     head_metadata,
+    laid_out,
     record_groups,
 )
 from shardbridge.checkpoint.derived._spread import Spread, matches_plan, spread_table, spreads_digest, writers
@@ -218,7 +219,8 @@ class DerivedSave:
         state: dict[str, Any] = {}
 
         def write() -> tuple[RankFiles, bool, list[WriteResult] | None]:
-            mine = [item for item in local.plan.items if _writes(item, entries_by_fqn, rank)]
+            order = {entries[i].fqn: k for k, i in enumerate(laid_out(entries))}  # [Note: derived file layout]
+            mine = sorted((i for i in local.plan.items if _writes(i, entries_by_fqn, rank)), key=lambda i: order[i.index.fqn])
             plan = SavePlan(mine, storage_data=DCPStoragePrefix(f"__{rank}_"), planner_data=local.plan.planner_data)
             writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
             planner = SavePlanner()

@@ -8,7 +8,10 @@ on rank 0). shardbridge's writer lays its files out by a rule instead, so that r
 every rank's storage records from the derived plan ([Note: derived plans] in
 ``derived/_spread.py``) without being sent them:
 
-- a rank's items are written in plan order, bytes items first (as DCP's ``FileSystemWriter``);
+- a rank's items are written in the order it is handed them, bytes items first (as DCP's
+  ``FileSystemWriter``); the derived protocol hands them entries held by more ranks first, each
+  group in plan order (``derived/_records.py``: :func:`laid_out`), so that what several ranks read
+  lies side by side;
 - a rank writes ``n = min(threads, ceil(tensor bytes / min_file_bytes), tensor items)`` files
   (at least one); a tensor item goes to file ``min(n - 1, bytes_before * n // total)``, where
   ``bytes_before`` are the raw bytes of the rank's tensor items before it (contiguous runs of
@@ -144,9 +147,10 @@ def derive_rows(
 ) -> dict[tuple[int, int], int]:
     """Fill ``rows.file`` and ``rows.offset`` by the rule; returns ``(writer, file) -> size``.
 
-    See [Note: derived file layout]. ``segments``: ``(first row, rows)`` per entry, in plan order
-    (None: a row each). Entry by entry, every writer's running offset advances at once (one entry's
-    rows usually have distinct writers; an entry with several boxes of one writer goes in rounds):
+    See [Note: derived file layout]. ``segments``: ``(first row, rows)`` per entry, in the order the
+    writer lays them out (None: a row each). Entry by entry, every writer's running offset advances
+    at once (one entry's rows usually have distinct writers; an entry with several boxes of one
+    writer goes in rounds):
     ~15 small tensor operations per entry, no sort of all rows.
     """
     n = rows.writer.numel()
@@ -182,7 +186,7 @@ def derive_rows(
         rows.offset[at] = offset
         run[w] = offset + length
 
-    for first_pass in (True, False):  # bytes items first (file 0), then the tensors, each in plan order
+    for first_pass in (True, False):  # bytes items first (file 0), then the tensors, each in segment order
         for start, size in segments:
             if size == 0 or bool(rows.is_bytes[start]) != first_pass:
                 continue
