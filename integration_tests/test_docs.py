@@ -8,10 +8,14 @@ The collector reads every fenced block of README.md, docs/**/*.md and packages/*
                            README.md: see "a new shell" below)
     ```python, first line  written to that file (a script a later block of the same page runs,
       ``# NAME.py``          e.g. ``torchrun ... NAME.py``); never run by itself
-    ```python, ``>>>``      a doctest: every output must match (ELLIPSIS, NORMALIZE_WHITESPACE)
+    ```python, ``>>>``      a doctest: every output must match (ELLIPSIS, NORMALIZE_WHITESPACE); run
+                           in the test's process (doctest's own runner, fresh globals, the scratch
+                           directory as cwd): what ``python -m doctest`` checks, without a new
+                           interpreter importing torch for each block (~4 s each)
     ```python, otherwise   run with ``python``
     ```yaml with a top-  an Accelerate config file: read and validated by shardbridge_hf.read_config_file
-      level distributed_type  (what ``shardbridge launch`` does before starting any process)
+      level distributed_type  (what ``shardbridge launch`` does before starting any process; in the
+                           test's process)
     ```text / ```yaml /    not run (output, listings, fragments of config files)
       ```console-output ...
     ``` (no language)      an error: say what the block is
@@ -44,8 +48,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import doctest
 import importlib
 import inspect
+import io
 import os
 import re
 import subprocess
@@ -218,11 +224,6 @@ def _command(block: Block, cwd: Path, index: int, session: str = "") -> list[str
 
     ``session``: lines of earlier blocks a shell would still have in effect (an activation), run first.
     """
-    if _is_accelerate_config(block):
-        path = cwd / f".docs-block-{index}.yaml"
-        path.write_text(block.text)
-        code = "import sys; from shardbridge_hf import read_config_file; print(read_config_file(sys.argv[1]))"
-        return [sys.executable, "-c", code, str(path)]
     if block.script_name:
         (cwd / block.script_name).write_text(block.text)
         return None
@@ -230,13 +231,40 @@ def _command(block: Block, cwd: Path, index: int, session: str = "") -> list[str
         path = cwd / f".docs-block-{index}.sh"
         path.write_text(session + block.text)
         return ["bash", "-e", "-o", "pipefail", str(path)]
-    if block.text.lstrip().startswith(">>>"):
-        path = cwd / f".docs-block-{index}.txt"
-        path.write_text(block.text)
-        return [sys.executable, "-m", "doctest", "-o", "ELLIPSIS", "-o", "NORMALIZE_WHITESPACE", str(path)]
     path = cwd / f".docs-block-{index}.py"
     path.write_text(block.text)
     return [sys.executable, str(path)]
+
+
+def _in_process(block: Block, cwd: Path) -> str | None:
+    """Run a doctest or an Accelerate config block in this process; None if it passed, else what failed.
+
+    ``python -m doctest FILE`` would start an interpreter that imports torch and shardbridge again for
+    each block; doctest's own runner here checks the same examples against the same printed output
+    (fresh globals named ``__main__``, as ``python -m doctest`` gives a text file; ``cwd`` as the
+    working directory).
+    """
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        if _is_accelerate_config(block):
+            from shardbridge_hf import read_config_file
+
+            path = cwd / f".docs-block-{block.line}.yaml"
+            path.write_text(block.text)
+            try:
+                read_config_file(path)
+            except Exception as exc:  # noqa: BLE001 (the block's failure, reported as the subprocess's was)
+                return f"{type(exc).__name__}: {exc}"
+            return None
+        flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+        test = doctest.DocTestParser().get_doctest(block.text, {"__name__": "__main__"}, block.where, block.page, block.line)
+        out = io.StringIO()
+        result = doctest.DocTestRunner(optionflags=flags).run(test, out=out.write)
+        test.globs.clear()
+        return out.getvalue() if result.failed else None
+    finally:
+        os.chdir(before)
 
 
 # -- API listings ([Note: executed docs], the signatures marker) ---------------------------------
@@ -412,6 +440,14 @@ def test_page_runs_as_printed(page, tmp_path):
             problems = check_signatures(block)
             assert not problems, f"{block.where}: the listing does not match {block.signatures}:\n" + "\n".join(problems)
             _COUNTS["ran"] += 1
+            continue
+        if _is_accelerate_config(block) or (block.lang == "python" and block.text.lstrip().startswith(">>>")):
+            start = time.perf_counter()
+            failure = _in_process(block, cwd)
+            _COUNTS["ran"] += 1
+            _COUNTS["seconds"] += time.perf_counter() - start
+            _BLOCK_SECONDS.append((time.perf_counter() - start, block.where))
+            assert failure is None, f"{block.where} ({block.lang}) failed:\n{block.text}\n--- output ---\n{failure}"
             continue
         command = _command(block, cwd, index, session if page in NEW_SHELL_PAGES else "")
         if block.lang in ("bash", "sh"):
