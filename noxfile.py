@@ -222,11 +222,12 @@ def fp8_matrix(session):
 
 @nox.session(python="3.11")
 def megatron_tp_sweep(session):
-    """Megatron-FSDP x TP (full TP plan): every strategy x layout incl. tp4 and 8-rank HSDP (docs/megatron-fsdp.md)."""
+    """Megatron-FSDP x TP (full TP plan): every strategy x layout incl. tp4 and 8-rank HSDP; microbatches under every strategy (docs/megatron-fsdp.md)."""
     _install(session, "megatron,test")
     env = {**ENV, "SHARDBRIDGE_MFSDP_TP_SWEEP": "1"}
     session.run(
-        "python", "-m", "pytest", "packages/megatron-fsdp-adapter/tests/test_mfsdp_train.py", *session.posargs, env=env
+        "python", "-m", "pytest", "packages/megatron-fsdp-adapter/tests/test_mfsdp_train.py",
+        "packages/megatron-fsdp-adapter/tests/test_mfsdp_accumulate.py", *session.posargs, env=env
     )
 
 

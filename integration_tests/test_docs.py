@@ -8,10 +8,14 @@ The collector reads every fenced block of README.md, docs/**/*.md and packages/*
                            README.md: see "a new shell" below)
     ```python, first line  written to that file (a script a later block of the same page runs,
       ``# NAME.py``          e.g. ``torchrun ... NAME.py``); never run by itself
-    ```python, ``>>>``      a doctest: every output must match (ELLIPSIS, NORMALIZE_WHITESPACE)
+    ```python, ``>>>``      a doctest: every output must match (ELLIPSIS, NORMALIZE_WHITESPACE); run
+                           in the test's process (doctest's own runner, fresh globals, the scratch
+                           directory as cwd): what ``python -m doctest`` checks, without a new
+                           interpreter importing torch for each block (~4 s each)
     ```python, otherwise   run with ``python``
     ```yaml with a top-  an Accelerate config file: read and validated by shardbridge_hf.read_config_file
-      level distributed_type  (what ``shardbridge launch`` does before starting any process)
+      level distributed_type  (what ``shardbridge launch`` does before starting any process; in the
+                           test's process)
     ```text / ```yaml /    not run (output, listings, fragments of config files)
       ```console-output ...
     ``` (no language)      an error: say what the block is
@@ -37,6 +41,11 @@ line of an earlier block of the page is run again before each later block (one s
 scratch directory's ``.venv`` is the test's interpreter's environment, so README's
 ``source .venv/bin/activate`` activates what the other pages run with.
 
+Pages run two at a time (``SHARDBRIDGE_DOCS_JOBS``, default 2; 1 = one after the other), each page's
+blocks in order in its own scratch directory: many blocks are one process (a CLI command, ``python
+-c``) and leave one of CI's two cores idle. The seconds a block reports are measured beside the
+other page's blocks.
+
 Run one page: ``pytest integration_tests/test_docs.py -k hf.md``.
 """
 
@@ -44,14 +53,19 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import doctest
 import importlib
 import inspect
+import io
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,11 +232,6 @@ def _command(block: Block, cwd: Path, index: int, session: str = "") -> list[str
 
     ``session``: lines of earlier blocks a shell would still have in effect (an activation), run first.
     """
-    if _is_accelerate_config(block):
-        path = cwd / f".docs-block-{index}.yaml"
-        path.write_text(block.text)
-        code = "import sys; from shardbridge_hf import read_config_file; print(read_config_file(sys.argv[1]))"
-        return [sys.executable, "-c", code, str(path)]
     if block.script_name:
         (cwd / block.script_name).write_text(block.text)
         return None
@@ -230,13 +239,40 @@ def _command(block: Block, cwd: Path, index: int, session: str = "") -> list[str
         path = cwd / f".docs-block-{index}.sh"
         path.write_text(session + block.text)
         return ["bash", "-e", "-o", "pipefail", str(path)]
-    if block.text.lstrip().startswith(">>>"):
-        path = cwd / f".docs-block-{index}.txt"
-        path.write_text(block.text)
-        return [sys.executable, "-m", "doctest", "-o", "ELLIPSIS", "-o", "NORMALIZE_WHITESPACE", str(path)]
     path = cwd / f".docs-block-{index}.py"
     path.write_text(block.text)
     return [sys.executable, str(path)]
+
+
+def _in_process(block: Block, cwd: Path) -> str | None:
+    """Run a doctest or an Accelerate config block in this process; None if it passed, else what failed.
+
+    ``python -m doctest FILE`` would start an interpreter that imports torch and shardbridge again for
+    each block; doctest's own runner here checks the same examples against the same printed output
+    (fresh globals named ``__main__``, as ``python -m doctest`` gives a text file; ``cwd`` as the
+    working directory).
+    """
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        if _is_accelerate_config(block):
+            from shardbridge_hf import read_config_file
+
+            path = cwd / f".docs-block-{block.line}.yaml"
+            path.write_text(block.text)
+            try:
+                read_config_file(path)
+            except Exception as exc:  # noqa: BLE001 (the block's failure, reported as the subprocess's was)
+                return f"{type(exc).__name__}: {exc}"
+            return None
+        flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+        test = doctest.DocTestParser().get_doctest(block.text, {"__name__": "__main__"}, block.where, block.page, block.line)
+        out = io.StringIO()
+        result = doctest.DocTestRunner(optionflags=flags).run(test, out=out.write)
+        test.globs.clear()
+        return out.getvalue() if result.failed else None
+    finally:
+        os.chdir(before)
 
 
 # -- API listings ([Note: executed docs], the signatures marker) ---------------------------------
@@ -383,35 +419,43 @@ def _missing_extras() -> list[str]:
     return missing_requirements("all")
 
 
-@pytest.mark.slow
-# A page is many blocks, each with its own BLOCK_TIMEOUT_S: the suite-wide 600 s (pyproject) would
-# cut a long page (docs/hf.md: four 4-process launches) on a loaded machine while every block is
-# still within its own limit.
-@pytest.mark.timeout(3 * BLOCK_TIMEOUT_S)
-@pytest.mark.skipif(
-    bool(_missing_extras()),
-    reason=f"the docs run in tools/test.sh's environment (extras all,te-structural); not installed: {_missing_extras()}",
-)
-@pytest.mark.parametrize(
-    "page", [p for p in pages() if any(b.lang in RUN or _is_accelerate_config(b) for b in parse(p))]
-)
-def test_page_runs_as_printed(page, tmp_path):
+_BOOK = threading.Lock()  # the counts above: pages run in threads (DOCS_JOBS)
+
+
+def _ran(block: Block, seconds: float | None) -> None:
+    with _BOOK:
+        _COUNTS["ran"] += 1
+        if seconds is not None:
+            _COUNTS["seconds"] += seconds
+            _BLOCK_SECONDS.append((seconds, block.where))
+
+
+def _run_page(page: str, tmp_path: Path) -> None:
+    """Every block of ``page`` in order, in a scratch directory of its own; the first failure raises."""
     blocks = parse(page)
     problems = _problems(blocks)
     assert not problems, "\n".join(problems)
     cwd = _scratch(tmp_path)
-    _PAGES.add(page)
+    with _BOOK:
+        _PAGES.add(page)
     session = ""  # what a reader's shell keeps from the page's earlier blocks: activations
     for index, block in enumerate(blocks):
         if block.lang not in RUN and not _is_accelerate_config(block):
             continue
         if block.skip is not None:
-            _SKIPPED[block.skip] += 1
+            with _BOOK:
+                _SKIPPED[block.skip] += 1
             continue
         if block.signatures is not None:
             problems = check_signatures(block)
             assert not problems, f"{block.where}: the listing does not match {block.signatures}:\n" + "\n".join(problems)
-            _COUNTS["ran"] += 1
+            _ran(block, None)
+            continue
+        if _is_accelerate_config(block) or (block.lang == "python" and block.text.lstrip().startswith(">>>")):
+            start = time.perf_counter()
+            failure = _on_main_thread(_in_process, block, cwd)
+            _ran(block, time.perf_counter() - start)
+            assert failure is None, f"{block.where} ({block.lang}) failed:\n{block.text}\n--- output ---\n{failure}"
             continue
         command = _command(block, cwd, index, session if page in NEW_SHELL_PAGES else "")
         if block.lang in ("bash", "sh"):
@@ -425,13 +469,78 @@ def test_page_runs_as_printed(page, tmp_path):
             )  # fmt: skip
         except subprocess.TimeoutExpired:
             pytest.fail(f"{block.where}: the block ran longer than {BLOCK_TIMEOUT_S} s:\n{block.text}")
-        _COUNTS["ran"] += 1
-        _COUNTS["seconds"] += time.perf_counter() - start
-        _BLOCK_SECONDS.append((time.perf_counter() - start, block.where))
+        _ran(block, time.perf_counter() - start)
         assert run.returncode == 0, (
             f"{block.where} ({block.lang}) exited {run.returncode}:\n{block.text}\n--- output (tail) ---\n"
             f"{_tail(run.stdout)}\n{_tail(run.stderr)}"
         )
+
+
+DOCS_JOBS = int(os.environ.get("SHARDBRIDGE_DOCS_JOBS", "2"))
+"""Pages run this many at a time (each page's blocks in order): many blocks are one process (a CLI
+command, ``python -c``), which leaves a core of CI's two idle; another page's blocks use it."""
+_FIRST = ("docs/hf.md", "README.md")  # the longest pages start first
+_MAIN: queue.Queue = queue.Queue()
+"""Calls a page's thread hands to the main thread: a doctest writes to sys.stdout, which is the
+process's, and pytest swaps it at every test's start and end, in the main thread."""
+
+
+def _on_main_thread(fn, *args):
+    """``fn(*args)`` run by the main thread (which serves while it waits for a page: _serve_until)."""
+    if threading.current_thread() is threading.main_thread():
+        return fn(*args)
+    done: Future = Future()
+    _MAIN.put((fn, args, done))
+    return done.result()
+
+
+def _serve_until(runs: list[Future]) -> None:
+    """Run the pages' main-thread calls until every run of ``runs`` has ended."""
+    while not all(run.done() for run in runs):
+        try:
+            fn, args, done = _MAIN.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 (handed to the page's thread)
+            done.set_exception(exc)
+
+
+@pytest.fixture(scope="module")
+def page_runs(request, tmp_path_factory):
+    """page -> the Future of its run, for every page this session collected; DOCS_JOBS at a time."""
+    pages_here = [
+        item.callspec.params["page"]
+        for item in request.session.items
+        if item.module is request.module and item.originalname == "test_page_runs_as_printed"
+    ]
+    pages_here.sort(key=lambda p: (p not in _FIRST, _FIRST.index(p) if p in _FIRST else 0))
+    pool = ThreadPoolExecutor(max_workers=max(1, DOCS_JOBS), thread_name_prefix="docs-page")
+    # tmp directories made here, in the main thread (tmp_path_factory is not thread-safe)
+    runs = {page: pool.submit(_run_page, page, tmp_path_factory.mktemp(re.sub(r"\W", "_", page))) for page in pages_here}
+    yield runs
+    for run in runs.values():
+        run.cancel()
+    _serve_until(list(runs.values()))  # a page still running (after -x, a timeout) may need the main thread
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.slow
+# A page is many blocks, each with its own BLOCK_TIMEOUT_S: the suite-wide 600 s (pyproject) would
+# cut a long page (docs/hf.md: four 4-process launches) on a loaded machine while every block is
+# still within its own limit.
+@pytest.mark.timeout(3 * BLOCK_TIMEOUT_S)
+@pytest.mark.skipif(
+    bool(_missing_extras()),
+    reason=f"the docs run in tools/test.sh's environment (extras all,te-structural); not installed: {_missing_extras()}",
+)
+@pytest.mark.parametrize(
+    "page", [p for p in pages() if any(b.lang in RUN or _is_accelerate_config(b) for b in parse(p))]
+)
+def test_page_runs_as_printed(page, page_runs):
+    _serve_until([page_runs[page]])
+    page_runs[page].result()  # re-raises the page's first failure
 
 
 def summary() -> str | None:

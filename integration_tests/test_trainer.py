@@ -20,7 +20,7 @@ Checks per case (docs/hf.md, "Trainer and TRL"):
 
 CI runs ``trainer_dp2_tp2`` (examples/hf/cpu_fsdp2_tp2.yaml, the file the docs use); ``nox -s
 trainer`` (``SHARDBRIDGE_TRAINER=all``) runs every case: SFTTrainer, a MoE at dp2 x tp2 with
-ep_size 2, HSDP x tp2 and dp2 x cp2. Each case is two subprocesses (~15 s and ~45 s on 2 idle cores).
+ep_size 2, HSDP x tp2 and dp2 x cp2. Each case is two subprocesses, side by side (~15 s and ~45 s on 2 idle cores).
 """
 
 from __future__ import annotations
@@ -114,9 +114,21 @@ def case(request, tmp_path_factory):
         config.write_text(config_text)
     ref, got = root / "one_process", root / "launched"
     args = _script_args(trainer, arch)
-    _run([sys.executable, str(SCRIPT), str(ref), *args, "--batch", str(dp * BATCH)], root)
-    launcher = [sys.executable, "-m", "shardbridge.cli._main", "launch", "--config_file", str(config)]
-    _run([*launcher, str(SCRIPT), str(got), *args, "--batch", str(BATCH), "--eval-first", "--then-resume", "2"], root)
+    # The one-process oracle runs beside the launch: it is one process, and the launch leaves a core
+    # idle while its launcher imports and its workers meet (the two share nothing but the cores).
+    oracle_cmd = [sys.executable, str(SCRIPT), str(ref), *args, "--batch", str(dp * BATCH)]
+    with open(root / "oracle.log", "w+") as log:
+        oracle = subprocess.Popen(oracle_cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=root)
+        try:
+            launcher = [sys.executable, "-m", "shardbridge.cli._main", "launch", "--config_file", str(config)]
+            _run([*launcher, str(SCRIPT), str(got), *args, "--batch", str(BATCH), "--eval-first", "--then-resume", "2"], root)
+            code = oracle.wait(timeout=600)
+        finally:
+            if oracle.poll() is None:
+                oracle.kill()
+                oracle.wait()
+        log.seek(0)
+        assert code == 0, f"{oracle_cmd}\n" + log.read()[-6000:]
     return name, ref, got
 
 
