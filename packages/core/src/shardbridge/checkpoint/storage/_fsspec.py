@@ -102,6 +102,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from shardbridge.checkpoint.storage import _store
@@ -316,28 +317,29 @@ class FsspecBackend(Backend):
                 f"{self.uri(final.strip('/'))}/step-00000001 (step_dir(root, step))"
             )
         manifest_path = self.join(final, MANIFEST_NAME)
-        kept = self._recover(final)
-        try:
-            with self._naming(manifest_path):
-                info = self.fs.info(manifest_path)
-        except FileNotFoundError:
-            info = None
+        kept, listed, current = self._recover(final)
+        info = None
+        if MANIFEST_NAME in listed:  # its etag: the commit replaces exactly this manifest (IfMatch)
+            try:
+                with self._naming(manifest_path):
+                    info = self.fs.info(manifest_path)
+            except FileNotFoundError:
+                info = None
         shown = self.uri(final)
         if info is not None and not overwrite:
             raise ValueError(
                 f"checkpoint {shown!r} already exists; pass overwrite=True to replace it, or save to a new path "
                 "(e.g. step_dir(root, step))"
             )
-        others = sorted(n for n in self.listing(final) if n != MANIFEST_NAME and not is_leftover(n))
+        # (the listing is from before the leftovers were settled: they are not counted here either)
+        others = sorted(n for n in listed if n != MANIFEST_NAME and not is_leftover(n))
         if info is None and others:
             what = "already holds objects" if not overwrite else f"is not a shardbridge checkpoint (no {MANIFEST_NAME})"
             raise ValueError(
                 f"refusing to save to {shown!r}: it {what} ({', '.join(others[:3])}"
                 f"{', ...' if len(others) > 3 else ''}); delete them or choose another path"
             )
-        replaces = None
-        if info is not None:
-            replaces = self._generation(final)
+        replaces = current if info is not None else None
         generation = f"g-{uuid.uuid4().hex[:16]}"
         self.write_bytes(self._lock(final, generation), f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n".encode())
         return Target(
@@ -557,16 +559,34 @@ class FsspecBackend(Backend):
         with contextlib.suppress(FileNotFoundError), self._naming(path):
             self.fs.rm_file(path)
 
-    def _recover(self, final: str) -> list[str]:
-        """Settle what dead saves left under ``final``'s root and ``final``; the generations of ``final``
-        kept because they may be committed ([Note: object-store cleanup])."""
+    def _recover(self, final: str) -> tuple[list[str], dict[str, Entry], str | None]:
+        """Settle what dead saves left under ``final``'s root and ``final`` ([Note: object-store
+        cleanup]): the generations of ``final`` kept because they may be committed, its listing (before
+        the settling) and the generation its manifest names (None: none; damaged: logged, None).
+
+        The three reads it starts from (the root's listing, ``final``'s manifest and listing) are
+        independent, so they are sent at once: on an object store each costs a request's latency
+        (20-60 ms), and a save waits for them before any rank writes."""
         root, name = posixpath.split(final)
         self.fs.invalidate_cache(root)
+
+        def ls_root() -> list[dict[str, Any]]:
+            try:
+                with self._naming(root):
+                    return self.fs.ls(root, detail=True)
+            except FileNotFoundError:
+                return []
+
+        with ThreadPoolExecutor(3, thread_name_prefix="shardbridge-begin") as pool:
+            reads = pool.submit(ls_root), pool.submit(self._generation, final), pool.submit(self.listing, final)
+        found, listed = reads[0].result(), reads[2].result()
         try:
-            with self._naming(root):
-                found = self.fs.ls(root, detail=True)
-        except FileNotFoundError:
-            found = []
+            current = reads[1].result()
+        except ValueError as exc:  # a damaged manifest: which generation is live is unknown
+            logger.warning("shardbridge.checkpoint: not cleaning up %s: %s", self.uri(final), exc)
+            current, damaged = None, True
+        else:
+            damaged = False
         dead: dict[str, set[str]] = {name: set()}
         live: dict[str, set[str]] = {}
         for info in found:
@@ -577,18 +597,27 @@ class FsspecBackend(Backend):
         for other, gens in sorted(dead.items()):  # another checkpoint: its dead saves' generations only
             if other != name:
                 self._settle(self.join(root, other), gens, set(), listed_too=False)
-        return self._settle(final, dead[name], live.get(name, set()), listed_too=True)
+        if damaged:
+            return [], listed, None
+        kept = self._settle(final, dead[name], live.get(name, set()), listed_too=True, known=(current, listed))
+        return kept, listed, current
 
-    def _settle(self, final: str, locked: set[str], live: set[str], *, listed_too: bool) -> list[str]:
+    def _settle(
+        self, final: str, locked: set[str], live: set[str], *, listed_too: bool,
+        known: tuple[str | None, dict[str, Entry]] | None = None,
+    ) -> list[str]:  # fmt: skip
         """Delete the generations of ``final`` no commit can name: those of ``locked`` (dead saves: their
         locks go with them) and, ``listed_too``, every other one listed but ``live`` saves'. The kept ones
-        are returned."""
-        try:
-            current = self._generation(final)
-        except ValueError as exc:  # a damaged manifest: which generation is live is unknown
-            logger.warning("shardbridge.checkpoint: not cleaning up %s: %s", self.uri(final), exc)
-            return []
-        listed = self.listing(final)
+        are returned. ``known``: ``final``'s generation and listing, already read."""
+        if known is not None:
+            current, listed = known
+        else:
+            try:
+                current = self._generation(final)
+            except ValueError as exc:  # a damaged manifest: which generation is live is unknown
+                logger.warning("shardbridge.checkpoint: not cleaning up %s: %s", self.uri(final), exc)
+                return []
+            listed = self.listing(final)
         named = listed.get(f"{current}/{DCP_METADATA_NAME}") if current else None
         kept = []
         listed_gens = {n.split("/", 1)[0] for n in listed if is_leftover(n)} if listed_too else set()

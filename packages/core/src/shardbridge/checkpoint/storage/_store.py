@@ -62,7 +62,8 @@ __all__ = ["NOTICE_S", "S3_RETRIES", "Waits", "client_options", "request_bound",
 logger = logging.getLogger("shardbridge.checkpoint")
 
 NOTICE_S = 5.0
-"""A request that has waited this long logs one line."""
+"""A request that has waited this long logs one line (requests due within ``_TOGETHER_S`` of it: the same line)."""
+_TOGETHER_S = 0.5
 S3_RETRIES = {"mode": "standard", "total_max_attempts": 3}
 """botocore's retries for shardbridge's S3 clients, each key unless the user set it."""
 S3FS_OWN_RETRIES = 5
@@ -259,14 +260,19 @@ class Waits:
         while True:
             with self._cond:
                 now = time.monotonic()
-                due = [w for w in self._open.values() if not w[2] and now - w[0] >= NOTICE_S]
+                pending = [w for w in self._open.values() if not w[2]]
+                due = []
+                if pending and now - min(w[0] for w in pending) >= NOTICE_S:
+                    # requests sent together (a save's first reads go at once) wait together: one line
+                    due = [w for w in pending if now - w[0] >= NOTICE_S - _TOGETHER_S]
                 for wait in due:
                     wait[2] = True
                 later = [w[0] + NOTICE_S - now for w in self._open.values() if not w[2]]
                 if not due:
                     self._cond.wait(timeout=max(0.05, min(later)) if later else None)
                     continue
-            for start, what, _ in due:
-                logger.warning("shardbridge.checkpoint: waiting for the S3 server at %s to answer %s (%.0f s so far); "
-                               "without an answer it fails after %s", endpoint(self._fs), what, now - start,
-                               describe_bound(self._fs))  # fmt: skip
+            start, what, _ = min(due, key=lambda w: w[0])
+            more = f" and {len(due) - 1} more request(s)" if len(due) > 1 else ""
+            logger.warning("shardbridge.checkpoint: waiting for the S3 server at %s to answer %s%s (%.0f s so far); "
+                           "without an answer it fails after %s", endpoint(self._fs), what, more, now - start,
+                           describe_bound(self._fs))  # fmt: skip
