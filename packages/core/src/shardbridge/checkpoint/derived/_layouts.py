@@ -28,17 +28,20 @@ from shardbridge.layout import chunk_box, dcp_chunk
 __all__ = ["component_spread", "entry_spread", "placement_spread"]
 
 
-def entry_spread(value: Any, world_size: int) -> Spread | None:
-    """The spread of one flattened state-dict value (None: not derivable)."""
+def entry_spread(value: Any, world_size: int, grids: dict[Any, Grid | None] | None = None) -> Spread | None:
+    """The spread of one flattened state-dict value (None: not derivable).
+
+    ``grids``: each mesh's :class:`Grid`, filled as the meshes come (one save's entries share a few
+    meshes, and a ``DeviceMesh`` builds its rank tensor anew each time it is asked)."""
+    grids = {} if grids is None else grids
     if isinstance(value, LocalChunks):
-        return None if value.origin is None else _origin_spread(value, value.origin, world_size)
+        return None if value.origin is None else _origin_spread(value, value.origin, world_size, grids)
     if isinstance(value, DTensor):
         if value.device_mesh.get_coordinate() is None:
             return None  # a sub-mesh this rank is not on: DCP writes nothing here
         properties = TensorProperties.create_from_tensor(value.to_local())  # as DCP describes a DTensor
-        try:
-            grid = Grid.tiled(value.device_mesh.shape, value.device_mesh.mesh, world_size)
-        except NotDerivable:
+        grid = _grid(value.device_mesh, world_size, grids)
+        if grid is None:
             return None
         return placement_spread(tuple(value.shape), grid, tuple(value.placements), "dcp", properties=properties)
     if isinstance(value, torch.Tensor):
@@ -46,16 +49,25 @@ def entry_spread(value: Any, world_size: int) -> Spread | None:
     return Spread.replicated(world_size, (), None)
 
 
-def _origin_spread(chunks: LocalChunks, origin: Origin, world_size: int) -> Spread | None:
+def _grid(mesh: Any, world_size: int, grids: dict[Any, Grid | None]) -> Grid | None:
+    key = id(mesh)  # the caller's dict, for one save: every mesh in it is alive (its values hold them)
+    if key not in grids:
+        try:
+            grids[key] = Grid.tiled(mesh.shape, mesh.mesh, world_size)
+        except NotDerivable:
+            grids[key] = None
+    return grids[key]
+
+
+def _origin_spread(chunks: LocalChunks, origin: Origin, world_size: int, grids: dict[Any, Grid | None]) -> Spread | None:
     pieces = chunks.pieces
     # what DCP records for the chunks' write items (the first piece's), else the origin's dtype
     properties = TensorProperties.create_from_tensor(pieces[0][1]) if pieces else TensorProperties(dtype=origin.dtype)
     if origin.mesh is None:
         whole = Spread.replicated(world_size, origin.shape, None)
     else:
-        try:
-            grid = Grid.tiled(origin.mesh.shape, origin.mesh.mesh, world_size)
-        except NotDerivable:
+        grid = _grid(origin.mesh, world_size, grids)
+        if grid is None:
             return None
         whole = placement_spread(origin.shape, grid, origin.placements, origin.rule, multi=origin.multi)
     if origin.fused is not None:

@@ -74,7 +74,8 @@ def _entries(planner: SavePlanner, plan: SavePlan, world_size: int) -> tuple[lis
     for item in plan.items:
         items.setdefault(item.index.fqn, []).append(item)
     values = planner.state_dict
-    spreads = [(fqn, entry_spread(value, world_size)) for fqn, value in values.items()]
+    grids: dict[Any, Any] = {}  # each mesh's grid, for this save's entries
+    spreads = [(fqn, entry_spread(value, world_size, grids)) for fqn, value in values.items()]
     digest = spreads_digest(spreads)
     if digest == 0:
         return None, 0
