@@ -440,6 +440,8 @@ def _run_page(page: str, tmp_path: Path) -> None:
         _PAGES.add(page)
     session = ""  # what a reader's shell keeps from the page's earlier blocks: activations
     for index, block in enumerate(blocks):
+        if _STOP.is_set():
+            raise RuntimeError(f"{page}: the docs test stopped (an earlier failure with -x, or a timeout)")
         if block.lang not in RUN and not _is_accelerate_config(block):
             continue
         if block.skip is not None:
@@ -485,13 +487,24 @@ _MAIN: queue.Queue = queue.Queue()
 process's, and pytest swaps it at every test's start and end, in the main thread."""
 
 
+_STOP = threading.Event()
+"""Set when the module's pages are torn down (the end, or after ``-x`` / a timeout): a page still
+running stops at its next block, and a call waiting for the main thread gives up."""
+
+
 def _on_main_thread(fn, *args):
     """``fn(*args)`` run by the main thread (which serves while it waits for a page: _serve_until)."""
     if threading.current_thread() is threading.main_thread():
         return fn(*args)
     done: Future = Future()
     _MAIN.put((fn, args, done))
-    return done.result()
+    while True:
+        try:
+            return done.result(timeout=1.0)
+        except TimeoutError:
+            if _STOP.is_set() and not done.running():
+                done.cancel()
+                raise RuntimeError("the docs test stopped before the main thread ran this block") from None
 
 
 def _serve_until(runs: list[Future]) -> None:
@@ -501,10 +514,15 @@ def _serve_until(runs: list[Future]) -> None:
             fn, args, done = _MAIN.get(timeout=0.1)
         except queue.Empty:
             continue
+        if not done.set_running_or_notify_cancel():
+            continue
         try:
             done.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 (handed to the page's thread)
+        except Exception as exc:  # noqa: BLE001 (the block's failure: handed to its page's thread)
             done.set_exception(exc)
+        except BaseException as exc:  # a timeout or an interrupt of the test running now: its own
+            done.set_exception(RuntimeError(f"interrupted ({type(exc).__name__})"))
+            raise
 
 
 @pytest.fixture(scope="module")
@@ -519,11 +537,17 @@ def page_runs(request, tmp_path_factory):
     pool = ThreadPoolExecutor(max_workers=max(1, DOCS_JOBS), thread_name_prefix="docs-page")
     # tmp directories made here, in the main thread (tmp_path_factory is not thread-safe)
     runs = {page: pool.submit(_run_page, page, tmp_path_factory.mktemp(re.sub(r"\W", "_", page))) for page in pages_here}
-    yield runs
-    for run in runs.values():
-        run.cancel()
-    _serve_until(list(runs.values()))  # a page still running (after -x, a timeout) may need the main thread
-    pool.shutdown(wait=True)
+    try:
+        yield runs
+    finally:
+        _STOP.set()  # a page still running (after -x, a timeout) stops at its next block
+        for run in runs.values():
+            run.cancel()
+        try:
+            _serve_until(list(runs.values()))  # ... and may need the main thread until then
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            _STOP.clear()
 
 
 @pytest.mark.slow

@@ -376,6 +376,22 @@ def test_a_load_during_an_overwrite_by_another_job_reads_the_old_version(s3_root
     assert ck.verify(uri).ok and ck.latest(s3_root) == uri
 
 
+def test_a_save_over_a_damaged_manifest_is_refused_before_any_rank_writes(s3_server, s3_root):
+    """begin's first reads go at once: a damaged manifest found there still refuses the save at
+    once, naming the damage (overwrite=True) or the checkpoint there (overwrite=False), instead of
+    uploading every rank's files and failing at the commit."""
+    use_server(s3_server.client_env())
+    uri = ck.step_dir(s3_root, 1)
+    where = locate(uri)
+    _fs(uri).pipe(f"{where.path}/shardbridge.json", b"{ not json")
+    with pytest.raises(ValueError, match="shardbridge.json is not valid JSON"):
+        where.backend.begin(where.path, overwrite=True)
+    with pytest.raises(ValueError, match="already exists"):
+        where.backend.begin(where.path, overwrite=False)
+    assert _objects(uri) == ["shardbridge.json"]  # no generation written, and no lock beside it:
+    assert not [n for n in _fs(uri).ls(s3_root.removeprefix("s3://")) if ".lock-" in n]
+
+
 def test_two_jobs_under_one_prefix_cannot_commit_a_mix(s3_root):
     """Job A begins a save of a new checkpoint; job B saves the same name and commits first: A's
     commit is refused (conditional PUT), A's generation is deleted, B's checkpoint is whole."""

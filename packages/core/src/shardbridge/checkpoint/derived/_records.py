@@ -287,7 +287,7 @@ def positions(count: int) -> torch.Tensor:
 # in the checkpoint for DCP's own readers.
 
 DERIVED_VERSION = 3
-"""3: whole tensors laid out before the other boxes of a file ([Note: derived file layout]); 2: the
+"""3: the entries held by more ranks laid out first in each file ([Note: derived file layout]); 2: the
 save-time values of ``.metadata`` recorded, the rendering compared; 1: a digest of the records. A
 checkpoint of an earlier version is read through ``.metadata``, as DCP reads it."""
 MAX_LAYOUTS = 512

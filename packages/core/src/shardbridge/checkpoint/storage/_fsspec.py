@@ -317,9 +317,12 @@ class FsspecBackend(Backend):
                 f"{self.uri(final.strip('/'))}/step-00000001 (step_dir(root, step))"
             )
         manifest_path = self.join(final, MANIFEST_NAME)
-        kept, listed, current = self._recover(final)
+        kept, listed, current, damaged = self._recover(final)
         info = None
-        if MANIFEST_NAME in listed:  # its etag: the commit replaces exactly this manifest (IfMatch)
+        # a manifest there (the listing may be stale where the GET was not): its etag, then (below) its
+        # generation, in that order as before: a commit between the two fails the IfMatch, never pairs
+        # an older generation with a newer etag
+        if MANIFEST_NAME in listed or current is not None or damaged:
             try:
                 with self._naming(manifest_path):
                     info = self.fs.info(manifest_path)
@@ -339,7 +342,7 @@ class FsspecBackend(Backend):
                 f"refusing to save to {shown!r}: it {what} ({', '.join(others[:3])}"
                 f"{', ...' if len(others) > 3 else ''}); delete them or choose another path"
             )
-        replaces = current if info is not None else None
+        replaces = self._generation(final) if info is not None else None  # a damaged manifest raises here
         generation = f"g-{uuid.uuid4().hex[:16]}"
         self.write_bytes(self._lock(final, generation), f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n".encode())
         return Target(
@@ -559,10 +562,11 @@ class FsspecBackend(Backend):
         with contextlib.suppress(FileNotFoundError), self._naming(path):
             self.fs.rm_file(path)
 
-    def _recover(self, final: str) -> tuple[list[str], dict[str, Entry], str | None]:
+    def _recover(self, final: str) -> tuple[list[str], dict[str, Entry], str | None, bool]:
         """Settle what dead saves left under ``final``'s root and ``final`` ([Note: object-store
         cleanup]): the generations of ``final`` kept because they may be committed, its listing (before
-        the settling) and the generation its manifest names (None: none; damaged: logged, None).
+        the settling), the generation its manifest names (None: none, or damaged) and whether it is
+        damaged (logged; nothing of ``final`` is cleaned up then).
 
         The three reads it starts from (the root's listing, ``final``'s manifest and listing) are
         independent, so they are sent at once: on an object store each costs a request's latency
@@ -598,9 +602,9 @@ class FsspecBackend(Backend):
             if other != name:
                 self._settle(self.join(root, other), gens, set(), listed_too=False)
         if damaged:
-            return [], listed, None
+            return [], listed, None, True
         kept = self._settle(final, dead[name], live.get(name, set()), listed_too=True, known=(current, listed))
-        return kept, listed, current
+        return kept, listed, current, False
 
     def _settle(
         self, final: str, locked: set[str], live: set[str], *, listed_too: bool,

@@ -23,7 +23,8 @@ adds to DCP's writer:
 [Note: the data file writer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Each rank's ``__<rank>_<n>.distcp`` is what DCP's ``FileSystemWriter`` writes: the plan's items
-(bytes items first, then tensors, each in plan order), each tensor one ``torch.save`` record (a
+(bytes items first, then tensors, each in the order the plan hands them: the derived protocol
+hands the entries held by more ranks first, [Note: derived file layout]), each tensor one ``torch.save`` record (a
 zip archive: the tensor's pickle and its raw bytes), each bytes item its bytes; every offset and
 length goes into ``.metadata``. With ``threads`` > 1 the items are split into that many files by
 size, written concurrently (DCP's ``thread_count``): on an object store, that many uploads in
