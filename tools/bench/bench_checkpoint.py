@@ -415,16 +415,19 @@ def _profile(root, what, model, opt, model_a, opt_a):
     checkpoint.save(path, model=model, optimizer=opt, overwrite=True)
     run = {
         "save": lambda: checkpoint.save(path, model=model, optimizer=opt, overwrite=True),
+        "async": lambda: checkpoint.save(path, model=model, optimizer=opt, overwrite=True, async_=True),
         "load": lambda: checkpoint.load(path, model=model_a, optimizer=opt_a),
     }[what]
     run()
+    checkpoint.wait()
     prof = cProfile.Profile()
     dist.barrier()
     start = time.perf_counter()
     prof.enable()
-    run()
+    run()  # async: the part that blocks training
     prof.disable()
     seconds = time.perf_counter() - start
+    checkpoint.wait()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
     return {"profile": f"{what}: {seconds:.3f} s on rank {dist.get_rank()}\n{out.getvalue()}"}
@@ -523,7 +526,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="252MB,1GB", help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--rounds", type=int, default=6, help="rounds per size (medians; the order is shuffled each round)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--profile", choices=("save", "load"), default=None, help="cProfile rank 0 instead")
+    parser.add_argument("--profile", choices=("save", "async", "load"), default=None,
+                        help="cProfile rank 0 instead (async: the part of save(async_=True) that blocks)")
     parser.add_argument("--loads-only", action="store_true", help="time the loads only (the saves they read run untimed)")
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]

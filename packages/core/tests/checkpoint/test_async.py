@@ -9,17 +9,19 @@ The crash test (kill -9 mid-flight) is in ``test_faults.py`` (it needs the fault
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, step
 from shardbridge import checkpoint as ck
+from shardbridge._compat import local_tensor
 from shardbridge.checkpoint.state._stage import Stager
 from shardbridge.checkpoint.storage import _local
 from shardbridge.testing import run_distributed
 from test_load import _load, _oracle
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def _save_async_twice(root: str, layout: str):
@@ -108,15 +110,36 @@ def test_writer_error_surfaces_at_the_next_save_and_keeps_the_previous(tmp_path,
 
 def _stage_dtensor():
     model, opt = build(LAYOUTS["fsdp2_tp2"])
-    state = {"model": {"w": model.up.weight, "plain": torch.ones(3), "lr": [("x", 0.5)]}}
+    state = {"model": {"w": model.up.weight, "plain": torch.ones(3), "lr": [("x", 0.5)], "in_list": [model.up.weight]}}
     stager = Stager()
     first, _ = stager.stage(state)
+    # A list holding a tensor is deep-copied as a whole (DCP plans it item by item only as a DTensor)
+    assert first["model"]["lr"] == [("x", 0.5)] and first["model"]["lr"] is not state["model"]["lr"]
+    (held,) = first["model"]["in_list"]
+    assert isinstance(held, DTensor) and torch.equal(held.to_local(), local_tensor(model.up.weight))
     chunks = first["model"]["w"]
     local = model.up.weight.to_local()
     assert isinstance(model.up.weight, DTensor) and chunks.shape == model.up.weight.shape
     (offsets, copy), *_ = chunks.pieces
     assert torch.equal(copy, local) and copy.data_ptr() != local.data_ptr()
-    again = stager.stage(state)[0]["model"]["w"].pieces[0][1]
+    calls, real = [], DTensor.__create_write_items__
+
+    def counted(self, fqn, obj):
+        calls.append(fqn)
+        return real(self, fqn, obj)
+
+    DTensor.__create_write_items__ = counted
+    try:
+        again = stager.stage(state)[0]["model"]["w"].pieces[0][1]
+        # The same name in another layout: its own boxes (DCP's for that layout), not the kept ones.
+        other = model.up.weight.redistribute(placements=[Replicate()] * model.up.weight.device_mesh.ndim)
+        moved = stager.stage({"model": {"w": other}})[0]["model"]["w"]
+    finally:
+        DTensor.__create_write_items__ = real
+    want = [(item.tensor_data.chunk.offsets, other.to_local()) for item in real(other, "model.w", other)]
+    assert [o for o, _ in moved.pieces] == [o for o, _ in want] and moved.origin.placements == other.placements
+    assert all(torch.equal(t, w) for (_, t), (_, w) in zip(moved.pieces, want, strict=True))
+    assert calls == ["model.w"], calls  # DCP's boxes asked once per name and layout, not once per save
     return copy.data_ptr() == again.data_ptr() and stager.nbytes > 0  # buffers reused
 
 
@@ -176,6 +199,34 @@ def test_a_hung_writer_group_rendezvous_fails_the_save_instead_of_hanging(tmp_pa
         assert "cannot make asynchronous saves any more" in errors[1]
     assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000004"]  # no tmp dir left
+
+
+def _writer_group_on_some_ranks(root: str):
+    """The writer group made on ranks 0, 2, 3 but failed on rank 1 (its rendezvous timed out there only)."""
+    from shardbridge.checkpoint import _dist
+
+    model, opt = build(LAYOUTS["fsdp2_tp2"])
+    ck.save(ck.step_dir(root, 1), model=model, optimizer=opt, step=1, async_=True).wait()
+    made = _dist._SIDE["writer"]
+    if dist.get_rank() == 1:
+        _dist._SIDE["writer"] = None
+    start = time.monotonic()
+    try:
+        ck.save(ck.step_dir(root, 2), model=model, optimizer=opt, step=2, async_=True).wait()
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - start
+    finally:
+        _dist._SIDE["writer"] = made
+    return None, time.monotonic() - start
+
+
+def test_a_writer_group_made_on_some_ranks_only_raises_on_every_rank(tmp_path):
+    # Without the argument round's agreement the ranks that have the group start writers that wait
+    # in it for the rank that never joins (the pool's group times out at 30 s, a job's at 30 min).
+    for error, seconds in run_distributed(_writer_group_on_some_ranks, str(tmp_path), world_size=4):
+        assert error is not None and "writer gloo group exists on some ranks only" in error, error
+        assert seconds < 10, seconds
+    assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 1)
 
 
 def test_extra_is_the_value_of_the_call(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -228,24 +229,29 @@ def _async_saves(root: str):
 
     model, opt = build(LAYOUTS["fsdp2_tp2"], fused=True, seed=1)
     step(model, opt, seed=2)
-    took, real = [], _dsave.DerivedSave.save
+    took, real, real_local = [], _dsave.DerivedSave.save, _dsave.DerivedSave.local
 
     def spy(self, dcp_state, writer, local, derived=False):
         took.append(derived)
         return real(self, dcp_state, writer, local, derived)
 
-    _dsave.DerivedSave.save = spy
+    def spy_local(self, dcp_state):
+        took.append(threading.current_thread().name)
+        return real_local(self, dcp_state)
+
+    _dsave.DerivedSave.save, _dsave.DerivedSave.local = spy, spy_local
     try:
         ck.save(f"{root}/a", model=model, optimizer=opt, step=1, async_=True).wait()
     finally:
-        _dsave.DerivedSave.save = real
+        _dsave.DerivedSave.save, _dsave.DerivedSave.local = real, real_local
     return took, full_state(model, opt)
 
 
 def test_an_async_save_is_derived_too(tmp_path):
-    # The staged snapshot keeps each entry's origin (state/_stage.py): the writer thread derives as well.
+    # The staged snapshot keeps each entry's origin (state/_stage.py): the writer thread derives as well,
+    # and runs the local step (not the training thread: [Note: async save]).
     results = run_distributed(_async_saves, str(tmp_path), world_size=4)
-    assert all(r[0] == [True] for r in results), [r[0] for r in results]
+    assert all(r[0] == ["shardbridge-checkpoint-writer", True] for r in results), [r[0] for r in results]
     assert_derives_its_metadata(f"{tmp_path}/a", True)
     loads = run_distributed(_load_into, f"{tmp_path}/a", LAYOUTS["hsdp2_tp2"], True, world_size=4)
     assert [took for _, took, _ in loads] == [[True]] * 4

@@ -13,20 +13,26 @@
        does not change: copy those boxes to
        host memory (pinned on CUDA), capture
        the RNG states; one collective round
-    2. rank 0 creates + locks the tmp dir;
-       DCP's plan (a round only if it changed)
+    2. in the same round, rank 0 creates +
+       locks the tmp dir
     3. start the writer, return AsyncSave ->  4. copy the optimizer's parameters and state
        training goes on (forward, backward);     to host memory ([Note: background staging]);
        the optimizer's next step() waits for     then step() may run
-       the copy                               5. DCP's writer writes the snapshot (fsynced)
+       the copy                               5. the protocol's local step on the snapshot
+                                                 (one constant-size round: can every rank
+                                                 derive the plan?); DCP's writer writes the
+                                                 snapshot (fsynced)
                                               6. RNG files; hash every file
                                               7. rank 0 writes .metadata, the manifest, and
                                                  renames: the commit of [Note: atomic commit]
                                                  ([Note: save protocols] in _protocol.py)
 
-The writer's collectives (the write results and file records, the commit's outcome) run on
-a gloo group of its own, created at the first asynchronous save, so they never interleave
-with the training thread's collectives (gloo matches collectives by order within a group).
+The writer's collectives (the protocol's local round, the write results and file records, the
+commit's outcome) run on a gloo group of its own, created at the first asynchronous save, so
+they never interleave with the training thread's collectives (gloo matches collectives by order
+within a group). Step 1's round also agrees on that group's state (not made yet, made, failed
+earlier) on every rank: later saves get it with no collective, and ranks that disagree (its
+making failed on some ranks only) all raise, never some waiting in a group others never joined.
 The commit is the synchronous one: the manifest is written only after every rank's files
 are fsynced and hashed, so a crash of the writer (or the process) at any point leaves what
 a crashed synchronous save leaves: the previous checkpoint intact, the hidden tmp directory
@@ -92,7 +98,7 @@ import torch.distributed as dist
 from shardbridge.checkpoint import _dist
 from shardbridge.checkpoint.state._stage import Pending, Stager, storages
 
-__all__ = ["AsyncSave", "IfBusy", "finish_previous", "settle", "stage_state", "start_async", "wait"]
+__all__ = ["AsyncSave", "IfBusy", "finish_previous", "settle", "stage_state", "start_async", "wait", "writer_group_state"]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
@@ -221,13 +227,28 @@ def stage_state(state: dict[str, Any], optimizer: Any = None) -> tuple[dict[str,
     return _STAGER.stage(state, later)
 
 
-def _writer_group() -> Any:
+def writer_group_state() -> int:
+    """What save's argument round compares for an asynchronous save: 1 the writer group is not made
+    yet, 2 it is, 3 making it failed earlier ([Note: a bounded writer group])."""
+    return 1 + _dist.side_state("writer")
+
+
+def _writer_group(agreed: bool) -> Any:
     """The writer thread's gloo group over every rank (a side group: [Note: the checkpoint group] in ``_dist.py``).
 
-    See [Note: a bounded writer group]. Raises RuntimeError if the group cannot be made.
+    ``agreed``: every rank's :func:`writer_group_state` is the same (the argument round). See
+    [Note: a bounded writer group]. Raises RuntimeError if the group cannot be made.
     """
     if not _dist.is_distributed():
         return None
+    if not agreed:  # every rank knows it: every rank raises
+        raise RuntimeError(
+            "the checkpoint's writer gloo group exists on some ranks only: making it failed on the others at an "
+            "earlier save(async_=True) (a rank died or stopped answering); this job cannot make asynchronous saves "
+            "any more: restart it from latest()"
+        )
+    if _dist.side_state("writer") == 1:  # made on every rank: no collective
+        return _dist.side_group("writer", first="its first save(async_=True)", lost="asynchronous saves")
     # A collective of every rank: every rank is in save(async_=True) at this point, behind a gate
     # ([Note: collective entry points]).
     with _dist.foreign():
@@ -250,12 +271,13 @@ def _explained(exc: BaseException, final: Path, world_size: int) -> BaseExceptio
     )
 
 
-def start_async(job: Any, write: Callable[[Any], None], optimizer: Any = None) -> AsyncSave:
+def start_async(job: Any, write: Callable[[Any], None], optimizer: Any = None, *, group_agreed: bool) -> AsyncSave:
     """Start ``write(job)`` in the writer thread, on the writer group; the handle.
 
     ``write`` runs ``job.pending`` first; ``optimizer.step()`` waits for it ([Note: background staging]).
+    ``group_agreed``: the argument round found :func:`writer_group_state` the same on every rank.
     """
-    group = _writer_group()
+    group = _writer_group(group_agreed)
     _dist.barrier(last=True)  # no writer starts unless every rank got here: [Note: collective entry points]
     handle = AsyncSave(job.final)
     handle._staged = job.pending.done

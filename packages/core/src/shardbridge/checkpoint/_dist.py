@@ -111,6 +111,14 @@ _GROUP_MARGIN_S = 10.0
 """How long past the job's timeout making a side group may take before it is declared hung."""
 
 
+def side_state(purpose: str) -> int:
+    """This default group's side group for ``purpose``: 0 not made yet, 1 made (getting it is no
+    collective), 2 making it failed (:func:`side_group` raises at once)."""
+    if _SIDE["of"] is not dist.group.WORLD or purpose not in _SIDE:
+        return 0
+    return 1 if _SIDE[purpose] is not None else 2
+
+
 def side_group(purpose: str, *, first: str, lost: str) -> Any:
     """A gloo group over every rank for ``purpose``, made once per default group (every rank must call).
 

@@ -45,7 +45,9 @@ class SaveProtocol(Protocol):
     name: str
 
     def local(self, dcp_state: dict[str, Any]) -> Any:
-        """In the save's argument round: what this rank keeps for :meth:`save`."""
+        """In the save's argument round (an asynchronous save: in its writer thread, on the
+        host snapshot): what this rank keeps for :meth:`save`. No collectives, no thread-local
+        or device state (it may run on another thread than the caller's)."""
         ...
 
     def save(self, dcp_state: dict[str, Any], writer: Writer, local: Any, derived: bool = False) -> None:

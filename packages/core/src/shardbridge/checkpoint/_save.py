@@ -15,7 +15,14 @@ from torch import nn
 import shardbridge
 from shardbridge._mesh import ParallelDims
 from shardbridge.checkpoint import _dist
-from shardbridge.checkpoint._async import AsyncSave, IfBusy, finish_previous, stage_state, start_async
+from shardbridge.checkpoint._async import (
+    AsyncSave,
+    IfBusy,
+    finish_previous,
+    stage_state,
+    start_async,
+    writer_group_state,
+)
 from shardbridge.checkpoint._protocol import DCPSave, SaveProtocol
 from shardbridge.checkpoint.derived import DerivedSave
 from shardbridge.checkpoint.state._provider import StateDictProvider, check_provider
@@ -182,7 +189,8 @@ def save(
                 "async_": async_, "protocol": protocol.name}  # fmt: skip
         # 2. In the same round, rank 0 begins the save on the backend (recovery, checks, the
         # temporary location: undone below if another rank failed) and every rank learns where to
-        # write; the protocol's local step rides along ([Note: save protocols] in _protocol.py).
+        # write; the protocol's local step rides along ([Note: save protocols] in _protocol.py), except in
+        # an asynchronous save, whose writer runs it: there the round agrees on the writer group instead.
         begun: list[Target] = []
         try:
             (prepared, target), _, agreed = _dist.one_round(
@@ -201,7 +209,8 @@ def save(
                 },
                 same=("shardbridge.checkpoint.save", same),
                 share=lambda mine: mine.target,  # rank 0's
-                agree=lambda mine: protocol.digest(mine.local),  # see [Note: the derived protocol]
+                # see [Note: the derived protocol]; an async save's writer agrees on it: here, on the writer group
+                agree=lambda mine: writer_group_state() if async_ else protocol.digest(mine.local),
             )
         except BaseException as exc:
             _dist.tell(exc)
@@ -217,7 +226,7 @@ def save(
             manifest=prepared.manifest,
             protocol=protocol,
             local=prepared.local,
-            derived=agreed and protocol.digest(prepared.local) != 0,
+            derived=None if async_ else agreed and protocol.digest(prepared.local) != 0,
             pending=prepared.pending,
         )
         del state, snapshot, prepared
@@ -225,7 +234,7 @@ def save(
             write_and_commit(job)
             return where.user
         try:
-            return start_async(job, write_and_commit, optimizer)
+            return start_async(job, write_and_commit, optimizer, group_agreed=agreed)
         except BaseException as exc:
             _dist.tell(exc)
             if rank == 0:
@@ -248,9 +257,10 @@ class SaveJob:
     """Without ``files`` (added at the commit)."""
     protocol: SaveProtocol
     local: Any
-    """The protocol's result of this rank's local step (round 1)."""
-    derived: bool = False
-    """Every rank can derive the global plan (round 1; [Note: the derived protocol] in ``derived/_save.py``)."""
+    """The protocol's result of this rank's local step (round 1; None while ``derived`` is None)."""
+    derived: bool | None = False
+    """Every rank can derive the global plan (round 1; [Note: the derived protocol] in ``derived/_save.py``);
+    None: an asynchronous save's writer runs the protocol's local step and this round ([Note: async save])."""
     pending: Pending | None = None
     """An asynchronous save's copies left to the writer ([Note: background staging] in ``_async.py``)."""
 
@@ -292,7 +302,11 @@ def write_and_commit(job: SaveJob) -> None:
     try:
         if job.pending is not None:
             job.pending.run()  # a failure reaches every rank as any other: [Note: collective entry points]
-        job.protocol.save(job.dcp_state, writer, job.local, job.derived)
+        local, derived = job.local, job.derived
+        if derived is None:  # an asynchronous save: the local step on the snapshot, one constant-size round
+            local, _, agreed = _dist.one_round(job.protocol.local, (job.dcp_state,), agree=job.protocol.digest)
+            derived = agreed and job.protocol.digest(local) != 0
+        job.protocol.save(job.dcp_state, writer, local, derived)
     except BaseException as exc:
         _dist.tell(exc)  # every rank knows before rank 0 deletes what the others may still be writing
         if rank == 0:
@@ -320,7 +334,7 @@ def _prepare(
     )
     state = build_portable_state(model, optimizer, on_bad_layout=on_bad_layout, log=log, provider=provider)
     snapshot, pending = stage_state(state.dcp_state, optimizer) if stage else (None, None)
-    local = protocol.local(state.dcp_state if snapshot is None else snapshot)
+    local = None if stage else protocol.local(state.dcp_state)  # staged: the writer's ([Note: async save])
     manifest = _manifest(state, step=step, extra=extra, world_size=_dist.world_size(), parallel_dims=parallel_dims)
     rng = rng_bytes(rng_states())
     target = None

@@ -4,9 +4,10 @@
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The default save protocol ([Note: save protocols] in ``checkpoint/_protocol.py``). Per save, every rank:
 
-1. in the save's argument round (which runs anyway): builds its local plan as DCP does, the
-   spread of every entry ([Note: derived plans] in ``_spread.py``) and their digest; the
-   round's all-reduce compares the digests (two more int64s);
+1. in the save's argument round (which runs anyway; an asynchronous save: in its writer thread,
+   on the snapshot, in a round of its own): builds its local plan as DCP does, the spread of
+   every entry ([Note: derived plans] in ``_spread.py``) and their digest; the round's
+   all-reduce compares the digests (two more int64s);
 2. keeps the items it writes by the writer rule (each box by one of its holders), writes them
    by the file rule ([Note: derived file layout] in ``storage/_files.py``), and checks that what
    it wrote is what the rules say;

@@ -22,7 +22,7 @@ spreads replicated entries over the replicas; bytes items by the first holder, r
 save needs no plan round: each rank filters its own local plan by the rule, and rank 0 knows
 every rank's items without being sent them. That every rank has the same LAYOUT is checked, not
 assumed: every rank hashes its entries' spreads into one digest (:func:`spreads_digest`,
-compared in the save's argument round) and checks that its own local plan is what its spreads
+compared in the save's argument round, or the asynchronous writer's first round) and checks that its own local plan is what its spreads
 say for its coordinate (:func:`matches_plan`); a rank where either fails makes the save fall
 back to ``dcp.save``. Entries without a spread (a framework's own boxes, through a
 ``StateDictProvider``) fall back the same way. That the replicas of a box hold the same DATA is

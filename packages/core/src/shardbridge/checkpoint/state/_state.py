@@ -246,9 +246,9 @@ def build_portable_state(
     if optim_sd is not None:
         state.dcp_state[OPTIM_KEY] = {}
         names = set(params)
-        _add_entries(state, OPTIM_KEY, optim_sd, params, lambda key: _split_optim_key(key, names), on_bad_layout, log)
-    if optim_sd is not None:
-        state.no_optim_state = _stateless_params(optim_sd, set(params), fused)
+        split = {key: _split_optim_key(key, names) for key in optim_sd}  # once per key: both steps use it
+        _add_entries(state, OPTIM_KEY, optim_sd, params, split.__getitem__, on_bad_layout, log)
+        state.no_optim_state = _stateless_params(split, fused)
     for fqn, spec in fused.items():
         info = params[fqn]
         tp = fused_tp_size(fqn, info.dtensor, spec) if info.dtensor is not None else 1
@@ -306,11 +306,11 @@ def _check_rank_local(
 # the save) stays an error under strict.
 
 
-def _stateless_params(optim_sd: dict[str, Any], names: set[str], fused: dict[str, FusedSpec]) -> list[str]:
-    """Stored names of the parameters in ``param_groups`` with no ``state.*`` key in ``optim_sd``."""
+def _stateless_params(split: dict[str, tuple[str, str, str] | None], fused: dict[str, FusedSpec]) -> list[str]:
+    """Stored names of the parameters in ``param_groups`` with no ``state.*`` key (``split``: each
+    optimizer key's :func:`_split_optim_key`)."""
     grouped, with_state = set(), set()
-    for key in optim_sd:
-        parsed = _split_optim_key(key, names)
+    for parsed in split.values():
         if parsed is not None:
             (grouped if parsed[0] == "param_groups." else with_state).add(parsed[1])
     out = []
