@@ -151,8 +151,9 @@ def gloo_exit(session):
     Megatron-FSDP example 10 times, each gloo worker thread made late to the GIL (tools/repro/gloo_exit.py; needs
     cc). Any failed run fails the session; `-- --without-exit-wait` shows the failures the fix removed."""
     _install(session, "megatron,test")
-    session.run("python", "tools/repro/gloo_exit.py", "--runs", "50", *session.posargs, env=ENV)
-    session.run("python", "tools/repro/gloo_exit.py", "--job", "megatron", "--runs", "10", *session.posargs, env=ENV)
+    session.run("python", "tools/repro/gloo_exit.py", "--runs", "50", "--parallel", "2", *session.posargs, env=ENV)
+    session.run("python", "tools/repro/gloo_exit.py", "--job", "megatron", "--runs", "10", "--parallel", "2",
+                *session.posargs, env=ENV)  # fmt: skip
 
 
 @nox.session(python="3.11")

@@ -1,6 +1,6 @@
 """Run a 4-process gloo job N times and count how its processes ended: the exit-abort reproducer.
 
-    python tools/repro/gloo_exit.py                          # README's train_core.py, 50 runs
+    python tools/repro/gloo_exit.py --parallel 2             # README's train_core.py, 50 runs, 2 at a time
     python tools/repro/gloo_exit.py --job megatron --runs 10 # the Megatron-FSDP example (docs' flags)
     python tools/repro/gloo_exit.py --without-exit-wait      # the same, as before the fix (the "before")
 
@@ -9,7 +9,7 @@ job aborted after its last line with ``terminate called without an active except
 because a gloo worker thread took the GIL while the interpreter finalized ([Note: gloo threads at
 exit] in ``packages/core/src/shardbridge/_distributed.py``). On an idle machine that needs the
 worker to be preempted at the wrong millisecond; to see it in tens of runs rather than thousands,
-``--late-worker-ms`` (default 300) preloads ``late_gloo_worker.c`` (built with ``cc`` into a
+``--late-worker-ms`` (default 100) preloads ``late_gloo_worker.c`` (built with ``cc`` into a
 temporary directory): every gloo worker stays runnable that long before it takes the GIL, as a
 worker preempted on a loaded machine does. ``--late-worker-ms 0`` runs the jobs unchanged;
 ``--load K`` adds K busy processes (the CI machine is loaded).
@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,13 +109,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", choices=("core", "megatron"), default="core")
     parser.add_argument("--runs", type=int, default=50)
-    parser.add_argument("--late-worker-ms", type=float, default=300.0)
+    parser.add_argument("--late-worker-ms", type=float, default=100.0)
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the job")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (each late worker spins: CPU load, as on a loaded machine)")
     parser.add_argument("--without-exit-wait", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.runs < 1 or args.late_worker_ms < 0 or args.load < 0:
-        parser.error(f"--runs={args.runs} must be >= 1, --late-worker-ms={args.late_worker_ms} and --load={args.load} >= 0")
+    if args.runs < 1 or args.parallel < 1 or args.late_worker_ms < 0 or args.load < 0:
+        parser.error(f"--runs={args.runs} and --parallel={args.parallel} must be >= 1, "
+                     f"--late-worker-ms={args.late_worker_ms} and --load={args.load} >= 0")  # fmt: skip
     out = args.out or Path(tempfile.mkdtemp(prefix="gloo-exit-"))
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -125,27 +128,30 @@ def main() -> int:
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     runs: Counter = Counter()
     procs: Counter = Counter()
-    print(f"{args.job}: {args.runs} runs, late worker {args.late_worker_ms:g} ms, load {args.load}, "
+    print(f"{args.job}: {args.runs} runs ({args.parallel} at once), late worker {args.late_worker_ms:g} ms, load {args.load}, "
           f"{'WITHOUT' if args.without_exit_wait else 'with'} shardbridge's exit wait; logs in {out}", flush=True)  # fmt: skip
+    def one(i: int) -> tuple[int, int, str, float]:
+        run_dir = out / f"run{i:03d}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir()
+        start = time.monotonic()
+        p = subprocess.run(job_command(args.job, run_dir, args.without_exit_wait), cwd=run_dir, env=env,
+                           capture_output=True, text=True)  # fmt: skip
+        return i, p.returncode, p.stdout + p.stderr, time.monotonic() - start
+
     try:
-        for i in range(args.runs):
-            run_dir = out / f"run{i:03d}"
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_dir.mkdir()
-            start = time.monotonic()
-            p = subprocess.run(job_command(args.job, run_dir, args.without_exit_wait), cwd=run_dir, env=env,
-                               capture_output=True, text=True)  # fmt: skip
-            log = p.stdout + p.stderr
-            ends = classify(p.returncode, log)
-            verdict = "ok" if p.returncode == 0 else "FAILED: " + ", ".join(f"{n} {k}" for k, n in sorted(ends.items()))
-            print(f"run {i + 1:3d}/{args.runs}: {verdict} ({time.monotonic() - start:.0f} s)", flush=True)
-            runs["ok" if p.returncode == 0 else "failed"] += 1
-            procs.update(ends)
-            procs["ok"] += 4 - sum(ends.values())
-            if p.returncode == 0:
-                shutil.rmtree(run_dir)
-            else:
-                (run_dir / "log.txt").write_text(log)
+        with ThreadPoolExecutor(args.parallel) as pool:
+            for done, (i, returncode, log, seconds) in enumerate(pool.map(one, range(args.runs)), 1):
+                ends = classify(returncode, log)
+                verdict = "ok" if returncode == 0 else "FAILED: " + ", ".join(f"{n} {k}" for k, n in sorted(ends.items()))
+                print(f"run {i + 1:3d} ({done}/{args.runs}): {verdict} ({seconds:.0f} s)", flush=True)
+                runs["ok" if returncode == 0 else "failed"] += 1
+                procs.update(ends)
+                procs["ok"] += 4 - sum(ends.values())
+                if returncode == 0:
+                    shutil.rmtree(out / f"run{i:03d}")
+                else:
+                    (out / f"run{i:03d}" / "log.txt").write_text(log)
     finally:
         for h in hogs:
             h.kill()
