@@ -117,6 +117,29 @@ def test_a_manifest_nested_100000_deep_costs_one_checkpoint_not_the_root(tmp_pat
             read(tmp_path / "step-00000002")
 
 
+def test_the_commit_makes_every_directory_of_the_checkpoint_durable_before_the_manifest(tmp_path, monkeypatch):
+    """A file's fsync does not make its NAME durable: its directory's fsync does. The RNG files sit in
+    rng/, whose names must be durable before the manifest says the checkpoint is complete."""
+    order = []
+    from shardbridge.checkpoint.storage import _manifest
+
+    for module in (_commit, _manifest):  # the commit's own, and the manifest's write
+        monkeypatch.setattr(module, "fsync_dir", lambda path: order.append(os.path.relpath(path, tmp_path)))
+    real = _commit.commit
+
+    def commit(tmp, final, manifest, *, overwrite):
+        order.append("commit")
+        return real(tmp, final, manifest, overwrite=overwrite)
+
+    monkeypatch.setattr(_commit, "commit", commit)
+    ck.save(tmp_path / "c", model=Mlp())
+    tmp = next(p for p in order if p.startswith(".c.tmp-") and "/" not in p)  # the manifest's directory
+    subdirs = sorted(e.name for e in os.scandir(tmp_path / "c") if e.is_dir())
+    assert subdirs == ["rng"], subdirs
+    # every subdirectory's names fsynced after the last file landed (commit runs then), before the manifest
+    assert order[order.index("commit") + 1 :] == [f"{tmp}/rng", tmp, "."], order  # rng/, the manifest's rename, <root>
+
+
 def test_existing_checkpoint_needs_overwrite(tmp_path):
     path = ck.step_dir(tmp_path, 1)
     ck.save(path, model=Mlp(), step=1)

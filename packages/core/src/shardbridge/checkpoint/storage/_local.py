@@ -11,7 +11,8 @@
                                        2. every rank hashes the files it wrote; rank 0 gets the
                                           records with DCP's write results ([Note: checkpoint
                                           integrity], [Note: the storage writer] in _writer.py)
-                                       3. rank 0 writes shardbridge.json (tmp file, fsync,
+                                       3. rank 0 fsyncs rng/ (the names of the RNG files),
+                                          writes shardbridge.json (tmp file, fsync,
                                           rename) and fsyncs the directory: the COMMIT POINT,
                                           the directory is a complete checkpoint from here on
                                        4. overwrite only: the existing final directory is
@@ -413,6 +414,8 @@ def commit(tmp: Path, final: Path, manifest: Manifest, *, overwrite: bool) -> No
     """
     from shardbridge.checkpoint.storage._manifest import write_manifest
 
+    for sub in sorted(e.path for e in os.scandir(tmp) if e.is_dir(follow_symlinks=False)):
+        fsync_dir(Path(sub))  # the names in rng/ (each file fsynced by its writer; its name too, now)
     write_manifest(tmp, manifest)  # its rename made durable: the directory fsynced
     old = None
     if final.exists():
