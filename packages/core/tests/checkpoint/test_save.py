@@ -203,8 +203,9 @@ def test_both_save_protocols_write_the_same_checkpoint(tmp_path):
 
 def test_a_save_hashes_and_fsyncs_each_file_once(tmp_path, monkeypatch):
     """The save's I/O counted, not timed (issue 37.4): every byte of every file is hashed once, while
-    it is written (no read-back pass), every file is fsynced once, and the directories twice: the
-    temporary one after the manifest's rename (the commit point), the parent after the final rename."""
+    it is written (no read-back pass), every file is fsynced once, rng/ once (its files' names, before
+    the manifest), and the directories twice: the temporary one after the manifest's rename (the
+    commit point), the parent after the final rename."""
     import os
     from collections import Counter
     from pathlib import Path
@@ -242,5 +243,6 @@ def test_a_save_hashes_and_fsyncs_each_file_once(tmp_path, monkeypatch):
     tmp = next(p for p in synced if Path(p).name.startswith(".c.tmp-"))
     inside = {os.path.relpath(p, tmp).removesuffix(".tmp"): n for p, n in synced.items() if p.startswith(tmp + "/")}
     by_name = Counter(inside)  # the manifest is fsynced under its temporary name, then renamed
-    assert by_name == Counter(dict.fromkeys(files, 1)), by_name
+    dirs = [p.relative_to(path).as_posix() for p in Path(path).rglob("*") if p.is_dir()]  # rng/: its names durable
+    assert dirs == ["rng"] and by_name == Counter(dict.fromkeys([*files, *dirs], 1)), by_name
     assert {p: n for p, n in synced.items() if not p.startswith(tmp + "/")} == {tmp: 1, str(tmp_path): 1}
