@@ -6,13 +6,25 @@ exit] in ``shardbridge/_distributed.py``) or ``no-wait`` (the same job without s
 control). Rank 1 only answers the collective and exits; its worker can be late too on a loaded
 machine (it was: SIGABRT in a control run at load average 38), which is why it waits as well.
 
-Rank 0 ends with its gloo worker waiting for the GIL: an all-gather whose input's Python object it
-dropped (so the worker's drop of the input releases that object, which takes the GIL), then a
-busy loop in Python under a 30 s switch interval (the worker gets the GIL only when the main
-thread blocks or sleeps: the main thread held it, as it does in the last milliseconds of a real
-script), seeing the outputs arrive, and the end of the script with nothing that blocks. Without a
-wait at exit the worker takes the GIL while the interpreter finalizes: std::terminate, SIGABRT
-("terminate called without an active exception"). Exit code 3: the collective did not complete.
+Rank 0 ends with its gloo worker waiting for the GIL, and the interpreter then finalizing with the
+GIL released once; every step is made certain rather than timed:
+
+1. an all-gather whose input's Python object it dropped, so that the worker's drop of the input
+   releases that object, which takes the GIL; rank 1 joins the all-gather only after rank 0 has
+   dropped its references to the work and its input (a file rank 0 creates, ``GLOO_EXIT_DROPPED``).
+   Without that the all-gather could be done before rank 0's ``del``, the worker's drop was not
+   the last, and the control passed (1 run in 10);
+2. a busy loop in Python under a 30 s switch interval (the main thread keeps the GIL, as it does in
+   the last milliseconds of a real script) until the worker is seen waiting for the GIL: asleep in
+   the kernel on a futex of the GIL's, whose address a probe thread showed at the start (the
+   ``/proc/self/task`` files are read through ``ctypes.PyDLL``, which keeps the GIL, where Python's
+   own reads release it), not for a fixed time;
+3. the end of the script with nothing that blocks, and, while the interpreter finalizes, a
+   ``__del__`` that sleeps (releases the GIL), as finalizers of real scripts do.
+
+Without a wait at exit the worker takes the GIL while the interpreter finalizes: std::terminate,
+SIGABRT ("terminate called without an active exception"). Exit code 3 (rank 1): rank 0 did not
+drop its references within 60 s; 4 (rank 0): a step was not seen within 60 s, named on stderr.
 """
 
 from __future__ import annotations
@@ -21,11 +33,77 @@ import sys
 
 sys.setswitchinterval(30.0)  # before anything starts a thread
 
+import _thread  # noqa: E402
 import atexit  # noqa: E402
+import ctypes  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+LIBC = ctypes.PyDLL(None)  # PyDLL: calls keep the GIL
+LIBC.open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+LIBC.read.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+FUTEX = {"x86_64": "202", "aarch64": "98"}[platform.machine()]  # the futex system call's number
+DROPPED = os.environ["GLOO_EXIT_DROPPED"]  # a path: rank 0 creates it, rank 1 waits for it
+FUTEX_WAIT_NEAR = 256  # the GIL's condition variables and mutexes lie within this many bytes of each other
+
+
+def _proc(path: str) -> str:
+    """A /proc file's text, read without releasing the GIL."""
+    fd = LIBC.open(path.encode(), os.O_RDONLY)
+    if fd < 0:
+        return ""
+    buf = ctypes.create_string_buffer(4096)
+    n = LIBC.read(fd, buf, 4096)
+    LIBC.close(fd)
+    return buf.raw[: max(n, 0)].decode()
+
+
+def _futex_wait(tid: int) -> int | None:
+    """The futex address thread ``tid`` sleeps on, or None when it is not asleep in a futex wait."""
+    state = _proc(f"/proc/self/task/{tid}/stat").rpartition(")")[2].split()[:1]
+    call = _proc(f"/proc/self/task/{tid}/syscall").split()
+    if state != ["S"] or len(call) < 2 or call[0] != FUTEX:
+        return None
+    return int(call[1], 16)
+
+
+def _until(seen, what: str):
+    """Spin (keeping the GIL) until ``seen()`` is truthy; exit 4 after 60 s."""
+    deadline = time.monotonic() + 60.0
+    while not (value := seen()):
+        if time.monotonic() > deadline:
+            print(f"gloo_exit_child: {what} not seen in 60 s", file=sys.stderr)
+            sys.exit(4)
+    return value
+
+
+# The GIL's futex: a thread that waits for the GIL, which this thread holds, sleeps on it. The probe
+# first blocks on a lock (its futex is the lock's), then, woken, asks for the GIL: a new address.
+gate, ended, probe_tid = _thread.allocate_lock(), _thread.allocate_lock(), []
+gate.acquire()
+ended.acquire()
+
+
+def _probe() -> None:
+    probe_tid.append(threading.get_native_id())
+    with gate:  # blocks until the main thread opens the gate, then asks for the GIL
+        pass
+    ended.release()
+
+
+_thread.start_new_thread(_probe, ())
+while not probe_tid:
+    time.sleep(0.001)  # releases the GIL: the probe runs until it blocks on the gate
+LOCK_FUTEX = _until(lambda: _futex_wait(probe_tid[0]), "the probe thread waiting for the gate")
+gate.release()  # the probe wakes and asks for the GIL, which this thread keeps while it looks
+GIL_FUTEX = _until(lambda: (f := _futex_wait(probe_tid[0])) != LOCK_FUTEX and f, "the probe waiting for the GIL")
+with ended:  # releases the GIL until the probe has taken it and ended
+    pass
 
 dist.init_process_group("gloo")
 # torch's exit handlers release the GIL here and there; on a loaded machine the waiting worker can
@@ -39,15 +117,32 @@ if sys.argv[1] == "wait":
 outputs = [torch.zeros(256) for _ in range(2)]
 if dist.get_rank() == 1:
     mine = torch.full((256,), 2.0)
+    deadline = time.monotonic() + 60.0
+    while not os.path.exists(DROPPED):  # rank 0 dropped its references to the work and its input
+        if time.monotonic() > deadline:
+            sys.exit(3)
+        time.sleep(0.001)
     dist.all_gather(outputs, mine)
     sys.exit(0)
+
+
 views = [o.numpy() for o in outputs]  # read without a torch call (a torch op may release the GIL)
+TIDS = [int(t) for t in os.listdir("/proc/self/task")]  # before the collective: the worker threads exist
 work = dist.all_gather(outputs, torch.full((256,), 1.0), async_op=True)
 del work  # the input's only owner is now the work, which the worker drops when the all-gather is done
-deadline = time.monotonic() + 60.0
-while views[1][0] != 2.0:  # busy in Python: the GIL stays with this thread
-    if time.monotonic() > deadline:
-        sys.exit(3)
-until = time.monotonic() + 1.0  # the worker marks the work done, then drops it: let it ask for the GIL
-while time.monotonic() < until:
-    pass
+open(DROPPED, "w").close()  # rank 1 joins the all-gather only now: the worker cannot be done before the del
+_until(lambda: views[1][0] == 2.0, "rank 1's output")  # busy in Python: the GIL stays with this thread
+_until(
+    lambda: any((f := _futex_wait(t)) is not None and abs(f - GIL_FUTEX) < FUTEX_WAIT_NEAR for t in TIDS),
+    "a gloo worker waiting for the GIL",
+)
+
+
+class _SleepWhileFinalizing:
+    """Releases the GIL once while the interpreter finalizes (``__main__``'s globals are cleared then)."""
+
+    def __del__(self, _sleep=time.sleep):
+        _sleep(0.2)
+
+
+_finalizer = _SleepWhileFinalizing()

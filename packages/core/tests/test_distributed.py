@@ -8,10 +8,12 @@ threads (two processes of gloo_exit_child.py, ~6 s).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,7 +96,9 @@ def _two_ranks(mode: str) -> list[tuple[int, str]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dropped = Path(tempfile.mkdtemp(prefix="gloo-exit-")) / "dropped"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "GLOO_EXIT_DROPPED": str(dropped)}  # fmt: skip
     procs = [
         subprocess.Popen([sys.executable, EXIT_CHILD, mode], env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True)
         for r in range(2)
@@ -105,6 +109,7 @@ def _two_ranks(mode: str) -> list[tuple[int, str]]:
     finally:
         for p in procs:
             p.kill()
+        shutil.rmtree(dropped.parent, ignore_errors=True)
 
 
 def test_gloo_worker_late_at_exit():
