@@ -8,8 +8,10 @@ The crash test (kill -9 mid-flight) is in ``test_faults.py`` (it needs the fault
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from ckpt_helpers import LAYOUTS, Mlp, assert_equal_states, build, full_state, step
 from shardbridge import checkpoint as ck
 from shardbridge._compat import local_tensor
+from shardbridge.checkpoint import _async
 from shardbridge.checkpoint.state._stage import Stager
 from shardbridge.checkpoint.storage import _local
 from shardbridge.testing import run_distributed
@@ -145,6 +148,24 @@ def _stage_dtensor():
 
 def test_stager_copies_dtensor_boxes_and_reuses_its_buffers():
     assert all(run_distributed(_stage_dtensor, world_size=4))
+
+
+def test_staging_buffers_belong_to_the_model_saved(tmp_path):
+    """Each model keeps its own host buffers across saves ([Note: background staging]): another
+    model's save in between does not reallocate them, and they are freed with the model."""
+    policy, other = Mlp(), torch.nn.Sequential(torch.nn.Linear(4, 3))  # other names: a shared stager drops policy's
+    ck.save(tmp_path / "p1", model=policy, step=1, async_=True).wait()
+    kept = dict(_async._STAGERS[policy]._buffers)
+    ck.save(tmp_path / "o1", model=other, step=1, async_=True).wait()
+    ck.save(tmp_path / "p2", model=policy, step=2, async_=True).wait()
+    now = _async._STAGERS[policy]._buffers
+    assert kept and now.keys() == kept.keys() and all(now[key] is buf for key, buf in kept.items())
+    del kept, now
+    buffer = weakref.ref(next(iter(_async._STAGERS[policy]._buffers.values())))
+    assert ck.wait() is None
+    del policy
+    gc.collect()
+    assert buffer() is None and list(_async._STAGERS.values()) == [_async._STAGERS[other]]
 
 
 def test_bounded_returns_raises_and_times_out():

@@ -78,6 +78,12 @@ calls ``staged()`` first. A model-only save (no ``optimizer``) stages everything
 returns. torch's ``dcp.async_save`` leaves the same wait to its caller (its staging future);
 here the optimizer's hook makes it automatic.
 
+The host buffers (pinned on CUDA) are kept from one save to the next, so only the first save
+pays their page faults. They belong to the model that was saved (a :class:`Stager` per model,
+held through a weak reference to the model): they go when the model goes, and two models saved
+in turn (a policy and a reference model) each keep their own instead of reallocating the
+other's at every save.
+
 Why a thread and not a process (torchtitan's ``async_with_pinned_mem``): the snapshot is
 already in host memory, writing is I/O that releases the GIL, and a thread needs no second
 copy into shared memory. The cost is the writer's Python work (DCP's per-item
@@ -89,6 +95,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -104,7 +111,8 @@ logger = logging.getLogger("shardbridge.checkpoint")
 
 IfBusy = Literal["wait", "error"]
 
-_STAGER = Stager()
+_STAGERS: weakref.WeakKeyDictionary[Any, Stager] = weakref.WeakKeyDictionary()
+"""The staging buffers of each model saved asynchronously ([Note: background staging])."""
 _STATE: dict[str, Any] = {"in_flight": None, "hooks": []}
 
 
@@ -216,15 +224,19 @@ def settle() -> None:
         handle._finished.wait()
 
 
-def stage_state(state: dict[str, Any], optimizer: Any = None) -> tuple[dict[str, Any], Pending]:
-    """A host-memory snapshot of ``state`` (see ``_stage.py``), the copies of ``optimizer``'s
-    parameters and state left pending ([Note: background staging]); no save may be in flight."""
+def stage_state(state: dict[str, Any], model: Any, optimizer: Any = None) -> tuple[dict[str, Any], Pending]:
+    """A host-memory snapshot of ``state`` (see ``_stage.py``) in ``model``'s buffers, the copies of
+    ``optimizer``'s parameters and state left pending ([Note: background staging]); no save may be
+    in flight."""
     assert _STATE["in_flight"] is None or _STATE["in_flight"].done()
     later = set()
     if optimizer is not None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         later = storages([*params, *(v for p in params for v in optimizer.state.get(p, {}).values())])
-    return _STAGER.stage(state, later)
+    stager = _STAGERS.get(model)
+    if stager is None:
+        stager = _STAGERS[model] = Stager()
+    return stager.stage(state, later)
 
 
 def writer_group_state() -> int:

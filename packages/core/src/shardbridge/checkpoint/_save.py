@@ -333,7 +333,7 @@ def _prepare(
         model=model, optimizer=optimizer, step=step, extra=extra, parallel_dims=parallel_dims, provider=provider
     )
     state = build_portable_state(model, optimizer, on_bad_layout=on_bad_layout, log=log, provider=provider)
-    snapshot, pending = stage_state(state.dcp_state, optimizer) if stage else (None, None)
+    snapshot, pending = stage_state(state.dcp_state, model, optimizer) if stage else (None, None)
     local = None if stage else protocol.local(state.dcp_state)  # staged: the writer's ([Note: async save])
     manifest = _manifest(state, step=step, extra=extra, world_size=_dist.world_size(), parallel_dims=parallel_dims)
     rng = rng_bytes(rng_states())
