@@ -20,7 +20,8 @@ GIL released once; every step is made certain rather than timed:
    ``/proc/self/task`` files are read through ``ctypes.PyDLL``, which keeps the GIL, where Python's
    own reads release it), not for a fixed time;
 3. the end of the script with nothing that blocks, and, while the interpreter finalizes, a
-   ``__del__`` that sleeps (releases the GIL), as finalizers of real scripts do.
+   ``__del__`` that releases the GIL (sleeps), as finalizers of real scripts do, until no thread
+   waits for it any more: the worker took it (and the process aborts then).
 
 Without a wait at exit the worker takes the GIL while the interpreter finalizes: std::terminate,
 SIGABRT ("terminate called without an active exception"). Exit code 3 (rank 1): rank 0 did not
@@ -52,22 +53,26 @@ DROPPED = os.environ["GLOO_EXIT_DROPPED"]  # a path: rank 0 creates it, rank 1 w
 FUTEX_WAIT_NEAR = 256  # the GIL's condition variables and mutexes lie within this many bytes of each other
 
 
-def _proc(path: str) -> str:
+# The helpers below bind what they use as default arguments: the finalizer calls them while the
+# interpreter clears __main__'s globals.
+
+
+def _proc(path: str, libc=LIBC, rdonly=os.O_RDONLY, buffer=ctypes.create_string_buffer) -> str:
     """A /proc file's text, read without releasing the GIL."""
-    fd = LIBC.open(path.encode(), os.O_RDONLY)
+    fd = libc.open(path.encode(), rdonly)
     if fd < 0:
         return ""
-    buf = ctypes.create_string_buffer(4096)
-    n = LIBC.read(fd, buf, 4096)
-    LIBC.close(fd)
+    buf = buffer(4096)
+    n = libc.read(fd, buf, 4096)
+    libc.close(fd)
     return buf.raw[: max(n, 0)].decode()
 
 
-def _futex_wait(tid: int) -> int | None:
+def _futex_wait(tid: int, proc=_proc, futex=FUTEX) -> int | None:
     """The futex address thread ``tid`` sleeps on, or None when it is not asleep in a futex wait."""
-    state = _proc(f"/proc/self/task/{tid}/stat").rpartition(")")[2].split()[:1]
-    call = _proc(f"/proc/self/task/{tid}/syscall").split()
-    if state != ["S"] or len(call) < 2 or call[0] != FUTEX:
+    state = proc(f"/proc/self/task/{tid}/stat").rpartition(")")[2].split()[:1]
+    call = proc(f"/proc/self/task/{tid}/syscall").split()
+    if state != ["S"] or len(call) < 2 or call[0] != futex:
         return None
     return int(call[1], 16)
 
@@ -132,17 +137,24 @@ work = dist.all_gather(outputs, torch.full((256,), 1.0), async_op=True)
 del work  # the input's only owner is now the work, which the worker drops when the all-gather is done
 open(DROPPED, "w").close()  # rank 1 joins the all-gather only now: the worker cannot be done before the del
 _until(lambda: views[1][0] == 2.0, "rank 1's output")  # busy in Python: the GIL stays with this thread
-_until(
-    lambda: any((f := _futex_wait(t)) is not None and abs(f - GIL_FUTEX) < FUTEX_WAIT_NEAR for t in TIDS),
-    "a gloo worker waiting for the GIL",
-)
 
 
-class _SleepWhileFinalizing:
-    """Releases the GIL once while the interpreter finalizes (``__main__``'s globals are cleared then)."""
-
-    def __del__(self, _sleep=time.sleep):
-        _sleep(0.2)
+def _gil_waiters(tids=TIDS, gil=GIL_FUTEX, near=FUTEX_WAIT_NEAR, futex_wait=_futex_wait) -> bool:
+    """Whether a thread of ``tids`` (the worker threads among them) sleeps on the GIL's futex."""
+    return any((f := futex_wait(t)) is not None and abs(f - gil) < near for t in tids)
 
 
-_finalizer = _SleepWhileFinalizing()
+_until(_gil_waiters, "a gloo worker waiting for the GIL")
+
+
+class _ReleaseWhileFinalizing:
+    """Releases the GIL while the interpreter finalizes (``__main__``'s globals are cleared then)
+    until no thread waits for it any more: the worker has taken it (and ended the process)."""
+
+    def __del__(self, _sleep=time.sleep, _waiting=_gil_waiters, _clock=time.monotonic):
+        deadline = _clock() + 60.0
+        while _waiting() and _clock() < deadline:
+            _sleep(0.001)
+
+
+_finalizer = _ReleaseWhileFinalizing()

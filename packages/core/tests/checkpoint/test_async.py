@@ -69,7 +69,7 @@ def _blocked_commit(monkeypatch, *, fail: bool = False):
     real = _local.commit
 
     def commit(*args, **kwargs):
-        go.wait(30)
+        assert go.wait(300), "the test never let the commit go"  # a loaded machine's stall is not a release
         if fail:
             raise OSError(28, "No space left on device (injected)")
         return real(*args, **kwargs)
@@ -246,7 +246,7 @@ def test_a_writer_group_made_on_some_ranks_only_raises_on_every_rank(tmp_path):
     # in it for the rank that never joins (the pool's group times out at 30 s, a job's at 30 min).
     for error, seconds in run_distributed(_writer_group_on_some_ranks, str(tmp_path), world_size=4):
         assert error is not None and "writer gloo group exists on some ranks only" in error, error
-        assert seconds < 10, seconds
+        assert seconds < 25, seconds  # not the pool's 30 s collective timeout
     assert ck.latest(tmp_path) == ck.step_dir(tmp_path, 1)
 
 
@@ -320,7 +320,7 @@ def _slow_staging(monkeypatch):
     real = _stage.Pending._copy
 
     def held(self):
-        go.wait(30)
+        assert go.wait(300), "the test never let the copy go"
         return real(self)
 
     monkeypatch.setattr(_stage.Pending, "_copy", held)

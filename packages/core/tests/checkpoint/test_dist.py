@@ -172,7 +172,7 @@ def test_bad_argument_on_one_rank_raises_on_every_rank_within_seconds(tmp_path, 
         assert match in outcome, (rank, outcome)
         if "differs" not in what:  # a value compare raises alike on every rank, naming both values
             assert ("[raised on rank 2" in outcome) == (rank != 2)
-        assert elapsed < 10 and after == 7
+        assert elapsed < 25 and after == 7  # a rank left waiting would raise at the pool's 30 s timeout
     assert not (tmp_path / "c").exists() and not (tmp_path / "cx").exists()
 
 

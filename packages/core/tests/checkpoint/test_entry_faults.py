@@ -39,10 +39,13 @@ from shardbridge.testing._s3 import use_server
 from torch import nn
 
 FULL = os.environ.get("SHARDBRIDGE_ENTRY_FAULTS") == "all"
-BOUND_S = 10.0
+BOUND_S = 25.0
 """Seconds from the failure, once the last rank has reached the gate that tells it, to the last
 rank's error: one gate. (Time before that is each rank's own step, its store's I/O, and the
-ranks starting the verb apart: the failure to the last error is reported, not bounded.)"""
+ranks starting the verb apart: the failure to the last error is reported, not bounded.) Below
+the test pool's 30 s collective timeout, which is what a rank that nothing told would wait for;
+far above what one gate takes (at most 1.33 s measured at load 30-95), so that a loaded machine's
+stalls are not a failure."""
 _COLLECTIVES = ("one_round", "gather_reduce", "broadcast_from_rank0", "all_gather", "barrier")
 _ROUNDS = ("one_round", "gather_reduce")  # a collective that runs a step of its own
 _WRITER_STEPS = ("set_up_storage_writer", "prepare_local_plan", "prepare_global_plan", "write_data", "finish")

@@ -663,7 +663,9 @@ def test_two_jobs_racing_into_one_root(tmp_path, same_name, world):
         (out / "go").touch()
         result_a["b"] = results_b
 
-    args = {"mode": "once", "root": str(root), "step": 2, "value": 2.0, "pause": True}
+    # A's rank 1 waits in a collective while A's rank 0 is paused and all of job B runs: no gloo
+    # timeout that a loaded machine could reach there (the pause itself is gated on files).
+    args = {"mode": "once", "root": str(root), "step": 2, "value": 2.0, "pause": True, "pg_timeout": 300}
     results = _run(args, kill=run_b, world=world)
     if same_name:
         assert not results[0]["ok"] and "created by another process" in results[0]["error"], results

@@ -27,6 +27,8 @@ from shardbridge.checkpoint.storage._location import locate, open_checkpoint
 from test_faults import NEXT_STEP, _label_error, _loaded_value, _record, _report, _run, _save, _stop_zygote, _wait_for
 
 FULL = os.environ.get("SHARDBRIDGE_S3_FAULTS") == "all"
+STOPPED_TIMEOUT_S = 3.0
+"""The client's timeouts where a test stops the server: an error in seconds (elsewhere the server's 60 s)."""
 __all__ = ["_stop_zygote"]  # the zygote of test_faults.py, stopped after this module too
 
 
@@ -155,7 +157,8 @@ def _stopped_at(s3_server, root: str, k: int, overwrite: bool) -> dict:
     try:
         return _run(
             {"mode": "once", "root": root, "path": path, "step": 2, "value": 2.0, "overwrite": overwrite,
-             "s3_env": s3_server.client_env(), "stop_server_at": k, "server_pid": s3_server.proc.pid},
+             "s3_env": s3_server.client_env(timeout_s=STOPPED_TIMEOUT_S if k else None), "stop_server_at": k,
+             "server_pid": s3_server.proc.pid},
             timeout=120,
         )[0]  # fmt: skip
     finally:
@@ -240,7 +243,7 @@ def test_the_server_stopped_mid_save(s3_server, s3_root):
         try:
             results = _run(
                 {"mode": "once", "root": root, "path": path, "step": 2, "value": 2.0, "overwrite": overwrite,
-                 "s3_env": s3_server.client_env()},
+                 "s3_env": s3_server.client_env(timeout_s=STOPPED_TIMEOUT_S)},
                 kill=stop,
                 timeout=120,
             )  # fmt: skip

@@ -6,9 +6,11 @@ through s3fs as it would to AWS. :class:`S3Server` starts it on a free port, wai
 answers, and can pause (SIGSTOP: a server that stops answering mid-save), resume and stop it.
 
 Clients find it through :meth:`S3Server.client_env` (the standard ``AWS_*`` variables) and
-:meth:`S3Server.configure` (fsspec's ``conf["s3"]``: the endpoint, and short timeouts so that a
-stopped server is an error within seconds, not minutes). A process that was started before the
-server (a worker of a persistent pool) calls :func:`use_server` with those values first.
+:meth:`S3Server.configure` (fsspec's ``conf["s3"]``: the endpoint, and the client's timeouts: 60 s
+by default, so that one Python server answering many ranks on a loaded 2-core machine is never a
+timeout; a test that stops the server asks for short ones, ``client_env(timeout_s=3.0)``, so that
+the stopped server is an error within seconds). A process that was started before the server (a
+worker of a persistent pool) calls :func:`use_server` with those values first.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class S3Server:
         >>> server.stop()  # doctest: +SKIP
     """
 
-    def __init__(self, *, timeout_s: float = 3.0) -> None:
+    def __init__(self, *, timeout_s: float = 60.0) -> None:
         exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
         if not os.path.exists(exe):
             raise ImportError('moto_server is not installed: pip install "moto[server]"')
@@ -69,25 +71,32 @@ class S3Server:
                     raise RuntimeError(f"moto_server did not start on {self.endpoint} (log: {self._log.name})") from None
                 time.sleep(0.05)
 
-    def client_env(self) -> dict[str, str]:
-        """The ``AWS_*`` environment a client process needs (any key and secret; the server's endpoint)."""
+    def client_env(self, *, timeout_s: float | None = None) -> dict[str, str]:
+        """The ``AWS_*`` environment a client process needs.
+
+        Any key and secret; the server's endpoint; the client's timeouts: ``timeout_s``, or the server's.
+        """
         return {
             "AWS_ENDPOINT_URL": self.endpoint,
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1",
-            "FSSPEC_S3": json.dumps(self.fsspec_conf()),
+            "FSSPEC_S3": json.dumps(self.fsspec_conf(timeout_s=timeout_s)),
         }
 
-    def fsspec_conf(self) -> dict[str, Any]:
-        """fsspec's ``conf["s3"]`` for this server: endpoint, credentials, timeouts of ``timeout_s``."""
+    def fsspec_conf(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """fsspec's ``conf["s3"]`` for this server.
+
+        Endpoint, credentials, connect and read timeouts of ``timeout_s`` (default: the server's), one attempt.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         return {
             "key": "testing",
             "secret": "testing",
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
             "config_kwargs": {
-                "connect_timeout": self.timeout_s,
-                "read_timeout": self.timeout_s,
+                "connect_timeout": timeout_s,
+                "read_timeout": timeout_s,
                 "retries": {"max_attempts": 1},
             },
         }
