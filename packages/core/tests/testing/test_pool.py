@@ -67,6 +67,18 @@ def test_mismatched_collective_becomes_an_error_not_a_hang():
     assert run_distributed(_rank_times, 1, world_size=2, pg_timeout=10)[1][0] == 1
 
 
+def _rank0_alone(seconds):
+    if dist.get_rank() == 0:
+        time.sleep(seconds)  # an oracle computed on rank 0 only, while the others wait for the task's end
+    return dist.get_rank()
+
+
+def test_one_ranks_longer_task_is_not_a_collective_timeout():
+    # The barrier after a task waits for the slowest rank beyond the pool's collective timeout (10 s:
+    # the pool of the test above); before, ranks 1.. raised "Timed out" in it.
+    assert run_distributed(_rank0_alone, 11, world_size=2, pg_timeout=10) == [0, 1]
+
+
 def test_call_timeout():
     with pytest.raises(DistributedTestFailure, match=r"did not answer within 1 s"):
         run_distributed(_sleep, 5, world_size=2, timeout=1)
