@@ -7,21 +7,24 @@ control). Rank 1 only answers the collective and exits; its worker can be late t
 machine (it was: SIGABRT in a control run at load average 38), which is why it waits as well.
 
 Rank 0 ends with its gloo worker waiting for the GIL, and the interpreter then finalizing with the
-GIL released once; every step is made certain rather than timed:
+GIL released until the worker has taken it; every step is made certain rather than timed:
 
 1. an all-gather whose input's Python object it dropped, so that the worker's drop of the input
    releases that object, which takes the GIL; rank 1 joins the all-gather only after rank 0 has
    dropped its references to the work and its input (a file rank 0 creates, ``GLOO_EXIT_DROPPED``).
    Without that the all-gather could be done before rank 0's ``del``, the worker's drop was not
    the last, and the control passed (1 run in 10);
-2. a busy loop in Python under a 30 s switch interval (the main thread keeps the GIL, as it does in
-   the last milliseconds of a real script) until the worker is seen waiting for the GIL: asleep in
+2. a busy loop in Python under a 600 s switch interval (the main thread keeps the GIL, as it does
+   in the last milliseconds of a real script; a thread that waits for the GIL that long asks for
+   it, which would let the worker finish before the interpreter finalizes: this step and the next
+   must take less) until the worker is seen waiting for the GIL: asleep in
    the kernel on a futex of the GIL's, whose address a probe thread showed at the start (the
    ``/proc/self/task`` files are read through ``ctypes.PyDLL``, which keeps the GIL, where Python's
    own reads release it), not for a fixed time;
 3. the end of the script with nothing that blocks, and, while the interpreter finalizes, a
-   ``__del__`` that releases the GIL (sleeps), as finalizers of real scripts do, until no thread
-   waits for it any more: the worker took it (and the process aborts then).
+   ``__del__`` that releases the GIL (sleeps), as finalizers of real scripts do, for as long as
+   that worker still waits for it or runs (woken, it may find the GIL taken again and wait once
+   more): until it has taken it (the process aborts then) or was idle already.
 
 Without a wait at exit the worker takes the GIL while the interpreter finalizes: std::terminate,
 SIGABRT ("terminate called without an active exception"). Exit code 3 (rank 1): rank 0 did not
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import sys
 
-sys.setswitchinterval(30.0)  # before anything starts a thread
+sys.setswitchinterval(600.0)  # before anything starts a thread
 
 import _thread  # noqa: E402
 import atexit  # noqa: E402
@@ -87,6 +90,8 @@ def _until(seen, what: str):
     return value
 
 
+dist.init_process_group("gloo")  # first: a rank that exits early below leaves no peer in the rendezvous
+
 # The GIL's futex: a thread that waits for the GIL, which this thread holds, sleeps on it. The probe
 # first blocks on a lock (its futex is the lock's), then, woken, asks for the GIL: a new address.
 gate, ended, probe_tid = _thread.allocate_lock(), _thread.allocate_lock(), []
@@ -110,7 +115,6 @@ GIL_FUTEX = _until(lambda: (f := _futex_wait(probe_tid[0])) != LOCK_FUTEX and f,
 with ended:  # releases the GIL until the probe has taken it and ended
     pass
 
-dist.init_process_group("gloo")
 # torch's exit handlers release the GIL here and there; on a loaded machine the waiting worker can
 # take it in one of them and drop its object before the interpreter finalizes, and the control
 # would pass by luck. Without them the modes differ in shardbridge's handler only (its import
@@ -139,21 +143,27 @@ open(DROPPED, "w").close()  # rank 1 joins the all-gather only now: the worker c
 _until(lambda: views[1][0] == 2.0, "rank 1's output")  # busy in Python: the GIL stays with this thread
 
 
-def _gil_waiters(tids=TIDS, gil=GIL_FUTEX, near=FUTEX_WAIT_NEAR, futex_wait=_futex_wait) -> bool:
-    """Whether a thread of ``tids`` (the worker threads among them) sleeps on the GIL's futex."""
-    return any((f := futex_wait(t)) is not None and abs(f - gil) < near for t in tids)
+def _on_the_gil(tid: int, gil=GIL_FUTEX, near=FUTEX_WAIT_NEAR, futex_wait=_futex_wait) -> bool:
+    """Whether thread ``tid`` sleeps on the GIL's futex."""
+    return (f := futex_wait(tid)) is not None and abs(f - gil) < near
 
 
-_until(_gil_waiters, "a gloo worker waiting for the GIL")
+WORKER = _until(lambda: next((t for t in TIDS if _on_the_gil(t)), None), "a gloo worker waiting for the GIL")
+
+
+def _waits_or_runs(tid=WORKER, on_the_gil=_on_the_gil, proc=_proc) -> bool:
+    """Whether the worker still waits for the GIL, or runs (woken, before it took the GIL)."""
+    return proc(f"/proc/self/task/{tid}/stat").rpartition(")")[2].split()[:1] == ["R"] or on_the_gil(tid)
 
 
 class _ReleaseWhileFinalizing:
     """Releases the GIL while the interpreter finalizes (``__main__``'s globals are cleared then)
-    until no thread waits for it any more: the worker has taken it (and ended the process)."""
+    until the worker has taken it: the process aborts then (without shardbridge), or the worker
+    was idle already (shardbridge's exit wait let it finish before the interpreter finalized)."""
 
-    def __del__(self, _sleep=time.sleep, _waiting=_gil_waiters, _clock=time.monotonic):
+    def __del__(self, _sleep=time.sleep, _busy=_waits_or_runs, _clock=time.monotonic):
         deadline = _clock() + 60.0
-        while _waiting() and _clock() < deadline:
+        while _busy() and _clock() < deadline:
             _sleep(0.001)
 
 

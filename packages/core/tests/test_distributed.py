@@ -2,7 +2,7 @@
 
 The process group itself is joined in integration_tests/test_multimachine.py (torchrun and SLURM's
 variables, two machines of two processes on localhost). Leaving: the exit waits for gloo's worker
-threads (two processes of gloo_exit_child.py, ~6 s).
+threads (two processes of gloo_exit_child.py, twice: ~6 s quiet, ~25 s under load).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def test_import_warns_for_a_torch_outside_the_checked_range():
         f"import torch, warnings; torch.__version__ = '{newer}'; warnings.simplefilter('always')\n"
         "import shardbridge\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, run.stderr  # one line: no source line of the caller under it

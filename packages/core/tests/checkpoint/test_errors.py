@@ -140,7 +140,7 @@ def test_full_disk_for_real_on_a_tiny_tmpfs(tmp_path):
         capture_output=True,
         text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
-        timeout=600,
+        timeout=300,
     )
     assert "ERROR save of checkpoint" in run.stdout, run.stdout + run.stderr
     assert "No space left on device" in run.stdout
@@ -213,7 +213,7 @@ def test_a_failed_record_write_does_not_abort_the_process_later():
     # [Note: the data file writer]: a torch.save zip writer left unfinished by a write error
     # finishes itself in its destructor; failing again there was std::terminate (SIGABRT, exit
     # 134) at the next garbage collection, after save had already raised its clear error.
-    done = subprocess.run([sys.executable, "-c", _WRITE_FAILS_THEN_GC], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _WRITE_FAILS_THEN_GC], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["raised", "28", "survived"]
 

@@ -298,7 +298,7 @@ def test_output_into_a_closed_pipe_is_not_an_error(tmp_path):
     path = ck.save(tmp_path / "c", model=nn.Sequential(*[nn.Linear(8, 8) for _ in range(2000)]))
     run = subprocess.run(
         f"{sys.executable} -m shardbridge.cli._main ckpt inspect {path} | head -1",
-        shell=True, capture_output=True, text=True, timeout=600,
+        shell=True, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.stdout.startswith("checkpoint ") and run.stderr == "", run.stderr
 

@@ -59,11 +59,12 @@ def test_failure_names_rank_and_pool_is_rebuilt():
 
 
 def test_mismatched_collective_becomes_an_error_not_a_hang():
-    # The process-group timeout (10 s here, 30 s by default) fails the stuck rank; the call's own
-    # timeout (600 s, whose error says "did not answer") is never reached. Not 3 s: the timeout also
-    # bounds the new pool's rendezvous, which two workers starting on a loaded machine can miss.
+    # The process-group timeout (10 s here, 30 s by default) fails the stuck rank: its own error
+    # ("rank 1 ---" and gloo's message); the call's timeout (300 s) would name no rank's error, only
+    # "did not answer". Not 3 s: the timeout also bounds the new pool's rendezvous, which two
+    # workers starting on a loaded machine can miss.
     with pytest.raises(DistributedTestFailure, match=r"(?s)rank 1 ---.*(Timed out|timeout|Connection closed)"):
-        run_distributed(_hang_on_rank, 0, world_size=2, timeout=600, pg_timeout=10)
+        run_distributed(_hang_on_rank, 0, world_size=2, timeout=300, pg_timeout=10)
     assert run_distributed(_rank_times, 1, world_size=2, pg_timeout=10)[1][0] == 1
 
 

@@ -18,8 +18,8 @@ work whatever pytest's import mode. A failure on any rank is reported with its r
 traceback, and the pool is torn down (its ranks may be stuck in a collective) and rebuilt on
 the next call. The process group timeout (30 s) turns a mismatched collective into an error on
 the ranks; the per-call ``timeout`` turns anything else into an error in the caller. The barrier
-after each task runs on a group of its own without that timeout: one rank's longer task (rank 0
-alone computing an oracle, on a loaded machine) is not an error.
+after each task runs on a group of its own with a timeout of at least 300 s: one rank's longer
+task (rank 0 alone computing an oracle, on a loaded machine) is not an error.
 
 A pool is also rebuilt once its workers hold more than ``_MAX_GROUPS`` process groups. Each
 DeviceMesh a task builds creates a gloo group per mesh dimension (plus flattened ones), and a
@@ -51,8 +51,8 @@ from typing import Any
 __all__ = ["DistributedTestFailure", "WorkerPool", "run_distributed", "shutdown_pools"]
 
 _PG_TIMEOUT_S = 30.0
-_AFTER_TASK_S = 3600.0
-"""The barrier after each task: only a dead pool reaches it (the caller's ``timeout`` bounds a call)."""
+_AFTER_TASK_S = 300.0
+"""The barrier after each task waits this long at least (or the collective timeout, if longer)."""
 _MAX_GROUPS = 150  # ~20 meshes; see the module note
 _ERROR_GRACE_S = 3.0
 # A rank whose gloo peer went away fails with one of these: the cause is on the peer (its own error,
@@ -112,7 +112,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, pg_timeout: float, 
     )
     # The barrier after each task waits for the slowest rank's task (rank 0 computing an oracle
     # alone, on a loaded machine): on a group of its own, not under the collective timeout.
-    after_task = dist.new_group(timeout=timedelta(seconds=_AFTER_TASK_S))
+    after_task = dist.new_group(timeout=timedelta(seconds=max(pg_timeout, _AFTER_TASK_S)))
     while True:
         try:
             task = conn.recv()
