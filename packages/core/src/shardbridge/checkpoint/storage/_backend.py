@@ -181,6 +181,10 @@ class Backend(abc.ABC):
         """Where the files of the checkpoint at ``path`` are (its manifest names the generation)."""
         return path if generation is None else self.join(path, generation)
 
+    def is_leftover(self, name: str) -> bool:
+        """Whether ``name`` (relative to a checkpoint's path) belongs to another save, not to the checkpoint."""
+        return False
+
     @abc.abstractmethod
     def identity(self, path: str) -> Any:
         """Something that changes when a commit replaces the checkpoint at ``path`` (None if unknown)."""

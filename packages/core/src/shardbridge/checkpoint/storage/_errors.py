@@ -36,44 +36,15 @@ from typing import Literal
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardbridge.checkpoint.storage._backend import Stored
+from shardbridge.checkpoint.storage._store import ObjectStoreError
 
-__all__ = ["ObjectStoreError", "dcp_errors", "describe_checkpoint_exception", "save_failure"]
+__all__ = ["dcp_errors", "describe_checkpoint_exception", "save_failure"]
 
 # The zip writer's message when a write came up short (the OSError itself is lost in C++).
 _SHORT_WRITE = "unexpected pos"
 # Below this much free space a short write is taken for a full filesystem.
 _NEARLY_FULL_BYTES = 1 << 20
 _ZIP_MAGIC = b"PK\x03\x04"
-
-
-class ObjectStoreError(OSError):
-    """An object store failed a request for a cause that is not the object's: wrong or missing
-    credentials, an endpoint that cannot be reached, a missing bucket, a server that does not answer.
-
-    Its message names the object, the cause and the fix ([Note: object-store errors] in
-    ``_store.py``); ``cause`` is the short name of the cause. Never taken for damage: integrity
-    checks and ``latest`` raise it instead of reporting a file as unreadable or skipping a checkpoint.
-    """
-
-    cause = "store"
-
-    def again(self, prefix: str, suffix: str = "") -> ObjectStoreError:
-        """The same error (class, errno, cause) with ``prefix`` before its message (``suffix`` after)."""
-        error = type(self)(f"{prefix}{self}{suffix}")
-        error.errno, error.cause = self.errno, self.cause
-        return error
-
-
-class StoreAccessError(ObjectStoreError, PermissionError):
-    """Credentials refused or missing (also a ``PermissionError``)."""
-
-
-class StoreConnectionError(ObjectStoreError, ConnectionError):
-    """The endpoint cannot be reached (also a ``ConnectionError``)."""
-
-
-class StoreTimeoutError(ObjectStoreError, TimeoutError):
-    """The server did not answer within the client's timeouts and retries (also a ``TimeoutError``)."""
 
 
 @contextmanager

@@ -107,10 +107,10 @@ from typing import Any, BinaryIO
 
 from shardbridge.checkpoint.storage import _store
 from shardbridge.checkpoint.storage._backend import Backend, Entry, Kind, Target
-from shardbridge.checkpoint.storage._errors import ObjectStoreError, StoreConnectionError, StoreTimeoutError
 from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
+from shardbridge.checkpoint.storage._store import ObjectStoreError, StoreConnectionError, StoreTimeoutError
 
-__all__ = ["FAIL_FAST_S", "FsspecBackend", "LOCK_STALE_S", "PART_BYTES", "is_leftover"]
+__all__ = ["FAIL_FAST_S", "FsspecBackend", "LOCK_STALE_S", "PART_BYTES"]
 
 logger = logging.getLogger("shardbridge.checkpoint")
 
@@ -136,12 +136,6 @@ _BUILTIN_OS_ERRORS = (
 )
 _HOOK_LOCK = threading.Lock()
 _LOCK = re.compile(r"^\.(?P<name>.+)\.lock-(?P<generation>g-[0-9a-f]{16})$")
-
-
-def is_leftover(name: str) -> bool:
-    """Whether ``name`` (relative to a checkpoint prefix) is an object of some generation."""
-    first = name.split("/", 1)[0]
-    return "/" in name and bool(_GENERATION.match(first))
 
 
 class FsspecBackend(Backend):
@@ -335,7 +329,7 @@ class FsspecBackend(Backend):
                 "(e.g. step_dir(root, step))"
             )
         # (the listing is from before the leftovers were settled: they are not counted here either)
-        others = sorted(n for n in listed if n != MANIFEST_NAME and not is_leftover(n))
+        others = sorted(n for n in listed if n != MANIFEST_NAME and not self.is_leftover(n))
         if info is None and others:
             what = "already holds objects" if not overwrite else f"is not a shardbridge checkpoint (no {MANIFEST_NAME})"
             raise ValueError(
@@ -396,6 +390,10 @@ class FsspecBackend(Backend):
                            self.uri(target.data), exc, later)  # fmt: skip
 
     # -- readers ----------------------------------------------------------------------------------
+
+    def is_leftover(self, name: str) -> bool:
+        """An object of some generation ([Note: object-store commit]): the committed one's or another save's."""
+        return "/" in name and bool(_GENERATION.match(name.split("/", 1)[0]))
 
     def candidates(self, root: str) -> list[str]:
         """Every prefix one level below ``root`` not starting with "." (its manifest is read by the caller)."""
@@ -624,7 +622,7 @@ class FsspecBackend(Backend):
             listed = self.listing(final)
         named = listed.get(f"{current}/{DCP_METADATA_NAME}") if current else None
         kept = []
-        listed_gens = {n.split("/", 1)[0] for n in listed if is_leftover(n)} if listed_too else set()
+        listed_gens = {n.split("/", 1)[0] for n in listed if self.is_leftover(n)} if listed_too else set()
         for generation in sorted((listed_gens | locked) - live):
             if generation != current:
                 sealed = self._sealed(final, generation, listed)

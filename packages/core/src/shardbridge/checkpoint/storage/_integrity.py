@@ -49,13 +49,13 @@ from typing import Any
 import xxhash
 
 from shardbridge.checkpoint.storage._backend import Backend, Entry, Stored
-from shardbridge.checkpoint.storage._errors import ObjectStoreError
 from shardbridge.checkpoint.storage._manifest import (
     CHECKSUM_KEY,
     FILES_SINCE_VERSION,
     MANIFEST_NAME,
     Manifest,
 )
+from shardbridge.checkpoint.storage._store import ObjectStoreError
 
 __all__ = [
     "ChecksumWriter",
@@ -258,9 +258,7 @@ def files_below(stored: Stored) -> dict[str, Entry]:
     found = backend.listing(stored.path)
     found.pop(MANIFEST_NAME, None)
     if stored.prefix:
-        from shardbridge.checkpoint.storage._fsspec import is_leftover
-
-        found = {n: e for n, e in found.items() if n.startswith(stored.prefix) or not is_leftover(n)}
+        found = {n: e for n, e in found.items() if n.startswith(stored.prefix) or not backend.is_leftover(n)}
     return found
 
 

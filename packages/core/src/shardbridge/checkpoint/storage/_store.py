@@ -50,16 +50,52 @@ import threading
 import time
 from typing import Any
 
-from shardbridge.checkpoint.storage._errors import (
-    ObjectStoreError,
-    StoreAccessError,
-    StoreConnectionError,
-    StoreTimeoutError,
-)
-
-__all__ = ["NOTICE_S", "S3_RETRIES", "Waits", "client_options", "request_bound", "settings_error", "store_error"]
+__all__ = [
+    "NOTICE_S",
+    "S3_RETRIES",
+    "ObjectStoreError",
+    "StoreAccessError",
+    "StoreConnectionError",
+    "StoreTimeoutError",
+    "Waits",
+    "client_options",
+    "request_bound",
+    "settings_error",
+    "store_error",
+]
 
 logger = logging.getLogger("shardbridge.checkpoint")
+
+
+class ObjectStoreError(OSError):
+    """An object store failed a request for a cause that is not the object's: wrong or missing
+    credentials, an endpoint that cannot be reached, a missing bucket, a server that does not answer.
+
+    Its message names the object, the cause and the fix ([Note: object-store errors]); ``cause`` is
+    the short name of the cause. Never taken for damage: integrity checks and ``latest`` raise it
+    instead of reporting a file as unreadable or skipping a checkpoint.
+    """
+
+    cause = "store"
+
+    def again(self, prefix: str, suffix: str = "") -> ObjectStoreError:
+        """The same error (class, errno, cause) with ``prefix`` before its message (``suffix`` after)."""
+        error = type(self)(f"{prefix}{self}{suffix}")
+        error.errno, error.cause = self.errno, self.cause
+        return error
+
+
+class StoreAccessError(ObjectStoreError, PermissionError):
+    """Credentials refused or missing (also a ``PermissionError``)."""
+
+
+class StoreConnectionError(ObjectStoreError, ConnectionError):
+    """The endpoint cannot be reached (also a ``ConnectionError``)."""
+
+
+class StoreTimeoutError(ObjectStoreError, TimeoutError):
+    """The server did not answer within the client's timeouts and retries (also a ``TimeoutError``)."""
+
 
 NOTICE_S = 5.0
 """A request that has waited this long logs one line (requests due within ``_TOGETHER_S`` of it: the same line)."""
