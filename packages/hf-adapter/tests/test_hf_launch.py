@@ -316,7 +316,7 @@ def test_upstream_noise_is_filtered_by_message_and_nothing_else(caplog):
     import enum
     import logging
 
-    from shardbridge_hf._launch import quiet_upstream_noise
+    from shardbridge_hf._noise import quiet_upstream_noise
 
     class TorchaoEnum(enum.Enum):
         A = 1

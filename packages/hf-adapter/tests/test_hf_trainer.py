@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 import hf_helpers as H  # noqa: E402
 from shardbridge.testing import run_distributed  # noqa: E402
 from shardbridge_hf import _compat, _trainer  # noqa: E402
+from shardbridge_hf._accelerator import ShardbridgeAccelerator  # noqa: E402
 
 
 @pytest.fixture
@@ -34,12 +35,12 @@ def test_adaptations_wrap_each_method_and_undo_restores_the_identical_originals(
     trainer = trainer_module.Trainer
     originals = {name: trainer.__dict__[name] for name in _trainer._ADAPTATIONS}
     assert not _trainer.is_adapted()
-    undo = _trainer.adapt_trainer()
+    undo = _trainer.adapt_trainer(ShardbridgeAccelerator)
     try:
         assert _trainer.is_adapted() and len(undo) == len(originals)
         for name, original in originals.items():
             assert trainer.__dict__[name].__shardbridge_original__ is original, name
-        assert _trainer.adapt_trainer() == []  # once per process
+        assert _trainer.adapt_trainer(ShardbridgeAccelerator) == []  # once per process
     finally:
         for u in reversed(undo):
             u()
@@ -50,9 +51,9 @@ def test_adaptations_wrap_each_method_and_undo_restores_the_identical_originals(
 def test_an_adapted_method_refuses_an_unchecked_transformers_when_a_shardbridge_trainer_calls_it(trainer_module, monkeypatch):
     """Installing touches no version (a script without a Trainer runs anywhere); calling does."""
     monkeypatch.setattr(_compat, "transformers_version", lambda: (5, 12, 0))
-    undo = _trainer.adapt_trainer()
+    undo = _trainer.adapt_trainer(ShardbridgeAccelerator)
     try:
-        monkeypatch.setattr(_trainer, "_ours", lambda trainer: True)
+        monkeypatch.setattr(_trainer, "_ours", lambda trainer, accelerator: True)
         with pytest.raises(RuntimeError, match=r"'trainer.train'.*transformers 5.13 to 5.24.x; this is transformers 5.12.0"):
             trainer_module.Trainer.train(object())
     finally:
@@ -64,12 +65,12 @@ def test_a_trainer_with_accelerates_own_accelerator_runs_the_originals(trainer_m
     """save_model of a plain (one-process) Trainer still writes transformers' own folder."""
     from transformers import Trainer, TrainingArguments
 
-    undo = _trainer.adapt_trainer()
+    undo = _trainer.adapt_trainer(ShardbridgeAccelerator)
     try:
         t = Trainer(model=H.tiny_model("llama"), args=TrainingArguments(output_dir=str(tmp_path), report_to="none"))
         t.save_model(str(tmp_path / "model"))
         assert (tmp_path / "model" / "model.safetensors").is_file()
-        assert not _trainer._ours(t)
+        assert not _trainer._ours(t, ShardbridgeAccelerator)
     finally:
         for u in reversed(undo):
             u()

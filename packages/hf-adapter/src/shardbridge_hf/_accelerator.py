@@ -59,7 +59,7 @@ from shardbridge_hf import _checkpoint, _patches, _trainer
 from shardbridge_hf._arguments import check_accelerator_args, check_compile
 from shardbridge_hf._compat import accelerator_models, accelerator_schedulers, require_accelerate
 from shardbridge_hf._config import ENV_VAR, HFConfig
-from shardbridge_hf._launch import quiet_sequential_all_gather, quiet_upstream_noise
+from shardbridge_hf._noise import quiet_sequential_all_gather, quiet_upstream_noise
 from shardbridge_hf._parallelize import parallelize
 
 require_accelerate()
@@ -157,7 +157,7 @@ class ShardbridgeAccelerator(Accelerator):
         See [Note: the step a checkpoint records]."""
         self._sb_step_hook: Any = None
         # A Trainer builds this accelerator in its __init__: adapt what it does through Accelerate's FSDP helpers.
-        self._sb_undo.extend(_trainer.adapt_trainer())  # [Note: Trainer under shardbridge]; nothing without a Trainer
+        self._sb_undo.extend(_trainer.adapt_trainer(ShardbridgeAccelerator))  # [Note: Trainer under shardbridge]; nothing without a Trainer
 
     # -- state: FSDP2 everywhere, one mesh ----------------------------------------------------
 

@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         SystemExit: (status 2) no target given. The script's own exceptions and exit status
             pass through unchanged.
     """
-    from shardbridge_hf._launch import quiet_upstream_noise
+    from shardbridge_hf._noise import quiet_upstream_noise
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv == [RUN_MODULE]:

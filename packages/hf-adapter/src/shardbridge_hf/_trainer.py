@@ -71,10 +71,8 @@ _SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME (5.0 .. 
 _ADAPTED = "__shardbridge_original__"
 
 
-def _ours(trainer: Any) -> bool:
-    from shardbridge_hf._accelerator import ShardbridgeAccelerator
-
-    return isinstance(getattr(trainer, "accelerator", None), ShardbridgeAccelerator)
+def _ours(trainer: Any, accelerator: type) -> bool:
+    return isinstance(getattr(trainer, "accelerator", None), accelerator)
 
 
 def _train(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -155,10 +153,10 @@ def _checkpoint_in(folder: str | None, what: str) -> str:
     return path
 
 
-def _adapted(name: str, replacement: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+def _adapted(name: str, replacement: Callable[..., Any], original: Callable[..., Any], accelerator: type) -> Callable[..., Any]:
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _ours(self):
+        if _ours(self, accelerator):
             _patches.trainer_gate(f"trainer.{name}")  # RuntimeError on a transformers this was not checked with
             return replacement(original, self, *args, **kwargs)
         return original(self, *args, **kwargs)
@@ -174,12 +172,13 @@ def is_adapted() -> bool:
     return trainer is not None and all(hasattr(trainer.__dict__.get(name), _ADAPTED) for name in _ADAPTATIONS)
 
 
-def adapt_trainer() -> list[Callable[[], None]]:
+def adapt_trainer(accelerator: type) -> list[Callable[[], None]]:
     """Adapt ``transformers.Trainer``'s methods of [Note: Trainer under shardbridge]; returns their undos.
 
     Does nothing (returns ``[]``) when transformers' trainer module was never imported, or when the
     methods are adapted already. Each adapted method asks its patch's gate when a Trainer whose
-    accelerator is shardbridge's calls it: a RuntimeError on a transformers outside the checked range.
+    accelerator is an ``accelerator`` (``ShardbridgeAccelerator``, which passes itself) calls it: a
+    RuntimeError on a transformers outside the checked range; other Trainers run the originals.
     """
     module = sys.modules.get("transformers.trainer")
     trainer = getattr(module, "Trainer", None)
@@ -190,5 +189,5 @@ def adapt_trainer() -> list[Callable[[], None]]:
         original = trainer.__dict__.get(name)
         if original is None:  # a transformers without the method: the gate's range excludes it
             raise RuntimeError(f"transformers.Trainer has no method {name!r}; shardbridge_hf adapts it (see docs/hf.md)")
-        undo.append(_patches.patch_attr(trainer, name, _adapted(name, replacement, original)))
+        undo.append(_patches.patch_attr(trainer, name, _adapted(name, replacement, original, accelerator)))
     return undo

@@ -35,9 +35,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardbridge_te._compat import te_pytorch, te_version
-from shardbridge_te._experts import EXPERT_ATTR
 from shardbridge_te._patches import apply_float8_pre_all_gather, gate, keep_instance_undo, patch_attr
-from shardbridge_te._placements import CONTAINER_KINDS, MODULE_KINDS, tp_modes
+from shardbridge_te._placements import CONTAINER_KINDS, EXPERT_ATTR, MODULE_KINDS, tp_modes
 
 __all__ = ["STATE_ATTR", "TEModuleState", "module_kind", "set_device_mesh", "te_modules"]
 

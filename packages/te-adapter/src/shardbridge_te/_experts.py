@@ -81,11 +81,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardbridge_te._compat import grouped_linear_params
+from shardbridge_te._placements import EXPERT_ATTR
 
-__all__ = ["EXPERT_ATTR", "ExpertState", "ExpertStateDicts", "expert_state", "shard_grouped_experts"]
-
-EXPERT_ATTR = "_shardbridge_te_experts"
-"""Attribute on each GroupedLinear :func:`shard_grouped_experts` marked: its :class:`ExpertState`."""
+__all__ = ["ExpertState", "ExpertStateDicts", "expert_state", "shard_grouped_experts"]
 
 _PROVIDER_HINT = (
     "this is a GroupedLinear expert put on the ep axis by shardbridge_te.shard_grouped_experts: pass "

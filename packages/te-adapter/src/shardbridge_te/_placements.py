@@ -31,7 +31,11 @@ from collections.abc import Iterable, Mapping
 
 from shardbridge.tp import TPMode
 
-__all__ = ["CONTAINER_KINDS", "MODULE_KINDS", "param_kind", "tp_mode", "tp_modes"]
+__all__ = ["CONTAINER_KINDS", "EXPERT_ATTR", "MODULE_KINDS", "param_kind", "tp_mode", "tp_modes"]
+
+EXPERT_ATTR = "_shardbridge_te_experts"
+"""Attribute on each GroupedLinear ``shard_grouped_experts`` marked (its ``ExpertState``): experts on
+the ep axis take no TP placement ([Note: GroupedLinear experts] in ``_experts.py``)."""
 
 MODULE_KINDS: tuple[str, ...] = (
     "Linear",
