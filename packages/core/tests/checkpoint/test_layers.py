@@ -2,9 +2,10 @@
 
 Read from the source (no import runs): every ``import`` of every module of
 ``shardbridge.checkpoint``, those inside functions too (a lazy import is still an arrow: it
-only hides a circle until the call). Two rules, one test each:
+only hides a circle until the call). Two rules:
 
-- no circle: no module of the wing imports, through any chain, a module that imports it;
+- no circle: no module of the wing imports, through any chain, a module that imports it (nor
+  in any other package of the wheel: the core's other modules and each adapter);
 - no upward arrow: each module sits in one of :data:`LAYERS`, and imports only modules of its
   own layer or of a layer below. ``storage/`` and ``_dist`` are the ground (files and
   collectives, no verb, no state); ``state/`` decides what is saved and knows no protocol;
@@ -35,10 +36,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """The wing's layers, lowest first; a module's layer is that of its first name below the wing."""
 
 
-def _modules() -> dict[str, pathlib.Path]:
+PACKAGES = {
+    "shardbridge": SRC,
+    "shardbridge_te": REPO / "packages" / "te-adapter" / "src",
+    "shardbridge_megatron_fsdp": REPO / "packages" / "megatron-fsdp-adapter" / "src",
+    "shardbridge_hf": REPO / "packages" / "hf-adapter" / "src",
+}
+"""Every package of the wheel, by its source root: no circle in any of them either."""
+
+
+def _modules(src: pathlib.Path = SRC, package: str = "shardbridge/checkpoint") -> dict[str, pathlib.Path]:
     found = {}
-    for path in sorted((SRC / "shardbridge" / "checkpoint").rglob("*.py")):
-        parts = list(path.relative_to(SRC).with_suffix("").parts)
+    for path in sorted((src / package).rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         found[".".join(parts)] = path
@@ -65,8 +75,8 @@ def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) ->
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = _modules()
+def _graph(src: pathlib.Path = SRC, package: str = "shardbridge/checkpoint") -> dict[str, set[str]]:
+    modules = _modules(src, package)
     return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
@@ -134,6 +144,14 @@ def test_no_circle():
     assert len(graph) > 30, sorted(graph)  # the walk found the wing
     circles = _circles(graph)
     assert not circles, "import circles in the checkpoint wing: " + " | ".join(_describe(graph, c) for c in circles)
+
+
+def test_no_circle_in_any_package():
+    for package, src in PACKAGES.items():
+        graph = _graph(src, package)
+        assert len(graph) >= 10, (package, sorted(graph))  # the walk found the package
+        circles = _circles(graph)
+        assert not circles, f"import circles in {package}: " + " | ".join(_describe(graph, c) for c in circles)
 
 
 def test_no_upward_arrow():
