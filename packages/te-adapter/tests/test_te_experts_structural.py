@@ -212,6 +212,37 @@ def test_grouped_linear_experts_train_like_one_process_and_reshard_across_ep(tmp
     assert one["lr"] == LR
 
 
+def _save_with_and_without_ac(root: str) -> dict:
+    import shardbridge.checkpoint as ckpt
+    import shardbridge_te
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    paths = {}
+    for ac in (False, True):
+        model = build(None, seed=0)
+        if ac:  # activation checkpointing as torchtitan applies it: each block in torch's wrapper
+            for i, layer in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(layer)
+        paths[ac] = os.path.join(root, f"ac-{ac}")
+        ckpt.save(paths[ac], model=model, step=1, state_dicts=shardbridge_te.ExpertStateDicts())
+    return paths
+
+
+def test_experts_under_activation_checkpointing(tmp_path) -> None:
+    """torch's activation-checkpoint wrapper adds ``_checkpoint_wrapped_module`` to every name; the
+    state dict drops it, and ExpertStateDicts finds its experts there all the same: the checkpoint
+    of a wrapped model is the unwrapped model's, key for key and bit for bit (torch's reader)."""
+    paths = run_distributed(_save_with_and_without_ac, str(tmp_path), world_size=1, timeout=TIMEOUT)[0]
+    sds = {}
+    for ac, path in paths.items():
+        dcp_to_torch_save(path, tmp_path / f"ac-{ac}.pt")
+        sds[ac] = torch.load(tmp_path / f"ac-{ac}.pt", weights_only=True)["model"]
+    assert "layers.0.feed_forward.experts.linear_fc1.weight" in sds[True], sorted(sds[True])
+    assert sorted(sds[True]) == sorted(sds[False])
+    for key, value in sds[False].items():
+        assert torch.equal(sds[True][key], value), key
+
+
 # --------------------------------------------------------------------------- the layout matrix
 
 # name -> (ParallelDims, dispatch). tp4_ep4: efsdp = dp_cp = 1, so the experts stay plain tensors.

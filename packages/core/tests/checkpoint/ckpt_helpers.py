@@ -15,6 +15,7 @@ from shardbridge._fused import FusedSpec, fused_params, register_fused, shard_fu
 from shardbridge._mesh import ParallelDims
 from shardbridge.adapters import component_fqn
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -45,8 +46,12 @@ class Mlp(nn.Module):
             register_fused(self.gate_up, "weight", SWIGLU)
 
 
-def build(layout: dict[str, int] | None, *, fused: bool = False, seed: int = 0, lr: float = 0.01):
-    """Model and AdamW (one step taken) in ``layout`` (None = plain, one process)."""
+def build(layout: dict[str, int] | None, *, fused: bool = False, seed: int = 0, lr: float = 0.01, ac: bool = False):
+    """Model and AdamW (one step taken) in ``layout`` (None = plain, one process).
+
+    ``ac``: every child module in torch's activation-checkpoint wrapper, applied between TP and
+    FSDP as torchtitan does (each parameter's name gains ``._checkpoint_wrapped_module``).
+    """
     torch.manual_seed(seed)
     model = Mlp(fused=fused)
     if layout is not None:
@@ -60,6 +65,9 @@ def build(layout: dict[str, int] | None, *, fused: bool = False, seed: int = 0, 
             if fused:
                 plan["gate_up"] = ColwiseParallel()
             parallelize_module(model, pm["tp"], plan)
+        if ac:
+            for name, child in list(model.named_children()):
+                setattr(model, name, checkpoint_wrapper(child))
         fully_shard(model, mesh=pm.fsdp_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     step(model, opt, seed=seed + 1)
@@ -101,7 +109,8 @@ def _tp_size(t: torch.Tensor) -> int:
 
 
 def full_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
-    """Every tensor as a full plain tensor, named as in the checkpoint (fused params split).
+    """Every tensor as a full plain tensor, named as in the checkpoint (fused params split, no
+    activation-checkpoint wrapper in the names).
 
     The oracle: ``DTensor.full_tensor()`` and ``split_fused`` (independent of
     shardbridge.checkpoint). A collective: call on every rank.
@@ -113,6 +122,7 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str,
         # clone(): full_tensor() of a DTensor on a 1-rank mesh dim can alias the live tensor
         full = (value.full_tensor() if isinstance(value, DTensor) else value.detach()).clone()
         spec = fused.get(fqn)
+        fqn = fqn.replace("._checkpoint_wrapped_module", "")
         if spec is not None and full.shape == param.shape:
             for name, part in split_fused(full, spec, _tp_size(param)).items():
                 out[f"{prefix}{component_fqn(fqn, name)}{suffix}"] = part.clone()

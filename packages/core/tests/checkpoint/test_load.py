@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 EXTRA = {"tokens": 1234, "schedule": {"warmup": 10}, "tags": ["a", "b"]}
 
 
-def _save(root: str, layout: str, fused: bool, step: int) -> dict[str, torch.Tensor] | None:
-    model, opt = build(LAYOUTS[layout], fused=fused)
+def _save(root: str, layout: str, fused: bool, step: int, ac: bool = False) -> dict[str, torch.Tensor] | None:
+    model, opt = build(LAYOUTS[layout], fused=fused, ac=ac)
     path = ck.save(ck.step_dir(root, step), model=model, optimizer=opt, step=step, extra=EXTRA)
     state = full_state(model, opt)
     assert path == ck.step_dir(root, step)
@@ -106,6 +106,21 @@ def test_fused_checkpoint_stores_components_in_plain_order(fused_tp2, tmp_path):
     assert torch.equal(oracle["optim.state.gate_proj.weight.exp_avg"], want["optim.state.gate_proj.weight.exp_avg"])
     info = ck.inspect(path)
     assert info.fused["gate_up.weight"]["tp_size"] == 2
+
+
+def test_fused_params_under_activation_checkpointing(tmp_path):
+    """AC's ``checkpoint_wrapper`` renames every parameter (``gate_up._checkpoint_wrapped_module.weight``);
+    the checkpoint's keys drop the wrapper, and the fused spec follows them: the components (not the
+    TP-interleaved ``gate_up.weight``), loaded bit-exact by a model without AC."""
+    want = run_distributed(_save, str(tmp_path), "fsdp2_tp2", True, 5, True, world_size=4)[0]
+    assert "model.gate_proj.weight" in want and not any("_checkpoint_wrapped_module" in k for k in want)
+    path = ck.step_dir(tmp_path, 5)
+    oracle = _oracle(path, tmp_path)
+    assert "model.gate_up.weight" not in oracle, sorted(oracle)
+    assert torch.equal(oracle["model.gate_proj.weight"], want["model.gate_proj.weight"])
+    assert ck.inspect(path).fused["gate_up.weight"]["tp_size"] == 2
+    got, _, _ = _run(_load, str(path), "single", True, layout="single")
+    assert_equal_states(got, want)
 
 
 def test_unfused_model_reads_fused_checkpoint(fused_tp2):

@@ -106,3 +106,28 @@ def test_verify_assignment_at_16384_ranks_is_not_quadratic():
     mine = _share(files, world - 1, world)
     seconds = time.perf_counter() - start
     assert mine and seconds < 10, seconds
+
+
+@pytest.mark.parametrize("listing", [True, False])
+def test_a_file_that_cannot_be_stated_is_reported_not_raised(tmp_path, monkeypatch, listing):
+    """``check_files`` stats a recorded file the listing lacks (a walk skips a directory it cannot
+    read); an OSError there is that file "cannot be read", as every other read failure, never raised."""
+    from shardbridge.checkpoint.storage._backend import Stored
+    from shardbridge.checkpoint.storage._integrity import check_files
+    from shardbridge.checkpoint.storage._local import LOCAL, LocalBackend
+    from shardbridge.checkpoint.storage._manifest import Manifest
+
+    (tmp_path / "a").write_bytes(b"xy")
+    hidden = str(tmp_path / "rng" / "rank-00000.pt")
+    files = {"a": {"size": 2, "xxh3_128": "0" * 32}, "rng/rank-00000.pt": {"size": 1, "xxh3_128": "0" * 32}}
+    stat = LocalBackend.stat
+
+    def denied(self, path):
+        if path == hidden:
+            raise PermissionError(13, "Permission denied", path)
+        return stat(self, path)
+
+    monkeypatch.setattr(LocalBackend, "stat", denied)
+    manifest = Manifest(step=1, world_size=1, has_optimizer=False, files=files)
+    problems = check_files(Stored(LOCAL, str(tmp_path), str(tmp_path)), manifest, checksums=False, listing=listing)
+    assert [str(p) for p in problems] == [f"rng/rank-00000.pt: cannot be read (PermissionError: [Errno 13] Permission denied: '{hidden}')"]

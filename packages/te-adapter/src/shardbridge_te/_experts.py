@@ -402,10 +402,13 @@ def _empty_extra_states(model: nn.Module, model_sd: dict[str, Any]) -> set[str]:
     return out
 
 
+_WRAPPERS = ("_orig_mod", "module", "_checkpoint_wrapped_module")  # torch.compile, DDP, activation checkpointing
+
+
 def _state_dict_prefix(fqn: str, model_sd: dict[str, Any], expert: ExpertState) -> str:
     """``fqn.`` as torch's state dict spells it (wrappers such as ``_orig_mod.`` dropped)."""
     first = next(iter(expert.groups.values()))[0]
-    for candidate in (fqn, ".".join(p for p in fqn.split(".") if p not in ("_orig_mod", "module"))):
+    for candidate in (fqn, ".".join(p for p in fqn.split(".") if p not in _WRAPPERS)):
         prefix = f"{candidate}." if candidate else ""
         if f"{prefix}{first}" in model_sd:
             return prefix

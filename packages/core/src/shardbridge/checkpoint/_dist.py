@@ -309,10 +309,7 @@ _REPLAYED = (ValueError, TypeError, NotImplementedError, FileExistsError, FileNo
 
 def is_distributed() -> bool:
     """Whether a default process group with more than one rank is initialised (or fixed for this thread)."""
-    fixed = getattr(_THREAD, "world_size", None)
-    if fixed is not None:
-        return fixed > 1
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return world_size() > 1
 
 
 def rank() -> int:
@@ -492,7 +489,6 @@ def one_round(
     result: str = "own",
     same: tuple[str, dict[str, Any]] | None = None,
     share: Callable[[Any], Any] | None = None,
-    small: bool | None = None,
     all_of: Callable[[Any], bool] | None = None,
     agree: Callable[[Any], int] | None = None,
     last: bool = False,
@@ -514,8 +510,6 @@ def one_round(
         share: with ``result="own"``: return ``(own result, share(rank 0's result))``, the
             second picklable, on every rank; with ``result="all"``: return ``(own result,
             [share(each rank's result)])`` (a part of every rank's result, in rank order).
-        small: the round's payload is usually a few KB ([Note: one-collective rounds]);
-            None = when nothing but errors and ``same`` travels.
         all_of: also return whether ``all_of(result)`` is true on every rank: the return
             value becomes ``(what it would be, every_true)``.
         agree: also return whether ``agree(result)`` (an int in [0, 2**62)) is the same on every
@@ -562,9 +556,8 @@ def one_round(
                     got = _broadcast(shared if rank() == 0 else None)
                     return out(got if result == "rank0" else (value, got), every_true, agreed)
                 return out(value, every_true, agreed)
-        if small is None:
-            small = result == "own" and share is None
         failure = None if error is None else summary(error)
+        small = result == "own" and share is None  # only errors and ``same`` travel: [Note: one-collective rounds]
         gathered = _all_gather((failure, shared, same_values, flag, accord), small=small)
         _raise_any(error, [g[0] for g in gathered])
         if same is not None:

@@ -65,10 +65,10 @@ from shardbridge.checkpoint._inspect import natural_key
 from shardbridge.checkpoint.derived import metadata_of
 from shardbridge.checkpoint.state._state import MODEL_KEY
 from shardbridge.checkpoint.storage._backend import Stored
-from shardbridge.checkpoint.storage._destination import check_destination
+from shardbridge.checkpoint.storage._destination import check_destination, write_file
 from shardbridge.checkpoint.storage._integrity import check_files, damage_message, log_unverified
 from shardbridge.checkpoint.storage._location import Location, locate, open_checkpoint
-from shardbridge.checkpoint.storage._manifest import FILES_SINCE_VERSION, Manifest, write_file_durably
+from shardbridge.checkpoint.storage._manifest import FILES_SINCE_VERSION, Manifest
 from shardbridge.checkpoint.storage._read import EXPORT_IN_PLACE_MIN_BYTES, read_box_into
 from shardbridge.checkpoint.storage._reader import TrustedReader
 from shardbridge.checkpoint.storage._trust import check_no_links
@@ -398,7 +398,7 @@ def write_beside(out: Location | str | os.PathLike[str], name: str, data: bytes)
     if out.backend.remote:
         out.backend.write_bytes(out.child(name).path, data)
     else:
-        write_file_durably(Path(out.path, name), data)
+        write_file(Path(out.path, name), data)
     return out.child(name).user
 
 

@@ -203,7 +203,7 @@ def _load(
         records = opened[1] if _dist.rank() == 0 else derive_load(manifest.layout, manifest.world_size, manifest.files)
     else:  # (a rank whose derivation failed reads .metadata itself in _read_state: the same records)
         # Rank 0's validated .metadata, broadcast: each rank receives it once (never once per rank,
-        # as an all-gather would send it). See [Note: scale] in _protocol.py.
+        # as an all-gather would send it): _dist.broadcast_from_rank0(large=True).
         mine = None
         if _dist.rank() == 0:
             mine = opened[1] if not isinstance(opened[1], DerivedRecords) else _read_metadata_or_none(stored)

@@ -280,7 +280,7 @@ def write_and_commit(job: SaveJob) -> None:
     backend, target = job.where.backend, job.target
 
     def commit(records: dict[str, dict[str, Any]], derived: dict[str, Any] | None) -> None:  # rank 0, in finish
-        files = merge_records(backend, target.data, [records], listing=writer.landed)  # the listing finish checked
+        files = merge_records(backend, target.data, records, listing=writer.landed)  # the listing finish checked
         manifest = dataclasses.replace(job.manifest, files=files)
         if derived is not None:  # see [Note: derived loads] in derived/_records.py
             manifest = dataclasses.replace(manifest, layout={**manifest.layout, DERIVED_KEY: derived})

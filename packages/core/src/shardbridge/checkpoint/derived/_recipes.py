@@ -16,9 +16,9 @@ for any mesh of an SPMD job) and the two fields that are not the constructor's
 read back is checked (types, ranges, the grid a permutation of the job's ranks, split factors and
 fused sizes within the shape) and a rebuilt spread is only used when the digest of every rebuilt
 spread equals the digest the saving ranks agreed on (``spreads_digest``: the same inputs) and the
-records derived from them hash to the digest of the records the save wrote (the same outputs:
-another version of shardbridge's layout algebra or of torch could give the same inputs other
-boxes). Anything else is refused with :class:`NotDerivable` and the load reads ``.metadata``. Nothing here runs code from the checkpoint: JSON
+``.metadata`` rendered from the records derived from them is the saved ``.metadata``, byte for byte
+(the same outputs: another version of shardbridge's layout algebra or of torch could give the same
+inputs other boxes; [Note: derived loads] in ``_records.py``). Anything else is refused with :class:`NotDerivable` and the load reads ``.metadata``. Nothing here runs code from the checkpoint: JSON
 values select one of three constructors and give them integers and strings.
 """
 
@@ -165,8 +165,6 @@ def rebuild(
             spread = component_spread(whole, spec, tp_size, name, properties)
         else:
             raise NotDerivable(f"recipe kind {kind!r} with arguments {sorted(args)}")
-    except NotDerivable:
-        raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, RuntimeError) as exc:
         raise NotDerivable(f"recipe {kind!r}: {exc}") from None
     if keep_empty is not None and spread.keep_empty != keep_empty:

@@ -68,7 +68,6 @@ __all__ = [
     "head_metadata",
     "laid_out",
     "metadata_of",
-    "offsets_of",
     "positions",
     "record_groups",
 ]
@@ -115,10 +114,7 @@ def _nbytes_and_lengths(entry: Entry) -> tuple[torch.Tensor, torch.Tensor]:
         distinct: dict[tuple[int, ...], tuple[int, int]] = {}
         for sizes in entry.table.sizes:
             if sizes not in distinct:
-                numel = 1
-                for s in sizes:
-                    numel *= s
-                distinct[sizes] = (numel * dtype.itemsize, record_length(sizes, dtype))
+                distinct[sizes] = (math.prod(sizes) * dtype.itemsize, record_length(sizes, dtype))
         pairs = torch.tensor([distinct[s] for s in entry.table.sizes], dtype=torch.int64).reshape(-1, 2)
         hit = memo[("lengths", dtype)] = (pairs[:, 0].contiguous(), pairs[:, 1].contiguous())
     return hit
@@ -202,7 +198,7 @@ def record_groups(
     for entry, (start, count) in zip(entries, derivation.entry_rows):
         sl = slice(start, start + count)
         tensor = entry.properties is not None
-        columns = [offsets_of(entry.table) if tensor else None, positions(count) if tensor else None,
+        columns = [_columns(entry.table)[0] if tensor else None, positions(count) if tensor else None,
                    name[sl], rows.offset[sl], rows.length[sl]]  # fmt: skip
         if keep is not None:
             columns = [None if c is None else c[keep[sl]] for c in columns]
@@ -210,17 +206,8 @@ def record_groups(
     return names, groups
 
 
-def offsets_of(table: SpreadTable) -> torch.Tensor:
-    """``[boxes, dims]``: each box's offsets."""
-    return _columns(table)[0]
-
-
-def _sizes(table: SpreadTable) -> torch.Tensor:
-    """``[boxes, dims]``: each box's sizes."""
-    return _columns(table)[1]
-
-
 def _columns(table: SpreadTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[boxes, dims]`` twice: each box's offsets and sizes (computed once per table)."""
     hit = table.memo.get("columns")
     if hit is None:
         n = len(table.offsets)
@@ -484,7 +471,7 @@ def _narrowed(entry: Entry, md: Any, value: Any) -> Any:
     count = len(entry.table.sizes)
     if count < NARROW_FROM or not wanted:
         return md
-    offsets, sizes = offsets_of(entry.table), _sizes(entry.table)
+    offsets, sizes = _columns(entry.table)
     if any(len(lo) != offsets.shape[1] or len(n) != offsets.shape[1] for lo, n in wanted):
         return md  # another number of dims: _check_compatible names the shape mismatch
     keep = torch.zeros(count, dtype=torch.bool)
@@ -494,8 +481,6 @@ def _narrowed(entry: Entry, md: Any, value: Any) -> Any:
         keep |= ~apart.any(dim=1)
     chunks = _chunks(entry.table)
     return TensorStorageMetadata(md.properties, md.size, [chunks[u] for u in torch.nonzero(keep).flatten().tolist()])
-
-
 
 
 class _DerivedStorage(Mapping[MetadataIndex, Any]):
@@ -701,7 +686,7 @@ def _check_covers(table: SpreadTable, size: tuple[int, ...], ordinal: int) -> No
     ([Note: exact chunk coverage], as ``.metadata``'s reader checks it); once per table and size."""
     if size in table.memo.get("covers", ()):
         return
-    offsets, sizes = offsets_of(table), _sizes(table)
+    offsets, sizes = _columns(table)
     fault = None
     if table.offsets and offsets.shape[1] != len(size):
         fault = f"have {offsets.shape[1]} dims"
@@ -728,4 +713,3 @@ def _valid_size(size: Any) -> bool:
         and len(size) <= 16
         and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 62 for s in size)
     )
-

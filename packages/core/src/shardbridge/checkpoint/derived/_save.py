@@ -31,7 +31,7 @@ file rule, that rank alone sends its records (the slow path of step 3).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from shardbridge._compat import DCPStoragePrefix
 from shardbridge.checkpoint import _dist
-from shardbridge.checkpoint._protocol import DCPSave, SaveProtocol
+from shardbridge.checkpoint._protocol import DCPSave
 from shardbridge.checkpoint.derived._layouts import entry_spread
 from shardbridge.checkpoint.derived._records import (
     Derivation,
@@ -193,8 +193,6 @@ def _real_groups(entries: list[Entry], own: dict[int, list[WriteResult]], names:
 class DerivedSave:
     """Plans derived from the mesh, records from the file rule. See [Note: the derived protocol]."""
 
-    fallback: SaveProtocol = field(default_factory=DCPSave)
-    """The protocol of a save that cannot be derived."""
     name: str = "derived"
 
     def local(self, dcp_state: dict[str, Any]) -> DerivedLocal:
@@ -213,7 +211,7 @@ class DerivedSave:
     def save(self, dcp_state: dict[str, Any], writer: Writer, local: DerivedLocal, derived: bool = False) -> None:
         """The derived write round, or the fallback protocol when ``derived`` is False (see the Note)."""
         if not derived or local.entries is None:
-            self.fallback.save(dcp_state, writer, None)
+            DCPSave().save(dcp_state, writer, None)  # a save that cannot be derived
             return
         entries = local.entries
         rank = _dist.rank()

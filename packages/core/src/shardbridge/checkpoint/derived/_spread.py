@@ -124,13 +124,6 @@ class Grid:
             grid = _EVERYWHERE[world_size] = cls((world_size,), torch.arange(world_size))
         return grid
 
-    def rank_at(self, coordinate: Sequence[int]) -> int:
-        """The global rank at ``coordinate``."""
-        flat = 0
-        for size, c in zip(self.shape, coordinate):
-            flat = flat * size + c
-        return int(self.ranks[flat])
-
 
 _EVERYWHERE: dict[int, Grid] = {}
 _TILED: dict[tuple[Any, ...], Grid] = {}

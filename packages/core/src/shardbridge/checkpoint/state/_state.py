@@ -94,7 +94,6 @@ class PortableState:
     their state is dropped after the load. See [Note: parameters without optimizer state]."""
 
 
-
 # --------------------------------------------------------------------------- building
 
 
@@ -123,7 +122,7 @@ def _normalised_fused(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, F
     """fused_params keyed like the state dict (without compile / wrapper prefixes)."""
     out = {}
     for fqn, spec in fused_params(model).items():
-        key = fqn if fqn in model_sd else ".".join(p for p in fqn.split(".") if p not in ("_orig_mod", "module"))
+        key = fqn if fqn in model_sd else _strip_wrappers(fqn)
         if key in model_sd:
             out[key] = spec
     return out
@@ -152,7 +151,7 @@ def _tied_keys(model: nn.Module, model_sd: dict[str, Any], fused: dict[str, Fuse
     tied: dict[str, str] = {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for fqn, tensor in named:
-        key = fqn if fqn in model_sd else ".".join(p for p in fqn.split(".") if p not in ("_orig_mod", "module"))
+        key = fqn if fqn in model_sd else _strip_wrappers(fqn)
         if key not in model_sd or key in fused:
             continue
         canonical = first.setdefault(id(tensor), key)
@@ -340,6 +339,9 @@ def drop_optim_entries(state: PortableState, names: list[str]) -> None:
 
 
 def _strip_wrappers(fqn: str) -> str:
+    """``fqn`` as torch's state dict spells it: without torch.compile's, DDP's and activation
+    checkpointing's wrapper names (``checkpoint_wrapper``, which torchtitan applies between TP and
+    FSDP: a fused spec or a tie found under the wrapped name belongs to the unwrapped key)."""
     return ".".join(p for p in fqn.split(".") if p not in ("_orig_mod", "module", "_checkpoint_wrapped_module"))
 
 

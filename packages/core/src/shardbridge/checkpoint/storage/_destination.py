@@ -29,10 +29,14 @@ from pathlib import Path
 __all__ = ["check_destination", "write_file"]
 
 
-def _link_or_special(path: str) -> str | None:
+def _link_or_special(
+    path: str, missing: tuple[type[OSError], ...] = (FileNotFoundError, NotADirectoryError)
+) -> str | None:
+    """What ``path`` is when it is a symbolic link or a special file; None for a regular file, a
+    directory, or no file (``lstat`` raised one of ``missing``)."""
     try:
         mode = os.lstat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
+    except missing:
         return None
     if stat.S_ISLNK(mode):
         return f"a symbolic link (to {os.readlink(path)!r})"

@@ -92,6 +92,7 @@ timeout, about 15 minutes on Linux).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -107,7 +108,7 @@ from typing import Any, BinaryIO
 
 from shardbridge.checkpoint.storage import _store
 from shardbridge.checkpoint.storage._backend import Backend, Entry, Kind, Target
-from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME, MANIFEST_NAME, Manifest
+from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME, GENERATION_PATTERN, MANIFEST_NAME, Manifest
 from shardbridge.checkpoint.storage._store import ObjectStoreError, StoreConnectionError, StoreTimeoutError
 
 __all__ = ["FAIL_FAST_S", "FsspecBackend", "LOCK_STALE_S", "PART_BYTES"]
@@ -122,7 +123,6 @@ that may be committed is deleted once older than this ([Note: object-store clean
 FAIL_FAST_S = 10.0
 """After a request got no answer (or the endpoint could not be reached), the next ones within this
 long fail at once with its error ([Note: object-store client settings] in ``_store.py``)."""
-_GENERATION = re.compile(r"^g-[0-9a-f]{16}$")
 _ERRNO = {PermissionError: errno.EACCES, FileNotFoundError: errno.ENOENT, FileExistsError: errno.EEXIST}
 _BUILTIN_OS_ERRORS = (
     PermissionError,
@@ -299,7 +299,8 @@ class FsspecBackend(Backend):
 
     def remove(self, path: str) -> None:
         """DELETE (missing is fine)."""
-        self._delete(path)
+        with contextlib.suppress(FileNotFoundError), self._naming(path):
+            self.fs.rm_file(path)
 
     # -- the commit (rank 0) ----------------------------------------------------------------------
 
@@ -352,7 +353,7 @@ class FsspecBackend(Backend):
     def commit(self, target: Target, manifest: Manifest) -> None:
         """Steps 2-4 of [Note: object-store commit]."""
         self._check_landed(target, manifest)
-        data = _with_generation(manifest, target.ident).to_json().encode("ascii")
+        data = dataclasses.replace(manifest, generation=target.ident).to_json().encode("ascii")
         self._put_manifest(target, data)
         self._sent.discard(target.ident)
         # Committed: what follows is cleanup, and its failure (the server stopped answering ...) must
@@ -364,7 +365,7 @@ class FsspecBackend(Backend):
             for g in sorted({target.replaces, *target.superseded} - {None, target.ident})
         ]  # fmt: skip
         steps.append(("deleting its lock", f"the first save under {root} after this process ended deletes it",
-                      lambda: self._delete(self._lock(target.final, target.ident))))  # fmt: skip
+                      lambda: self.remove(self._lock(target.final, target.ident))))  # fmt: skip
         for what, later, cleanup in steps:
             try:
                 cleanup()
@@ -393,7 +394,7 @@ class FsspecBackend(Backend):
 
     def is_leftover(self, name: str) -> bool:
         """An object of some generation ([Note: object-store commit]): the committed one's or another save's."""
-        return "/" in name and bool(_GENERATION.match(name.split("/", 1)[0]))
+        return "/" in name and bool(GENERATION_PATTERN.match(name.split("/", 1)[0]))
 
     def candidates(self, root: str) -> list[str]:
         """Every prefix one level below ``root`` not starting with "." (its manifest is read by the caller)."""
@@ -554,11 +555,7 @@ class FsspecBackend(Backend):
     def _drop(self, final: str, generation: str, *, lock: bool) -> None:
         self._delete_generation(final, generation)
         if lock:
-            self._delete(self._lock(final, generation))
-
-    def _delete(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError), self._naming(path):
-            self.fs.rm_file(path)
+            self.remove(self._lock(final, generation))
 
     def _recover(self, final: str) -> tuple[list[str], dict[str, Entry], str | None, bool]:
         """Settle what dead saves left under ``final``'s root and ``final`` ([Note: object-store
@@ -636,7 +633,7 @@ class FsspecBackend(Backend):
                                    self.uri(self.join(final, generation)))  # fmt: skip
                 self._delete_generation(final, generation)
             if generation in locked:
-                self._delete(self._lock(final, generation))
+                self.remove(self._lock(final, generation))
         if kept:
             logger.warning(
                 "shardbridge.checkpoint: keeping %s: left by a save that ended after writing it, so it may be "
@@ -713,9 +710,3 @@ def _mtime(info: dict[str, Any]) -> float:
 def _etag(info: dict[str, Any]) -> str | None:
     value = info.get("ETag", info.get("etag"))
     return None if value is None else str(value)
-
-
-def _with_generation(manifest: Manifest, generation: str) -> Manifest:
-    import dataclasses
-
-    return dataclasses.replace(manifest, generation=generation)

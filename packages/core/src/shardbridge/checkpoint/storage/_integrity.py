@@ -154,20 +154,18 @@ class ChecksumWriter:
 def merge_records(
     backend: Backend,
     data: str,
-    parts: list[dict[str, dict[str, Any]]],
+    records: dict[str, dict[str, Any]],
     *,
     listing: dict[str, Entry] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Rank 0 at the commit: every rank's records of the files it wrote, merged.
+    """Rank 0 at the commit: the manifest's file records, from ``records`` (every rank's, of the files it wrote).
 
     On local disk, plus records of any file in ``data`` none claimed (read and hashed), found in
     ``listing`` (a listing of ``data`` taken after every rank wrote; None: listed here). On an
     object store the listing must match the records exactly: the commit checks it
     ([Note: object-store commit] in ``_fsspec.py``).
     """
-    files: dict[str, dict[str, Any]] = {}
-    for part in parts:
-        files.update(part)
+    files = dict(records)
     if not backend.remote:
         for name in sorted(backend.listing(data) if listing is None else listing):
             if name not in files and name != MANIFEST_NAME:
@@ -290,14 +288,14 @@ def check_files(
         want = recorded[name]
         shown = prefix + name
         try:
-            entry = entries.get(shown) if entries is not None else backend.stat(stored.file(name))
+            entry = entries.get(shown) if entries is not None else None
+            if entry is None:  # no listing, or not listed as a file (a directory where a file was saved)
+                entry = backend.stat(stored.file(name))
         except ObjectStoreError:
             raise
         except OSError as exc:
             problems.append(FileProblem(shown, f"cannot be read ({type(exc).__name__}: {exc})"))
             continue
-        if entry is None and entries is not None:
-            entry = backend.stat(stored.file(name))  # a directory where a file was saved is not listed as a file
         if entry is None:
             problems.append(FileProblem(shown, f"missing (recorded in the manifest with {want['size']} bytes)"))
         elif not entry.regular:

@@ -457,8 +457,6 @@ def abandon(tmp: Path, final: Path) -> None:
         _release(_ident(tmp))
 
 
-
-
 # --- the backend -------------------------------------------------------------------------
 
 

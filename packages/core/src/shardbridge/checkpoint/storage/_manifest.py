@@ -60,7 +60,6 @@ import datetime
 import json
 import os
 import re
-import stat
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,7 +68,7 @@ import xxhash
 
 from shardbridge._json import MAX_DEPTH
 from shardbridge._json import loads as bounded_json
-from shardbridge.checkpoint.storage._destination import write_file
+from shardbridge.checkpoint.storage._destination import _link_or_special, write_file
 
 if TYPE_CHECKING:
     from shardbridge.checkpoint.storage._backend import Backend
@@ -86,7 +85,6 @@ __all__ = [
     "check_json_extra",
     "read_manifest",
     "rng_file",
-    "write_file_durably",
     "write_manifest",
 ]
 
@@ -99,7 +97,7 @@ CHECKSUM_KEY = "xxh3_128"
 """The checksum recorded per file (xxhash's XXH3, 128 bits, lowercase hex)."""
 SELF_CHECKSUM_KEY = "manifest_xxh3_128"
 _HEX_128 = re.compile(r"^[0-9a-f]{32}$")
-_GENERATION = re.compile(r"^g-[0-9a-f]{16}$")
+GENERATION_PATTERN = re.compile(r"^g-[0-9a-f]{16}$")
 """An object store's per-save prefix (see ``Manifest.generation``)."""
 _FILE_NAME = re.compile(r"^(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+$")
 DCP_METADATA_NAME = ".metadata"
@@ -156,10 +154,7 @@ class Manifest:
         data = {"format": FORMAT_NAME, **{f.name: getattr(self, f.name) for f in fields(self)}}
         if self.generation is None:
             del data["generation"]
-        if self.format_version >= FILES_SINCE_VERSION:
-            data[SELF_CHECKSUM_KEY] = _self_checksum(data)
-        else:
-            del data["files"]
+        data[SELF_CHECKSUM_KEY] = _self_checksum(data)
         return _pretty(data)
 
     @classmethod
@@ -203,7 +198,7 @@ class Manifest:
             files = check_files_record(data.get("files"), where)
         _check_values(data, where)
         generation = data.get("generation")
-        if generation is not None and (not isinstance(generation, str) or not _GENERATION.match(generation)):
+        if generation is not None and (not isinstance(generation, str) or not GENERATION_PATTERN.match(generation)):
             raise ValueError(
                 f"{where}: generation={generation!r} must be 'g-' and 16 hex digits; the manifest is damaged"
             )
@@ -453,16 +448,8 @@ def _refuse_linked_manifest(manifest_path: str, shown: str) -> None:
     writes a regular ``shardbridge.json``; a link may point at another checkpoint's manifest
     (whose records then vouch for these files) or anywhere else.
     """
-    try:
-        mode = os.lstat(manifest_path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return  # reported below, with what the path is instead
-    if stat.S_ISLNK(mode):
-        what = f"a symbolic link (to {os.readlink(manifest_path)!r})"
-    elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        what = "not a regular file"
-    else:
-        return
+    if (what := _link_or_special(manifest_path)) is None:
+        return  # a regular file; or none, reported below with what the path is instead
     raise ValueError(
         f"checkpoint {shown!r} is damaged: {MANIFEST_NAME} is {what}, which shardbridge never writes; not reading "
         "through it: replace it with the real file"
@@ -483,12 +470,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a new temporary file (never through a link), fsync, rename (atomic on POSIX)."""
-    write_file(path, data)
-
-
 def write_manifest(checkpoint_dir: Path, manifest: Manifest) -> None:
     """Write ``shardbridge.json`` atomically and durably into ``checkpoint_dir``."""
-    write_file_durably(checkpoint_dir / MANIFEST_NAME, manifest.to_json().encode("ascii"))
+    write_file(checkpoint_dir / MANIFEST_NAME, manifest.to_json().encode("ascii"))
     fsync_dir(checkpoint_dir)

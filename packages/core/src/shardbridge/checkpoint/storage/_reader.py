@@ -60,7 +60,7 @@ from torch.futures import Future
 from shardbridge.checkpoint.storage import _read
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._integrity import FileProblem
-from shardbridge.checkpoint.storage._manifest import CHECKSUM_KEY
+from shardbridge.checkpoint.storage._manifest import CHECKSUM_KEY, DCP_METADATA_NAME
 from shardbridge.checkpoint.storage._trust import (
     _REFUSED,
     UntrustedCheckpointError,
@@ -79,7 +79,6 @@ REMOTE_GAP = 4 << 20
 (the gap streamed and dropped): a request's first byte costs 20-60 ms, about what one stream
 transfers in 2-6 MB, so a smaller gap is cheaper to read through than to ask for again
 (:func:`_read.plan_ranges`)."""
-_DCP_METADATA_NAME = ".metadata"
 
 
 class TrustedReader(StorageReader):
@@ -122,7 +121,7 @@ class TrustedReader(StorageReader):
         if kwargs.get("rank") is not None:
             # DCP falls back to rank-local metadata when the global one fails to read.
             raise UntrustedCheckpointError(
-                f"{str(self.stored)!r}: shardbridge reads only the global {_DCP_METADATA_NAME}, never "
+                f"{str(self.stored)!r}: shardbridge reads only the global {DCP_METADATA_NAME}, never "
                 "rank-local metadata"
             )
         if self._metadata is None:

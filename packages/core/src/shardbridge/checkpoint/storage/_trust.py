@@ -51,10 +51,7 @@ size of its files, slow reads of very large metadata, and classes the PROCESS re
 tensor classes), whose constructors run.
 
 Cost: Python's pure-Python unpickler is ~2.5x slower than the C one (30 MB of metadata,
-190k chunks: 10 s instead of 4 s); the checks add a linear pass. A ``.metadata`` that
-shardbridge's save streamed is read ~15x faster under the same rule ([Note: reading a streamed
-.metadata] in ``_metadata_stream.py``: its records are checked as tensor operations; anything
-that deviates from that shape is read as above): 96 MB, 895k records in 11 s instead of 169 s.
+190k chunks: 10 s instead of 4 s); the checks add a linear pass.
 """
 
 from __future__ import annotations
@@ -64,7 +61,6 @@ import math
 import os
 import pickle
 import re
-import stat
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -86,6 +82,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from shardbridge._compat import DCP_MEM_FORMAT_ENCODING, DCPStorageInfo, PyUnpickler, dcp_set_element
 from shardbridge.checkpoint.storage._backend import Stored
 from shardbridge.checkpoint.storage._coverage import coverage_fault
+from shardbridge.checkpoint.storage._destination import _link_or_special
 from shardbridge.checkpoint.storage._files import DATA_FILE_PATTERN
 
 # -- private upstream names: reached through shardbridge._compat ([Note: upstream internals]) --
@@ -102,7 +99,6 @@ __all__ = [
     "UntrustedCheckpointError",
     "check_no_links",
     "load_bytes_weights_only",
-    "load_file_weights_only",
     "raise_untrusted",
     "read_metadata",
 ]
@@ -473,13 +469,6 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, torch.Size) and all(type(v) is int and v >= 0 for v in value)
 
 
-_DATA_FILE = DATA_FILE_PATTERN
-
-
-def _file_sizes(stored: Stored) -> dict[str, int]:
-    return {n: e.size for n, e in stored.backend.listing(stored.data).items() if e.regular}
-
-
 def _check_metadata(md: Any, files: Stored | str | os.PathLike[str] | None, where: str) -> None:
     """The structure DCP writes; see [Note: untrusted checkpoints].
 
@@ -565,7 +554,7 @@ def _check_storage(md: Metadata, stored: Stored | None, where: str) -> None:
         if entry is None:
             raise _refuse(where, f"stores an item {index.fqn!r} that it does not describe")
         name = info.relative_path
-        if not isinstance(name, str) or not _DATA_FILE.fullmatch(name) or name.startswith(".."):
+        if not isinstance(name, str) or not DATA_FILE_PATTERN.fullmatch(name) or name.startswith(".."):
             raise _refuse(where, f"places {index.fqn!r} in {name!r}, which is not a .distcp file of this directory")
         if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
             raise _refuse(where, f"places {index.fqn!r} at offset {info.offset!r}, length {info.length!r}")
@@ -647,15 +636,7 @@ def check_no_links(checkpoint: Stored | str | os.PathLike[str]) -> None:
     for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
         for name in sorted((*dirnames, *filenames)):
             entry = Path(dirpath) / name
-            try:
-                st = entry.lstat()
-            except FileNotFoundError:
-                continue
-            if stat.S_ISLNK(st.st_mode):
-                what = f"a symbolic link (to {os.readlink(entry)!r})"
-            elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                what = "not a regular file"
-            else:
+            if (what := _link_or_special(str(entry), missing=(FileNotFoundError,))) is None:
                 continue
             rel = entry.relative_to(top).as_posix()
             raise ValueError(
@@ -685,12 +666,6 @@ def load_bytes_weights_only(data: io.BytesIO | bytes, *, where: str) -> Any:
 def _weights_only_reason(text: str) -> str:
     match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
     return f"pickle global '{match.group(1)}'" if match else "not plain data"
-
-
-def load_file_weights_only(path: str | os.PathLike[str]) -> Any:
-    """``torch.load(path, weights_only=True)`` with the refusal naming the file."""
-    with open(path, "rb") as f:
-        return load_bytes_weights_only(io.BytesIO(f.read()), where=repr(str(path)))
 
 
 class WeightsOnlyBytes:

@@ -83,7 +83,7 @@ from torch.futures import Future
 
 from shardbridge._compat import DCPStorageInfo, DCPStoragePrefix, torch_save_without_crc
 from shardbridge.checkpoint.storage._backend import SHARED_DIRECTORY_FIX, Backend, Entry, Target
-from shardbridge.checkpoint.storage._files import split_items
+from shardbridge.checkpoint.storage._files import _SUFFIX, split_items
 from shardbridge.checkpoint.storage._integrity import ChecksumWriter
 from shardbridge.checkpoint.storage._manifest import DCP_METADATA_NAME
 from shardbridge.checkpoint.storage._metadata_stream import StorageGroup, write_metadata
@@ -94,7 +94,6 @@ RECORDS_KEY = "__shardbridge_file_records__"
 """``fqn`` of the one extra ``WriteResult`` per rank that carries its files' records to ``finish``."""
 DCP_VERSION = "1.0.0"
 """``Metadata.version`` as DCP's ``FileSystemWriter`` writes it (``filesystem.CURRENT_DCP_VERSION``, 2.11-2.14)."""
-_SUFFIX = ".distcp"
 
 
 @dataclass(frozen=True)
