@@ -55,8 +55,9 @@ def torch_versions(session, torch):
 @nox.session(python="3.11")
 def torch_cross(session):
     """Checkpoints cross torch versions: saved under the floor (2.11.0) and loaded bit-exact under the
-    newest (2.15.0) at another layout; the other way refused by name (2.15 pickles a field the older
-    torch's DCP cannot read either); the newest's own round trip (tools/torch_cross.py; docs/testing.md)."""
+    newest (2.15.0) at another layout, and the other way (2.15 pickles a field the older torch's DCP
+    cannot read; shardbridge's reader drops it); the newest's own round trip (tools/torch_cross.py;
+    docs/testing.md)."""
     floor, newest = TORCH_VERSIONS[0], TORCH_VERSIONS[-1]
     session.install(f"torch=={floor}", env=NO_CAP)
     session.install(f"torch=={floor}", "-e", ".[test]", env=NO_CAP)

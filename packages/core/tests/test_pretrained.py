@@ -126,6 +126,25 @@ def test_single_file_and_plain_model(tmp_path):
         assert torch.equal(a, b), n
 
 
+def test_wrapped_model_reads_the_plain_names(tmp_path):
+    """Activation checkpointing's wrapper adds names the folder does not have
+    (``0._checkpoint_wrapped_module.weight``); a submodule merely named ``module`` keeps its name
+    (torch.compile's ``_orig_mod``: test_state.py's wrapper test)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 3), nn.ModuleDict({"module": nn.Linear(3, 2)}))
+
+    src = build()
+    save_file({k: v.detach().contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    model = build()
+    model = nn.Sequential(checkpoint_wrapper(model[0]), model[1])
+    report = load_pretrained(model, tmp_path)
+    assert report.num_tensors == 4
+    for (n, a), b in zip(model.state_dict().items(), src.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
 def test_tied_weight_loads_once_from_whichever_name_is_stored(tmp_path):
     model = nn.ModuleDict({"embed": nn.Embedding(5, 3), "head": nn.Linear(3, 5, bias=False)})
     model["head"].weight = model["embed"].weight

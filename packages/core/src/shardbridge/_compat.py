@@ -66,6 +66,7 @@ __all__ = [
     "require_attr",
     "require_module",
     "reset_sharded_params",
+    "state_dict_fqns",
     "torch_version",
     "torch_save_without_crc",
     "tree_map",
@@ -387,6 +388,18 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Any]
     from torch.distributed.checkpoint import _nested_dict
 
     return require_attr(_nested_dict, "flatten_state_dict", what="checkpoint")(state_dict)
+
+
+def state_dict_fqns(model: nn.Module, name: str) -> set[str]:
+    """The keys torch's ``get_state_dict`` gives the parameter or buffer ``name`` of ``model``.
+
+    ``checkpoint.state_dict._get_fqns``: activation checkpointing's ``_checkpoint_wrapped_module.``,
+    ``torch.compile``'s ``_orig_mod.`` and a DDP wrapper's ``module.`` dropped, by module type.
+    Checked: 2.13.
+    """
+    from torch.distributed.checkpoint import state_dict
+
+    return set(require_attr(state_dict, "_get_fqns", what="checkpoint")(model, name))
 
 
 def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:

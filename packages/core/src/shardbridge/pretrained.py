@@ -81,7 +81,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardbridge._compat import local_tensor
+from shardbridge._compat import local_tensor, state_dict_fqns
 from shardbridge._fused import FusedSpec, fused_params, split_local
 from shardbridge._json import MAX_BYTES, loads
 from shardbridge.checkpoint.state._components import component_fqn, fused_tp_size
@@ -375,9 +375,11 @@ class _Target:
     """Stacked: each component's size along ``stacked.dim``."""
 
 
-def _clean(fqn: str) -> str:
-    # torch.compile / activation-checkpoint wrappers are not part of the checkpoint names.
-    return ".".join(p for p in fqn.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module"))
+def _clean(model: nn.Module, fqn: str) -> str:
+    # Wrappers (activation checkpointing, torch.compile, DDP) are not part of the checkpoint names:
+    # torch's state-dict key of the tensor.
+    keys = state_dict_fqns(model, fqn)
+    return keys.pop() if len(keys) == 1 else fqn
 
 
 def _targets(model: nn.Module, fused: Mapping[str, FusedSpec]) -> list[_Target]:
@@ -389,14 +391,14 @@ def _targets(model: nn.Module, fused: Mapping[str, FusedSpec]) -> list[_Target]:
             (n, b) for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set
         ]
         for name, t in tensors:
-            fqn = _clean(f"{prefix}.{name}" if prefix else name)
+            fqn = _clean(model, f"{prefix}.{name}" if prefix else name)
             target = by_id.get(id(t))
             if target is None:
                 target = by_id[id(t)] = _Target(names=[], tensor=t)
                 order.append(target)
             if fqn not in target.names:
                 target.names.append(fqn)
-    clean_fused = {_clean(k): v for k, v in fused.items()}
+    clean_fused = {_clean(model, k): v for k, v in fused.items()}
     for target in order:
         specs = {clean_fused[n] for n in target.names if n in clean_fused}
         if len(specs) > 1:

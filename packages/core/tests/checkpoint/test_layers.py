@@ -50,8 +50,9 @@ PACKAGES = {
 
 LINE_BUDGET = {"storage": 5_800, "state": 1_700, "derived": 1_700, "verbs": 3_300}
 """Lines of each family: ``storage/``, ``state/``, ``derived/``, and the verbs (the wing's own
-modules: ``_save.py``, ``_load.py``, ``_dist.py``, ...). 12,364 in all when set (2026-11-29). Issue
-41 asked for 8,500 in all; docs/checkpoints.md, "Size of the wing", says why this is the budget."""
+modules: ``_save.py``, ``_load.py``, ``_dist.py``, ...). 12,379 in all when set (2026-11-29). Issue
+41 asked for 8,500 in all, which is not met: docs/checkpoints.md, "Size of the wing", says why.
+A ratchet on today's size, not that target."""
 
 
 def _modules(src: pathlib.Path = SRC, package: str = "shardbridge/checkpoint") -> dict[str, pathlib.Path]:
@@ -151,6 +152,10 @@ def _describe(graph: dict[str, set[str]], circle: list[str]) -> str:
 def test_no_circle():
     graph = _graph()
     assert len(graph) > 30, sorted(graph)  # the walk found the wing
+    # the walk reads imports inside functions: _location imports the object-store backend lazily
+    assert f"{WING}.storage._fsspec" in graph[f"{WING}.storage._location"], graph[f"{WING}.storage._location"]
+    dynamic = [n for n, p in _modules().items() if "import_module" in p.read_text(encoding="utf-8")]
+    assert not dynamic, f"imports by name hide arrows from this test: {dynamic}"
     circles = _circles(graph)
     assert not circles, "import circles in the checkpoint wing: " + " | ".join(_describe(graph, c) for c in circles)
 
@@ -173,7 +178,7 @@ def test_each_family_within_its_line_budget():
     lines = {family: 0 for family in LINE_BUDGET}
     for path in wing.rglob("*.py"):
         family = path.relative_to(wing).parts[0] if path.parent != wing else "verbs"
-        lines[family] += len(path.read_text(encoding="utf-8").splitlines())
+        lines[family] += path.read_bytes().count(b"\n")  # as wc -l counts
     over = {f: f"{lines[f]} > {LINE_BUDGET[f]}" for f in LINE_BUDGET if lines[f] > LINE_BUDGET[f]}
     assert not over, f"the checkpoint wing outgrew its line budget (LINE_BUDGET): {over}"
     assert all(n > 0 for n in lines.values()), lines  # the walk found every family

@@ -320,3 +320,61 @@ def test_checkpoint_holding_both_tied_names_still_loads(tmp_path, monkeypatch):
     ck.load(tmp_path / "old", model=fresh)
     assert fresh.output.weight is fresh.tok_embeddings.weight
     assert torch.equal(fresh.output.weight, model.output.weight)
+
+
+# -- wrappers: the state dict's keys, torch's own ------------------------------------------------
+
+
+class _Wrapped(nn.Module):
+    """A fused parameter in a submodule NAMED ``module`` (no DDP), and a tie across blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from shardbridge.fused import FusedSpec, register_fused
+
+        self.module = nn.Linear(3, 8, bias=False)
+        register_fused(self.module, "weight", FusedSpec.swiglu(4))
+        self.head = nn.Linear(3, 3, bias=False)
+
+
+@pytest.mark.parametrize("wrap", ["none", "checkpoint_wrapper", "compile", "compile+checkpoint_wrapper"])
+def test_fused_and_tied_keys_follow_torchs_state_dict_under_wrappers(tmp_path, wrap):
+    """Activation checkpointing, torch.compile and both add names (``_checkpoint_wrapped_module``,
+    ``_orig_mod``) that torch's state dict drops, by module type; a submodule merely named
+    ``module`` keeps its name. The fused spec and the tie follow the state dict's keys: the same
+    checkpoint as the unwrapped model (before, a wrapped fused parameter was stored whole)."""
+    import json
+
+    from shardbridge import checkpoint as ck
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = nn.Sequential(_Wrapped(), _Wrapped())
+        model[1].head.weight = model[0].head.weight
+        if "checkpoint_wrapper" in wrap:
+            model[0], model[1] = checkpoint_wrapper(model[0]), checkpoint_wrapper(model[1])
+        if "compile" in wrap:
+            model = torch.compile(model)  # an OptimizedModule (_orig_mod); nothing is compiled until called
+        return model
+
+    def blocks(model: nn.Module) -> list[nn.Module]:
+        inner = getattr(model, "_orig_mod", model)
+        return [getattr(b, "_checkpoint_wrapped_module", b) for b in inner]
+
+    model = build(0)
+    ck.save(tmp_path / "c", model=model)
+    manifest = json.loads((tmp_path / "c" / "shardbridge.json").read_text())
+    assert sorted(manifest["fused"]) == ["0.module.weight", "1.module.weight"], wrap
+    tensors = manifest["layout"]["tensors"]
+    assert tensors["1.head.weight"]["stored_as"] == "tied" and tensors["1.head.weight"]["tied_to"] == "0.head.weight"
+    plain = nn.Sequential(_Wrapped(), _Wrapped())
+    plain[1].head.weight = plain[0].head.weight
+    ck.load(tmp_path / "c", model=plain, rng=False)  # into the unwrapped model
+    resumed = build(1)
+    ck.load(tmp_path / "c", model=resumed, rng=False)  # and into a wrapped one (a resume)
+    for got in (list(plain), blocks(resumed)):
+        for block, want in zip(got, blocks(model)):
+            assert torch.equal(block.module.weight, want.module.weight)
+            assert torch.equal(block.head.weight, want.head.weight)
+    assert blocks(resumed)[1].head.weight is blocks(resumed)[0].head.weight  # still tied

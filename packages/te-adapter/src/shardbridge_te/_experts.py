@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 from shardbridge import ParallelMesh, PrecisionPolicy
+from shardbridge._compat import state_dict_fqns
 from shardbridge.ep import shard_experts
 from shardbridge.fp8 import plain_state_dict
 from torch import nn
@@ -364,7 +365,7 @@ def _stacked_entries(model: nn.Module, model_sd: dict[str, Any], stored_name: Ca
         expert = expert_state(module)
         if expert is None:
             continue
-        key_prefix = _state_dict_prefix(fqn, model_sd, expert)
+        key_prefix = _state_dict_prefix(model, fqn, model_sd, expert)
         for group, names in expert.groups.items():
             members = tuple(f"{key_prefix}{n}" for n in names)
             missing = [k for k in members if k not in model_sd]
@@ -395,23 +396,20 @@ def _empty_extra_states(model: nn.Module, model_sd: dict[str, Any]) -> set[str]:
         expert = expert_state(module)
         if expert is None:
             continue
-        key = f"{_state_dict_prefix(fqn, model_sd, expert)}_extra_state"
+        key = f"{_state_dict_prefix(model, fqn, model_sd, expert)}_extra_state"
         value = model_sd.get(key)
         if is_portable_extra_state(value) and decode_extra_state(value)["recipe"] is None:
             out.add(key)
     return out
 
 
-_WRAPPERS = ("_orig_mod", "module", "_checkpoint_wrapped_module")  # torch.compile, DDP, activation checkpointing
-
-
-def _state_dict_prefix(fqn: str, model_sd: dict[str, Any], expert: ExpertState) -> str:
-    """``fqn.`` as torch's state dict spells it (wrappers such as ``_orig_mod.`` dropped)."""
+def _state_dict_prefix(model: nn.Module, fqn: str, model_sd: dict[str, Any], expert: ExpertState) -> str:
+    """``fqn.`` as torch's state dict spells it (wrappers such as ``_checkpoint_wrapped_module.`` dropped)."""
     first = next(iter(expert.groups.values()))[0]
-    for candidate in (fqn, ".".join(p for p in fqn.split(".") if p not in _WRAPPERS)):
-        prefix = f"{candidate}." if candidate else ""
-        if f"{prefix}{first}" in model_sd:
-            return prefix
+    name = f"{fqn}.{first}" if fqn else first
+    for key in (name, *state_dict_fqns(model, name)):
+        if key in model_sd:
+            return key[: -len(first)]
     return f"{fqn}." if fqn else ""
 
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from shardbridge._compat import local_tensor
+from shardbridge._compat import local_tensor, state_dict_fqns
 from shardbridge._fused import FusedSpec, fused_params
 from shardbridge.checkpoint.state._chunks import LocalChunks
 from shardbridge.checkpoint.state._components import (
@@ -118,14 +118,35 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> t
     return plain_state_dict(model_sd), plain_state_dict(optim_sd)
 
 
-def _normalised_fused(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, FusedSpec]:
-    """fused_params keyed like the state dict (without compile / wrapper prefixes)."""
+def _normalised_fused(model: nn.Module, model_sd: dict[str, Any], *, every: bool) -> dict[str, FusedSpec]:
+    """fused_params keyed like the state dict (torch's own key of each parameter: :func:`_key`).
+
+    ``every``: the state dict is torch's, which holds every parameter, so a fused parameter without
+    a key is refused (never stored whole: its TP-interleaved order would load wrong at another TP
+    size); a provider's state dict may store a parameter under another name."""
     out = {}
     for fqn, spec in fused_params(model).items():
-        key = fqn if fqn in model_sd else _strip_wrappers(fqn)
-        if key in model_sd:
+        key = _key(model, fqn, model_sd)
+        if key is not None:
             out[key] = spec
+        elif every:
+            raise ValueError(
+                f"fused parameter {fqn!r} has no key in torch's state dict of this model "
+                f"(which holds {sorted(model_sd)[:3]} ...): its wrappers are not ones torch's get_state_dict "
+                "knows; register the FusedSpec on the unwrapped module and wrap it after"
+            )
     return out
+
+
+def _key(model: nn.Module, fqn: str, model_sd: dict[str, Any]) -> str | None:
+    """The key of ``model_sd`` holding the tensor named ``fqn`` in ``model``, or None: ``fqn`` itself,
+    else torch's own key for it (``get_state_dict`` drops the names of wrappers, by module type:
+    activation checkpointing's ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``, DDP's
+    ``module``; a submodule that is merely named ``module`` keeps its name)."""
+    if fqn in model_sd:
+        return fqn
+    keys = [k for k in state_dict_fqns(model, fqn) if k in model_sd]
+    return keys[0] if len(keys) == 1 else None
 
 
 # [Note: tied tensors]
@@ -151,8 +172,8 @@ def _tied_keys(model: nn.Module, model_sd: dict[str, Any], fused: dict[str, Fuse
     tied: dict[str, str] = {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for fqn, tensor in named:
-        key = fqn if fqn in model_sd else _strip_wrappers(fqn)
-        if key not in model_sd or key in fused:
+        key = _key(model, fqn, model_sd)
+        if key is None or key in fused:
             continue
         canonical = first.setdefault(id(tensor), key)
         if canonical != key and canonical not in fused and _same_storage(model_sd[canonical], model_sd[key]):
@@ -218,7 +239,7 @@ def build_portable_state(
     else:
         model_sd, optim_sd = provider.state_dicts(model, optimizer, for_load=for_load)
     _check_rank_local(model, model_sd, optim_sd, provider)
-    fused = _normalised_fused(model, model_sd)
+    fused = _normalised_fused(model, model_sd, every=provider is None)
     for fqn, spec in fused.items():
         value = model_sd[fqn]
         if not isinstance(value, DTensor) and value.shape[spec.dim] != spec.total:
@@ -267,7 +288,7 @@ def _check_rank_local(
     marked = rank_local_tensors(model)
     if not marked:
         return
-    hints = {key: hint for fqn, hint in marked.items() for key in (fqn, _strip_wrappers(fqn))}  # torch's spelling
+    hints = {key: hint for fqn, hint in marked.items() for key in (fqn, *state_dict_fqns(model, fqn))}  # torch's spelling
     stored = [(key, key) for key in model_sd if key in hints]  # (state-dict key, marked tensor)
     # "state.<fqn>.<state name>" (nested states: "<name>.<name>"): the owner is parts [1, stop) for
     # stop = fqn.count(".") + 2, one lookup per depth of the marked names (2.5x faster than trying
@@ -338,13 +359,6 @@ def drop_optim_entries(state: PortableState, names: list[str]) -> None:
     state.dropped_optim_state = sorted(wanted)
 
 
-def _strip_wrappers(fqn: str) -> str:
-    """``fqn`` as torch's state dict spells it: without torch.compile's, DDP's and activation
-    checkpointing's wrapper names (``checkpoint_wrapper``, which torchtitan applies between TP and
-    FSDP: a fused spec or a tie found under the wrapped name belongs to the unwrapped key)."""
-    return ".".join(p for p in fqn.split(".") if p not in ("_orig_mod", "module", "_checkpoint_wrapped_module"))
-
-
 def _drop_loaded_state(state: PortableState, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Remove the optimizer state of ``state.dropped_optim_state`` (after set_state_dict)."""
     if not state.dropped_optim_state:
@@ -356,7 +370,8 @@ def _drop_loaded_state(state: PortableState, model: nn.Module, optimizer: torch.
     by_name = {}
     for fqn, param in model.named_parameters(remove_duplicate=False):
         by_name.setdefault(fqn, param)
-        by_name.setdefault(_strip_wrappers(fqn), param)
+        for key in state_dict_fqns(model, fqn):
+            by_name.setdefault(key, param)
     for name in state.dropped_optim_state:
         param = by_name.get(stored_to_param.get(name, name))
         if param is None:

@@ -57,6 +57,7 @@ Cost: Python's pure-Python unpickler is ~2.5x slower than the C one (30 MB of me
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 import pickle
@@ -102,6 +103,8 @@ __all__ = [
     "raise_untrusted",
     "read_metadata",
 ]
+
+logger = logging.getLogger("shardbridge.checkpoint")
 
 _REFUSED = "this checkpoint is not trusted; nothing from it was executed"
 
@@ -212,10 +215,6 @@ def _show(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-class _NewerTorch(ValueError):
-    """``.metadata`` holds fields a newer torch added, which this torch's classes cannot take."""
-
-
 class _Memo(dict):
     """The unpickler's memo, keeping what a reused slot held alive (so that no id is reused while it loads).
 
@@ -256,6 +255,7 @@ class MetadataUnpickler(_PyUnpickler):
     def __init__(self, file: Any, *, where: str) -> None:
         super().__init__(file)
         self._where = where
+        self.dropped_strides = False  # torch >= 2.15's TensorProperties.strides, on a torch without the field
         self._nested: dict[int, tuple[int, int]] = {}  # id -> (depth, tuple size): on the stack, holding nests
         self._kept: dict[int, tuple[int, int]] = {}  # the same, every memoized object (the memo keeps it alive)
         self._closed: set[int] = set()  # memoized objects another one took: never changed again
@@ -346,10 +346,10 @@ class MetadataUnpickler(_PyUnpickler):
                 and (len(state) == 5 or state[5] is None or (type(state[5]) is tuple and all(type(v) is int for v in state[5])))
             )
             if ok and len(state) == 6 and "strides" not in TensorProperties.__dataclass_fields__:
-                raise _NewerTorch(
-                    f"{self._where} was written by a newer torch (its TensorProperties have `strides`, torch >= "
-                    f"2.15); torch {torch.__version__} cannot read it, nor can its own DCP: load it with torch >= 2.15"
-                )
+                # torch >= 2.15's sixth field: the local strides of the first rank that wrote the
+                # tensor, read by nothing but its ShardedTensor; this torch's class has no place for it
+                self.stack[-1] = state[:5]
+                self.dropped_strides = True
         else:
             ok = True
         if not ok:
@@ -403,14 +403,22 @@ def read_metadata(
     except (FileNotFoundError, IsADirectoryError):
         raise ValueError(f"{where} does not exist; the checkpoint is damaged") from None
     try:
-        metadata = MetadataUnpickler(io.BytesIO(data), where=where).load()
-    except (UntrustedCheckpointError, _NewerTorch):
+        unpickler = MetadataUnpickler(io.BytesIO(data), where=where)
+        metadata = unpickler.load()
+    except UntrustedCheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 (a pickle stream that is not DCP metadata: report, never run)
         raise ValueError(
             f"{where} is not DCP metadata ({type(err).__name__}: {err}); the checkpoint is damaged or was not "
             "written by shardbridge / DCP"
         ) from None
+    if unpickler.dropped_strides:
+        logger.info(
+            "%s was written by torch >= 2.15: its tensors' local strides (read only by ShardedTensor) are dropped, "
+            "torch %s has no field for them",
+            where,
+            torch.__version__,
+        )
     if type(metadata) is Metadata and isinstance(metadata.state_dict_metadata, dict):
         _sizes_as_torch_size(metadata)
         if select is not None:
