@@ -399,7 +399,9 @@ def state_dict_fqns(model: nn.Module, name: str) -> set[str]:
     """
     from torch.distributed.checkpoint import state_dict
 
-    return set(require_attr(state_dict, "_get_fqns", what="checkpoint")(model, name))
+    get_fqns = require_attr(state_dict, "_get_fqns", what="checkpoint")
+    # some torch releases wrapped it in an unbounded lru_cache, which would keep every model alive
+    return set(getattr(get_fqns, "__wrapped__", get_fqns)(model, name))
 
 
 def flatten_sharded_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
