@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "TORCH_CHECKED",
+    "WRAPPER_NAMES",
     "all_gather_single",
     "reduce_scatter_single",
     "AllGather",
@@ -390,13 +391,21 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Any]
     return require_attr(_nested_dict, "flatten_state_dict", what="checkpoint")(state_dict)
 
 
+WRAPPER_NAMES = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
+"""The attribute names torch's wrappers hold the wrapped module under (torch.compile, DDP, activation
+checkpointing): a state-dict key can differ from a tensor's name only where one of them is in it."""
+
+
 def state_dict_fqns(model: nn.Module, name: str) -> set[str]:
     """The keys torch's ``get_state_dict`` gives the parameter or buffer ``name`` of ``model``.
 
     ``checkpoint.state_dict._get_fqns``: activation checkpointing's ``_checkpoint_wrapped_module.``,
-    ``torch.compile``'s ``_orig_mod.`` and a DDP wrapper's ``module.`` dropped, by module type.
-    Checked: 2.13.
+    ``torch.compile``'s ``_orig_mod.`` and a DDP wrapper's ``module.`` dropped, by module type (a
+    submodule merely named ``module`` keeps its name). A name without any of :data:`WRAPPER_NAMES`
+    is its own key (no torch call, no import). Checked: 2.13.
     """
+    if WRAPPER_NAMES.isdisjoint(name.split(".")):
+        return {name}
     from torch.distributed.checkpoint import state_dict
 
     get_fqns = require_attr(state_dict, "_get_fqns", what="checkpoint")

@@ -50,7 +50,7 @@ PACKAGES = {
 
 LINE_BUDGET = {"storage": 5_800, "state": 1_700, "derived": 1_700, "verbs": 3_300}
 """Lines of each family: ``storage/``, ``state/``, ``derived/``, and the verbs (the wing's own
-modules: ``_save.py``, ``_load.py``, ``_dist.py``, ...). 12,379 in all when set (2026-11-29). Issue
+modules: ``_save.py``, ``_load.py``, ``_dist.py``, ...). 12,397 in all when set (2026-11-29). Issue
 41 asked for 8,500 in all, which is not met: docs/checkpoints.md, "Size of the wing", says why.
 A ratchet on today's size, not that target."""
 

@@ -378,3 +378,36 @@ def test_fused_and_tied_keys_follow_torchs_state_dict_under_wrappers(tmp_path, w
             assert torch.equal(block.module.weight, want.module.weight)
             assert torch.equal(block.head.weight, want.head.weight)
     assert blocks(resumed)[1].head.weight is blocks(resumed)[0].head.weight  # still tied
+
+
+class _Root(nn.Module):
+    """A fused parameter of the root itself and a child merely named ``module`` of the same shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from shardbridge.fused import FusedSpec, register_fused
+
+        self.weight = nn.Parameter(torch.randn(8, 3))
+        register_fused(self, "weight", FusedSpec.swiglu(4))
+        self.module = nn.Linear(3, 8, bias=False)
+
+
+def _save_under_ddp(root: str) -> list[str]:
+    import json
+    import os
+
+    from shardbridge import checkpoint as ck
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_Root())  # names: module.weight (fused), module.module.weight
+    ck.save(os.path.join(root, "c"), model=model)
+    with open(os.path.join(root, "c", "shardbridge.json")) as f:
+        return sorted(json.load(f)["fused"])
+
+
+def test_fused_key_under_ddp_is_torchs_not_a_namesake(tmp_path):
+    """Under DDP the root's fused ``module.weight`` is torch's key ``weight``; the child's
+    ``module.module.weight`` is ``module.weight``, a namesake of the fused parameter's own name: the
+    spec goes to torch's key, never to the namesake."""
+    assert run_distributed(_save_under_ddp, str(tmp_path), world_size=1)[0] == ["weight"]

@@ -407,7 +407,7 @@ def _state_dict_prefix(model: nn.Module, fqn: str, model_sd: dict[str, Any], exp
     """``fqn.`` as torch's state dict spells it (wrappers such as ``_checkpoint_wrapped_module.`` dropped)."""
     first = next(iter(expert.groups.values()))[0]
     name = f"{fqn}.{first}" if fqn else first
-    for key in (name, *state_dict_fqns(model, name)):
+    for key in (*sorted(state_dict_fqns(model, name)), name):  # torch's key first (a child named `module`)
         if key in model_sd:
             return key[: -len(first)]
     return f"{fqn}." if fqn else ""

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from shardbridge._compat import local_tensor, state_dict_fqns
+from shardbridge._compat import WRAPPER_NAMES, local_tensor, state_dict_fqns
 from shardbridge._fused import FusedSpec, fused_params
 from shardbridge.checkpoint.state._chunks import LocalChunks
 from shardbridge.checkpoint.state._components import (
@@ -119,34 +119,43 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> t
 
 
 def _normalised_fused(model: nn.Module, model_sd: dict[str, Any], *, every: bool) -> dict[str, FusedSpec]:
-    """fused_params keyed like the state dict (torch's own key of each parameter: :func:`_key`).
+    """fused_params keyed like the state dict (:func:`state_dict_names`, the first that is a key).
 
     ``every``: the state dict is torch's, which holds every parameter, so a fused parameter without
     a key is refused (never stored whole: its TP-interleaved order would load wrong at another TP
     size); a provider's state dict may store a parameter under another name."""
     out = {}
     for fqn, spec in fused_params(model).items():
-        key = _key(model, fqn, model_sd)
+        key = next((k for k in state_dict_names(model, fqn) if k in model_sd), None)
         if key is not None:
             out[key] = spec
         elif every:
             raise ValueError(
                 f"fused parameter {fqn!r} has no key in torch's state dict of this model "
-                f"(which holds {sorted(model_sd)[:3]} ...): its wrappers are not ones torch's get_state_dict "
-                "knows; register the FusedSpec on the unwrapped module and wrap it after"
+                f"(which holds {sorted(model_sd)[:3]} ...): a state-dict hook or a wrapper torch does not know "
+                "renamed or removed it; checkpoint the model without it, or pass a StateDictProvider (state_dicts=) "
+                "whose keys name the parameter"
             )
     return out
 
 
-def _key(model: nn.Module, fqn: str, model_sd: dict[str, Any]) -> str | None:
-    """The key of ``model_sd`` holding the tensor named ``fqn`` in ``model``, or None: ``fqn`` itself,
-    else torch's own key for it (``get_state_dict`` drops the names of wrappers, by module type:
-    activation checkpointing's ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``, DDP's
-    ``module``; a submodule that is merely named ``module`` keeps its name)."""
-    if fqn in model_sd:
-        return fqn
-    keys = [k for k in state_dict_fqns(model, fqn) if k in model_sd]
-    return keys[0] if len(keys) == 1 else None
+def state_dict_names(model: nn.Module, fqn: str) -> list[str]:
+    """The keys a state dict may hold the tensor ``fqn`` of ``model`` under, the most certain first.
+
+    torch's own key (``get_state_dict`` drops wrappers by module type: activation checkpointing's
+    ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``, DDP's ``module``; a
+    submodule merely named ``module`` keeps its name), then the name itself, then the name without
+    those parts (a framework's wrapper torch does not know, such as Megatron-FSDP's ``module``,
+    whose provider keys the state dicts by the user's names).
+    """
+    parts = fqn.split(".")
+    if WRAPPER_NAMES.isdisjoint(parts):
+        return [fqn]
+    try:
+        torchs = sorted(state_dict_fqns(model, fqn))
+    except AttributeError:  # a mark naming a tensor the model no longer has
+        torchs = []
+    return list(dict.fromkeys([*torchs, fqn, ".".join(p for p in parts if p not in WRAPPER_NAMES)]))
 
 
 # [Note: tied tensors]
@@ -172,7 +181,7 @@ def _tied_keys(model: nn.Module, model_sd: dict[str, Any], fused: dict[str, Fuse
     tied: dict[str, str] = {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for fqn, tensor in named:
-        key = _key(model, fqn, model_sd)
+        key = next((k for k in state_dict_names(model, fqn) if k in model_sd), None)
         if key is None or key in fused:
             continue
         canonical = first.setdefault(id(tensor), key)
@@ -288,7 +297,7 @@ def _check_rank_local(
     marked = rank_local_tensors(model)
     if not marked:
         return
-    hints = {key: hint for fqn, hint in marked.items() for key in (fqn, *state_dict_fqns(model, fqn))}  # torch's spelling
+    hints = {key: hint for fqn, hint in marked.items() for key in state_dict_names(model, fqn)}  # torch's spelling
     stored = [(key, key) for key in model_sd if key in hints]  # (state-dict key, marked tensor)
     # "state.<fqn>.<state name>" (nested states: "<name>.<name>"): the owner is parts [1, stop) for
     # stop = fqn.count(".") + 2, one lookup per depth of the marked names (2.5x faster than trying
@@ -367,11 +376,12 @@ def _drop_loaded_state(state: PortableState, model: nn.Module, optimizer: torch.
     for fqn, record in state.fused.items():
         for component in record["components"]:
             stored_to_param[component["fqn"]] = fqn
-    by_name = {}
-    for fqn, param in model.named_parameters(remove_duplicate=False):
-        by_name.setdefault(fqn, param)
-        for key in state_dict_fqns(model, fqn):
-            by_name.setdefault(key, param)
+    by_name: dict[str, nn.Parameter] = {}
+    names = [(state_dict_names(model, fqn), param) for fqn, param in model.named_parameters(remove_duplicate=False)]
+    for rank in range(max((len(n) for n, _ in names), default=0)):  # every parameter's most certain name first
+        for candidates, param in names:
+            if rank < len(candidates):
+                by_name.setdefault(candidates[rank], param)
     for name in state.dropped_optim_state:
         param = by_name.get(stored_to_param.get(name, name))
         if param is None:

@@ -349,7 +349,7 @@ class MetadataUnpickler(_PyUnpickler):
                 # torch >= 2.15's sixth field: the local strides of the first rank that wrote the
                 # tensor, read by nothing but its ShardedTensor; this torch's class has no place for it
                 self.stack[-1] = state[:5]
-                self.dropped_strides = True
+                self.dropped_strides |= state[5] is not None
         else:
             ok = True
         if not ok:
