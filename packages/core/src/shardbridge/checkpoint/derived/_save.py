@@ -103,25 +103,28 @@ def _entries(planner: SavePlanner, plan: SavePlan, world_size: int) -> tuple[lis
 
 
 _COORDS: dict[tuple[str, int], tuple[int, ...] | None] = {}
+_UNKNOWN = object()
 
 
 def _coordinate(spread: Spread, rank: int) -> tuple[int, ...] | None:
     """``rank``'s coordinate on the spread's grid (None: not on it)."""
     grid = spread.grid
     key = (grid.digest, rank)
-    if key not in _COORDS:
-        hit = torch.nonzero(grid.ranks == rank).flatten()
-        coordinate = None
-        if hit.numel():
-            flat, out = int(hit[0]), []
-            for size in reversed(grid.shape):
-                out.append(flat % size)
-                flat //= size
-            coordinate = tuple(reversed(out))
-        if len(_COORDS) > 4096:
-            _COORDS.clear()
-        _COORDS[key] = coordinate
-    return _COORDS[key]
+    known = _COORDS.get(key, _UNKNOWN)  # one lookup: an async save's writer thread may clear the cache meanwhile
+    if known is not _UNKNOWN:
+        return known
+    hit = torch.nonzero(grid.ranks == rank).flatten()
+    coordinate = None
+    if hit.numel():
+        flat, out = int(hit[0]), []
+        for size in reversed(grid.shape):
+            out.append(flat % size)
+            flat //= size
+        coordinate = tuple(reversed(out))
+    if len(_COORDS) > 4096:
+        _COORDS.clear()
+    _COORDS[key] = coordinate
+    return coordinate
 
 
 def _own_keys(entries: list[Entry], derivation: Derivation, rank: int) -> dict[tuple[str, Any], tuple[str, int, int]]:
